@@ -1,0 +1,183 @@
+"""Command line for :class:`pipeline_rl.config.Config`, generated from the model.
+
+Each section becomes an argparse group (``--rollout.n``); each field's
+description is its help. A usage error prints exactly one line,
+``error: --FLAG: what is wrong``, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from typing import Any, Literal, NoReturn, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+from pipeline_rl.config import Config, check_cpu_head_dim, load_toml
+
+class UsageError(ValueError):
+    """A bad command line or configuration; the message is one line naming the flag."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _nullable(conv: Any) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "null", "") else conv(text)
+
+    parse.__name__ = getattr(conv, "__name__", "value")
+    return parse
+
+
+def _add_field(group: Any, dest: str, name: str, info: Any) -> None:
+    tp, optional = _unwrap_optional(info.annotation)
+    kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
+    default = info.get_default(call_default_factory=True)
+    help_text = (info.description or "").replace("%", "%%") + f" (default: {default})"
+    if get_origin(tp) is Literal:
+        choices = list(get_args(tp))
+        kwargs.update(choices=choices, metavar="{" + ",".join(map(str, choices)) + "}")
+        conv: Any = type(choices[0])
+    elif tp is bool:
+        conv = _parse_bool
+        kwargs["metavar"] = "BOOL"
+    else:
+        conv = tp
+        kwargs["metavar"] = getattr(tp, "__name__", "VALUE").upper()
+    kwargs["type"] = _nullable(conv) if optional else conv
+    group.add_argument(f"--{name}", help=help_text, **kwargs)
+
+
+def build_parser(prog: str = "async_grpo.py", description: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: top-level flags first, then one group per section."""
+    parser = _Parser(prog=prog, description=description or "Fully asynchronous GRPO: vLLM rollouts, "
+                     "ZeroMQ buffer, DeepSpeed trainer, in-flight weight updates, Ray placement.")
+    top = parser.add_argument_group("run")
+    top.add_argument("--config", default=None, metavar="FILE.toml",
+                     help="TOML file with the same keys (sections as tables); flags override it.")
+    top.add_argument("--dry-run", action="store_true", dest="dry_run",
+                     help="Print the resolved configuration as JSON and exit.")
+    sections: list[tuple[str, type[BaseModel]]] = []
+    for name, info in Config.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            sections.append((name, ann))
+        else:
+            _add_field(top, name, name.replace("_", "-"), info)
+    for sec_name, model in sections:
+        group = parser.add_argument_group(sec_name, (model.__doc__ or "").strip())
+        for name, info in model.model_fields.items():
+            _add_field(group, f"{sec_name}.{name}", f"{sec_name}.{name}", info)
+    return parser
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _flag_of(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if not str(p).startswith("function-")]
+    return "--" + ".".join(parts) if parts else "config"
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """The first problem as one line: ``--flag: message (got value)``.
+
+    Cross-field validators already phrase their message as ``section.field: ...``;
+    field errors get the flag from pydantic's location.
+    """
+    first = err.errors()[0]
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    head = msg.split(": ", 1)[0]
+    if ": " in msg and head.replace(".", "").replace("_", "").isalnum() and "." in head:
+        return "--" + msg
+    got = first.get("input")
+    suffix = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+    return f"{_flag_of(tuple(first.get('loc', ())))}: {msg}{suffix}"
+
+
+def parse_config(argv: list[str] | None = None, *, check_cpu: bool | None = None) -> tuple[Config, bool]:
+    """Parse flags (and ``--config``) into a validated Config. Returns (config, dry_run).
+
+    Raises UsageError with a one-line message on any problem. ``check_cpu``
+    (default: when no CUDA device is visible) also rejects head dimensions that
+    vLLM's CPU backend cannot run.
+    """
+    ns = vars(build_parser().parse_args(argv))
+    config_file, dry_run = ns.pop("config"), ns.pop("dry_run")
+    data: dict[str, Any] = {}
+    try:
+        if config_file:
+            data = load_toml(config_file)
+        data = _merge(data, _nest(ns))
+        cfg = Config.model_validate(data)
+        if check_cpu if check_cpu is not None else not _cuda_visible():
+            check_cpu_head_dim(cfg.model)
+    except ValidationError as e:
+        raise UsageError(format_validation_error(e)) from None
+    except ValueError as e:
+        msg = str(e)
+        raise UsageError(msg if msg.startswith("--") else "--" + msg) from None
+    return cfg, dry_run
+
+
+def _cuda_visible() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def main_config(argv: list[str] | None = None, prog: str = "async_grpo.py") -> Config | None:
+    """Entry helper for launch scripts: parse, print errors as one line and exit 2,
+    print the config and return None on ``--dry-run``."""
+    try:
+        cfg, dry_run = parse_config(argv)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if dry_run:
+        print(json.dumps(cfg.model_dump(), indent=2))
+        return None
+    return cfg

@@ -1,0 +1,259 @@
+"""One typed, validated configuration tree for the whole system.
+
+Layers, lowest first: field defaults < TOML file (``--config FILE``) < CLI flags.
+Every field's description becomes its ``--help`` text; flags are grouped by
+section (``--rollout.n 8``, ``--correction.type icepop``); ``--staleness`` and a
+few run-level flags sit at the top level.
+
+Invariants (checked before anything starts; a violation is one line naming the
+flag and exits with status 2):
+- ``trainer.batch_size`` is a positive multiple of ``rollout.n`` (GRPO needs
+  whole groups).
+- correction thresholds are ordered (``icepop_alpha < icepop_beta``,
+  ``seq_lo < seq_hi``) and caps are > 1.
+- on a CPU machine, the model's attention head dimension is one vLLM's CPU
+  attention supports.
+
+This module imports no torch, vLLM or Ray, so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: Attention head sizes vLLM's CPU attention backend accepts (PLATFORM.md).
+CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+CorrectionName = Literal["none", "tis", "icepop", "seq-mask-tis"]
+AdvantageName = Literal["grpo", "dr_grpo", "rloo"]
+LossName = Literal["reinforce", "ppo"]
+NormName = Literal["token", "sequence", "constant"]
+KLEstimator = Literal["k1", "k3"]
+KVPolicy = Literal["keep", "recompute"]
+DType = Literal["float32", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, values are re-validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(Section):
+    """The policy model."""
+
+    path: str | None = Field(
+        None,
+        description="Hugging Face model folder or hub id. Unset: the built-in small model "
+        "(built locally, nothing downloaded).",
+    )
+    hidden_size: int = Field(128, ge=32, le=8192, description="Built-in model: hidden size.")
+    num_layers: int = Field(2, ge=1, le=64, description="Built-in model: decoder layers.")
+    num_heads: int = Field(4, ge=1, le=128, description="Built-in model: attention heads "
+                           "(head dim = hidden_size / num_heads).")
+    intermediate_size: int = Field(256, ge=16, le=65536, description="Built-in model: MLP width.")
+    dtype: DType = Field("float32", description="Trainer parameter dtype.")
+    device: Device = Field("auto", description="Where models run: auto picks CUDA when present.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.path is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"model.num_heads: must divide model.hidden_size={self.hidden_size} "
+                             f"(got {self.num_heads})")
+        return self
+
+
+class TaskConfig(Section):
+    """What the policy is trained on."""
+
+    name: Literal["addition", "sort", "dataset"] = Field(
+        "addition", description="Built-in verifiable task, or 'dataset' for --task.dataset.")
+    dataset: str | None = Field(None, description="JSONL file with 'prompt' and 'answer' fields "
+                                "(math answer-matching reward). Sets task.name=dataset.")
+    digits: int = Field(2, ge=1, le=12, description="Built-in tasks: operand digits / list length.")
+    num_prompts: int = Field(100_000, ge=1, description="Built-in tasks: size of the prompt pool.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dataset_implies_name(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("dataset") is not None and "name" not in data:
+            return {**data, "name": "dataset"}
+        return data
+
+    @model_validator(mode="after")
+    def _dataset_given(self) -> "TaskConfig":
+        if (self.name == "dataset") != (self.dataset is not None):
+            raise ValueError("task.dataset: give a JSONL file exactly when task.name is 'dataset'")
+        return self
+
+
+class RolloutConfig(Section):
+    """Rollout workers (vLLM engines)."""
+
+    num_workers: int = Field(1, ge=1, le=1024, description="Rollout worker processes.")
+    n: int = Field(8, ge=2, le=1024, description="Completions per prompt (group size, >= 2 for GRPO).")
+    max_new_tokens: int = Field(16, ge=1, le=131072, description="Completion length limit.")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling (1 = off; "
+                         "truncation biases the off-policy ratio).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    dtype: DType = Field("float32", description="vLLM engine dtype (bfloat16 gives a realistic "
+                         "generator/trainer mismatch).")
+    kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
+                                "in-flight sequences, or recompute it under the new weights.")
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")
+    kv_cache_gib: float = Field(1.0, gt=0.0, le=1024.0, description="vLLM CPU KV-cache space (GiB).")
+    max_model_len: int = Field(256, ge=16, le=1_048_576, description="Context length given to vLLM.")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM GPU memory share.")
+
+
+class BufferConfig(Section):
+    """The replay buffer and its ZeroMQ link."""
+
+    capacity_groups: int = Field(256, ge=1, le=1_000_000, description="Buffer capacity in groups; "
+                                 "a full buffer blocks producers.")
+    address: str | None = Field(None, description="ZeroMQ bind address (tcp://HOST:PORT or "
+                                "ipc://PATH). Unset: a free loopback TCP port.")
+    max_message_mb: float = Field(64.0, gt=0.0, le=2048.0, description="Largest accepted message.")
+    send_timeout_s: float = Field(60.0, gt=0.0, description="A producer blocked this long by a full "
+                                  "buffer raises instead of waiting forever.")
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimator and policy objective (DESIGN.md section 4)."""
+
+    advantage: AdvantageName = Field("grpo", description="grpo (mean/std), dr_grpo (mean), "
+                                     "rloo (leave-one-out).")
+    loss: LossName = Field("reinforce", description="reinforce (one step per batch) or ppo "
+                           "(clipped ratio against the proximal policy).")
+    normalization: NormName = Field("token", description="Loss normalisation: tokens in batch, "
+                                    "per-sequence mean, or a constant length (Dr. GRPO).")
+    constant_length: int = Field(1024, ge=1, description="N for --algorithm.normalization constant.")
+    ppo_clip: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon.")
+    ppo_epochs: int = Field(1, ge=1, le=64, description="PPO passes over each batch.")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the reference policy (0 = off).")
+    kl_estimator: KLEstimator = Field("k3", description="KL estimator for the penalty.")
+
+
+class CorrectionConfig(Section):
+    """Off-policy correction weights (DESIGN.md section 4)."""
+
+    type: CorrectionName = Field("tis", description="none, tis, icepop or seq-mask-tis.")
+    tis_cap: float = Field(2.0, gt=1.0, le=1e6, description="TIS: cap C on exp(r).")
+    icepop_alpha: float = Field(0.5, gt=0.0, lt=1.0, description="ICEPOP: lower ratio bound.")
+    icepop_beta: float = Field(5.0, gt=1.0, le=1e6, description="ICEPOP: upper ratio bound.")
+    seq_lo: float = Field(0.5, gt=0.0, lt=1.0, description="Seq-Mask-TIS: lower geometric-mean bound.")
+    seq_hi: float = Field(2.0, gt=1.0, le=1e6, description="Seq-Mask-TIS: upper geometric-mean bound.")
+    seq_cap: float = Field(2.0, gt=1.0, le=1e6, description="Seq-Mask-TIS: per-token cap C.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "CorrectionConfig":
+        if not self.icepop_alpha < self.icepop_beta:
+            raise ValueError(f"correction.icepop_alpha: must be < correction.icepop_beta "
+                             f"(got {self.icepop_alpha} >= {self.icepop_beta})")
+        if not self.seq_lo < self.seq_hi:
+            raise ValueError(f"correction.seq_lo: must be < correction.seq_hi "
+                             f"(got {self.seq_lo} >= {self.seq_hi})")
+        return self
+
+
+class TrainerConfig(Section):
+    """DeepSpeed trainers."""
+
+    num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel trainer ranks.")
+    batch_size: int = Field(32, ge=2, description="Sequences per optimizer step (multiple of "
+                            "rollout.n).")
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward pass.")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 = off).")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
+    batch_timeout_s: float = Field(600.0, gt=0.0, description="Give up when no batch arrives this long.")
+
+
+class RayConfig(Section):
+    """Ray placement."""
+
+    address: str | None = Field(None, description="Join an existing cluster (e.g. auto or "
+                                "HOST:6379). Unset: start a local Ray.")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray (default: all).")
+    object_store_mb: int = Field(200, ge=64, description="Object store size for a local Ray (MiB).")
+
+
+class Config(Section):
+    """The whole run."""
+
+    staleness: int = Field(2, ge=0, le=1_000_000, description="Largest lag (trainer version - "
+                           "oldest token version) a trained sample may have; 0 = synchronous.")
+    max_steps: int = Field(60, ge=1, description="Optimizer steps to run.")
+    out_dir: str = Field("runs/latest", description="Metrics, TensorBoard logs and checkpoints.")
+    seed: int = Field(0, ge=0, description="Random seed.")
+    resume: str | None = Field(None, description="Checkpoint folder to resume from.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        if self.trainer.batch_size % self.rollout.n:
+            raise ValueError(f"trainer.batch_size: must be a multiple of rollout.n={self.rollout.n} "
+                             f"(got {self.trainer.batch_size})")
+        if (self.trainer.batch_size // self.rollout.n) % self.trainer.num_ranks:
+            raise ValueError(f"trainer.batch_size: groups per step ({self.trainer.batch_size // self.rollout.n}) "
+                             f"must divide evenly over trainer.num_ranks={self.trainer.num_ranks}")
+        return self
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.trainer.batch_size // self.rollout.n
+
+
+def head_dim_of(model: ModelConfig) -> int | None:
+    """Attention head dimension of the configured model, or None when it cannot be read
+    without downloading (a hub id that is not a local folder)."""
+    if model.path is None:
+        return model.head_dim
+    cfg_file = Path(model.path) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    cfg = json.loads(cfg_file.read_text())
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+
+
+def check_cpu_head_dim(model: ModelConfig) -> None:
+    """Raise ValueError when vLLM's CPU attention cannot run this model's head dimension."""
+    hd = head_dim_of(model)
+    if hd is not None and hd not in CPU_SUPPORTED_HEAD_DIMS:
+        flag = "model.num_heads" if model.path is None else "model.path"
+        raise ValueError(f"{flag}: attention head dimension {hd} is not supported by vLLM's CPU "
+                         f"backend (allowed: {', '.join(map(str, CPU_SUPPORTED_HEAD_DIMS))})")
+
+
+def load_toml(path: str | Path) -> dict[str, object]:
+    """Read a TOML config file (same keys as the flags, sections as tables)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config: no such file: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config: {p} is not valid TOML: {e}") from None

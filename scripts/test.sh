@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up (or reuse) .venv with the test tools, type-check, and run the whole suite.
+# Usage: scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --dev
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
+echo "test.sh: type check (mypy)" >&2
+.venv/bin/python -m mypy
+echo "test.sh: tests (pytest)" >&2
+exec .venv/bin/python -m pytest "$@"
