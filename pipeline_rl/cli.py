@@ -23,7 +23,18 @@ class UsageError(ValueError):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
+        raise UsageError(_rephrase_argparse(message))
+
+
+def _rephrase_argparse(message: str) -> str:
+    """argparse's messages, rephrased to start with the flag: ``--flag: what is wrong``."""
+    if message.startswith("argument "):
+        flag, _, rest = message.removeprefix("argument ").partition(": ")
+        return f"{flag.split('/')[0]}: {rest}"
+    if message.startswith("unrecognized arguments: "):
+        flags = message.removeprefix("unrecognized arguments: ")
+        return f"{flags.split()[0]}: unknown flag (see --help)"
+    return message
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:

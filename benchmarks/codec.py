@@ -1,0 +1,67 @@
+"""Codec benchmark: encode + decode groups/s for groups of 8 completions x 256 tokens.
+
+Usage: ``python benchmarks/codec.py [--seconds 3] [--json PATH]``. One core, one
+thread; prints one line and optionally writes ``{"groups_per_s": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline_rl.samples import Completion, Group  # noqa: E402
+from pipeline_rl.wire import decode_group, encode_group  # noqa: E402
+
+
+def make_group(group_id: int, n: int = 8, tokens: int = 256, prompt_tokens: int = 32,
+               seed: int = 0) -> Group:
+    """A realistic group: random token ids, log-probs <= 0, one version switch mid-sequence."""
+    rng = np.random.default_rng(seed + group_id)
+    comps = []
+    for _ in range(n):
+        versions = np.full(tokens, 3, dtype=np.int32)
+        versions[tokens // 2:] = 4
+        comps.append(Completion(
+            token_ids=rng.integers(0, 32000, tokens, dtype=np.int32),
+            logprobs=-rng.random(tokens, dtype=np.float32),
+            versions=versions, reward=float(rng.random()), finish_reason="stop"))
+    return Group(group_id, group_id, 0, rng.integers(0, 32000, prompt_tokens, dtype=np.int32),
+                 tuple(comps))
+
+
+def measure(seconds: float, n: int = 8, tokens: int = 256) -> dict[str, float]:
+    """Round-trip as many groups as fit in ``seconds``; returns groups/s and bytes per message."""
+    groups = [make_group(i, n, tokens) for i in range(64)]
+    size = len(encode_group(groups[0]))
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for g in groups:
+            decode_group(encode_group(g))
+        done += len(groups)
+    elapsed = time.perf_counter() - start
+    return {"groups_per_s": done / elapsed, "message_bytes": float(size),
+            "mb_per_s": done * size / elapsed / 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=3.0, help="Measuring time (default 3).")
+    p.add_argument("--json", type=Path, default=None, help="Write the result as JSON here.")
+    args = p.parse_args(argv)
+    res = measure(args.seconds)
+    print(f"codec: {res['groups_per_s']:,.0f} groups/s encode+decode (8 x 256 tokens, "
+          f"{res['message_bytes'] / 1024:.1f} KiB/message, {res['mb_per_s']:.0f} MB/s, one thread)")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Model builders: the built-in small causal LM and its character tokenizer."""

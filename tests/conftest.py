@@ -1,0 +1,27 @@
+"""Shared test set-up: one thread per process (2-core machines), no Ray token file,
+a small KV cache for vLLM on CPU, and helpers to build tiny models locally."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests run on 2-core machines: one thread per process (PLATFORM.md, "Threads").
+for _key, _value in {
+    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "1", "DS_ACCELERATOR": "cpu",
+    "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random-init Llama (hidden 64, 2 heads -> head dim 32, 2 layers) with the
+    character tokenizer, built once per test session."""
+    from pipeline_rl.models.builtin import build_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny_model")
+    build_tiny_model(out, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
+    return str(out)

@@ -1,0 +1,95 @@
+"""The typed configuration and its command line: defaults, layering, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline_rl.cli import UsageError, build_parser, parse_config
+from pipeline_rl.config import Config
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "launch" / "async_grpo.py"
+
+
+def test_defaults_validate() -> None:
+    cfg, dry = parse_config([], check_cpu=True)
+    assert isinstance(cfg, Config) and not dry
+    assert cfg.staleness == 2 and cfg.groups_per_step == cfg.trainer.batch_size // cfg.rollout.n
+
+
+def test_flags_override_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text("staleness = 4\n[rollout]\nn = 4\n[correction]\ntype = 'icepop'\n")
+    cfg, _ = parse_config(["--config", str(toml), "--rollout.n", "8"], check_cpu=True)
+    assert cfg.staleness == 4 and cfg.rollout.n == 8 and cfg.correction.type == "icepop"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--staleness", "-1"], "--staleness"),
+    (["--correction.type", "bogus"], "--correction.type"),
+    (["--trainer.batch_size", "30", "--rollout.n", "8"], "--trainer.batch_size"),
+    (["--correction.icepop_alpha", "0.9", "--correction.icepop_beta", "0.95"], "--correction.icepop"),
+    (["--correction.seq_lo", "0.9", "--correction.seq_hi", "1.5", "--correction.seq_cap", "1.5",
+      "--correction.seq_lo", "0.95"], None),
+    (["--model.hidden_size", "64", "--model.num_heads", "3"], "--model.num_heads"),
+    (["--rollout.temperature", "0"], "--rollout.temperature"),
+    (["--no-such-flag"], "--no-such-flag"),
+    (["--staleness", "two"], "--staleness"),
+    (["--config", "/nonexistent.toml"], "--config"),
+])
+def test_bad_values_give_one_line_naming_the_flag(argv: list[str], flag: str | None) -> None:
+    if flag is None:  # a valid combination: seq_lo < seq_hi
+        parse_config(argv, check_cpu=True)
+        return
+    with pytest.raises(UsageError) as err:
+        parse_config(argv, check_cpu=True)
+    msg = str(err.value)
+    assert "\n" not in msg and flag in msg, msg
+
+
+def test_cpu_head_dim_is_checked() -> None:
+    with pytest.raises(UsageError, match="head dimension 16"):
+        parse_config(["--model.hidden_size", "128", "--model.num_heads", "8"], check_cpu=True)
+    parse_config(["--model.hidden_size", "128", "--model.num_heads", "8"], check_cpu=False)
+
+
+def test_help_lists_every_field_grouped() -> None:
+    text = build_parser().format_help()
+    for section, model in Config.model_fields.items():
+        ann = model.annotation
+        fields = getattr(ann, "model_fields", None)
+        if fields is None:
+            assert f"--{section.replace('_', '-')}" in text
+            continue
+        assert f"{section}:" in text
+        for name in fields:
+            assert f"--{section}.{name}" in text
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(LAUNCH), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_launch_help_and_dry_run() -> None:
+    res = _launch("--help")
+    assert res.returncode == 0 and "--correction.type" in res.stdout and "--staleness" in res.stdout
+    res = _launch("--staleness", "0", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["staleness"] == 0
+
+
+@pytest.mark.parametrize("argv", [
+    ["--staleness", "-3"], ["--correction.type", "nope"], ["--trainer.batch_size", "12"],
+    ["--correction.icepop_beta", "0.9"], ["--buffer.capacity_groups", "0"],
+    ["--model.num_heads", "8"], ["--bogus"],
+])
+def test_launch_bad_invocations_exit_2_with_one_line(argv: list[str]) -> None:
+    res = _launch(*argv)
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("async_grpo.py: error: --"), res.stderr
