@@ -53,6 +53,31 @@ class Completion:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class GroupColumns:
+    """A group's completions as flat arrays (the wire layout): completion ``i`` is
+    ``token_ids[ends[i-1]:ends[i]]`` (likewise ``logprobs``, ``versions``), with
+    ``ends = cumsum(lengths)``. ``finish`` indexes :data:`FINISH_REASONS`.
+
+    Invariants: ``lengths``, ``rewards`` and ``finish`` share one length (the number
+    of completions, >= 1); ``token_ids``, ``logprobs`` and ``versions`` have
+    ``lengths.sum()`` entries.
+    """
+
+    lengths: I32
+    token_ids: I32
+    logprobs: F32
+    versions: I32
+    rewards: npt.NDArray[np.float64]
+    finish: npt.NDArray[np.uint8]
+
+    def completions(self) -> tuple[Completion, ...]:
+        ends = np.cumsum(self.lengths).tolist()
+        starts = [0, *ends[:-1]]
+        return tuple(
+            Completion(self.token_ids[s:e], self.logprobs[s:e], self.versions[s:e], r, FINISH_REASONS[f])
+            for s, e, r, f in zip(starts, ends, self.rewards.tolist(), self.finish.tolist()))
+
+
 class Group:
     """The completions of one prompt; travels and is stored as one unit.
 
@@ -60,25 +85,79 @@ class Group:
     continues the same prompt (DESIGN.md lists them per completion; storing them
     once per group carries the same information at 1/n of the bytes).
 
+    A group is built either from :class:`Completion` objects or, by the wire
+    decoder, from flat :class:`GroupColumns`; then the ``completions`` tuple is
+    only materialised when first read (the replay buffer never reads it: it needs
+    ids and the oldest version, which the columns give directly).
+
     Invariants: ``prompt_ids`` is non-empty; at least one completion;
-    ``group_id`` is unique across the whole run.
+    ``group_id`` is unique across the whole run. Treat instances as immutable.
     """
 
-    group_id: int
-    prompt_id: int
-    worker_id: int
-    prompt_ids: I32
-    completions: tuple[Completion, ...]
+    __slots__ = ("group_id", "prompt_id", "worker_id", "prompt_ids", "_completions", "_columns")
+
+    def __init__(self, group_id: int, prompt_id: int, worker_id: int, prompt_ids: I32,
+                 completions: tuple[Completion, ...]) -> None:
+        self.group_id = group_id
+        self.prompt_id = prompt_id
+        self.worker_id = worker_id
+        self.prompt_ids = prompt_ids
+        self._completions: tuple[Completion, ...] | None = tuple(completions)
+        self._columns: GroupColumns | None = None
+
+    @classmethod
+    def from_columns(cls, group_id: int, prompt_id: int, worker_id: int, prompt_ids: I32,
+                     columns: GroupColumns) -> "Group":
+        group = cls.__new__(cls)
+        group.group_id, group.prompt_id, group.worker_id = group_id, prompt_id, worker_id
+        group.prompt_ids = prompt_ids
+        group._completions, group._columns = None, columns
+        return group
+
+    def __getstate__(self) -> tuple[object, ...]:
+        return (self.group_id, self.prompt_id, self.worker_id, self.prompt_ids,
+                self._completions if self._columns is None else None, self._columns)
+
+    def __setstate__(self, state: tuple[object, ...]) -> None:
+        (self.group_id, self.prompt_id, self.worker_id, self.prompt_ids,  # type: ignore[assignment]
+         self._completions, self._columns) = state  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"Group(group_id={self.group_id}, prompt_id={self.prompt_id}, worker_id={self.worker_id}, "
+                f"n={self.num_completions}, tokens={self.num_tokens})")
+
+    @property
+    def completions(self) -> tuple[Completion, ...]:
+        if self._completions is None:
+            assert self._columns is not None
+            self._completions = self._columns.completions()
+        return self._completions
+
+    @property
+    def columns(self) -> GroupColumns | None:
+        """The flat arrays this group was decoded from (None for a group built from completions)."""
+        return self._columns
+
+    @property
+    def num_completions(self) -> int:
+        if self._columns is not None:
+            return int(self._columns.lengths.shape[0])
+        return len(self.completions)
 
     @property
     def oldest_version(self) -> int:
         """Oldest token version in the group (a group with no tokens counts as
         the newest possible, so it is never stale)."""
+        if self._columns is not None:
+            v = self._columns.versions
+            return int(v.min()) if v.size else int(np.iinfo(np.int32).max)
         versions = [c.min_version for c in self.completions if c.num_tokens]
-        return min(v for v in versions if v is not None) if versions else np.iinfo(np.int32).max
+        return min(v for v in versions if v is not None) if versions else int(np.iinfo(np.int32).max)
 
     @property
     def num_tokens(self) -> int:
+        if self._columns is not None:
+            return int(self._columns.token_ids.shape[0])
         return sum(c.num_tokens for c in self.completions)
 
     def lag(self, trainer_version: int) -> int:
@@ -87,4 +166,6 @@ class Group:
 
     @property
     def rewards(self) -> list[float]:
+        if self._columns is not None:
+            return [float(r) for r in self._columns.rewards.tolist()]
         return [c.reward for c in self.completions]

@@ -23,13 +23,12 @@ pickle) and never trusts a length it has not checked.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 
-from pipeline_rl.samples import FINISH_REASONS, Completion, Group
+from pipeline_rl.samples import FINISH_REASONS, Group, GroupColumns
 
 SCHEMA_VERSION = 1
 _FIELDS = 11
@@ -65,6 +64,10 @@ DEFAULT_LIMITS = WireLimits()
 
 def encode_group(group: Group) -> bytes:
     """Serialise a group. Raises WireError if the group breaks its own invariants."""
+    cols = group.columns
+    if cols is not None:  # decoded earlier: the flat arrays are already the wire layout
+        return _pack(group, cols.lengths.tobytes(), cols.token_ids.tobytes(), cols.logprobs.tobytes(),
+                     cols.versions.tobytes(), cols.rewards.tobytes(), cols.finish.tobytes())
     comps = group.completions
     if not comps:
         raise WireError("empty_group", f"group {group.group_id} has no completions")
@@ -78,15 +81,17 @@ def encode_group(group: Group) -> bytes:
         finish = bytes(_FINISH_CODE[c.finish_reason] for c in comps)
     except KeyError as e:
         raise WireError("bad_finish_reason", f"unknown finish reason {e.args[0]!r}") from None
+    return _pack(group, lengths.tobytes(), _cat([c.token_ids for c in comps], _I32),
+                 _cat([c.logprobs for c in comps], _F32), _cat([c.versions for c in comps], _I32),
+                 np.fromiter((c.reward for c in comps), dtype=_F64, count=len(comps)).tobytes(), finish)
+
+
+def _pack(group: Group, lengths: bytes, tokens: bytes, logprobs: bytes, versions: bytes,
+          rewards: bytes, finish: bytes) -> bytes:
     return msgpack.packb([
         SCHEMA_VERSION, group.group_id, group.prompt_id, group.worker_id,
         np.ascontiguousarray(group.prompt_ids, dtype=_I32).tobytes(),
-        lengths.tobytes(),
-        _cat([c.token_ids for c in comps], _I32),
-        _cat([c.logprobs for c in comps], _F32),
-        _cat([c.versions for c in comps], _I32),
-        np.fromiter((c.reward for c in comps), dtype=_F64, count=len(comps)).tobytes(),
-        finish,
+        lengths, tokens, logprobs, versions, rewards, finish,
     ], use_bin_type=True)
 
 
@@ -146,33 +151,30 @@ def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -
     versions = _array(msg[8], _I32, "versions", total)
     rewards = _array(msg[9], _F64, "rewards", n)
     finish = _array(msg[10], _U8, "finish", n)
-    reward_list, finish_list = rewards.tolist(), finish.tolist()
-    if not all(map(math.isfinite, reward_list)):
-        raise WireError("bad_value", f"non-finite reward in {reward_list}")
-    if max(finish_list) >= len(FINISH_REASONS):
-        raise WireError("bad_value", f"finish code {max(finish_list)} unknown")
+    if not np.isfinite(rewards).all():
+        raise WireError("bad_value", f"non-finite reward in {rewards.tolist()}")
+    if int(finish.max()) >= len(FINISH_REASONS):
+        raise WireError("bad_value", f"finish code {int(finish.max())} unknown")
     ends = list(itertools.accumulate(lens))
     _check_tokens(prompt, tokens, logprobs, versions, ends)
-    comps = tuple(
-        Completion(tokens[s:e], logprobs[s:e], versions[s:e], r, FINISH_REASONS[f])
-        for s, e, r, f in zip([0, *ends[:-1]], ends, reward_list, finish_list)
-    )
-    return Group(group_id, prompt_id, worker_id, prompt, comps)
+    return Group.from_columns(group_id, prompt_id, worker_id, prompt,
+                              GroupColumns(lengths, tokens, logprobs, versions, rewards, finish))
 
 
 def _check_tokens(prompt: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
                   versions: np.ndarray, ends: list[int]) -> None:
-    if prompt.min() < 0 or (tokens.size and tokens.min() < 0):
+    """Token ids and versions >= 0, log-probs <= 0 (not NaN), versions non-decreasing
+    within each completion (they may drop from one completion to the next)."""
+    if prompt.min() < 0:
         raise WireError("bad_value", "negative token id")
     if not tokens.size:
         return
+    if min(tokens.min(), versions.min()) < 0:
+        raise WireError("bad_value", "negative token id or policy version")
     if not (logprobs <= 1e-3).all():  # also false for NaN
         raise WireError("bad_value", "log-probs must be <= 0 and not NaN")
-    if versions.min() < 0:
-        raise WireError("bad_value", "negative policy version")
-    steps = np.diff(versions)  # steps[i] = v[i+1] - v[i]; ignore those across completions
-    cut = [e - 1 for e in ends[:-1] if 0 < e < versions.size]
-    if cut:
-        steps[cut] = 0
-    if steps.size and steps.min() < 0:
-        raise WireError("bad_value", "token versions decrease within a completion")
+    drops = versions[1:] < versions[:-1]  # drops[i]: v[i+1] < v[i]
+    if drops.any():
+        drops[[e - 1 for e in ends[:-1] if 0 < e < versions.size]] = False  # completion boundaries
+        if drops.any():
+            raise WireError("bad_value", "token versions decrease within a completion")

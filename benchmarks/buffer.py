@@ -1,0 +1,191 @@
+"""Transport benchmark: sustained groups/s and MB/s from 1 and 4 producer
+processes into one ReplayBuffer over ZeroMQ, against the ceiling of the same
+payload through a bare ZeroMQ PUSH/PULL link (no codec, no buffer).
+
+Each buffer producer is a spawned process with a ``GroupSender`` that encodes
+every group (8 completions x 256 tokens by default); the receiver thread
+decodes and validates each message and a consumer thread takes batches with
+``get_batch`` -- the real path end to end. The bare link sends the pre-encoded
+bytes of the same group and only counts frames. The clock runs from the moment
+all producers are connected until the consumer holds the last group.
+
+    python benchmarks/buffer.py --json runs/bench/buffer.json
+    python benchmarks/buffer.py --quick          # a few hundred groups, seconds
+
+Timings on a shared 2-core machine are noisy: compare figures from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Barrier
+
+import zmq
+
+from pipeline_rl.buffer import BufferServer, GroupSender, ReplayBuffer
+from pipeline_rl.buffer.sender import DEFAULT_SNDHWM
+from pipeline_rl.buffer.synthetic import SyntheticGroups
+from pipeline_rl.wire import encode_group
+
+_BATCH = 32
+
+
+@dataclass(frozen=True)
+class RunResult:
+    producers: int
+    groups: int
+    seconds: float
+    groups_per_s: float
+    mb_per_s: float
+    lost: int
+
+
+@dataclass(frozen=True)
+class Report:
+    n: int
+    tokens: int
+    hwm: int
+    message_bytes: int
+    groups_per_s_1: float
+    groups_per_s_4: float
+    mb_per_s_1: float
+    mb_per_s_4: float
+    bare_zmq_groups_per_s_1: float
+    bare_zmq_groups_per_s: float
+    bare_zmq_mb_per_s: float
+    ratio_to_bare: float
+    lost: int
+    runs: list[RunResult]
+
+
+def _produce_groups(address: str, worker_id: int, count: int, n: int, tokens: int, hwm: int,
+                    barrier: Barrier) -> None:
+    gen = SyntheticGroups(worker_id, n=n, tokens=tokens)
+    groups = [gen.make(worker_id * 10**9 + i) for i in range(count)]
+    with GroupSender(address, worker_id, send_timeout_s=60.0, sndhwm=hwm) as sender:
+        barrier.wait()
+        for group in groups:
+            sender.send(group)
+
+
+def _produce_bare(address: str, worker_id: int, count: int, n: int, tokens: int, hwm: int,
+                  barrier: Barrier) -> None:
+    payload = encode_group(SyntheticGroups(worker_id, n=n, tokens=tokens).make(0))
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.connect(address)
+    barrier.wait()
+    for _ in range(count):
+        sock.send(payload)
+    sock.close(linger=60_000)
+    ctx.term()
+
+
+def _start(target: Callable[..., None], address: str, producers: int, count: int, n: int,
+           tokens: int, hwm: int, barrier: Barrier) -> list[BaseProcess]:
+    ctx = mp.get_context("spawn")
+    procs: list[BaseProcess] = [ctx.Process(target=target, args=(address, w, count, n, tokens, hwm, barrier), daemon=True)
+             for w in range(producers)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def run_buffer(producers: int, count: int, n: int, tokens: int, hwm: int) -> RunResult:
+    total = producers * count
+    buf = ReplayBuffer(capacity_groups=1024, staleness=1_000_000, groups_per_step=_BATCH)
+    server = BufferServer(buf, rcvhwm=hwm)
+    barrier = mp.get_context("spawn").Barrier(producers + 1)
+    procs = _start(_produce_groups, server.address, producers, count, n, tokens, hwm, barrier)
+    received = 0
+
+    def consume() -> None:
+        nonlocal received
+        while received < total:
+            batch = buf.get_batch(min(_BATCH, total - received), 0, timeout_s=30.0)
+            if batch is None:
+                return
+            received += len(batch)
+
+    consumer = threading.Thread(target=consume)
+    barrier.wait(timeout=120)
+    start = time.perf_counter()
+    consumer.start()
+    consumer.join()
+    seconds = time.perf_counter() - start
+    for p in procs:
+        p.join(timeout=30)
+    stats = buf.stats()
+    server.close()
+    lost = total - received - sum(stats.evicted.values())
+    return RunResult(producers, received, seconds, received / seconds,
+                     stats.bytes_in / seconds / 1e6, lost)
+
+
+def run_bare(producers: int, count: int, n: int, tokens: int, hwm: int) -> RunResult:
+    total = producers * count
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    barrier = mp.get_context("spawn").Barrier(producers + 1)
+    procs = _start(_produce_bare, f"tcp://127.0.0.1:{port}", producers, count, n, tokens, hwm, barrier)
+    barrier.wait(timeout=120)
+    start = time.perf_counter()
+    nbytes = received = 0
+    while received < total and sock.poll(30_000):
+        nbytes += len(sock.recv(copy=False))
+        received += 1
+    seconds = time.perf_counter() - start
+    for p in procs:
+        p.join(timeout=30)
+    sock.close(0)
+    ctx.term()
+    return RunResult(producers, received, seconds, received / seconds, nbytes / seconds / 1e6,
+                     total - received)
+
+
+def main(argv: list[str] | None = None) -> Report:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=20_000, help="groups per run (split over producers)")
+    parser.add_argument("--n", type=int, default=8, help="completions per group")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per completion")
+    parser.add_argument("--hwm", type=int, default=DEFAULT_SNDHWM,
+                        help="ZeroMQ high-water mark (messages) on both ends, buffer and bare runs")
+    parser.add_argument("--quick", action="store_true", help="a few hundred groups: a smoke run")
+    parser.add_argument("--json", type=str, default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    total = 400 if args.quick else args.groups
+    shape = (args.n, args.tokens, args.hwm)
+    runs = [run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
+            run_bare(1, total, *shape), run_bare(4, total // 4, *shape)]
+    one, four, bare1, bare4 = runs
+    report = Report(
+        n=args.n, tokens=args.tokens, hwm=args.hwm,
+        message_bytes=len(encode_group(SyntheticGroups(0, n=args.n, tokens=args.tokens).make(0))),
+        groups_per_s_1=one.groups_per_s, groups_per_s_4=four.groups_per_s,
+        mb_per_s_1=one.mb_per_s, mb_per_s_4=four.mb_per_s,
+        bare_zmq_groups_per_s_1=bare1.groups_per_s, bare_zmq_groups_per_s=bare4.groups_per_s,
+        bare_zmq_mb_per_s=bare4.mb_per_s, ratio_to_bare=four.groups_per_s / bare4.groups_per_s,
+        lost=one.lost + four.lost, runs=runs)
+    for r in runs[:2]:
+        print(f"buffer   {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s  lost {r.lost}")
+    for r in runs[2:]:
+        print(f"bare ZMQ {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s")
+    print(f"buffer (4 producers) / bare ZMQ (4 producers): {report.ratio_to_bare:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(asdict(report), f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

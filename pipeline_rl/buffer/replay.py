@@ -1,0 +1,369 @@
+"""The bounded replay buffer: FIFO storage of whole groups, staleness eviction at
+hand-out, the global admission budget, and multi-rank batch hand-out.
+
+Thread-safe and in-process: the ZeroMQ receiver thread (``server.py``) puts
+groups, trainer ranks take batches, rollout workers ask for admission (in the
+driver all three reach it through one Ray actor).
+
+Invariants (checked by the tests):
+
+* ``fill <= capacity_groups`` always; a full buffer makes ``put`` wait (the
+  receiver then stops reading its socket, so ZeroMQ blocks the producers):
+  nothing is ever dropped for lack of room.
+* A group whose lag (trainer version - oldest token version) exceeds
+  ``staleness`` at hand-out is evicted and counted (``evicted["stale"]``); it is
+  never handed out. Every accepted group is handed out exactly once, evicted
+  once, or still stored: ``groups_in == groups_out + evicted + fill + held``.
+* Admission (DESIGN.md section 2, AReaL's rule): a grant is made only while
+  ``used <= (staleness + version + 1) * groups_per_step`` after it, where
+  ``used`` counts every group that was granted and not lost, minus evicted ones
+  (evicted and lost groups give their slot back, so eviction cannot starve the
+  run) and ``version`` is the newest trainer version the buffer has seen (from
+  ``get_batch`` or ``set_version``). If groups arrive in grant order, the i-th
+  useful group is trained at version ``i // groups_per_step``, so a group
+  started with weights ``>= Admission.min_version`` passes; it can still be
+  evicted when groups granted after it overtake it (a long generation) and push
+  its training to a later step. ``staleness=0`` is exactly synchronous: only
+  the ``groups_per_step`` groups of step ``v`` can be in flight while the
+  trainer is at ``v``, they can only be granted once it has reached ``v``, must
+  be generated with weights ``v`` (``min_version``), and the trainer waits for
+  all of them -- nothing can overtake.
+
+Several trainer ranks (``num_ranks=R``): each rank calls
+``get_batch(n, version, rank=r)`` once per optimizer step with the same
+``version``. The first rank able to do so assembles the whole step's ``n * R``
+groups atomically (under the lock, FIFO, after eviction) and the batch is split
+by rank: rank ``r`` gets groups ``[r*n, (r+1)*n)``. A rank that arrives later
+for the same version takes its slice at once. So either every rank of a step
+gets its groups or none does yet: ranks cannot drift apart by a batch, and the
+slices are disjoint. The ranks themselves stay in step through the trainer's
+collectives (each optimizer step all-reduces, so no rank can ask for version
+``v+1`` before all have finished ``v``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipeline_rl.buffer.types import Admission, AdmissionStats, BufferStats, _Counters
+from pipeline_rl.samples import Group
+
+_NEWEST = 2**31 - 1  # oldest_version of a group without tokens: never stale
+
+
+@dataclass(slots=True)
+class _Entry:
+    group: Group
+    oldest: int  # oldest token version, computed once at put time
+
+
+@dataclass(slots=True)
+class _Step:
+    """The assembled batch of one multi-rank optimizer step; slice r -> None once taken."""
+
+    slices: list[list[Group] | None]
+
+
+def oldest_version(group: Group) -> int:
+    """Oldest token version of ``group`` in O(completions): token versions are
+    non-decreasing along a completion (a ``Completion`` invariant, enforced by
+    ``wire.decode_group``), so each completion's oldest is its first entry."""
+    firsts = [c.versions.item(0) for c in group.completions if c.versions.shape[0]]
+    return min(firsts) if firsts else _NEWEST
+
+
+class ReplayBuffer:
+    """Bounded FIFO of groups with backpressure, staleness eviction and the
+    admission budget. See the module docstring for the invariants."""
+
+    def __init__(self, capacity_groups: int, staleness: int, groups_per_step: int, *,
+                 num_ranks: int = 1, start_version: int = 0) -> None:
+        """``groups_per_step``: groups the trainer consumes per optimizer step (all
+        ranks together); ``start_version``: the trainer's version when the buffer
+        starts (non-zero when resuming, so the admission budget does not open
+        ``start_version * groups_per_step`` slots at once)."""
+        _check_positive(capacity_groups=capacity_groups, groups_per_step=groups_per_step,
+                        num_ranks=num_ranks)
+        if staleness < 0 or start_version < 0:
+            raise ValueError(f"staleness ({staleness}) and start_version ({start_version}) must be >= 0")
+        if groups_per_step % num_ranks:
+            raise ValueError(f"groups_per_step={groups_per_step} must divide evenly over num_ranks={num_ranks}")
+        if capacity_groups < groups_per_step:
+            raise ValueError(f"capacity_groups={capacity_groups} is below groups_per_step="
+                             f"{groups_per_step}: a step's batch could never fit")
+        self.capacity = capacity_groups
+        self.staleness = staleness
+        self.groups_per_step = groups_per_step
+        self.num_ranks = num_ranks
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified on every state change
+        self._queue: deque[_Entry] = deque()
+        self._steps: dict[int, _Step] = {}
+        self._held = 0
+        self._version = start_version
+        self._used_base = start_version * groups_per_step  # groups "trained" before we started
+        self._outstanding: dict[int, int] = {}  # worker -> granted, not yet received
+        self._granted = self._lost = self._unadmitted = 0
+        self._c = _Counters()
+        self._closed = False
+
+    # ---------------------------------------------------------------- producers
+    def put(self, group: Group, timeout_s: float | None = None, *, nbytes: int = 0) -> bool:
+        """Store one group, waiting while the buffer is full. Returns False on
+        timeout or once the buffer is closed (the group was not stored)."""
+        return self.put_many([group], timeout_s, nbytes=nbytes) == 1
+
+    def put_many(self, groups: Sequence[Group], timeout_s: float | None = None, *,
+                 nbytes: int = 0) -> int:
+        """Store groups in order, waiting for room; returns how many were stored
+        (fewer only on timeout or close). ``nbytes``: their wire size, for stats."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stored = 0
+        with self._lock:
+            for group in groups:
+                if not self._wait_locked(lambda: len(self._queue) < self.capacity, deadline, "full"):
+                    break
+                self._append_locked(group)
+                stored += 1
+            if groups:
+                self._c.bytes_in += nbytes * stored // len(groups)
+            self._changed.notify_all()
+        return stored
+
+    def wait_for_space(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until at least one group fits (time spent is
+        counted as ``full_wait_s``). False when still full, or closed."""
+        with self._lock:
+            return self._wait_locked(lambda: len(self._queue) < self.capacity,
+                                     time.monotonic() + timeout_s, "full")
+
+    def free_slots(self) -> int:
+        """Groups that fit right now (a racy hint for a single producer thread)."""
+        return self.capacity - len(self._queue)
+
+    def reject(self, reason: str, count: int = 1) -> None:
+        """Count messages the receiver refused (they never entered the buffer)."""
+        with self._lock:
+            self._c.rejected[reason] = self._c.rejected.get(reason, 0) + count
+
+    def connection_event(self, connected: bool) -> None:
+        """Count a producer connecting (True) or disconnecting (False)."""
+        with self._lock:
+            if connected:
+                self._c.connections += 1
+            else:
+                self._c.disconnections += 1
+
+    def _append_locked(self, group: Group) -> None:
+        self._queue.append(_Entry(group, oldest_version(group)))
+        self._c.groups_in += 1
+        owed = self._outstanding.get(group.worker_id, 0)
+        if owed > 0:
+            self._outstanding[group.worker_id] = owed - 1
+        else:
+            self._unadmitted += 1  # sent without a grant (or after worker_lost): still counted as used
+
+    # ---------------------------------------------------------------- admission
+    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Admission:
+        """Grant up to ``max_groups`` new groups to ``worker_id`` under the global
+        budget; waits up to ``timeout_s`` for a non-zero grant (default: answer now)."""
+        if max_groups < 0:
+            raise ValueError(f"max_groups must be >= 0, got {max_groups}")
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._wait_locked(lambda: self._room_locked() > 0 or max_groups == 0, deadline, None)
+            granted = max(0, min(max_groups, self._room_locked()))
+            used_after = self._used_locked() + granted
+            if granted:
+                self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) + granted
+                self._granted += granted
+            # The last granted group is trained at version >= step_of_last; it must
+            # then have lag <= staleness.
+            step_of_last = max(self._version, (used_after - 1) // self.groups_per_step)
+            return Admission(granted, self._version, max(0, step_of_last - self.staleness))
+
+    def release(self, worker_id: int, count: int) -> int:
+        """A live worker gives back ``count`` grants it will not use (e.g. it is
+        stopping). Returns how many were actually outstanding and refunded."""
+        with self._lock:
+            refund = min(max(count, 0), self._outstanding.get(worker_id, 0))
+            self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) - refund
+            self._changed.notify_all()
+            return refund
+
+    def worker_lost(self, worker_id: int) -> int:
+        """A worker died: refund its grants not yet delivered (granted - received)
+        so the global budget cannot deadlock, and count them as lost. Groups of
+        that worker still in flight and arriving later are accepted as
+        ``unadmitted``. Returns the refund."""
+        with self._lock:
+            refund = self._outstanding.pop(worker_id, 0)
+            self._lost += refund
+            self._changed.notify_all()
+            return refund
+
+    def set_version(self, version: int) -> None:
+        """Tell the buffer the trainer reached ``version`` (monotone: older is ignored)."""
+        with self._lock:
+            self._observe_locked(version)
+
+    def _observe_locked(self, version: int) -> None:
+        if version < 0:
+            raise ValueError(f"trainer version must be >= 0, got {version}")
+        if version > self._version:
+            self._version = version
+            self._changed.notify_all()
+
+    def _used_locked(self) -> int:
+        evicted = sum(self._c.evicted.values())
+        return self._used_base + self._c.groups_in - evicted + sum(self._outstanding.values())
+
+    def _limit_locked(self) -> int:
+        return (self.staleness + self._version + 1) * self.groups_per_step
+
+    def _room_locked(self) -> int:
+        return self._limit_locked() - self._used_locked()
+
+    # ---------------------------------------------------------------- consumers
+    def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float | None = None,
+                  *, rank: int = 0) -> list[Group] | None:
+        """Hand ``num_groups`` groups (this rank's share of the step) to a trainer
+        rank at ``trainer_version``, FIFO, after evicting stale ones.
+
+        Blocks up to ``timeout_s`` (None: forever, 0: non-blocking) and returns
+        None if the batch is not complete by then (nothing is taken) or the
+        buffer is closed. With ``num_ranks > 1`` every rank must ask once per
+        version with the same ``num_groups``; see the module docstring."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} outside 0..{self.num_ranks - 1}")
+        if num_groups < 1 or num_groups * self.num_ranks > self.capacity:
+            raise ValueError(f"num_groups={num_groups} x {self.num_ranks} ranks must be in "
+                             f"1..capacity ({self.capacity})")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            self._observe_locked(trainer_version)
+            start = time.monotonic()
+            try:
+                return self._get_locked(num_groups, trainer_version, rank, deadline)
+            finally:
+                self._c.consumer_wait_s += time.monotonic() - start
+
+    def _get_locked(self, num_groups: int, version: int, rank: int,
+                    deadline: float | None) -> list[Group] | None:
+        total = num_groups * self.num_ranks
+        while True:
+            step = self._steps.get(version)
+            if step is not None:
+                return self._take_slice_locked(step, version, rank, num_groups)
+            if self._closed:
+                return None
+            groups = self._assemble_locked(total, version) if len(self._queue) >= total else None
+            if groups is not None:
+                if self.num_ranks == 1:
+                    return groups
+                self._steps[version] = _Step([groups[r * num_groups:(r + 1) * num_groups]
+                                              for r in range(self.num_ranks)])
+                self._held += total
+                self._changed.notify_all()
+                continue
+            if not self._wait_locked(lambda: len(self._queue) >= total or version in self._steps,
+                                     deadline, None):
+                return None
+
+    def _take_slice_locked(self, step: _Step, version: int, rank: int,
+                           num_groups: int) -> list[Group]:
+        mine = step.slices[rank]
+        if mine is None:
+            raise ValueError(f"rank {rank} already took its batch for trainer version {version}")
+        if len(mine) != num_groups:
+            raise ValueError(f"rank {rank} asked for {num_groups} groups but the step was "
+                             f"assembled with {len(mine)} per rank")
+        step.slices[rank] = None
+        self._held -= len(mine)
+        if all(s is None for s in step.slices):
+            del self._steps[version]
+        return mine
+
+    def _assemble_locked(self, total: int, version: int) -> list[Group] | None:
+        """Pop ``total`` fresh groups FIFO, evicting stale ones met on the way;
+        if too few fresh ones remain, put them back at the front (order kept)."""
+        fresh: list[_Entry] = []
+        queue, limit = self._queue, self.staleness
+        while queue and len(fresh) < total:
+            entry = queue.popleft()
+            if version - entry.oldest > limit:
+                self._c.evicted["stale"] = self._c.evicted.get("stale", 0) + 1
+            else:
+                fresh.append(entry)
+        if len(fresh) < total:
+            queue.extendleft(reversed(fresh))
+            self._changed.notify_all()  # evictions freed room and budget
+            return None
+        hist = self._c.lag_histogram
+        for entry in fresh:
+            lag = max(0, version - entry.oldest)
+            hist[lag] = hist.get(lag, 0) + 1
+        self._c.groups_out += total
+        self._changed.notify_all()
+        return [e.group for e in fresh]
+
+    # ---------------------------------------------------------------- common
+    def _wait_locked(self, ready: Callable[[], bool], deadline: float | None, counter: str | None) -> bool:
+        """Wait on the condition until ``ready()`` or the deadline; False on
+        timeout or close. Time waited is added to ``full_wait_s`` if counter is 'full'."""
+        if ready() and not self._closed:
+            return True
+        start = time.monotonic()
+        try:
+            while not self._closed and not ready():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+            return not self._closed
+        finally:
+            if counter == "full":
+                self._c.full_wait_s += time.monotonic() - start
+
+    def stats(self) -> BufferStats:
+        """A consistent snapshot of every counter (taken under the lock)."""
+        with self._lock:
+            c = self._c
+            return BufferStats(
+                groups_in=c.groups_in, groups_out=c.groups_out, evicted=dict(c.evicted),
+                rejected=dict(c.rejected), fill=len(self._queue), held=self._held,
+                capacity=self.capacity, full_wait_s=c.full_wait_s, consumer_wait_s=c.consumer_wait_s,
+                lag_histogram=dict(c.lag_histogram), bytes_in=c.bytes_in,
+                connections=c.connections, disconnections=c.disconnections,
+                admission=AdmissionStats(
+                    version=self._version, limit=self._limit_locked(), used=self._used_locked(),
+                    granted=self._granted, outstanding=sum(self._outstanding.values()),
+                    lost=self._lost, unadmitted=self._unadmitted))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def close(self) -> None:
+        """Wake every waiter; later puts return False and get_batch returns None."""
+        with self._lock:
+            self._closed = True
+            self._changed.notify_all()
+
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")

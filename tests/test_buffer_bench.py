@@ -1,0 +1,22 @@
+"""Smoke run of benchmarks/buffer.py (--quick): it runs end to end, loses
+nothing and writes the documented JSON keys. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_buffer_benchmark_quick(tmp_path: Path) -> None:
+    out = tmp_path / "buffer.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "buffer.py"), "--quick", "--json", str(out)],
+                   check=True, cwd=ROOT, timeout=120, capture_output=True)
+    report = json.loads(out.read_text())
+    for key in ("groups_per_s_1", "groups_per_s_4", "bare_zmq_groups_per_s", "lost"):
+        assert key in report
+    assert report["lost"] == 0 and report["groups_per_s_4"] > 0 and report["bare_zmq_groups_per_s"] > 0
+    assert [r["groups"] for r in report["runs"]] == [400, 400, 400, 400]
