@@ -1,16 +1,35 @@
-"""The weight-update message that travels from the trainer to the rollout workers.
+"""The weight-update message that travels from the trainer to the rollout workers,
+and its validation against the model a worker serves.
 
 Invariants of :class:`WeightUpdate`: ``names`` and ``arrays`` have one length and
 line up; names are Hugging Face parameter names (``model.state_dict()`` keys of
 the HF model); arrays are C-contiguous numpy arrays; ``version`` is the number
 of optimizer steps behind these weights (DESIGN.md section 2).
+
+A worker never applies an update it has not validated: :func:`validate_update`
+checks the whole payload against the model's :class:`WeightSpec` (read from the
+model folder's safetensors headers) *before* anything touches the engine, so a
+bad payload raises :class:`WeightUpdateError` and the previous weights stay.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+#: numpy dtypes a payload may carry (converted to the engine's dtype on load).
+ACCEPTED_DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+class WeightUpdateError(ValueError):
+    """A weight payload that does not fit the served model; the message is one line."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -24,3 +43,146 @@ class WeightUpdate:
     @property
     def num_bytes(self) -> int:
         return sum(int(a.nbytes) for a in self.arrays)
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(a.size) for a in self.arrays)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSpec:
+    """What a full update of one model must contain: HF name -> shape."""
+
+    shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(s)) for s in self.shapes.values())
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CheckedUpdate:
+    """A validated update, already wrapped as torch tensors (zero-copy views of the
+    numpy arrays), so applying it does no checking and no conversion."""
+
+    version: int
+    tensors: tuple[tuple[str, "torch.Tensor"], ...]
+    num_bytes: int
+
+
+def read_weight_spec(model_dir: str | Path) -> WeightSpec:
+    """Parameter names and shapes of a Hugging Face folder, from the safetensors
+    headers (single file or sharded with ``model.safetensors.index.json``)."""
+    from safetensors import safe_open
+
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (root / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise WeightUpdateError(f"{root}: no model.safetensors (or index) to read parameter shapes from")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        with safe_open(str(root / name), framework="numpy") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return WeightSpec(shapes)
+
+
+def load_update(model_dir: str | Path, version: int) -> WeightUpdate:
+    """The weights stored in a Hugging Face folder as a float32 :class:`WeightUpdate`."""
+    from safetensors.torch import load_file
+
+    root = Path(model_dir)
+    spec = read_weight_spec(root)
+    tensors: dict[str, np.ndarray] = {}
+    files = sorted(root.glob("*.safetensors"))
+    for file in files:
+        for key, t in load_file(str(file)).items():
+            tensors[key] = np.ascontiguousarray(t.float().numpy())
+    names = tuple(sorted(spec.shapes))
+    return WeightUpdate(version, names, tuple(tensors[n] for n in names))
+
+
+def validate_update(update: WeightUpdate, spec: WeightSpec, *, current_version: int | None = None) -> None:
+    """Raise :class:`WeightUpdateError` (one line naming the first problem) unless
+    ``update`` is a complete, well-formed set of weights for the model of ``spec``.
+
+    Checked: version is an int (and newer than ``current_version`` when given);
+    names and arrays line up; no duplicate, unknown or missing name; every array
+    is a contiguous float32/float16 numpy array of the expected shape with only
+    finite values. A partial update is refused: vLLM's layerwise reload would
+    leave a layer with some parameters uninitialised.
+    """
+    if not isinstance(update, WeightUpdate):
+        raise WeightUpdateError(f"expected a WeightUpdate, got {type(update).__name__}")
+    if not isinstance(update.version, int) or update.version < 0:
+        raise WeightUpdateError(f"version must be an int >= 0 (got {update.version!r})")
+    if current_version is not None and update.version <= current_version:
+        raise WeightUpdateError(f"version {update.version} is not newer than the served version "
+                                f"{current_version}")
+    if len(update.names) != len(update.arrays):
+        raise WeightUpdateError(f"{len(update.names)} names but {len(update.arrays)} arrays")
+    seen: set[str] = set()
+    for name, arr in zip(update.names, update.arrays):
+        _check_one(name, arr, spec, seen)
+        seen.add(name)
+    missing = sorted(set(spec.shapes) - seen)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightUpdateError(f"missing parameter {missing[0]!r}{more}: updates must be complete")
+
+
+def _check_one(name: str, arr: np.ndarray, spec: WeightSpec, seen: set[str]) -> None:
+    if name in seen:
+        raise WeightUpdateError(f"duplicate parameter {name!r}")
+    expected = spec.shapes.get(name)
+    if expected is None:
+        raise WeightUpdateError(f"unknown parameter {name!r} (not in the served model)")
+    if not isinstance(arr, np.ndarray):
+        raise WeightUpdateError(f"{name}: expected a numpy array, got {type(arr).__name__}")
+    if arr.dtype not in ACCEPTED_DTYPES:
+        raise WeightUpdateError(f"{name}: dtype {arr.dtype} not accepted (float32 or float16)")
+    if tuple(arr.shape) != expected:
+        raise WeightUpdateError(f"{name}: shape {tuple(arr.shape)} != expected {expected}")
+    if not arr.flags.c_contiguous:
+        raise WeightUpdateError(f"{name}: array is not C-contiguous")
+    if not np.isfinite(arr).all():
+        raise WeightUpdateError(f"{name}: non-finite values")
+
+
+def check_update(update: WeightUpdate, spec: WeightSpec, *,
+                 current_version: int | None = None) -> CheckedUpdate:
+    """Validate (see :func:`validate_update`) and wrap as torch tensors, ordered by
+    name so each layer's parameters arrive together (vLLM's layerwise reload then
+    processes a layer as soon as it is complete, buffering at most one layer)."""
+    validate_update(update, spec, current_version=current_version)
+    order = sorted(range(len(update.names)), key=lambda i: update.names[i])
+    tensors = tuple((update.names[i], _as_tensor(update.arrays[i])) for i in order)
+    return CheckedUpdate(update.version, tensors, update.num_bytes)
+
+
+def _as_tensor(arr: np.ndarray) -> "torch.Tensor":
+    import torch
+
+    if not arr.flags.writeable:  # arrays out of Ray's object store are read-only views
+        arr = arr.copy()
+    return torch.from_numpy(arr)
+
+
+def resolve_offer(offer: object) -> WeightUpdate:
+    """The :class:`WeightUpdate` behind an offer: the update itself, or a one-element
+    list holding a Ray ``ObjectRef`` to it (nested so Ray does not resolve it while
+    dispatching the call; it is fetched here, off the engine's critical path)."""
+    if isinstance(offer, WeightUpdate):
+        return offer
+    if isinstance(offer, (list, tuple)) and len(offer) == 1:
+        import ray
+
+        value = ray.get(offer[0])
+        if isinstance(value, WeightUpdate):
+            return value
+        raise WeightUpdateError(f"object reference holds a {type(value).__name__}, not a WeightUpdate")
+    raise WeightUpdateError(f"expected a WeightUpdate or [ObjectRef], got {type(offer).__name__}")

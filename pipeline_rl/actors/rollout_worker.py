@@ -1,0 +1,392 @@
+"""The rollout worker: one vLLM engine generating continuously, streaming whole
+groups to the replay buffer, taking new weights between engine steps.
+
+The loop (one thread, the only one touching the engine)::
+
+    apply the newest offered weights (if newer)   <- between steps, never mid-step
+    acquire admission for as many groups as fit   <- global budget (DESIGN.md section 2)
+    add n requests per admitted group
+    one engine step -> finished sequences
+    a group whose n sequences finished -> reward pool (threads) -> GroupSender
+
+Invariants:
+
+- The engine is kept full: while the budget grants groups, the worker keeps
+  ``rollout.max_num_seqs`` sequences in flight; it idles (counted in
+  ``idle_s``) only when the budget grants nothing or the admitted groups need
+  newer weights than it holds (``Admission.min_version``).
+- Weight updates never stop or drain a sequence: sequences in flight continue
+  under the new weights (KV policy from ``rollout.kv_policy``) and their tokens'
+  versions change at the step where the update took effect.
+- Offers (:meth:`RolloutWorker.offer_weights`, callable from any thread, e.g. a
+  Ray actor's concurrent method) are fetched, validated and staged (the costly
+  part of a reload) in the caller's thread while the engine keeps stepping; a
+  bad payload raises ``WeightUpdateError`` there and is never applied. Only the
+  newest staged update is kept; the loop makes it live between two steps.
+- Rewards run in a thread pool, off the engine's critical path. A reward
+  function that raises (or returns a non-finite value) is logged with the
+  prompt id and scores 0; it never stops the worker. A send that fails
+  (buffer gone, backpressure timeout) stops the worker with that error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from pipeline_rl.actors.engine import (
+    FinishedSequence,
+    GenerationEngine,
+    GenRequest,
+    SamplingConfig,
+    build_engine,
+    engine_config,
+)
+from pipeline_rl.actors.weights import WeightUpdateError, check_update, resolve_offer
+from pipeline_rl.config import Config
+from pipeline_rl.samples import I32, Completion, Group
+from pipeline_rl.tasks.base import Prompt, RewardFn, Task
+
+log = logging.getLogger(__name__)
+
+GROUP_ID_STRIDE = 1 << 40  # group ids: worker_id * stride + local counter (unique per run)
+
+
+class AdmissionLike(Protocol):
+    """What an admission answer carries (``pipeline_rl.buffer.types.Admission``)."""
+
+    @property
+    def granted(self) -> int: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def min_version(self) -> int: ...
+
+
+class AdmissionSource(Protocol):
+    """The global admission budget: the ``ReplayBuffer`` itself, or a Ray-handle adapter.
+    ``release`` gives back grants the worker will not use (returns the refund)."""
+
+    def acquire(self, worker_id: int, max_groups: int) -> AdmissionLike: ...
+
+    def release(self, worker_id: int, count: int) -> int: ...
+
+
+class SenderLike(Protocol):
+    """Where finished groups go (``pipeline_rl.buffer.sender.GroupSender``); thread-safe."""
+
+    def send(self, group: Group) -> None: ...
+
+    def close(self, linger_s: float = 5.0) -> None: ...
+
+    @property
+    def wait_s(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """A snapshot of one worker. ``stall_ms``: per applied update, the time no engine
+    step could run; ``idle_s``: time the engine had nothing to run; ``step_s``:
+    time inside engine steps; ``send_wait_s``: time sends were blocked by a full
+    buffer (in the reward/send threads, not the engine's)."""
+
+    worker_id: int
+    version: int
+    groups_started: int
+    groups_sent: int
+    tokens_generated: int
+    steps: int
+    step_s: float
+    idle_s: float
+    elapsed_s: float
+    stall_ms: tuple[float, ...]
+    updates_applied: int
+    updates_rejected: int
+    reward_errors: int
+    send_wait_s: float
+    in_flight_groups: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A group in flight: its prompt and the sequences finished so far (by index)."""
+
+    group_id: int
+    prompt: Prompt
+    prompt_ids: tuple[int, ...]
+    done: dict[int, FinishedSequence] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Counters:
+    groups_started: int = 0
+    groups_sent: int = 0
+    tokens: int = 0
+    steps: int = 0
+    step_s: float = 0.0
+    idle_s: float = 0.0
+    elapsed_s: float = 0.0
+    updates_rejected: int = 0
+    reward_errors: int = 0
+    stall_ms: list[float] = field(default_factory=list)
+
+
+class RolloutWorker:
+    """See the module docstring. ``engine`` and ``sender`` may be passed in (tests,
+    benchmarks); otherwise they are built from ``cfg`` and ``buffer_address``."""
+
+    def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_address: str,
+                 admission: AdmissionSource, task: Task, *, reward_fn: RewardFn | None = None,
+                 engine: GenerationEngine | None = None, sender: SenderLike | None = None,
+                 reward_threads: int = 2, poll_s: float = 0.005, acquire_backoff_s: float = 0.02) -> None:
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.n = cfg.rollout.n
+        self._admission = admission
+        self._task = task
+        self._reward_fn: RewardFn = reward_fn if reward_fn is not None else task.reward
+        self._engine = engine if engine is not None else build_engine(
+            engine_config(cfg.rollout, model_dir, seed=cfg.seed + worker_id), device=cfg.model.device)
+        self._sender = sender if sender is not None else _connect(buffer_address, worker_id, cfg)
+        self._sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens,
+                                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                        top_k=cfg.rollout.top_k)
+        self._pool = ThreadPoolExecutor(max_workers=reward_threads, thread_name_prefix=f"reward-{worker_id}")
+        self._futures: set[Future[None]] = set()
+        self._pending: dict[int, _Pending] = {}
+        self._granted = 0  # admitted groups not started yet
+        self._min_version = 0
+        self._next_acquire = 0.0
+        self._local = 0
+        self.poll_s, self.acquire_backoff_s = poll_s, acquire_backoff_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._c = _Counters()
+
+    # -- control (any thread) -------------------------------------------------------------
+    def offer_weights(self, offer: object) -> None:
+        """Offer new weights (a ``WeightUpdate`` or ``[ObjectRef]``): fetched and
+        validated here, applied by the loop before its next engine step. Raises
+        ``WeightUpdateError`` for a bad payload (the served weights stay)."""
+        update = resolve_offer(offer)
+        try:
+            checked = check_update(update, self._engine.weight_spec)
+        except WeightUpdateError as e:
+            with self._lock:
+                self._c.updates_rejected += 1
+            log.error("worker %d: rejected weights v%d: %s", self.worker_id, update.version, e)
+            raise
+        if self._engine.stage(checked):
+            self._wake.set()
+        else:
+            log.info("worker %d: ignoring weights v%d (not newer than v%d)", self.worker_id,
+                     update.version, self._engine.version)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the current step (in-flight groups are dropped)."""
+        self._stop.set()
+        self._wake.set()
+
+    def stats(self) -> WorkerStats:
+        c = self._c
+        with self._lock:
+            return WorkerStats(
+                worker_id=self.worker_id, version=self._engine.version, groups_started=c.groups_started,
+                groups_sent=c.groups_sent, tokens_generated=c.tokens, steps=c.steps, step_s=c.step_s,
+                idle_s=c.idle_s, elapsed_s=c.elapsed_s, stall_ms=tuple(c.stall_ms),
+                updates_applied=len(c.stall_ms), updates_rejected=c.updates_rejected,
+                reward_errors=c.reward_errors, send_wait_s=self._sender.wait_s,
+                in_flight_groups=len(self._pending))
+
+    # -- the loop (one thread) -----------------------------------------------------------
+    def run(self, max_groups: int | None = None) -> WorkerStats:
+        """Generate until :meth:`stop` (also when called before ``run``: a stopped
+        worker stays stopped), or until ``max_groups`` groups were started and all of
+        them were sent. Raises the first send error."""
+        start = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                self._raise_background_error()
+                self._apply_offered()
+                self._admit(max_groups)
+                if self._engine.num_unfinished():
+                    self._step()
+                elif max_groups is not None and self._c.groups_started >= max_groups and not self._granted:
+                    break
+                else:
+                    self._idle()
+            self._drain()
+        finally:
+            self._c.elapsed_s += time.perf_counter() - start
+            self._release_unstarted()
+        return self.stats()
+
+    def _release_unstarted(self) -> None:
+        """Grants not turned into groups go back to the global budget (else they
+        would count as in flight forever and could stall other workers)."""
+        if self._granted:
+            self._admission.release(self.worker_id, self._granted)
+            self._granted = 0
+
+    def _step(self) -> None:
+        t = time.perf_counter()
+        finished = self._engine.step()
+        dt = time.perf_counter() - t
+        with self._lock:
+            self._c.steps += 1
+            self._c.step_s += dt
+        for seq in finished:
+            self._collect(seq)
+
+    def _idle(self) -> None:
+        t = time.perf_counter()
+        self._wake.wait(self.poll_s)
+        self._wake.clear()
+        with self._lock:
+            self._c.idle_s += time.perf_counter() - t
+
+    def _apply_offered(self) -> None:
+        applied = self._engine.apply_staged()
+        if applied is None:
+            return
+        with self._lock:
+            self._c.stall_ms.append(applied.stall_s * 1e3)
+        log.info("worker %d: weights v%d applied in %.1f ms, %d sequences in flight", self.worker_id,
+                 applied.version, applied.stall_s * 1e3, applied.in_flight)
+
+    def _admit(self, max_groups: int | None) -> None:
+        """Ask for as many groups as the engine has room for, start those the held
+        weights are recent enough for. Rounds up: a group is admitted as soon as one
+        slot is free (its other sequences wait in vLLM's queue for the next free
+        slots), so the engine never runs below ``max_num_seqs`` while work is allowed."""
+        free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished()
+        room = -(-free // self.n) - self._granted
+        if max_groups is not None:
+            room = min(room, max_groups - self._c.groups_started - self._granted)
+        now = time.perf_counter()
+        if room > 0 and now >= self._next_acquire:
+            adm = self._admission.acquire(self.worker_id, room)
+            self._granted += adm.granted
+            self._min_version = adm.min_version
+            self._next_acquire = now + self.acquire_backoff_s if adm.granted < room else 0.0
+        while self._granted and self._engine.version >= self._min_version:
+            self._start_group()
+            self._granted -= 1
+
+    def start_at(self, counter: int) -> None:
+        """Continue group ids and prompts from ``counter`` (a restarted or resumed worker
+        must not reuse the group ids, or repeat the prompts, of its previous life)."""
+        if not 0 <= counter < GROUP_ID_STRIDE:
+            raise ValueError(f"group counter {counter} outside [0, {GROUP_ID_STRIDE})")
+        self._local = counter
+
+    def _start_group(self) -> None:
+        local = self._local
+        self._local += 1
+        group_id = self.worker_id * GROUP_ID_STRIDE + local
+        prompt = self._task.prompt(local * self.cfg.rollout.num_workers + self.worker_id)
+        prompt_ids = tuple(self._engine.encode(prompt.text))
+        self._pending[group_id] = _Pending(group_id, prompt, prompt_ids)
+        for i in range(self.n):
+            self._engine.add(GenRequest(f"{group_id}:{i}", prompt_ids, self._sampling))
+        with self._lock:
+            self._c.groups_started += 1
+
+    def _collect(self, seq: FinishedSequence) -> None:
+        gid, idx = (int(x) for x in seq.request_id.split(":"))
+        group = self._pending[gid]
+        group.done[idx] = seq
+        with self._lock:
+            self._c.tokens += seq.token_ids.shape[0]
+        if len(group.done) == self.n:
+            del self._pending[gid]
+            fut = self._pool.submit(self._score_and_send, group)
+            self._futures.add(fut)
+            fut.add_done_callback(self._on_sent)
+
+    # -- reward and send (pool threads) -------------------------------------------------
+    def _score_and_send(self, pending: _Pending) -> None:
+        completions = tuple(
+            Completion(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
+                       reward=self._reward(pending.prompt, s.text), finish_reason=s.finish_reason)
+            for s in (pending.done[i] for i in range(self.n)))
+        group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id,
+                      worker_id=self.worker_id,
+                      prompt_ids=_i32(pending.prompt_ids), completions=completions)
+        self._sender.send(group)
+        with self._lock:
+            self._c.groups_sent += 1
+
+    def _reward(self, prompt: Prompt, completion: str) -> float:
+        try:
+            value = float(self._reward_fn(prompt.text, completion, prompt))
+            if not math.isfinite(value):
+                raise ValueError(f"non-finite reward {value}")
+            return value
+        except Exception as e:  # a user's reward function must never kill the worker
+            with self._lock:
+                self._c.reward_errors += 1
+            log.warning("worker %d: reward function failed on prompt %d (scored 0): %s: %s",
+                        self.worker_id, prompt.prompt_id, type(e).__name__, e)
+            return 0.0
+
+    def _on_sent(self, fut: Future[None]) -> None:
+        with self._lock:
+            self._futures.discard(fut)
+            err = fut.exception()
+            if err is not None and self._error is None:
+                self._error = err
+        if err is not None:
+            self._wake.set()
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _drain(self) -> None:
+        """Wait for the groups handed to the pool to be scored and sent."""
+        while True:
+            with self._lock:
+                futures = list(self._futures)
+            if not futures:
+                break
+            for f in futures:
+                f.result()
+        self._raise_background_error()
+
+    def close(self, *, close_engine: bool = True) -> None:
+        """Stop, release the pool, the sender and (unless told not to: a shared
+        engine) the engine."""
+        self.stop()
+        if self._pending:  # started, never to be sent
+            self._admission.release(self.worker_id, len(self._pending))
+            self._pending.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._sender.close()
+        if close_engine:
+            self._engine.close()
+
+
+def _connect(address: str, worker_id: int, cfg: Config) -> SenderLike:
+    from pipeline_rl.buffer.sender import GroupSender
+
+    return GroupSender(address, worker_id, cfg.buffer.send_timeout_s)
+
+
+def _i32(ids: tuple[int, ...]) -> I32:
+    return np.asarray(ids, dtype=np.int32)
