@@ -1,0 +1,231 @@
+"""Trainer benchmark: step time, publish time per step, trainer idle fraction.
+
+The built-in model (``ModelConfig`` defaults: hidden 128, 2 layers, 4 heads) is trained by the
+real DeepSpeed trainer (ZeRO from ``--zero-stage``, one rank, gloo, CPU) in the real
+continuous loop (:class:`pipeline_rl.actors.trainer.TrainLoop`) fed by a producer thread that
+plays the rollout workers: it asks the real :class:`ReplayBuffer` for admission (global budget,
+staleness ``--staleness``), generates random well-formed groups (``rollout.n`` completions of up
+to ``rollout.max_new_tokens`` tokens) stamped with the version it knows, optionally at a capped
+rate (``--gen-groups-per-s``), and puts them into the buffer. After every step the weights are
+published through :class:`WeightPublisher` to ``--workers`` Ray actors that fetch each update
+from the object store the way a rollout worker does (``[ObjectRef]`` -> ``resolve_offer``).
+
+Figures (``--json PATH`` writes them; the three headline keys are always there):
+- ``step_time_s``: mean wall time of ``Trainer.step`` (batch of ``trainer.batch_size`` sequences);
+- ``publish_time_s``: mean time publishing costs the training thread per step (copying the
+  weights out + handing them to the publisher); ``publish_frac`` = that / step time (target <= 0.2);
+- ``trainer_idle_frac``: time waiting for a batch / loop wall time;
+- the first ``warmup_steps`` steps (JIT compilation of the loss kernel, allocator warm-up) are
+  left out of every figure and reported as ``first_step_s``;
+- background transport per version (``put_s``, ``offer_s``) and ``delivery_s`` (publish call ->
+  the worker holding the arrays).
+
+Usage: ``python benchmarks/trainer.py [--duration-s 120] [--workers 1] [--json PATH]``;
+``--quick`` runs a few seconds (smoke test). One thread per process (2-core machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline_rl.config import Config  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    steps: int
+    duration_s: float
+    step_time_s: float
+    first_step_s: float
+    step_time_p90_s: float
+    publish_time_s: float
+    publish_frac: float
+    gather_s: float
+    trainer_idle_frac: float
+    tokens_per_s: float
+    sequences_per_step: int
+    params: int
+    update_bytes: int
+    workers: int
+    put_s: float
+    offer_s: float
+    delivery_s: float
+    superseded: int
+    groups_produced: int
+    evicted: int
+    lag_mean: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(getattr(self, k)) for k in self.__dataclass_fields__}
+
+
+class Receiver:
+    """Ray actor standing in for a rollout worker's receiving side: takes ``[ObjectRef]``,
+    fetches the update from the object store, records when it had it."""
+
+    def __init__(self) -> None:
+        self.times: dict[int, float] = {}
+
+    def offer_weights(self, offer: Any) -> None:
+        from pipeline_rl.actors.weights import resolve_offer
+
+        update = resolve_offer(offer)
+        self.times[update.version] = time.time()
+
+    def received(self) -> dict[int, float]:
+        return self.times
+
+
+class Producer(threading.Thread):
+    """Plays the rollout workers: admission -> random groups -> buffer (blocks when full)."""
+
+    def __init__(self, buffer: Any, cfg: Config, groups_per_s: float | None) -> None:
+        super().__init__(name="producer", daemon=True)
+        self.buffer, self.cfg, self.rate = buffer, cfg, groups_per_s
+        self.stop_event = threading.Event()
+        self.produced = 0
+
+    def run(self) -> None:
+        from pipeline_rl.actors.batch import synthetic_groups
+
+        t0 = time.perf_counter()
+        while not self.stop_event.is_set():
+            grant = self.buffer.acquire(0, self.cfg.groups_per_step, timeout_s=0.2)
+            if grant.granted == 0:
+                continue
+            for g in synthetic_groups(grant.granted, self.cfg.rollout.n, prompt_len=12,
+                                      max_completion_len=self.cfg.rollout.max_new_tokens,
+                                      version=max(grant.version, grant.min_version), seed=self.produced,
+                                      first_group_id=self.produced):
+                if self.rate:
+                    time.sleep(max(0.0, t0 + self.produced / self.rate - time.perf_counter()))
+                if not self.buffer.put(g, timeout_s=5.0):
+                    return
+                self.produced += 1
+
+
+def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: int = 2,
+        gen_groups_per_s: float | None = None, max_new_tokens: int = 16,
+        warmup_steps: int = 1) -> BenchResult:
+    import ray
+    import torch
+
+    from pipeline_rl.actors.publish import WeightPublisher
+    from pipeline_rl.actors.trainer import LoopRecord, Trainer, TrainLoop
+    from pipeline_rl.buffer.replay import ReplayBuffer
+    from pipeline_rl.models.builtin import build_tiny_model
+
+    cfg = Config.model_validate({"staleness": staleness, "trainer": {"zero_stage": zero_stage},
+                                 "rollout": {"max_new_tokens": max_new_tokens}})
+    m = cfg.model
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "builtin", hidden_size=m.hidden_size,
+                                     num_layers=m.num_layers, num_heads=m.num_heads,
+                                     intermediate_size=m.intermediate_size)
+        trainer = Trainer(cfg, model_dir)
+        params = sum(p.numel() for p in trainer.model.parameters())
+        receivers: list[Any] = []
+        if workers:
+            from ray import cloudpickle
+
+            cloudpickle.register_pickle_by_value(sys.modules[Receiver.__module__])
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+                     log_to_driver=False, configure_logging=False)
+            actor = ray.remote(num_cpus=0.01)(Receiver)
+            receivers = [actor.remote() for _ in range(workers)]
+            ray.get([r.received.remote() for r in receivers])
+        publisher = WeightPublisher(receivers)
+        buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step)
+        producer = Producer(buffer, cfg, gen_groups_per_s)
+        loop = TrainLoop(trainer, buffer, publisher=publisher, batch_timeout_s=60)
+        published_at: dict[int, float] = {}
+        start = [0.0]
+
+        def on_step(rec: LoopRecord) -> None:
+            published_at[rec.step.version] = time.time()
+            if rec.step.version == warmup_steps:       # the clock starts after the warm-up
+                start[0] = time.perf_counter()
+            elif rec.step.version > warmup_steps and time.perf_counter() - start[0] >= duration_s:
+                loop.stop()
+
+        torch.manual_seed(0)
+        producer.start()
+        summary = loop.run(max_steps=10**9, on_step=on_step)
+        publisher.flush(30)
+        pstats = publisher.stats()
+        producer.stop_event.set()
+        buffer.close()
+        producer.join(10)
+        delivery: list[float] = []
+        for r in receivers:
+            got = ray.get(r.received.remote())
+            delivery += [t - published_at[v] for v, t in got.items() if v in published_at]
+        publisher.close()
+        if workers:
+            ray.shutdown()
+        trainer.close()
+    recs = summary.records[warmup_steps:]
+    wall = sum(r.wall_s for r in recs)
+    steps = [r.step.step_time_s for r in recs]
+    publish = [r.gather_s + r.publish_block_s for r in recs]
+    tokens = sum(r.step.num_tokens for r in recs)
+    bstats = buffer.stats()
+    step_mean = float(np.mean(steps))
+    return BenchResult(
+        steps=len(recs), duration_s=wall, step_time_s=step_mean, first_step_s=summary.records[0].step.step_time_s,
+        step_time_p90_s=float(np.percentile(steps, 90)), publish_time_s=float(np.mean(publish)),
+        publish_frac=float(np.mean(publish)) / step_mean, gather_s=float(np.mean([r.gather_s for r in recs])),
+        trainer_idle_frac=sum(r.wait_s for r in recs) / wall, tokens_per_s=tokens / wall,
+        sequences_per_step=cfg.trainer.batch_size, params=params,
+        update_bytes=pstats.bytes_published // max(pstats.published, 1), workers=workers,
+        put_s=pstats.put_s / max(pstats.published, 1), offer_s=pstats.offer_s / max(pstats.published, 1),
+        delivery_s=float(np.mean(delivery)) if delivery else 0.0, superseded=pstats.superseded,
+        groups_produced=producer.produced, evicted=sum(bstats.evicted.values()),
+        lag_mean=float(np.mean([r.step.lag.mean for r in recs])))
+
+
+def main(argv: list[str] | None = None) -> BenchResult:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--duration-s", type=float, default=120.0, help="Training wall time to measure.")
+    ap.add_argument("--workers", type=int, default=1, help="Ray receiver actors (0: no publishing "
+                    "transport, weights still copied out every step).")
+    ap.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--gen-groups-per-s", type=float, default=None,
+                    help="Cap the producer's rate (default: as fast as admission allows).")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="At most 3 s (smoke test).")
+    ap.add_argument("--json", type=Path, default=None, help="Write the figures here.")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    res = run(min(args.duration_s, 3.0) if args.quick else args.duration_s, workers=args.workers, zero_stage=args.zero_stage,
+              staleness=args.staleness, gen_groups_per_s=args.gen_groups_per_s,
+              max_new_tokens=args.max_new_tokens)
+    print(f"trainer: {res.steps} steps in {res.duration_s:.1f} s, {res.params / 1e6:.2f} M params, "
+          f"{res.sequences_per_step} seqs/step | step {res.step_time_s * 1e3:.1f} ms (p90 "
+          f"{res.step_time_p90_s * 1e3:.1f}) | publish on training thread {res.publish_time_s * 1e3:.2f} ms "
+          f"= {res.publish_frac:.1%} of a step (gather {res.gather_s * 1e3:.2f} ms) | background put "
+          f"{res.put_s * 1e3:.2f} ms, offer {res.offer_s * 1e3:.2f} ms, delivery {res.delivery_s * 1e3:.1f} ms "
+          f"to {res.workers} worker(s), {res.update_bytes / 2**20:.2f} MiB/update, {res.superseded} superseded | "
+          f"idle {res.trainer_idle_frac:.1%} | {res.tokens_per_s:.0f} tokens/s | lag {res.lag_mean:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(res.as_dict(), indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

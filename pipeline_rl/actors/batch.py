@@ -1,0 +1,193 @@
+"""Groups -> padded tensors for the trainer, and the batch's lag statistics.
+
+**Pad, not pack.** Each micro-batch is right-padded to its own longest sequence, after sorting
+the batch's sequences by length so sequences of similar length share a micro-batch. Why:
+- RL sequences here are short and similar in length (prompt + at most ``max_new_tokens``);
+  after length-sorting the padding waste is small (measured by :attr:`MicroBatch.pad_frac`).
+- Packing several sequences into one row needs a block-diagonal attention mask and per-sequence
+  position ids; Hugging Face models honour that only with flash-attention's varlen kernels,
+  which do not exist on CPU. Padding is exact with every HF causal LM and every attention
+  backend (sdpa / eager) on CPU and GPU.
+- With right padding and causal attention no real token ever attends to a pad token, so no
+  attention mask is needed and positions of real tokens are ``0..len-1`` as at generation.
+Length-sorting changes only the order of the terms of the (token-summed) loss.
+
+Alignment (the one place off-by-ones hide): a sequence is ``prompt_ids + token_ids`` of length
+``L = P + T``. The model's logits at position ``i`` predict token ``i + 1``, so the trainer's
+per-token tensors have length ``L - 1`` ("target" positions ``j = i``, predicting
+``input_ids[j + 1]``), and completion token ``t`` (``0 <= t < T``) sits at target position
+``P - 1 + t``. ``mask[j] = 1`` exactly on those ``T`` positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline_rl.samples import Group
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One forward/backward pass worth of sequences, right-padded.
+
+    Shapes: ``input_ids`` [B, L] int64; ``mask``, ``behav_logp`` [B, L-1] float32 (target
+    positions, see module docstring; ``behav_logp`` is 0 off the mask); ``advantages`` [B]
+    float32; ``index`` [B] int64: position of each row in the batch's flat completion order
+    (groups in order, completions in order), so per-row results can be put back in place.
+    """
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    behav_logp: torch.Tensor
+    advantages: torch.Tensor
+    index: torch.Tensor
+    num_real_tokens: int   # prompt + completion tokens, padding excluded
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.mask.sum().item())
+
+    @property
+    def pad_frac(self) -> float:
+        """Fraction of the [B, L] input that is padding."""
+        total = self.input_ids.numel()
+        return 1.0 - self.num_real_tokens / total if total else 0.0
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(self.input_ids.to(device), self.mask.to(device), self.behav_logp.to(device),
+                          self.advantages.to(device), self.index, self.num_real_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    prompt: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    advantage: float
+    index: int
+
+    @property
+    def length(self) -> int:
+        return int(self.prompt.shape[0] + self.tokens.shape[0])
+
+
+def flat_completions(groups: Sequence[Group]) -> int:
+    """Number of completions (sequences) in ``groups``."""
+    return sum(len(g.completions) for g in groups)
+
+
+def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray], *,
+                        micro_batch_size: int, pad_id: int = 0) -> list[MicroBatch]:
+    """Pad the batch's sequences into micro-batches of at most ``micro_batch_size`` rows.
+
+    ``advantages[g]`` holds one advantage per completion of ``groups[g]``. Sequences are sorted
+    by length (longest first, stable) before chunking; ``MicroBatch.index`` records the original
+    flat position. Raises ValueError on mismatched lengths.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 (got {micro_batch_size})")
+    if len(advantages) != len(groups):
+        raise ValueError(f"{len(advantages)} advantage arrays for {len(groups)} groups")
+    rows: list[_Row] = []
+    for g, adv in zip(groups, advantages, strict=True):
+        if len(adv) != len(g.completions):
+            raise ValueError(f"group {g.group_id}: {len(adv)} advantages for {len(g.completions)} completions")
+        if g.prompt_ids.shape[0] < 1:
+            raise ValueError(f"group {g.group_id}: empty prompt")
+        for c, a in zip(g.completions, adv, strict=True):
+            rows.append(_Row(g.prompt_ids, c.token_ids, c.logprobs, float(a), len(rows)))
+    rows.sort(key=lambda r: -r.length)  # stable: ties keep their flat order
+    return [_pad(rows[i:i + micro_batch_size], pad_id) for i in range(0, len(rows), micro_batch_size)]
+
+
+def _pad(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
+    length = max(r.length for r in rows)
+    b = len(rows)
+    ids = np.full((b, length), pad_id, dtype=np.int64)               # [B, L]
+    mask = np.zeros((b, max(length - 1, 0)), dtype=np.float32)       # [B, L-1]
+    behav = np.zeros((b, max(length - 1, 0)), dtype=np.float32)      # [B, L-1]
+    for i, r in enumerate(rows):
+        p, t = r.prompt.shape[0], r.tokens.shape[0]
+        ids[i, :p] = r.prompt
+        ids[i, p:p + t] = r.tokens
+        mask[i, p - 1:p - 1 + t] = 1.0
+        behav[i, p - 1:p - 1 + t] = r.logprobs
+    return MicroBatch(
+        input_ids=torch.from_numpy(ids), mask=torch.from_numpy(mask), behav_logp=torch.from_numpy(behav),
+        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        index=torch.tensor([r.index for r in rows], dtype=torch.int64),
+        num_real_tokens=sum(r.length for r in rows))
+
+
+@dataclass(frozen=True, slots=True)
+class LagStats:
+    """Staleness of a batch when the trainer takes it (DESIGN.md section 2).
+
+    Per completion: lag = trainer version - oldest token version (completions without tokens are
+    left out). ``hist[k]`` counts completions with lag ``k``. ``mixed_version_frac``: fraction of
+    completions whose tokens came from more than one policy version (spanned an in-flight update).
+    """
+
+    mean: float
+    max: int
+    hist: tuple[int, ...]
+    mixed_version_frac: float
+
+
+def lag_stats(groups: Sequence[Group], trainer_version: int) -> LagStats:
+    lags: list[int] = []
+    mixed = 0
+    for g in groups:
+        for c in g.completions:
+            if c.num_tokens == 0:
+                continue
+            lags.append(max(0, trainer_version - int(c.versions.min())))
+            mixed += int(c.versions[0] != c.versions[-1])
+    if not lags:
+        return LagStats(0.0, 0, (), 0.0)
+    hist = np.bincount(np.asarray(lags, dtype=np.int64))
+    return LagStats(mean=float(np.mean(lags)), max=int(max(lags)),
+                    hist=tuple(int(x) for x in hist), mixed_version_frac=mixed / len(lags))
+
+
+def synthetic_groups(num_groups: int, n: int, *, prompt_len: int = 8, max_completion_len: int = 16,
+                     vocab_size: int = 128, first_token: int = 3, version: int = 0,
+                     version_spread: int = 0, seed: int = 0, first_group_id: int = 0) -> list[Group]:
+    """Random but well-formed groups (for tests, benchmarks and dry runs without a generator).
+
+    Token ids are drawn from ``[first_token, vocab_size)`` (the built-in tokenizer's specials are
+    below 3), completion lengths from ``[1, max_completion_len]``, behaviour log-probs from
+    ``-U(0.1, 5)``, rewards are 0/1 (each group has at least one of each, so GRPO advantages are
+    non-zero). Token versions lie in ``[version - version_spread, version]`` and are
+    non-decreasing; some completions span two versions when ``version_spread > 0``.
+    """
+    from pipeline_rl.samples import Completion
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for gi in range(num_groups):
+        prompt = rng.integers(first_token, vocab_size, prompt_len, dtype=np.int32)
+        rewards = rng.permutation([1.0] + [0.0] + list(rng.integers(0, 2, n - 2).astype(float)))
+        comps = []
+        for ci in range(n):
+            t = int(rng.integers(1, max_completion_len + 1))
+            start = version - int(rng.integers(0, version_spread + 1))
+            versions = np.full(t, start, dtype=np.int32)
+            if version_spread and t > 1 and start < version:
+                versions[int(rng.integers(1, t)):] = start + 1
+            comps.append(Completion(
+                token_ids=rng.integers(first_token, vocab_size, t, dtype=np.int32),
+                logprobs=-rng.uniform(0.1, 5.0, t).astype(np.float32),
+                versions=versions, reward=float(rewards[ci]),
+                finish_reason="length" if t == max_completion_len else "stop"))
+        groups.append(Group(group_id=first_group_id + gi, prompt_id=first_group_id + gi, worker_id=0,
+                            prompt_ids=prompt, completions=tuple(comps)))
+    return groups
