@@ -1,0 +1,347 @@
+"""The policy objective: corrected REINFORCE (default) or decoupled PPO, with diagnostics.
+
+Shapes: ``B`` sequences (completions) padded to ``T`` tokens. Per token ``t`` of
+sequence ``b``: ``m`` mask (1 on completion tokens), ``w`` correction weight
+(``weights.py``, detached), ``A_b`` the sequence's advantage, ``s_b`` the row
+scale of the normalisation, ``N`` the normaliser.
+
+- ``reinforce``: ``L = -Σ m·w·A·s·logπ / N``.
+- ``ppo`` (AReaL's decoupled objective): ``ρ = π_θ / π_prox``,
+  ``L = -Σ m·w·s·min(ρA, clip(ρ, 1-ε, 1+ε)A) / N``, where the correction weight
+  ``w`` is computed from ``π_prox / μ`` (the proximal policy against the
+  behaviour policy), so it is constant across PPO epochs. ``prox_logp=None``
+  means ``π_prox = π_θ`` detached (first epoch: ratio 1).
+- Normalisation (``algorithm.normalization``): ``token``: ``s = 1``, ``N`` = mask
+  tokens in the *full* batch; ``sequence``: ``s_b = 1 / T_b`` (the sequence's
+  mask tokens), ``N`` = non-empty sequences in the full batch; ``constant``
+  (Dr. GRPO): ``s = 1``, ``N`` = sequences × ``constant_length``.
+- KL penalty (``kl_coef > 0``, needs ``ref_logp``): ``+ kl_coef · Σ m·s·kl / N``
+  with ``kl = logπ - log π_ref`` (k1) or ``exp(d) - d - 1``, ``d = log π_ref - logπ``
+  clamped to ±20 (k3, as verl). It is not importance-weighted.
+
+Gradient accumulation: compute ``N = loss_normalizer(full_mask, algo)`` once for
+the optimizer step and pass it as ``normalizer=`` to every micro-batch's
+``policy_loss``; the micro-batch losses then sum to the full-batch loss (and
+their gradients to its gradient), whatever the split.
+
+Safety: tokens with a non-finite log-prob (``-inf``, ``nan``; see ``weights.usable``) are dropped (weight 0,
+counted in ``nonfinite_tokens``; they still count in ``N``); an all-masked batch
+gives a zero loss with a zero (not missing) gradient and ``all_masked=True``.
+Arithmetic is float32 for float32/bf16/fp16 input (bf16 inputs get bf16 gradients) and
+float64 for float64 input on the reference path (gradient checks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pipeline_rl.config import AlgorithmConfig, CorrectionConfig
+from pipeline_rl.correction import fused
+from pipeline_rl.correction.weights import CORRECTIONS, RATIO_LOG_CLAMP, LogRatio, usable
+
+#: PPO / KL log-ratios are clamped to ±20 before exp (as verl) so nothing overflows.
+PPO_LOG_CLAMP = 20.0
+
+
+@dataclass
+class PolicyBatch:
+    """One (micro-)batch for the loss.
+
+    Invariants: every ``[B, T]`` tensor has the same shape; ``logp`` is the trainer's
+    log-prob of each sampled token (requires grad); ``behav_logp`` the generator's
+    (after temperature); ``mask`` bool or 0/1 float, 1 on completion tokens;
+    ``advantages`` ``[B]``, finite; ``prox_logp`` (PPO) and ``ref_logp`` (KL
+    penalty) optional, detached.
+    """
+
+    logp: Tensor                     # [B, T] trainer log-probs, requires grad
+    behav_logp: Tensor               # [B, T] behaviour (vLLM) log-probs
+    mask: Tensor                     # [B, T] bool / {0,1} float
+    advantages: Tensor               # [B]
+    prox_logp: Tensor | None = None  # [B, T] π_prox (PPO); None = logp detached
+    ref_logp: Tensor | None = None   # [B, T] reference policy (KL penalty)
+
+
+@dataclass
+class LossMetrics:
+    """Diagnostics of one policy_loss call (plain Python numbers; see ``as_dict``).
+
+    Token statistics run over *valid* tokens (in the mask, finite log-probs);
+    ratios are ``π/μ`` (``π_prox/μ`` for PPO). ``ess = (Σw)² / (n Σw²)`` over valid
+    tokens (1 = uniform weights, 0 = no weight left).
+    """
+
+    loss: float                # total loss value (policy + KL penalty)
+    pg_loss: float             # policy-gradient term
+    kl_ref: float              # KL-to-reference term, before kl_coef (0 when off)
+    mismatch_kl_k1: float      # mean(logμ - logπ)
+    mismatch_kl_k3: float      # mean(ρ - 1 - log ρ), ρ = π/μ
+    masked_token_frac: float   # mask tokens given weight 0 (by the method or non-finite)
+    masked_seq_frac: float     # non-empty sequences with no token left
+    clipped_frac: float        # valid tokens whose weight hit the cap (tis, seq-mask-tis)
+    ppo_clipped_frac: float    # valid tokens on the clipped PPO branch (0 for reinforce)
+    ess: float
+    ratio_mean: float
+    ratio_max: float
+    ratio_min: float
+    adv_mean: float
+    adv_std: float
+    num_tokens: float          # mask tokens
+    num_valid_tokens: float
+    nonfinite_tokens: float    # mask tokens dropped for a non-finite log-prob
+    num_seqs: float            # non-empty sequences
+    num_rows: float            # B
+    weight_sum: float          # Σw (for merging micro-batches)
+    weight_sq_sum: float       # Σw²
+    normalizer: float          # N used
+    all_masked: bool           # no valid token: loss 0, gradient 0
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat ``name -> float`` for logging (``all_masked`` as 0/1)."""
+        return {k: float(v) for k, v in asdict(self).items()}
+
+    @staticmethod
+    def merge(parts: Sequence["LossMetrics"]) -> "LossMetrics":
+        """Combine the metrics of the micro-batches of one step (losses add up when they
+        shared the full-batch normaliser; means are re-weighted by their counts)."""
+        if not parts:
+            raise ValueError("LossMetrics.merge: no parts")
+
+        def wmean(field: str, by: str) -> float:
+            tot = sum(getattr(p, by) for p in parts)
+            return sum(getattr(p, field) * getattr(p, by) for p in parts) / tot if tot else 0.0
+
+        valid = sum(p.num_valid_tokens for p in parts)
+        rows = sum(p.num_rows for p in parts)
+        adv_mean = wmean("adv_mean", "num_rows")
+        adv_sq = sum((p.adv_std ** 2 + p.adv_mean ** 2) * p.num_rows for p in parts) / max(rows, 1.0)
+        w_sum = sum(p.weight_sum for p in parts)
+        w_sq = sum(p.weight_sq_sum for p in parts)
+        return LossMetrics(
+            loss=sum(p.loss for p in parts), pg_loss=sum(p.pg_loss for p in parts),
+            kl_ref=sum(p.kl_ref for p in parts),
+            mismatch_kl_k1=wmean("mismatch_kl_k1", "num_valid_tokens"),
+            mismatch_kl_k3=wmean("mismatch_kl_k3", "num_valid_tokens"),
+            masked_token_frac=wmean("masked_token_frac", "num_tokens"),
+            masked_seq_frac=wmean("masked_seq_frac", "num_seqs"),
+            clipped_frac=wmean("clipped_frac", "num_valid_tokens"),
+            ppo_clipped_frac=wmean("ppo_clipped_frac", "num_valid_tokens"),
+            ess=w_sum * w_sum / (valid * w_sq) if w_sq > 0 else 0.0,
+            ratio_mean=wmean("ratio_mean", "num_valid_tokens") if valid else 1.0,
+            ratio_max=max(p.ratio_max for p in parts), ratio_min=min(p.ratio_min for p in parts),
+            adv_mean=adv_mean, adv_std=math.sqrt(max(adv_sq - adv_mean ** 2, 0.0)),
+            num_tokens=sum(p.num_tokens for p in parts), num_valid_tokens=valid,
+            nonfinite_tokens=sum(p.nonfinite_tokens for p in parts),
+            num_seqs=sum(p.num_seqs for p in parts), num_rows=rows,
+            weight_sum=w_sum, weight_sq_sum=w_sq, normalizer=parts[0].normalizer,
+            all_masked=all(p.all_masked for p in parts))
+
+
+def loss_normalizer(mask: Tensor, algo: AlgorithmConfig) -> float:
+    """``N`` for the full batch ``mask`` [B, T]: mask tokens (``token``), non-empty
+    sequences (``sequence``) or ``B · constant_length`` (``constant``). May be 0
+    (an all-masked batch); policy_loss then returns a zero loss."""
+    if mask.dim() != 2:
+        raise ValueError(f"loss_normalizer: mask must be [B, T], got {tuple(mask.shape)}")
+    if algo.normalization == "token":
+        return float(torch.count_nonzero(mask))
+    if algo.normalization == "sequence":
+        return float(torch.count_nonzero(torch.count_nonzero(mask, dim=1)))
+    return float(mask.shape[0] * algo.constant_length)
+
+
+def policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfig, *,
+                normalizer: float | None = None, use_fused: bool | None = None
+                ) -> tuple[Tensor, LossMetrics]:
+    """Scalar loss (differentiable in ``batch.logp``) and its diagnostics.
+
+    ``normalizer``: the full-batch ``N`` from :func:`loss_normalizer` when the batch
+    is one of several micro-batches; ``None`` computes it from this batch.
+    ``use_fused``: ``None`` picks the fused CPU kernel when it applies (``fused.py``),
+    ``False`` forces the reference torch path, ``True`` requires the kernel.
+    """
+    _check(batch, algo, corr)
+    n = loss_normalizer(batch.mask, algo) if normalizer is None else float(normalizer)
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"policy_loss: normalizer must be finite and >= 0, got {n}")
+    fusable = (algo.loss == "reinforce" and algo.kl_coef == 0.0 and corr.type in fused.MODES
+               and batch.logp.device.type == "cpu")
+    if use_fused is None:
+        use_fused = fusable and fused.available()
+    elif use_fused and not (fusable and fused.available()):
+        raise ValueError("policy_loss: the fused kernel needs numba, CPU tensors, "
+                         "algorithm.loss=reinforce and algorithm.kl_coef=0")
+    if use_fused:
+        return _fused_loss(batch, algo, corr, n)
+    return _reference_loss(batch, algo, corr, n)
+
+
+def _check(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfig) -> None:
+    """One-line errors for malformed input."""
+    shape = tuple(batch.logp.shape)
+    if len(shape) != 2:
+        raise ValueError(f"policy_loss: logp must be [B, T], got {shape}")
+    for name in ("behav_logp", "mask", "prox_logp", "ref_logp"):
+        t = getattr(batch, name)
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"policy_loss: {name} has shape {tuple(t.shape)}, logp has {shape}")
+    if tuple(batch.advantages.shape) != shape[:1]:
+        raise ValueError(f"policy_loss: advantages must be [B]={shape[:1]}, "
+                         f"got {tuple(batch.advantages.shape)}")
+    if not bool(torch.isfinite(batch.advantages).all()):
+        raise ValueError("policy_loss: advantages must be finite")
+    if corr.type not in CORRECTIONS:
+        raise ValueError(f"correction.type: unknown correction {corr.type!r}")
+    if algo.kl_coef > 0 and batch.ref_logp is None:
+        raise ValueError("algorithm.kl_coef > 0 needs PolicyBatch.ref_logp")
+
+
+def _row_coef(batch: PolicyBatch, algo: AlgorithmConfig) -> Tensor:
+    """``A_b · s_b`` [B] float32: the advantage times the normalisation's row scale."""
+    adv = batch.advantages.detach().to(torch.float32)            # [B]
+    if algo.normalization != "sequence":
+        return adv
+    t_b = torch.count_nonzero(batch.mask, dim=1).to(torch.float32)  # [B] mask tokens per row
+    return adv / t_b.clamp(min=1.0)
+
+
+def _adv_stats(adv: Tensor) -> tuple[float, float]:
+    a = adv.detach().to(torch.float64)
+    if a.numel() == 0:
+        return 0.0, 0.0
+    return float(a.mean()), float(a.std(unbiased=False))
+
+
+def _exp_capped(x: float) -> float:
+    """exp for reporting: finite for any float (inf in, 1e300 out)."""
+    return math.exp(max(min(x, 690.0), -745.0))
+
+
+def _metrics(s: np.ndarray, *, pg: float, kl: float, loss: float, ppo_clip: float,
+             rows: int, adv: Tensor, n: float) -> LossMetrics:
+    """LossMetrics from the statistics vector (layout ``fused.S_*``, float64)."""
+    valid, mask = s[fused.S_VALID], s[fused.S_MASK]
+    empty = valid == 0
+    adv_mean, adv_std = _adv_stats(adv)
+    return LossMetrics(
+        loss=loss, pg_loss=pg, kl_ref=kl,
+        mismatch_kl_k1=0.0 if empty else -s[fused.S_R] / valid,
+        mismatch_kl_k3=0.0 if empty else s[fused.S_K3] / valid,
+        masked_token_frac=(mask - s[fused.S_KEPT]) / mask if mask else 0.0,
+        masked_seq_frac=s[fused.S_SEQ_DROP] / s[fused.S_SEQ] if s[fused.S_SEQ] else 0.0,
+        clipped_frac=0.0 if empty else s[fused.S_CLIP] / valid,
+        ppo_clipped_frac=0.0 if empty else ppo_clip / valid,
+        ess=s[fused.S_W] ** 2 / (valid * s[fused.S_W2]) if s[fused.S_W2] > 0 else 0.0,
+        ratio_mean=1.0 if empty else 1.0 + s[fused.S_EM1] / valid,
+        ratio_max=1.0 if empty else _exp_capped(s[fused.S_RMAX]),
+        ratio_min=1.0 if empty else _exp_capped(s[fused.S_RMIN]),
+        adv_mean=adv_mean, adv_std=adv_std,
+        num_tokens=mask, num_valid_tokens=valid, nonfinite_tokens=mask - valid,
+        num_seqs=s[fused.S_SEQ], num_rows=float(rows),
+        weight_sum=s[fused.S_W], weight_sq_sum=s[fused.S_W2], normalizer=n,
+        all_masked=bool(empty))
+
+
+class _FusedReinforce(torch.autograd.Function):
+    """loss = Σ grad·logπ with the gradient precomputed by the kernel."""
+
+    @staticmethod
+    def forward(ctx: Any, logp: Tensor, value: Tensor, grad: Tensor) -> Tensor:
+        ctx.save_for_backward(grad)
+        ctx.in_dtype = logp.dtype
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
+        (grad,) = ctx.saved_tensors
+        if grad_out.numel() == 1 and float(grad_out) == 1.0:   # plain loss.backward(): no copy
+            return grad.to(ctx.in_dtype), None, None
+        return (grad * grad_out).to(ctx.in_dtype), None, None
+
+
+def _fused_loss(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfig,
+                n: float) -> tuple[Tensor, LossMetrics]:
+    row = _row_coef(batch, algo) * (-1.0 / (n if n > 0 else 1.0))        # [B]
+    grad, s = fused.reinforce_grad(batch.logp, batch.behav_logp, batch.mask, row, corr)
+    value = torch.tensor(float(s[fused.S_LOSS]), dtype=torch.float32)
+    loss = _FusedReinforce.apply(batch.logp, value, grad)
+    pg = float(value)
+    return loss, _metrics(s, pg=pg, kl=0.0, loss=pg, ppo_clip=0.0, rows=batch.logp.shape[0],
+                          adv=batch.advantages, n=n)
+
+
+def _reference_stats(lr: LogRatio, kept: Tensor, clipped: Tensor, w: Tensor,
+                     mask: Tensor) -> np.ndarray:
+    """The statistics vector of ``fused.py``, computed with plain torch ops (one transfer)."""
+    v = lr.valid
+    rc = lr.r.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)                    # [B, T], 0 off valid
+    em1 = torch.expm1(rc)                                                 # [B, T], 0 off valid
+    rows_nonempty = mask.any(dim=1)                                       # [B]
+    neg_inf = torch.tensor(-math.inf, dtype=lr.r.dtype, device=lr.r.device)
+    slots = {
+        fused.S_MASK: mask.sum(), fused.S_VALID: v.sum(), fused.S_R: rc.sum(),
+        fused.S_K3: (em1 - rc).sum(), fused.S_EM1: em1.sum(),
+        fused.S_RMAX: torch.where(v, lr.r, -math.inf).amax() if v.numel() else neg_inf,
+        fused.S_RMIN: torch.where(v, lr.r, math.inf).amin() if v.numel() else -neg_inf,
+        fused.S_W: w.sum(), fused.S_W2: (w * w).sum(), fused.S_CLIP: clipped.sum(),
+        fused.S_KEPT: kept.sum(), fused.S_SEQ: rows_nonempty.sum(),
+        fused.S_SEQ_DROP: (rows_nonempty & ~kept.any(dim=1)).sum(),
+    }
+    vec = torch.stack([slots[i].to(torch.float64) for i in sorted(slots)])
+    s = np.zeros(fused.NUM_STATS, dtype=np.float64)
+    s[sorted(slots)] = vec.cpu().numpy()
+    return s
+
+
+def _reference_loss(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfig,
+                    n: float) -> tuple[Tensor, LossMetrics]:
+    """The objective in plain differentiable torch (any device; the test oracle)."""
+    dt = torch.float64 if batch.logp.dtype == torch.float64 else torch.float32
+    mask = batch.mask.bool()                                              # [B, T]
+    logp = batch.logp.to(dt)                                              # [B, T], grad
+    lp_d = logp.detach()
+    ppo = algo.loss == "ppo"
+    prox = batch.prox_logp.detach().to(dt) if ppo and batch.prox_logp is not None else lp_d
+    lr = LogRatio.build(prox, batch.behav_logp, mask & usable(lp_d))  # π_prox/μ or π/μ
+    cw = CORRECTIONS[corr.type](lr, corr)
+    coef = cw.weights * _row_coef(batch, algo).to(dt)[:, None]            # [B, T] w·A·s
+    lp = torch.where(lr.valid, logp, 0.0)                                 # [B, T] finite
+    inv_n = 1.0 / (n if n > 0 else 1.0)
+    ppo_clip = 0.0
+    if ppo:
+        d = lp - torch.where(lr.valid, prox, 0.0)                         # [B, T] log π_θ/π_prox
+        rho = torch.exp(d.clamp(-PPO_LOG_CLAMP, PPO_LOG_CLAMP))          # [B, T]
+        rho_c = rho.clamp(1.0 - algo.ppo_clip, 1.0 + algo.ppo_clip)
+        surr = torch.minimum(rho * coef, rho_c * coef)                    # [B, T] w·s·min(ρA, ρ̄A)
+        pg = -surr.sum() * inv_n
+        ppo_clip = float((lr.valid & (rho_c * coef < rho * coef)).sum())
+    else:
+        pg = -(coef * lp).sum() * inv_n
+    kl = torch.zeros((), dtype=dt)
+    if algo.kl_coef > 0 and batch.ref_logp is not None:
+        kl = _kl_penalty(batch, algo, lp, lr.valid) * inv_n
+    loss = pg + algo.kl_coef * kl
+    s = _reference_stats(lr, cw.kept, cw.clipped, cw.weights, mask)
+    return loss, _metrics(s, pg=float(pg.detach()), kl=float(kl.detach()),
+                          loss=float(loss.detach()), ppo_clip=ppo_clip,
+                          rows=mask.shape[0], adv=batch.advantages, n=n)
+
+
+def _kl_penalty(batch: PolicyBatch, algo: AlgorithmConfig, lp: Tensor, valid: Tensor) -> Tensor:
+    """``Σ m·s·kl`` (not yet divided by N) of π_θ to the reference policy."""
+    assert batch.ref_logp is not None
+    ref = batch.ref_logp.detach().to(lp.dtype)                            # [B, T]
+    ok = valid & usable(ref)                                      # [B, T]
+    d = torch.where(ok, ref - lp, 0.0).clamp(-PPO_LOG_CLAMP, PPO_LOG_CLAMP)  # log π_ref/π
+    kl = -d if algo.kl_estimator == "k1" else torch.expm1(d) - d          # [B, T]
+    scale = torch.ones_like(batch.advantages, dtype=lp.dtype)
+    if algo.normalization == "sequence":
+        scale = scale / torch.count_nonzero(batch.mask, dim=1).to(lp.dtype).clamp(min=1.0)
+    return (torch.where(ok, kl, 0.0) * scale[:, None]).sum()
