@@ -112,7 +112,7 @@ class RolloutConfig(Section):
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")
-    kv_cache_gib: float = Field(1.0, gt=0.0, le=1024.0, description="vLLM CPU KV-cache space (GiB).")
+    kv_cache_gib: int = Field(1, ge=1, le=1024, description="vLLM CPU KV-cache space (GiB, whole).")
     max_model_len: int = Field(256, ge=16, le=1_048_576, description="Context length given to vLLM.")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM GPU memory share.")
 
@@ -189,6 +189,10 @@ class RayConfig(Section):
                                 "HOST:6379). Unset: start a local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray (default: all).")
     object_store_mb: int = Field(200, ge=64, description="Object store size for a local Ray (MiB).")
+    rollout_resource: str | None = Field(None, description="Custom Ray resource every rollout worker "
+                                         "needs (places workers on the nodes that declare it).")
+    trainer_resource: str | None = Field(None, description="Custom Ray resource every trainer rank "
+                                         "needs (places trainers on the nodes that declare it).")
 
 
 class Config(Section):

@@ -1,0 +1,113 @@
+"""Shared helpers of the run-level benchmarks (throughput, ablation): one local Ray,
+running a configuration through the real orchestrator, hardware description,
+per-run summaries read back from ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline_rl.cli import parse_config  # noqa: E402
+from pipeline_rl.config import Config  # noqa: E402
+from pipeline_rl.metrics import read_metrics  # noqa: E402
+
+
+def hardware() -> dict[str, Any]:
+    """What the figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
+            "gpu": None, "python": platform.python_version()}
+
+
+def config(argv: list[str]) -> Config:
+    cfg, _ = parse_config(argv)
+    return cfg
+
+
+def start_ray() -> None:
+    import ray
+
+    from pipeline_rl.driver import ACTOR_ENV
+
+    os.environ.update({k: v for k, v in ACTOR_ENV.items() if k not in os.environ})
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, object_store_memory=200 * 2**20,
+             runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
+
+
+def stop_ray() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+def run_pipeline(cfg: Config) -> list[dict[str, Any]]:
+    """Run one configuration through the real orchestrator; return its metrics rows."""
+    from pipeline_rl.driver import resolve_model_dir
+    from pipeline_rl.orchestrator import Orchestrator
+
+    metrics = Path(cfg.out_dir) / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    with Orchestrator(cfg, resolve_model_dir(cfg), threading.Event()) as orch:
+        orch.train()
+    return read_metrics(metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """Steady-state figures of one run (the first ``warmup`` steps left out).
+
+    ``t_gen_s``/``t_train_s``: per step, the time the trainer waited for its batch and
+    the time it spent training (their sum is the step time of a synchronous run)."""
+
+    name: str
+    staleness: int
+    step_time_s: float
+    tokens_per_s: float
+    trainer_idle_frac: float
+    generator_idle_frac: float
+    weight_update_stall_ms: float
+    t_gen_s: float
+    t_train_s: float
+    reward_first: float
+    reward_last: float
+    steps: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(name: str, staleness: int, rows: list[dict[str, Any]], warmup: int) -> RunSummary:
+    """Medians over the steady-state steps of a run."""
+    steady = rows[warmup:] if len(rows) > warmup + 1 else rows
+    times = [b["time_s"] - a["time_s"] for a, b in zip(steady, steady[1:])] or [steady[0]["step_time_s"]]
+    step = statistics.median(times)
+    idle = statistics.median(r["trainer_idle_frac"] for r in steady)
+    t_train = statistics.median(r.get("train_step_s", 0.0) for r in steady)
+    k = max(1, len(rows) // 5)
+    return RunSummary(
+        name=name, staleness=staleness, step_time_s=step,
+        tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
+        trainer_idle_frac=idle,
+        generator_idle_frac=statistics.median(r.get("generator_idle_frac", 0.0) for r in steady),
+        weight_update_stall_ms=statistics.median(r["weight_update_stall_ms"] for r in steady),
+        t_gen_s=max(0.0, step - t_train), t_train_s=t_train,
+        reward_first=statistics.fmean(r["reward_mean"] for r in rows[:k]),
+        reward_last=statistics.fmean(r["reward_mean"] for r in rows[-k:]), steps=len(rows))

@@ -1,0 +1,262 @@
+"""The Ray actors the driver places: buffer, rollout worker, trainer rank.
+
+Each wraps a plain class (``ReplayBuffer`` + ``BufferServer``, ``RolloutWorker``,
+``Trainer``) that is fully usable and tested without Ray; this module only adds
+process set-up (one thread per process, vLLM in-process), Ray-facing methods,
+and the typed messages that cross Ray calls. Control goes through these calls;
+samples go through ZeroMQ; weights through Ray's object store.
+
+The classes are decorated by :func:`remote_classes` at run time (no Ray import,
+no side effect at module import).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline_rl.config import Config
+
+
+def _one_thread_per_process(cfg: Config) -> None:
+    """Process set-up of every actor: one thread per process, one process per core
+    (PLATFORM.md "Threads"), vLLM in-process with the configured CPU KV cache."""
+    from pipeline_rl.driver import ACTOR_ENV
+
+    os.environ.update(ACTOR_ENV)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gib)
+    import torch
+
+    torch.set_num_threads(1)
+
+
+# --------------------------------------------------------------------------- buffer
+
+
+class BufferActor:
+    """The replay buffer and its ZeroMQ receiver in one process.
+
+    Threaded actor: ``acquire`` (workers), ``get_batch`` (trainer ranks, blocking)
+    and ``stats`` (driver) run concurrently; the buffer itself is thread-safe.
+    """
+
+    def __init__(self, cfg: Config, bind_host: str, start_version: int = 0) -> None:
+        from pipeline_rl.buffer import BufferServer, ReplayBuffer
+        from pipeline_rl.wire import WireLimits
+
+        self._buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step,
+                                    num_ranks=cfg.trainer.num_ranks, start_version=start_version)
+        address = cfg.buffer.address or f"tcp://{bind_host}:*"
+        limits = WireLimits(max_message_bytes=int(cfg.buffer.max_message_mb * 2**20))
+        self._server = BufferServer(self._buffer, address, limits=limits)
+
+    def address(self) -> str:
+        return self._server.address
+
+    def acquire(self, worker_id: int, max_groups: int) -> Any:
+        return self._buffer.acquire(worker_id, max_groups)
+
+    def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float, rank: int) -> Any:
+        return self._buffer.get_batch(num_groups, trainer_version, timeout_s, rank=rank)
+
+    def worker_lost(self, worker_id: int) -> int:
+        return self._buffer.worker_lost(worker_id)
+
+    def release(self, worker_id: int, count: int) -> int:
+        return self._buffer.release(worker_id, count)
+
+    def stats(self) -> Any:
+        return self._buffer.stats()
+
+    def close(self) -> None:
+        self._server.close()
+        self._buffer.close()
+
+
+class RayAdmission:
+    """Adapter: the rollout worker's admission source, backed by the buffer actor."""
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+
+    def acquire(self, worker_id: int, max_groups: int) -> Any:
+        import ray
+
+        return ray.get(self._buffer.acquire.remote(worker_id, max_groups))
+
+    def release(self, worker_id: int, count: int) -> int:
+        import ray
+
+        return int(ray.get(self._buffer.release.remote(worker_id, count)))
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+class RolloutActor:
+    """One vLLM rollout worker. Threaded actor: ``run`` holds one thread for the
+    generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
+
+    def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_address: str,
+                 buffer: Any) -> None:
+        _one_thread_per_process(cfg)
+        from pipeline_rl.actors.rollout_worker import RolloutWorker
+        from pipeline_rl.tasks import build_task
+
+        self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
+                                     buffer_address=buffer_address, admission=RayAdmission(buffer),
+                                     task=build_task(cfg.task, seed=cfg.seed))
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self, start_counter: int = 0) -> Any:
+        """The generation loop (returns when stopped); group ids and prompts continue
+        from ``start_counter``."""
+        self._worker.start_at(start_counter)
+        return self._worker.run()
+
+    def offer_weights(self, refs: list[Any]) -> None:
+        self._worker.offer_weights(refs)
+
+    def stats(self) -> Any:
+        return self._worker.stats()
+
+    def stop(self) -> None:
+        self._worker.stop()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerReport:
+    """What one trainer rank did in one step: the trainer's result, how long it waited
+    for the batch (``wait_s``, the trainer's idle time) and the step's wall time
+    including that wait (``wall_s``)."""
+
+    result: Any
+    wait_s: float
+    wall_s: float
+
+
+class TrainerActor:
+    """One data-parallel trainer rank (DeepSpeed). Rank 0 publishes weights."""
+
+    def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int, buffer: Any) -> None:
+        _one_thread_per_process(cfg)
+        self._cfg = cfg
+        self._model_dir = model_dir
+        self._rank = rank
+        self._world_size = world_size
+        self._buffer = buffer
+        self._trainer: Any = None
+        self._publisher: Any = None
+        self._lock = threading.Lock()
+
+    def node_ip(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the process group (rendezvous at rank 0) and build the DeepSpeed engine;
+        returns the starting version."""
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                          RANK=str(self._rank), WORLD_SIZE=str(self._world_size), LOCAL_RANK="0")
+        from pipeline_rl.actors.publish import WeightPublisher
+        from pipeline_rl.actors.trainer import Trainer
+
+        self._trainer = Trainer(self._cfg, self._model_dir, rank=self._rank,
+                                world_size=self._world_size, master_addr=master_addr,
+                                master_port=master_port)
+        self._publisher = WeightPublisher() if self._rank == 0 else None
+        return int(self._trainer.version)
+
+    def version(self) -> int:
+        return int(self._trainer.version)
+
+    def set_workers(self, workers: list[Any]) -> None:
+        """Rank 0: the rollout workers to publish to; workers new to the publisher get the
+        newest published weights at once."""
+        if self._publisher is not None:
+            self._publisher.set_workers(workers)
+
+    def offer_latest(self, workers: list[Any]) -> None:
+        """Rank 0: give ``workers`` (restarted ones) the newest published weights."""
+        if self._publisher is not None:
+            self._publisher.offer_latest(workers)
+
+    def publish_current(self) -> None:
+        """Publish the current weights (start-up, resume). Every rank calls it: under
+        ZeRO-3 gathering the full parameters is a collective."""
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._publisher is None and not self._trainer.weights_collective:
+            return
+        update = self._trainer.weights()
+        if self._publisher is not None:
+            self._publisher.publish(update)
+
+    def train_step(self, timeout_s: float) -> TrainerReport | None:
+        """Take this rank's share of the next batch (blocking up to ``timeout_s``), step,
+        publish. Returns None when no batch came in time."""
+        import ray
+
+        t0 = time.perf_counter()
+        share = self._cfg.groups_per_step // self._cfg.trainer.num_ranks
+        groups = ray.get(self._buffer.get_batch.remote(share, self._trainer.version, timeout_s,
+                                                       self._rank))
+        if groups is None:
+            return None
+        wait_s = time.perf_counter() - t0
+        with self._lock:
+            result = self._trainer.step(groups)
+            self._publish()
+        return TrainerReport(result, wait_s, time.perf_counter() - t0)
+
+    def publish_stats(self) -> Any:
+        return None if self._publisher is None else self._publisher.stats()
+
+    def save_checkpoint(self, path: str, data_position: int) -> str:
+        with self._lock:
+            return str(self._trainer.save_checkpoint(path, data_position=data_position))
+
+    def load_checkpoint(self, path: str) -> int:
+        with self._lock:
+            return int(self._trainer.load_checkpoint(path).version)
+
+    def close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+
+
+def remote_classes(cfg: Config, buffer_node_id: str) -> tuple[Any, Any, Any]:
+    """The Ray actor classes (buffer, rollout, trainer) with their resources; the
+    buffer is pinned to ``buffer_node_id`` (the driver's node)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def needs(resource: str | None) -> dict[str, float]:
+        return {resource: 0.001} if resource else {}
+
+    here = NodeAffinitySchedulingStrategy(buffer_node_id, soft=False)
+    buffer_cls = _actor(BufferActor).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here)
+    rollout_cls = _actor(RolloutActor).options(
+        num_cpus=1, max_concurrency=4, max_restarts=-1, max_task_retries=0,
+        resources=needs(cfg.ray.rollout_resource))
+    trainer_cls = _actor(TrainerActor).options(num_cpus=1, max_concurrency=2,
+                                               resources=needs(cfg.ray.trainer_resource))
+    return buffer_cls, rollout_cls, trainer_cls
+
+
+def _actor(cls: type) -> Any:
+    import ray
+
+    return ray.remote(cls)

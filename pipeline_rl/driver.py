@@ -1,0 +1,113 @@
+"""The Ray driver behind ``launch/async_grpo.py`` (DESIGN.md section 8).
+
+Start-up, in order: resolve the model folder (the built-in model is built and
+warm-started locally when ``--model.path`` is unset); start or join Ray; start
+the replay buffer actor (it binds its ZeroMQ PULL socket on its node's IP);
+start the trainer ranks (DeepSpeed, gloo on CPU) and the rollout workers
+(vLLM), each with one CPU; hand the workers the buffer's address and the
+trainer's first weights; then step.
+
+The loop: every trainer rank takes its share of a batch from the buffer (Ray
+call) as soon as the buffer can give one, steps, and rank 0 publishes the new
+weights to every worker in the background. The driver logs one
+:class:`~pipeline_rl.metrics.StepMetrics` per step and supervises:
+
+- a rollout worker that dies is restarted by Ray (``max_restarts``); the driver
+  tells the buffer to refund the dead worker's admission grants (its in-flight
+  groups are lost and counted), hands the new worker the newest weights and
+  restarts its generation loop; the run goes on;
+- a trainer rank that dies stops the run with one clear message; the last
+  checkpoint (every ``--trainer.checkpoint_every`` steps) is resumable;
+- Ctrl-C (SIGINT) or SIGTERM stops everything: the loop ends, workers stop,
+  sockets close, and a local Ray started here is shut down.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from pipeline_rl.config import Config
+
+log = logging.getLogger("pipeline_rl.driver")
+
+#: Environment of every actor process: one thread per process (PLATFORM.md), vLLM in-process.
+ACTOR_ENV = {
+    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": "cpu", "RAY_AUTH_MODE": "disabled",
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+class RunStopped(Exception):
+    """The run was stopped by a signal (Ctrl-C / SIGTERM)."""
+
+
+class _StopFlag:
+    """Set by SIGINT/SIGTERM; the main loop polls it between steps."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.event.is_set():  # second Ctrl-C: stop waiting politely
+            raise KeyboardInterrupt
+        print(f"\nstopping (signal {signum}); Ctrl-C again to force", file=sys.stderr, flush=True)
+        self.event.set()
+
+
+def resolve_model_dir(cfg: Config) -> str:
+    """The HF folder the run starts from: ``--model.path`` or the built-in model."""
+    if cfg.model.path is not None:
+        return cfg.model.path
+    from pipeline_rl.models import default_model_dir
+
+    return str(default_model_dir(cfg.model))
+
+
+def run(cfg: Config) -> int:
+    """Run a whole training job; returns the process exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from pipeline_rl.orchestrator import Orchestrator, OrchestratorError
+
+    stop = _StopFlag()
+    stop.install()
+    try:
+        with Orchestrator(cfg, resolve_model_dir(cfg), stop.event) as orch:
+            orch.train()
+    except OrchestratorError as e:
+        print(f"async_grpo.py: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("async_grpo.py: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        stop.restore()
+    return 130 if stop.event.is_set() else 0
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def out_dir(cfg: Config) -> Path:
+    return Path(cfg.out_dir)

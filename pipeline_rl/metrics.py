@@ -1,0 +1,149 @@
+"""What the user sees of a run: per-step metrics, a live progress line, a summary.
+
+One :class:`StepMetrics` per optimizer step is appended as one JSON line to
+``OUT_DIR/metrics.jsonl`` (the file is the run's record; it is flushed every
+step so a killed run keeps what it logged), mirrored to TensorBoard
+(``OUT_DIR/tb``) and to Weights & Biases when ``wandb`` is installed and
+``WANDB_PROJECT`` is set. Nothing here imports torch at module import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """The metrics of one optimizer step.
+
+    ``version`` is the policy version after the step (= step number);
+    ``time_s`` seconds since the run started; ``lag_*`` over the groups of the
+    step's batch (trainer version before the step minus oldest token version);
+    ``mixed_version_frac``: fraction of the batch's completions whose tokens
+    come from two or more policy versions; ``trainer_idle_frac``: the share of
+    this step's wall time the trainer spent waiting for a batch;
+    ``weight_update_stall_ms``: mean time a rollout worker's engine stood still
+    per weight update since the previous step (0 when none was applied);
+    ``evicted``: groups dropped as stale so far (cumulative).
+    """
+
+    step: int
+    version: int
+    time_s: float
+    reward_mean: float
+    tokens_per_s: float
+    lag_mean: float
+    lag_max: int
+    evicted: int
+    mismatch_kl: float
+    masked_frac: float
+    mixed_version_frac: float
+    trainer_idle_frac: float
+    weight_update_stall_ms: float
+    step_time_s: float
+    loss: float
+    buffer_fill: int
+    completion_len_mean: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_record(self) -> dict[str, Any]:
+        rec = asdict(self)
+        extra = rec.pop("extra")
+        rec.update(extra)
+        return rec
+
+
+class MetricsLogger:
+    """Appends step records to ``metrics.jsonl`` and TensorBoard, prints progress."""
+
+    def __init__(self, out_dir: Path, *, stream: TextIO = sys.stdout, tensorboard: bool = True) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (out_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self._stream = stream
+        self._history: list[StepMetrics] = []
+        self._tb: Any = None
+        self._wandb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(out_dir / "tb"))
+        if os.environ.get("WANDB_PROJECT"):
+            try:
+                import wandb  # type: ignore[import-not-found]
+
+                self._wandb = wandb.init(dir=str(out_dir))
+            except ImportError:
+                self._wandb = None
+
+    def log(self, m: StepMetrics) -> None:
+        rec = m.as_record()
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        self._history.append(m)
+        if self._tb is not None:
+            for key, value in rec.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, m.step)
+        if self._wandb is not None:
+            self._wandb.log(rec, step=m.step)
+        self._stream.write(progress_line(m) + "\n")
+        self._stream.flush()
+
+    @property
+    def history(self) -> list[StepMetrics]:
+        return list(self._history)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def progress_line(m: StepMetrics) -> str:
+    """One line per step: step, reward, tokens/s, lag, buffer fill, mismatch KL."""
+    return (f"step {m.step:4d} | reward {m.reward_mean:.3f} | {m.tokens_per_s:7.0f} tok/s | "
+            f"lag {m.lag_mean:.2f} (max {m.lag_max}) | buffer {m.buffer_fill:3d} | "
+            f"kl {m.mismatch_kl:+.1e} | mixed {m.mixed_version_frac:.2f} | "
+            f"idle {m.trainer_idle_frac:.2f} | {m.time_s:6.1f}s")
+
+
+def summary_table(history: list[StepMetrics]) -> str:
+    """A Markdown table summarising a run (first/last reward, speeds, lag, evictions)."""
+    if not history:
+        return "(no steps completed)"
+    first, last = history[0], history[-1]
+    k = max(1, len(history) // 10)
+    head = statistics.fmean(m.reward_mean for m in history[:k])
+    tail = statistics.fmean(m.reward_mean for m in history[-k:])
+    step_s = (last.time_s - first.time_s) / max(1, len(history) - 1) if len(history) > 1 else first.time_s
+    rows = [
+        ("steps", f"{len(history)}"),
+        ("wall time", f"{last.time_s:.1f} s"),
+        (f"reward (mean of first {k} steps)", f"{head:.3f}"),
+        (f"reward (mean of last {k} steps)", f"{tail:.3f}"),
+        ("time per step", f"{step_s:.2f} s"),
+        ("tokens/s (mean)", f"{statistics.fmean(m.tokens_per_s for m in history):.0f}"),
+        ("lag mean / max", f"{statistics.fmean(m.lag_mean for m in history):.2f} / "
+                           f"{max(m.lag_max for m in history)}"),
+        ("mixed-version samples", f"{statistics.fmean(m.mixed_version_frac for m in history):.3f}"),
+        ("evicted groups", f"{last.evicted}"),
+        ("trainer idle", f"{statistics.fmean(m.trainer_idle_frac for m in history):.2f}"),
+        ("weight-update stall", f"{statistics.fmean(m.weight_update_stall_ms for m in history):.1f} ms"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
+    lines += [f"| {name:<{width}} | {value} |" for name, value in rows]
+    return "\n".join(lines)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Read a ``metrics.jsonl`` file back (one dict per step)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
