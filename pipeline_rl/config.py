@@ -77,10 +77,11 @@ class TaskConfig(Section):
     """What the policy is trained on."""
 
     name: Literal["addition", "sort", "dataset"] = Field(
-        "addition", description="Built-in verifiable task, or 'dataset' for --task.dataset.")
+        "sort", description="Built-in verifiable task (sort: 'sort 5193=' -> '1359'; addition: "
+        "'12+34=' -> '46'), or 'dataset' for --task.dataset.")
     dataset: str | None = Field(None, description="JSONL file with 'prompt' and 'answer' fields "
                                 "(math answer-matching reward). Sets task.name=dataset.")
-    digits: int = Field(2, ge=1, le=12, description="Built-in tasks: operand digits / list length.")
+    digits: int = Field(4, ge=1, le=12, description="Built-in tasks: operand digits / list length.")
     num_prompts: int = Field(100_000, ge=1, description="Built-in tasks: size of the prompt pool.")
 
     @model_validator(mode="before")
@@ -174,7 +175,7 @@ class TrainerConfig(Section):
     batch_size: int = Field(32, ge=2, description="Sequences per optimizer step (multiple of "
                             "rollout.n).")
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward pass.")
-    lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate.")
+    lr: float = Field(2e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 = off).")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
@@ -200,7 +201,7 @@ class Config(Section):
 
     staleness: int = Field(2, ge=0, le=1_000_000, description="Largest lag (trainer version - "
                            "oldest token version) a trained sample may have; 0 = synchronous.")
-    max_steps: int = Field(60, ge=1, description="Optimizer steps to run.")
+    max_steps: int = Field(300, ge=1, description="Optimizer steps to run.")
     out_dir: str = Field("runs/latest", description="Metrics, TensorBoard logs and checkpoints.")
     seed: int = Field(0, ge=0, description="Random seed.")
     resume: str | None = Field(None, description="Checkpoint folder to resume from.")

@@ -80,7 +80,20 @@ def resolve_model_dir(cfg: Config) -> str:
         return cfg.model.path
     from pipeline_rl.models import default_model_dir
 
-    return str(default_model_dir(cfg.model))
+    return str(default_model_dir(cfg.model, cfg.task))
+
+
+def check_task(cfg: Config, model_dir: str) -> None:
+    """Load the task with the model's tokenizer before anything starts: a dataset row
+    without the needed fields, or a prompt longer than the context leaves room for,
+    is a one-line error here instead of a crash mid-run."""
+    from transformers import AutoTokenizer
+
+    from pipeline_rl.tasks import build_task
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer,
+               max_prompt_tokens=cfg.rollout.max_model_len - cfg.rollout.max_new_tokens)
 
 
 def run(cfg: Config) -> int:
@@ -89,10 +102,18 @@ def run(cfg: Config) -> int:
                         stream=sys.stderr)
     from pipeline_rl.orchestrator import Orchestrator, OrchestratorError
 
+    from pipeline_rl.tasks import TaskError
+
+    try:
+        model_dir = resolve_model_dir(cfg)
+        check_task(cfg, model_dir)
+    except (TaskError, OSError, ValueError) as e:
+        print(f"async_grpo.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     stop = _StopFlag()
     stop.install()
     try:
-        with Orchestrator(cfg, resolve_model_dir(cfg), stop.event) as orch:
+        with Orchestrator(cfg, model_dir, stop.event) as orch:
             orch.train()
     except OrchestratorError as e:
         print(f"async_grpo.py: error: {e}", file=sys.stderr)

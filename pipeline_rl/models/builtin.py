@@ -66,7 +66,8 @@ def build_tiny_model(out_dir: Path, *, hidden_size: int = 128, num_layers: int =
         vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
         head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
         pad_token_id=0, eos_token_id=1, bos_token_id=None, dtype="float32",
     )
     existing = out_dir / "config.json"

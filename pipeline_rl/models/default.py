@@ -1,0 +1,117 @@
+"""The built-in default model folder: built, warm-started and cached locally (nothing downloaded).
+
+:func:`default_model_dir` returns a Hugging Face folder that loads in transformers
+and vLLM. The first call builds it (random init, then the supervised warm start
+of :mod:`pipeline_rl.models.warmstart`, tens of seconds on one CPU core) into a
+cache folder; later calls with the same model shape, task and recipe return the
+cached folder at once. The folder name carries a hash of everything that
+determines the weights, so a changed recipe never reuses stale weights.
+
+Cache root, first that applies: ``$PIPELINE_RL_CACHE_DIR``; ``.cache/pipeline_rl``
+in the source checkout (git-ignored); ``~/.cache/pipeline_rl``. A build goes into
+a temporary sibling folder and is renamed into place when complete, so a crash
+or a concurrent build never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline_rl.models.builtin import VOCAB_SIZE, build_tiny_model
+from pipeline_rl.models.warmstart import WarmStartRecipe, probe, recipe_for, warm_start
+
+if TYPE_CHECKING:
+    from pipeline_rl.config import ModelConfig, TaskConfig
+
+#: File written next to the weights: the recipe and the probe of the warm-started model.
+INFO_FILE = "warmstart.json"
+
+
+def cache_root() -> Path:
+    """Where built models are cached (see the module doc for the order)."""
+    env = os.environ.get("PIPELINE_RL_CACHE_DIR")
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and os.access(checkout, os.W_OK):
+        return checkout / ".cache" / "pipeline_rl"
+    return Path.home() / ".cache" / "pipeline_rl"
+
+
+def _key(cfg: "ModelConfig", task_name: str, digits: int, recipe: WarmStartRecipe | None) -> str:
+    spec = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
+            "mlp": cfg.intermediate_size, "vocab": VOCAB_SIZE, "task": task_name, "digits": digits,
+            "recipe": asdict(recipe) if recipe is not None else None}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def default_model_dir(cfg: "ModelConfig", task: "TaskConfig | None" = None, *,
+                      recipe: WarmStartRecipe | None = None, cache_dir: Path | None = None,
+                      seed: int = 0) -> Path:
+    """A ready Hugging Face folder for the built-in model, warm-started on ``task``.
+
+    ``task`` defaults to ``TaskConfig()``; for a built-in task (``addition``,
+    ``sort``) the model is warm-started with ``recipe`` (default:
+    :func:`~pipeline_rl.models.warmstart.recipe_for` the task); for ``dataset``
+    it is left at its random initialisation. Raises ValueError when
+    ``cfg.path`` is set (that model is the user's, not built here).
+    """
+    from pipeline_rl.config import TaskConfig
+
+    if cfg.path is not None:
+        raise ValueError(f"model.path is set ({cfg.path}); default_model_dir builds only the built-in model")
+    task_cfg = task if task is not None else TaskConfig()
+    label: str
+    if task_cfg.name in ("addition", "sort"):
+        recipe = recipe if recipe is not None else recipe_for(task_cfg.name, task_cfg.digits, seed=seed)
+        label, digits = task_cfg.name, task_cfg.digits
+    else:  # a dataset: nothing to warm-start on, the built-in model stays at its random init
+        recipe, label, digits = None, "init", 0
+    name = f"builtin-{label}{digits or ''}-{_key(cfg, label, digits, recipe)}"
+    root = cache_dir if cache_dir is not None else cache_root()
+    final = root / name
+    if (final / INFO_FILE).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _build(cfg, task_cfg, recipe, tmp, seed)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process finished the same build first: theirs is identical
+            if not (final / INFO_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _build(cfg: "ModelConfig", task_cfg: "TaskConfig", recipe: WarmStartRecipe | None,
+           out: Path, seed: int) -> None:
+    """Random init into ``out``, then (with a recipe) warm start and probe; writes :data:`INFO_FILE` last."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from pipeline_rl.tasks import build_task
+
+    build_tiny_model(out, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                     intermediate_size=cfg.intermediate_size, seed=seed)
+    info: dict[str, object] = {"task": task_cfg.name, "digits": task_cfg.digits, "recipe": None}
+    if recipe is not None:
+        t0 = time.perf_counter()
+        model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+        task = build_task(task_cfg, seed=0)
+        losses = warm_start(model, task, recipe)
+        result = probe(model, task)
+        model.save_pretrained(out)
+        info.update(recipe=asdict(recipe), final_loss=sum(losses[-20:]) / min(20, len(losses)),
+                    probe=asdict(result), build_s=round(time.perf_counter() - t0, 1))
+    (out / INFO_FILE).write_text(json.dumps(info, indent=2))

@@ -1,0 +1,72 @@
+"""The task contract: prompts, reference answers and a programmatic reward.
+
+A task is a pool of ``num_prompts`` prompts addressed by ``prompt_id``. The
+prompt for an id is a pure function of ``(seed, prompt_id)``: every rollout
+worker, on every node, sees the same prompt for the same id, with no state
+shared between them. Ids outside ``[0, num_prompts)`` wrap around (an endless
+counter walks the pool in epochs). Rewards are floats in ``[0, 1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+
+class TaskError(ValueError):
+    """Bad task input (a dataset row, a prompt id); the message is one line naming the culprit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of a task.
+
+    ``prompt_id`` is the id it was asked for; ``text`` is fed to the model
+    verbatim (no chat template, no BOS added by the built-in tokenizer);
+    ``answer`` is the reference answer the reward compares against.
+    """
+
+    prompt_id: int
+    text: str
+    answer: str
+
+
+#: Any callable scoring one completion of a prompt; must return a float in [0, 1].
+RewardFn = Callable[[str, str, Prompt], float]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A verifiable task: deterministic prompts and a programmatic reward.
+
+    Invariants: ``prompt(i)`` is deterministic in ``i`` (for a fixed build seed);
+    ``reward(...)`` is in ``[0, 1]``, never raises on any completion text
+    (garbage scores 0), and is thread-safe (workers score in a thread pool).
+    """
+
+    @property
+    def name(self) -> str:
+        """Short task name (``addition``, ``sort``, ``dataset``)."""
+        ...
+
+    @property
+    def num_prompts(self) -> int:
+        """Size of the prompt pool (ids wrap around modulo this)."""
+        ...
+
+    def prompt(self, prompt_id: int) -> Prompt: ...
+
+    def reward(self, prompt: str, completion: str, meta: Prompt) -> float: ...
+
+
+def pool_index(prompt_id: int, num_prompts: int) -> int:
+    """Map a non-negative prompt id onto the pool (ids wrap around)."""
+    if prompt_id < 0:
+        raise TaskError(f"prompt_id must be >= 0 (got {prompt_id})")
+    return prompt_id % num_prompts
+
+
+def strip_eos(completion: str, eos: str = "<eos>") -> str:
+    """The completion up to (excluding) the first EOS marker, if the text still holds one."""
+    cut = completion.find(eos)
+    return completion if cut < 0 else completion[:cut]

@@ -1,0 +1,104 @@
+"""The built-in model: tokenizer round trips (transformers and vLLM), the cached warm start,
+and the pure-torch GRPO probe."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline_rl.config import ModelConfig, TaskConfig
+from pipeline_rl.models import WarmStartRecipe, default_model_dir, recipe_for
+from pipeline_rl.models.builtin import build_tiny_model
+from pipeline_rl.models.default import INFO_FILE
+from pipeline_rl.models.warmstart import EOS_ID, decode, encode
+from pipeline_rl.tasks import build_task
+
+TEXTS = ["sort 5193=", "1359", "74+64=", "138", "What is 1 + 1? \\boxed{2} ~!@#$%^&*()_{}|:\"<>?`"]
+QUICK = WarmStartRecipe(steps=60, batch_size=32, lr=3e-3, smoothing=0.0)
+
+
+@pytest.fixture(scope="module")
+def warm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A quickly warm-started built-in model (60 steps: format only, no real skill)."""
+    return default_model_dir(ModelConfig(), TaskConfig(name="sort", digits=3), recipe=QUICK,
+                             cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def test_tokenizer_round_trips_in_transformers(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "m"))
+    assert type(tok).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert tok.eos_token_id == EOS_ID and tok.pad_token_id == 0
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == encode(text)                    # one id per char, no BOS/EOS added
+        assert tok.decode(ids) == text == decode(ids)
+    assert tok.decode(encode("42") + [EOS_ID], skip_special_tokens=True) == "42"
+
+
+def test_tokenizer_round_trips_in_vllm(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from vllm.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(str(build_tiny_model(tmp_path / "m")))
+    for text in TEXTS:
+        assert tok.encode(text) == encode(text)
+        assert tok.decode(encode(text)) == text
+    assert tok.eos_token_id == EOS_ID
+
+
+def test_warm_start_is_cached_loads_in_transformers_and_stops_with_eos(warm_dir: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from pipeline_rl.models.warmstart import sample
+
+    info = json.loads((warm_dir / INFO_FILE).read_text())
+    assert info["recipe"]["steps"] == QUICK.steps and info["task"] == "sort"
+    t0 = time.perf_counter()
+    again = default_model_dir(ModelConfig(), TaskConfig(name="sort", digits=3), recipe=QUICK,
+                              cache_dir=warm_dir.parent)
+    assert again == warm_dir and time.perf_counter() - t0 < 1.0     # cached: no rebuild
+    assert not [p for p in warm_dir.parent.iterdir() if p.name.startswith(".tmp-")]
+    model = LlamaForCausalLM.from_pretrained(warm_dir)
+    task = build_task(TaskConfig(name="sort", digits=3))
+    ro = sample(model, task, [task.prompt(i) for i in range(16)], n=2, max_new_tokens=16,
+                temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert float(ro.stopped.float().mean()) >= 0.9                   # learnt to emit <eos>
+    assert sum(t.isdigit() and len(t) == 3 for t in ro.texts) >= 24  # and the answer format
+
+
+def test_cache_key_separates_recipes_tasks_and_shapes(tmp_path: Path) -> None:
+    tiny = WarmStartRecipe(steps=1, batch_size=2)
+    a = default_model_dir(ModelConfig(), TaskConfig(name="sort", digits=3), recipe=tiny, cache_dir=tmp_path)
+    b = default_model_dir(ModelConfig(), TaskConfig(name="sort", digits=4), recipe=tiny, cache_dir=tmp_path)
+    c = default_model_dir(ModelConfig(), TaskConfig(name="sort", digits=3),
+                          recipe=WarmStartRecipe(steps=2, batch_size=2), cache_dir=tmp_path)
+    d = default_model_dir(ModelConfig(hidden_size=64, num_heads=2), TaskConfig(name="sort", digits=3),
+                          recipe=tiny, cache_dir=tmp_path)
+    assert len({a, b, c, d}) == 4
+    assert json.loads((d / "config.json").read_text())["hidden_size"] == 64
+    with pytest.raises(ValueError, match="model.path"):
+        default_model_dir(ModelConfig(path=str(a)))
+
+
+def test_default_recipe_aims_at_the_target_reward() -> None:
+    for name, digits in (("sort", 4), ("sort", 6), ("addition", 2)):
+        r = recipe_for(name, digits, target_reward=0.25)
+        assert recipe_for(name, digits).smoothing > r.smoothing       # default target 0.2: weaker
+        length = digits if name == "sort" else digits + 1
+        assert 0 < r.smoothing < 1
+        assert abs((1 - 0.9 * r.smoothing) ** length - 0.25) < 0.01
+
+
+def test_grpo_probe_runs(warm_dir: Path) -> None:
+    from pipeline_rl.models.rl_probe import RLProbeConfig, grpo_probe
+
+    task = build_task(TaskConfig(name="sort", digits=3))
+    res = grpo_probe(warm_dir, task, RLProbeConfig(steps=3, groups=2, n=4, lag=1, probe_every=3))
+    assert len(res.rewards) == 3 and all(0.0 <= r <= 1.0 for r in res.rewards)
+    assert len(res.probes) == 1 and res.steps_to(2.0) is None
