@@ -47,6 +47,7 @@ def start_ray() -> None:
     from pipeline_rl.driver import ACTOR_ENV
 
     os.environ.update({k: v for k, v in ACTOR_ENV.items() if k not in os.environ})
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, object_store_memory=200 * 2**20,
              runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
 

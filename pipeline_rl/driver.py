@@ -40,7 +40,7 @@ log = logging.getLogger("pipeline_rl.driver")
 #: Environment of every actor process: one thread per process (PLATFORM.md), vLLM in-process.
 ACTOR_ENV = {
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": "cpu", "RAY_AUTH_MODE": "disabled",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": "cpu",
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
     "RAY_DEDUP_LOGS": "0",
 }

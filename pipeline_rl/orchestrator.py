@@ -119,6 +119,9 @@ class Orchestrator:
         elif cfg.ray.address:
             ray.init(address=cfg.ray.address, runtime_env=runtime_env, log_to_driver=True)
         else:
+            # A private local Ray: no token file in the home folder (PLATFORM.md), unless the
+            # user chose an auth mode.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
                      object_store_memory=cfg.ray.object_store_mb * 2**20, runtime_env=runtime_env)
             self._started_ray = True

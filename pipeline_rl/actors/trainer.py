@@ -129,6 +129,13 @@ def _init_distributed(rank: int, world_size: int, master_addr: str | None, maste
         if dist.get_rank() != rank or dist.get_world_size() != world_size:
             raise RuntimeError(f"trainer: this process is already rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, cannot become rank {rank} of {world_size}")
+        if dist.get_backend() != backend:
+            raise RuntimeError(f"trainer: this process already holds a {dist.get_backend()} process "
+                               f"group; a trainer on this device needs {backend} (one device kind "
+                               f"per process)")
+        # a group made by another library (vLLM's engine in the same process) leaves no
+        # LOCAL_RANK, which deepspeed.initialize requires
+        os.environ.setdefault("LOCAL_RANK", "0")
         return
     master_addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     if master_port is None and os.environ.get("MASTER_PORT", "").isdigit():
@@ -148,6 +155,22 @@ def _prepare_cpu_deepspeed() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_ROOT / ".cache" / "torch_extensions"))
     setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
+
+
+def _prepare_cuda_deepspeed() -> None:
+    """DeepSpeed picks its accelerator once per process, from ``DS_ACCELERATOR`` when set (the
+    test suite and CPU runs set ``cpu``); a CUDA trainer needs DeepSpeed's CUDA accelerator, else
+    the engine keeps the model on the CPU. Raises when DeepSpeed already chose another one."""
+    if os.environ.get("DS_ACCELERATOR", "cuda") != "cuda":
+        log.info("trainer: model.device is cuda; DS_ACCELERATOR=%s replaced by cuda",
+                 os.environ["DS_ACCELERATOR"])
+        os.environ["DS_ACCELERATOR"] = "cuda"
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    if name != "cuda":
+        raise RuntimeError(f"trainer: DeepSpeed already uses its {name} accelerator in this "
+                           f"process; a CUDA trainer needs its own process")
 
 
 class Trainer:
@@ -177,6 +200,8 @@ class Trainer:
             torch.set_num_threads(num_threads)
         if self.device.type == "cpu":
             _prepare_cpu_deepspeed()
+        else:
+            _prepare_cuda_deepspeed()
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -272,7 +297,9 @@ class Trainer:
                 first = (self._all_reduce_sum(loss_sum) / self.world_size, LossMetrics.merge(parts))
                 prox = logps
         assert first is not None
-        grad_norm = self.engine.get_global_grad_norm() if self.zero_stage else self._grad_norm
+        # ZeRO-0 fp32: recorded by the clip hook; otherwise (ZeRO 1-3, and DeepSpeed's bf16
+        # optimizer, which clips by itself) the engine reports it
+        grad_norm = self._grad_norm if self._grad_norm is not None else self.engine.get_global_grad_norm()
         rewards = [c.reward for g in groups for c in g.completions]
         real = sum(mb.num_real_tokens for mb in mbs)
         return StepResult(
