@@ -62,10 +62,10 @@ class StepMetrics:
 class MetricsLogger:
     """Appends step records to ``metrics.jsonl`` and TensorBoard, prints progress."""
 
-    def __init__(self, out_dir: Path, *, stream: TextIO = sys.stdout, tensorboard: bool = True) -> None:
+    def __init__(self, out_dir: Path, *, stream: TextIO | None = None, tensorboard: bool = True) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self._file = (out_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._stream = stream
+        self._stream = stream if stream is not None else sys.stdout  # read at call time
         self._history: list[StepMetrics] = []
         self._tb: Any = None
         self._wandb: Any = None
