@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import statistics
 import threading
@@ -33,6 +34,7 @@ from pipeline_rl.metrics import MetricsLogger, StepMetrics, summary_table
 log = logging.getLogger("pipeline_rl.orchestrator")
 
 _POLL_S = 0.5
+_STOP_GRACE_S = 3.0
 
 
 class OrchestratorError(RuntimeError):
@@ -85,6 +87,8 @@ class Orchestrator:
         self.stop = stop
         self.out = Path(cfg.out_dir)
         self._started_ray = False
+        self._abandoned_step = False  # a stop left a train step unfinished: no final checkpoint
+        self._ray_session_dir: str | None = None
         self._buffer: Any = None
         self._trainers: list[Any] = []
         self._workers: list[_WorkerState] = []
@@ -122,9 +126,11 @@ class Orchestrator:
             # A private local Ray: no token file in the home folder (PLATFORM.md), unless the
             # user chose an auth mode.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                     object_store_memory=cfg.ray.object_store_mb * 2**20, runtime_env=runtime_env)
+            ctx = ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
+                           object_store_memory=cfg.ray.object_store_mb * 2**20,
+                           runtime_env=runtime_env)
             self._started_ray = True
+            self._ray_session_dir = getattr(ctx, "address_info", {}).get("session_dir")
         buffer_cls, rollout_cls, trainer_cls = remote_classes(cfg, ray.get_runtime_context().get_node_id())
         multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
         host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
@@ -190,6 +196,8 @@ class Orchestrator:
             self._logger.close()
         if self._started_ray:
             ray.shutdown()
+            if self._ray_session_dir:  # Ray leaves its plasma store's socket file behind
+                shutil.rmtree(Path(self._ray_session_dir) / "sockets", ignore_errors=True)
 
     # ------------------------------------------------------------------ the loop
 
@@ -204,7 +212,10 @@ class Orchestrator:
             every = self.cfg.trainer.checkpoint_every
             if every and self.version % every == 0 and self.version < self.cfg.max_steps:
                 self.checkpoint()
-        if self.history:
+        if self._abandoned_step:
+            log.warning("stopped during a training step: no final checkpoint (the step's weights "
+                        "would not match its version); the last periodic checkpoint is resumable")
+        elif self.history:
             self.checkpoint()
             print(summary_table(self.history), flush=True)
         return self.history
@@ -216,20 +227,29 @@ class Orchestrator:
         pending = list(refs)
         while pending:
             if self.stop.is_set():
-                return None
+                # Let a step already under way finish (a checkpoint taken meanwhile would hold
+                # its weights under the previous version's name); give up on one still waiting.
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=_STOP_GRACE_S)
+                if pending:
+                    self._abandoned_step = True
+                    return None
+                break
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
             self._supervise_workers()
         try:
             reports = ray.get(refs)
         except ray.exceptions.RayActorError as e:
-            raise OrchestratorError(f"a trainer rank died at version {self.version} "
-                                    f"({type(e).__name__}); resume from the last checkpoint in "
-                                    f"{self.out / 'checkpoints'} with --resume") from None
+            raise self._trainer_died(e) from None
         if any(r is None for r in reports):
             raise OrchestratorError(f"no batch within --trainer.batch_timeout_s="
                                     f"{self.cfg.trainer.batch_timeout_s} at version {self.version}")
         self.version += 1
         return reports
+
+    def _trainer_died(self, e: BaseException) -> OrchestratorError:
+        return OrchestratorError(f"a trainer rank died at version {self.version} "
+                                 f"({type(e).__name__}); resume from the last checkpoint in "
+                                 f"{self.out / 'checkpoints'} with --resume")
 
     def _supervise_workers(self) -> None:
         """Restart the generation loop of a worker that died (Ray restarts its process)."""
@@ -251,7 +271,10 @@ class Orchestrator:
             w.tokens, w.idle_s, w.stalls_seen = 0, 0.0, 0
             log.warning("rollout worker %d stopped (%s): restarted, %d in-flight groups lost",
                         idx, why, lost)
-            ray.get(self._trainers[0].offer_latest.remote([w.handle]))
+            try:
+                ray.get(self._trainers[0].offer_latest.remote([w.handle]))
+            except ray.exceptions.RayActorError as e:
+                raise self._trainer_died(e) from None
             w.run_ref = w.handle.run.remote(self._start_counter(w))
 
     def _start_counter(self, w: _WorkerState) -> int:
@@ -323,7 +346,10 @@ class Orchestrator:
         from pipeline_rl.actors.checkpoint import checkpoint_name
 
         path = self.out / "checkpoints" / checkpoint_name(self.version)
-        ray.get([t.save_checkpoint.remote(str(path), self.version) for t in self._trainers])
+        try:
+            ray.get([t.save_checkpoint.remote(str(path), self.version) for t in self._trainers])
+        except ray.exceptions.RayActorError as e:
+            raise self._trainer_died(e) from None
         log.info("checkpoint saved: %s", path)
         return path
 

