@@ -120,6 +120,7 @@ def _colocated_rows(flags: tuple[str, ...], steps: int) -> list[dict[str, Any]]:
             t1 = time.perf_counter()
             res = trainer.step(groups)
             worker.offer_weights(trainer.weights())
+            buffer.set_version(trainer.version)  # opens the admission budget for the next step
             t2 = time.perf_counter()
             tokens = worker.stats().tokens_generated - before
             rows.append({"step": step + 1, "time_s": t2 - start, "step_time_s": t2 - t0,

@@ -56,8 +56,11 @@ class BufferActor:
     def address(self) -> str:
         return self._server.address
 
-    def acquire(self, worker_id: int, max_groups: int) -> Any:
-        return self._buffer.acquire(worker_id, max_groups)
+    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Any:
+        return self._buffer.acquire(worker_id, max_groups, timeout_s)
+
+    def set_version(self, version: int) -> None:
+        self._buffer.set_version(version)
 
     def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float, rank: int) -> Any:
         return self._buffer.get_batch(num_groups, trainer_version, timeout_s, rank=rank)
@@ -82,10 +85,10 @@ class RayAdmission:
     def __init__(self, buffer: Any) -> None:
         self._buffer = buffer
 
-    def acquire(self, worker_id: int, max_groups: int) -> Any:
+    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Any:
         import ray
 
-        return ray.get(self._buffer.acquire.remote(worker_id, max_groups))
+        return ray.get(self._buffer.acquire.remote(worker_id, max_groups, timeout_s))
 
     def release(self, worker_id: int, count: int) -> int:
         import ray
@@ -220,6 +223,9 @@ class TrainerActor:
         with self._lock:
             result = self._trainer.step(groups)
             self._publish()
+            # Open the admission budget for the next step now, not when the next batch is
+            # asked for (fire and forget; the buffer ignores an older version).
+            self._buffer.set_version.remote(self._trainer.version)
         return TrainerReport(result, wait_s, time.perf_counter() - t0)
 
     def publish_stats(self) -> Any:

@@ -76,7 +76,7 @@ class AdmissionSource(Protocol):
     """The global admission budget: the ``ReplayBuffer`` itself, or a Ray-handle adapter.
     ``release`` gives back grants the worker will not use (returns the refund)."""
 
-    def acquire(self, worker_id: int, max_groups: int) -> AdmissionLike: ...
+    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> AdmissionLike: ...
 
     def release(self, worker_id: int, count: int) -> int: ...
 
@@ -151,7 +151,8 @@ class RolloutWorker:
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_address: str,
                  admission: AdmissionSource, task: Task, *, reward_fn: RewardFn | None = None,
                  engine: GenerationEngine | None = None, sender: SenderLike | None = None,
-                 reward_threads: int = 2, poll_s: float = 0.005, acquire_backoff_s: float = 0.02) -> None:
+                 reward_threads: int = 2, poll_s: float = 0.005, acquire_backoff_s: float = 0.02,
+                 acquire_wait_s: float = 0.05) -> None:
         self.cfg = cfg
         self.worker_id = worker_id
         self.n = cfg.rollout.n
@@ -171,7 +172,7 @@ class RolloutWorker:
         self._min_version = 0
         self._next_acquire = 0.0
         self._local = 0
-        self.poll_s, self.acquire_backoff_s = poll_s, acquire_backoff_s
+        self.poll_s, self.acquire_backoff_s, self.acquire_wait_s = poll_s, acquire_backoff_s, acquire_wait_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -280,7 +281,11 @@ class RolloutWorker:
             room = min(room, max_groups - self._c.groups_started - self._granted)
         now = time.perf_counter()
         if room > 0 and now >= self._next_acquire:
-            adm = self._admission.acquire(self.worker_id, room)
+            # With nothing to step, wait in the buffer for the budget to open (it opens the
+            # moment the trainer's version moves) instead of polling: no lost latency at
+            # staleness 0, no busy RPCs.
+            idle = not self._engine.num_unfinished() and not self._granted
+            adm = self._admission.acquire(self.worker_id, room, self.acquire_wait_s if idle else 0.0)
             self._granted += adm.granted
             self._min_version = adm.min_version
             self._next_acquire = now + self.acquire_backoff_s if adm.granted < room else 0.0
