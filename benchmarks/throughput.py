@@ -212,7 +212,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         times = [c["step_time_s"] for c in wl["configs"]]
         errs = [[c["step_time_s"] - c["step_time_s_spread"]["min"] for c in wl["configs"]],
                 [c["step_time_s_spread"]["max"] - c["step_time_s"] for c in wl["configs"]]]
-        ax.bar(names, times, yerr=errs, color=["#999", "#bbb", "#6a9", "#3a7", "#185"][:len(names)])
+        colors = ["#888" if n.startswith("sync") else "#3a7" for n in names]
+        ax.bar(names, times, yerr=errs, color=colors)
         ax.set_ylabel("wall time per optimizer step (s)")
         ax.set_title(f"{wl['name']}: async s2 = {wl['speedup_vs_same_placement_sync']:.2f}x sync "
                      f"(bound {wl['overlap_bound']:.2f}x)")

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _hidden_from_vllm_kernel_scan(*module_names: str) -> Iterator[None]:
+def hidden_from_vllm_kernel_scan(*module_names: str) -> Iterator[None]:
     """Hide modules from ``sys.modules`` while vLLM starts, then put them back.
 
     At start-up vLLM's kernel dispatcher (``vllm/triton_utils/dispatcher.py``)
@@ -91,7 +91,7 @@ class CpuEngine(GenerationEngine):
             enable_prefix_caching=cfg.kv_policy == "recompute",
             enforce_eager=enforce_eager, disable_log_stats=True,
         )
-        with _hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
+        with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
             self._llm = LLMEngine.from_engine_args(args)
         # Layers with no checkpoint weights (rotary cos/sin caches) keep their tensors
         # on reload, which vLLM reports as a warning on every update: expected here.

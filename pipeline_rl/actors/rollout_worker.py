@@ -286,6 +286,9 @@ class RolloutWorker:
             # staleness 0, no busy RPCs.
             idle = not self._engine.num_unfinished() and not self._granted
             adm = self._admission.acquire(self.worker_id, room, self.acquire_wait_s if idle else 0.0)
+            if idle:  # the wait in the buffer is engine idle time
+                with self._lock:
+                    self._c.idle_s += time.perf_counter() - now
             self._granted += adm.granted
             self._min_version = adm.min_version
             self._next_acquire = now + self.acquire_backoff_s if adm.granted < room else 0.0

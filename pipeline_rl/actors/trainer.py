@@ -123,8 +123,16 @@ def _init_distributed(rank: int, world_size: int, master_addr: str | None, maste
     Address and port: the arguments, else ``MASTER_ADDR`` / ``MASTER_PORT`` from the
     environment, else loopback and (one rank only) a free port."""
     import deepspeed
+    import deepspeed.comm.comm as ds_comm
+    import deepspeed.utils.groups as ds_groups
     import torch.distributed as dist
 
+    # DeepSpeed keeps one communication backend object per process, bound to the process
+    # group alive when it was made; an in-process vLLM engine destroys and re-creates the
+    # default group, which would leave that object stale. Re-wrap the current group.
+    ds_comm.cdb = None
+    ds_groups._WORLD_GROUP = None  # DeepSpeed's cached clone of the default group, likewise
+    ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     if dist.is_initialized():
         if dist.get_rank() != rank or dist.get_world_size() != world_size:
             raise RuntimeError(f"trainer: this process is already rank {dist.get_rank()} of "
