@@ -201,7 +201,7 @@ class Config(Section):
 
     staleness: int = Field(2, ge=0, le=1_000_000, description="Largest lag (trainer version - "
                            "oldest token version) a trained sample may have; 0 = synchronous.")
-    max_steps: int = Field(300, ge=1, description="Optimizer steps to run.")
+    max_steps: int = Field(400, ge=1, description="Optimizer steps to run.")
     out_dir: str = Field("runs/latest", description="Metrics, TensorBoard logs and checkpoints.")
     seed: int = Field(0, ge=0, description="Random seed.")
     resume: str | None = Field(None, description="Checkpoint folder to resume from.")
