@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -115,20 +115,23 @@ class GenerationEngine(ABC):
     may be called from any other thread."""
 
     kv_policy: KVPolicy
+    _version: int  # set by each concrete engine
+    _spec: WeightSpec
+    _tokenizer: Any
 
     @property
-    @abstractmethod
     def version(self) -> int:
         """Policy version of the weights now loaded."""
+        return self._version
 
     @property
-    @abstractmethod
     def weight_spec(self) -> WeightSpec:
         """Names and shapes a weight update must carry."""
+        return self._spec
 
-    @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt, exactly as the engine would tokenize it."""
+        return list(self._tokenizer.encode(text))
 
     @abstractmethod
     def add(self, request: GenRequest) -> None:

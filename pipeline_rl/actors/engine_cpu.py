@@ -45,7 +45,7 @@ from pipeline_rl.actors.engine import (
     set_cpu_env,
     versions_from_spans,
 )
-from pipeline_rl.actors.weights import CheckedUpdate, WeightSpec, read_weight_spec
+from pipeline_rl.actors.weights import CheckedUpdate, read_weight_spec
 from pipeline_rl.samples import F32, FINISH_REASONS, FinishReason
 
 if TYPE_CHECKING:
@@ -106,17 +106,6 @@ class CpuEngine(GenerationEngine):
         self._staged: CheckedUpdate | None = None
 
     # -- GenerationEngine -------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def weight_spec(self) -> WeightSpec:
-        return self._spec
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
-
     def add(self, request: GenRequest) -> None:
         prompt: Any = {"prompt_token_ids": list(request.prompt_ids)}
         self._llm.add_request(request.request_id, prompt, sampling_params(request.sampling))

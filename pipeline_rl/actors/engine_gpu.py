@@ -37,7 +37,7 @@ from pipeline_rl.actors.engine import (
     GenRequest,
 )
 from pipeline_rl.actors.engine_cpu import sampling_params, to_finished
-from pipeline_rl.actors.weights import CheckedUpdate, WeightSpec, read_weight_spec
+from pipeline_rl.actors.weights import CheckedUpdate, read_weight_spec
 
 _T = TypeVar("_T")
 STEP_WAIT_S = 0.01  # how long step() waits for a finished sequence before returning none
@@ -119,17 +119,6 @@ class GpuEngine(GenerationEngine):
 
     def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def weight_spec(self) -> WeightSpec:
-        return self._spec
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
 
     def add(self, request: GenRequest) -> None:
         self._unfinished += 1
