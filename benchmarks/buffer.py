@@ -52,6 +52,7 @@ class Report:
     n: int
     tokens: int
     hwm: int
+    repeats: int
     message_bytes: int
     groups_per_s_1: float
     groups_per_s_4: float
@@ -61,6 +62,8 @@ class Report:
     bare_zmq_groups_per_s: float
     bare_zmq_mb_per_s: float
     ratio_to_bare: float
+    ratio_to_bare_min: float
+    ratio_to_bare_max: float
     lost: int
     runs: list[RunResult]
 
@@ -153,6 +156,10 @@ def run_bare(producers: int, count: int, n: int, tokens: int, hwm: int) -> RunRe
                      total - received)
 
 
+def _median_run(runs: list[RunResult]) -> RunResult:
+    return sorted(runs, key=lambda r: r.groups_per_s)[len(runs) // 2]
+
+
 def main(argv: list[str] | None = None) -> Report:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=20_000, help="groups per run (split over producers)")
@@ -160,27 +167,35 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per completion")
     parser.add_argument("--hwm", type=int, default=DEFAULT_SNDHWM,
                         help="ZeroMQ high-water mark (messages) on both ends, buffer and bare runs")
-    parser.add_argument("--quick", action="store_true", help="a few hundred groups: a smoke run")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="rounds of the four runs; figures are medians, the ratio is the median "
+                             "of the per-round ratios (buffer and bare run back to back)")
+    parser.add_argument("--quick", action="store_true", help="a few hundred groups, one round: a smoke run")
     parser.add_argument("--json", type=str, default=None, help="write the report here")
     args = parser.parse_args(argv)
-    total = 400 if args.quick else args.groups
+    total, repeats = (400, 1) if args.quick else (args.groups, args.repeats)
     shape = (args.n, args.tokens, args.hwm)
-    runs = [run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
-            run_bare(1, total, *shape), run_bare(4, total // 4, *shape)]
-    one, four, bare1, bare4 = runs
+    rounds = [(run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
+               run_bare(1, total, *shape), run_bare(4, total // 4, *shape)) for _ in range(repeats)]
+    one, four, bare1, bare4 = (_median_run([r[i] for r in rounds]) for i in range(4))
+    ratios = sorted(r[1].groups_per_s / r[3].groups_per_s for r in rounds)
     report = Report(
-        n=args.n, tokens=args.tokens, hwm=args.hwm,
+        n=args.n, tokens=args.tokens, hwm=args.hwm, repeats=repeats,
         message_bytes=len(encode_group(SyntheticGroups(0, n=args.n, tokens=args.tokens).make(0))),
         groups_per_s_1=one.groups_per_s, groups_per_s_4=four.groups_per_s,
         mb_per_s_1=one.mb_per_s, mb_per_s_4=four.mb_per_s,
         bare_zmq_groups_per_s_1=bare1.groups_per_s, bare_zmq_groups_per_s=bare4.groups_per_s,
-        bare_zmq_mb_per_s=bare4.mb_per_s, ratio_to_bare=four.groups_per_s / bare4.groups_per_s,
-        lost=one.lost + four.lost, runs=runs)
-    for r in runs[:2]:
-        print(f"buffer   {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s  lost {r.lost}")
-    for r in runs[2:]:
+        bare_zmq_mb_per_s=bare4.mb_per_s, ratio_to_bare=ratios[len(ratios) // 2],
+        ratio_to_bare_min=ratios[0], ratio_to_bare_max=ratios[-1],
+        lost=sum(r.lost for rnd in rounds for r in rnd[:2]), runs=[r for rnd in rounds for r in rnd])
+    print(f"{repeats} round(s), medians:")
+    for r in (one, four):
+        print(f"buffer   {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s")
+    for r in (bare1, bare4):
         print(f"bare ZMQ {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s")
-    print(f"buffer (4 producers) / bare ZMQ (4 producers): {report.ratio_to_bare:.2f}")
+    print(f"lost: {report.lost}")
+    print(f"buffer (4 producers) / bare ZMQ (4 producers), same round: median {report.ratio_to_bare:.2f} "
+          f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(asdict(report), f, indent=2)

@@ -16,8 +16,10 @@ import numpy.typing as npt
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
 
+NEWEST_VERSION = 2**31 - 1  # oldest version of a group with no tokens: never stale
 I32 = npt.NDArray[np.int32]
 F32 = npt.NDArray[np.float32]
+_ARRAY_FIELDS = (("token_ids", np.dtype("<i4")), ("logprobs", np.dtype("<f4")), ("versions", np.dtype("<i4")))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -30,6 +32,10 @@ class Completion:
     may be ``-inf`` only if the sampler produced an impossible token);
     ``versions[t]`` is the policy version of the weights that produced token t,
     non-decreasing along the sequence; ``reward`` is finite.
+
+    The three arrays are stored 1-D, C-contiguous, as little-endian int32 /
+    float32 / int32 (converted on construction when they are not), so the wire
+    encoder copies their bytes as they are.
     """
 
     token_ids: I32
@@ -37,6 +43,15 @@ class Completion:
     versions: I32
     reward: float
     finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        for name, dtype in _ARRAY_FIELDS:
+            a = getattr(self, name)
+            if type(a) is not np.ndarray or a.dtype != dtype or not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a, dtype=dtype)
+                object.__setattr__(self, name, a)
+            if a.ndim != 1:
+                raise ValueError(f"Completion.{name} must be 1-D, got shape {a.shape}")
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +109,7 @@ class Group:
     ``group_id`` is unique across the whole run. Treat instances as immutable.
     """
 
-    __slots__ = ("group_id", "prompt_id", "worker_id", "prompt_ids", "_completions", "_columns")
+    __slots__ = ("group_id", "prompt_id", "worker_id", "prompt_ids", "_completions", "_columns", "_oldest")
 
     def __init__(self, group_id: int, prompt_id: int, worker_id: int, prompt_ids: I32,
                  completions: tuple[Completion, ...]) -> None:
@@ -104,14 +119,17 @@ class Group:
         self.prompt_ids = prompt_ids
         self._completions: tuple[Completion, ...] | None = tuple(completions)
         self._columns: GroupColumns | None = None
+        self._oldest: int | None = None
 
     @classmethod
     def from_columns(cls, group_id: int, prompt_id: int, worker_id: int, prompt_ids: I32,
-                     columns: GroupColumns) -> "Group":
+                     columns: GroupColumns, *, oldest_version: int | None = None) -> "Group":
+        """``oldest_version``: the columns' oldest token version when the caller has
+        already computed it (the wire decoder does, in its validation pass)."""
         group = cls.__new__(cls)
         group.group_id, group.prompt_id, group.worker_id = group_id, prompt_id, worker_id
         group.prompt_ids = prompt_ids
-        group._completions, group._columns = None, columns
+        group._completions, group._columns, group._oldest = None, columns, oldest_version
         return group
 
     def __getstate__(self) -> tuple[object, ...]:
@@ -121,6 +139,7 @@ class Group:
     def __setstate__(self, state: tuple[object, ...]) -> None:
         (self.group_id, self.prompt_id, self.worker_id, self.prompt_ids,  # type: ignore[assignment]
          self._completions, self._columns) = state  # type: ignore[assignment]
+        self._oldest = None
 
     def __repr__(self) -> str:
         return (f"Group(group_id={self.group_id}, prompt_id={self.prompt_id}, worker_id={self.worker_id}, "
@@ -148,11 +167,14 @@ class Group:
     def oldest_version(self) -> int:
         """Oldest token version in the group (a group with no tokens counts as
         the newest possible, so it is never stale)."""
-        if self._columns is not None:
-            v = self._columns.versions
-            return int(v.min()) if v.size else int(np.iinfo(np.int32).max)
-        versions = [c.min_version for c in self.completions if c.num_tokens]
-        return min(v for v in versions if v is not None) if versions else int(np.iinfo(np.int32).max)
+        if self._oldest is None:  # computed once (the wire decoder passes it in)
+            if self._columns is not None:
+                v = self._columns.versions
+                self._oldest = int(v.min()) if v.size else NEWEST_VERSION
+            else:
+                versions = [c.min_version for c in self.completions if c.num_tokens]
+                self._oldest = min(v for v in versions if v is not None) if versions else NEWEST_VERSION
+        return self._oldest
 
     @property
     def num_tokens(self) -> int:

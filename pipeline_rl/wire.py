@@ -18,11 +18,19 @@ list)::
 Decoding validates everything and raises :class:`WireError` (one line naming
 what is wrong) on any problem; it never executes code from the message (no
 pickle) and never trusts a length it has not checked.
+
+Cost (8 x 256 tokens, one core): encode ~7 us -- the message is written in one
+copy (``_pack``); decode ~9 us -- msgpack, seven zero-copy ``frombuffer`` views
+and one compiled pass (``_wire_kernel.scan_group``) that checks every token
+and finds the oldest version the buffer needs.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import msgpack
@@ -38,6 +46,8 @@ _F64 = np.dtype("<f8")
 _U8 = np.dtype("u1")
 _FINISH_CODE = {name: i for i, name in enumerate(FINISH_REASONS)}
 _ID_MAX = 2**63 - 1
+_Buffer = bytes | memoryview | np.ndarray  # anything bytes.join takes
+_ARRAY_HEADER = bytes([0x90 | _FIELDS])  # msgpack fixarray of the 11 fields
 
 
 class WireError(ValueError):
@@ -66,37 +76,56 @@ def encode_group(group: Group) -> bytes:
     """Serialise a group. Raises WireError if the group breaks its own invariants."""
     cols = group.columns
     if cols is not None:  # decoded earlier: the flat arrays are already the wire layout
-        return _pack(group, cols.lengths.tobytes(), cols.token_ids.tobytes(), cols.logprobs.tobytes(),
-                     cols.versions.tobytes(), cols.rewards.tobytes(), cols.finish.tobytes())
+        return _pack(group, cols.token_ids.shape[0], cols.lengths, [cols.token_ids], [cols.logprobs],
+                     [cols.versions], cols.rewards, cols.finish)
     comps = group.completions
     if not comps:
         raise WireError("empty_group", f"group {group.group_id} has no completions")
-    lengths = np.fromiter((c.token_ids.shape[0] for c in comps), dtype=_I32, count=len(comps))
-    for c in comps:
-        n = c.token_ids.shape[0]
-        if c.logprobs.shape[0] != n or c.versions.shape[0] != n:
-            raise WireError("length_mismatch", f"group {group.group_id}: token, logprob and "
-                            "version arrays differ in length")
+    tokens = [c.token_ids for c in comps]
+    lengths = [len(a) for a in tokens]
+    if [len(c.logprobs) for c in comps] != lengths or [len(c.versions) for c in comps] != lengths:
+        raise WireError("length_mismatch", f"group {group.group_id}: token, logprob and "
+                        "version arrays differ in length")
     try:
-        finish = bytes(_FINISH_CODE[c.finish_reason] for c in comps)
+        finish = bytes([_FINISH_CODE[c.finish_reason] for c in comps])
     except KeyError as e:
         raise WireError("bad_finish_reason", f"unknown finish reason {e.args[0]!r}") from None
-    return _pack(group, lengths.tobytes(), _cat([c.token_ids for c in comps], _I32),
-                 _cat([c.logprobs for c in comps], _F32), _cat([c.versions for c in comps], _I32),
-                 np.fromiter((c.reward for c in comps), dtype=_F64, count=len(comps)).tobytes(), finish)
+    count = len(comps)
+    # Completion stores its arrays contiguous in the wire dtypes: their bytes go as they are.
+    return _pack(group, sum(lengths), struct.pack(f"<{count}i", *lengths), tokens, [c.logprobs for c in comps],
+                 [c.versions for c in comps], struct.pack(f"<{count}d", *[c.reward for c in comps]), finish)
 
 
-def _pack(group: Group, lengths: bytes, tokens: bytes, logprobs: bytes, versions: bytes,
-          rewards: bytes, finish: bytes) -> bytes:
-    return msgpack.packb([
-        SCHEMA_VERSION, group.group_id, group.prompt_id, group.worker_id,
-        np.ascontiguousarray(group.prompt_ids, dtype=_I32).tobytes(),
-        lengths, tokens, logprobs, versions, rewards, finish,
-    ], use_bin_type=True)
+def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buffer],
+          logprobs: Sequence[_Buffer], versions: Sequence[_Buffer], rewards: _Buffer, finish: _Buffer) -> bytes:
+    """The msgpack array of the module docstring, written directly so that the token
+    arrays are copied once, straight into the message: a fixarray header, the four
+    ints as msgpack packs them, then each field as ``bin 32`` (0xc6, big-endian
+    byte count, the bytes) -- valid msgpack that any decoder reads. Token, log-prob
+    and version fields are the concatenation of their parts (``num_tokens`` entries
+    of 4 bytes each); ``finish`` holds one byte per completion."""
+    prompt = _view(group.prompt_ids, _I32)
+    ints = msgpack.packb([SCHEMA_VERSION, group.group_id, group.prompt_id, group.worker_id])
+    nbytes = 4 * num_tokens
+    count = len(finish)
+    parts: list[Any] = [_ARRAY_HEADER, ints[1:],  # ints[0] is packb's fixarray(4) byte
+                            _bin_header(prompt.nbytes), prompt,
+                            _bin_header(4 * count), lengths,
+                            _bin_header(nbytes), *tokens, _bin_header(nbytes), *logprobs,
+                            _bin_header(nbytes), *versions,
+                            _bin_header(8 * count), rewards, _bin_header(count), finish]
+    return b"".join(parts)
 
 
-def _cat(arrays: list[np.ndarray], dtype: np.dtype) -> bytes:
-    return np.concatenate(arrays).astype(dtype, copy=False).tobytes()
+def _bin_header(nbytes: int) -> bytes:
+    return b"\xc6" + nbytes.to_bytes(4, "big")
+
+
+def _view(a: np.ndarray, dtype: np.dtype) -> memoryview:
+    """A buffer of ``a``'s entries as contiguous ``dtype`` (no copy when they already are)."""
+    if a.dtype != dtype or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=dtype)
+    return a.data
 
 
 def _array(buf: object, dtype: np.dtype, what: str, count: int | None = None) -> np.ndarray:
@@ -108,6 +137,28 @@ def _array(buf: object, dtype: np.dtype, what: str, count: int | None = None) ->
     if count is not None and arr.shape[0] != count:
         raise WireError("length_mismatch", f"{what} has {arr.shape[0]} entries, expected {count}")
     return arr
+
+
+_ARRAY_LAYOUT: tuple[tuple[np.dtype, str], ...] = ((_I32, "prompt_ids"), (_I32, "lengths"), (_I32, "token_ids"), (_F32, "logprobs"),
+                 (_I32, "versions"), (_F64, "rewards"), (_U8, "finish"))
+
+
+def _ids(msg: list[object]) -> tuple[int, int, int]:
+    ids = msg[1:4]
+    if all(type(v) is int and 0 <= v <= _ID_MAX for v in ids):  # type: ignore[operator]
+        return ids[0], ids[1], ids[2]  # type: ignore[return-value]
+    return (_int_field(msg[1], "group_id"), _int_field(msg[2], "prompt_id"),
+            _int_field(msg[3], "worker_id"))
+
+
+def _arrays(msg: list[object]) -> list[np.ndarray]:
+    """Fields 4..10 as arrays (zero-copy views of the unpacked bytes)."""
+    try:
+        if all(type(b) is bytes for b in msg[4:]):
+            return [np.frombuffer(b, dtype) for b, (dtype, _) in zip(msg[4:], _ARRAY_LAYOUT)]  # type: ignore[call-overload]
+    except ValueError:  # a size that is not a multiple of the item size: named below
+        pass
+    return [_array(b, dtype, what) for b, (dtype, what) in zip(msg[4:], _ARRAY_LAYOUT)]
 
 
 def _int_field(value: object, what: str) -> int:
@@ -132,49 +183,43 @@ def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -
         raise WireError("schema_version", f"got {msg[0]!r}, this receiver speaks {SCHEMA_VERSION}")
     if len(msg) != _FIELDS:
         raise WireError("bad_type", f"expected {_FIELDS} fields, got {len(msg)}")
-    group_id = _int_field(msg[1], "group_id")
-    prompt_id = _int_field(msg[2], "prompt_id")
-    worker_id = _int_field(msg[3], "worker_id")
-    prompt = _array(msg[4], _I32, "prompt_ids")
-    lengths = _array(msg[5], _I32, "lengths")
+    group_id, prompt_id, worker_id = _ids(msg)
+    prompt, lengths, tokens, logprobs, versions, rewards, finish = _arrays(msg)
     n = lengths.shape[0]
     if not 1 <= n <= limits.max_completions:
         raise WireError("bad_size", f"{n} completions, allowed 1..{limits.max_completions}")
     if not 1 <= prompt.shape[0] <= limits.max_prompt_tokens:
         raise WireError("bad_size", f"prompt has {prompt.shape[0]} tokens, allowed 1..{limits.max_prompt_tokens}")
-    lens = lengths.tolist()
-    if min(lens) < 0 or max(lens) > limits.max_completion_tokens:
-        raise WireError("bad_size", f"completion lengths outside 0..{limits.max_completion_tokens}")
-    total = sum(lens)
-    tokens = _array(msg[6], _I32, "token_ids", total)
-    logprobs = _array(msg[7], _F32, "logprobs", total)
-    versions = _array(msg[8], _I32, "versions", total)
-    rewards = _array(msg[9], _F64, "rewards", n)
-    finish = _array(msg[10], _U8, "finish", n)
-    if not np.isfinite(rewards).all():
-        raise WireError("bad_value", f"non-finite reward in {rewards.tolist()}")
-    if int(finish.max()) >= len(FINISH_REASONS):
-        raise WireError("bad_value", f"finish code {int(finish.max())} unknown")
-    ends = list(itertools.accumulate(lens))
-    _check_tokens(prompt, tokens, logprobs, versions, ends)
+    if rewards.shape[0] != n or finish.shape[0] != n:
+        _array(msg[9], _F64, "rewards", n)
+        _array(msg[10], _U8, "finish", n)
+    oldest = _scanner()(prompt, lengths, tokens, logprobs, versions, rewards, finish,
+                        limits.max_completion_tokens, len(FINISH_REASONS))
+    if oldest < 0:
+        reason, detail = _scan_errors()[oldest]
+        if reason == "length_mismatch":
+            detail += f" ({int(lengths.astype(np.int64).sum())}; got {tokens.shape[0]} token ids, "\
+                      f"{logprobs.shape[0]} log-probs, {versions.shape[0]} versions)"
+        raise WireError(reason, detail)
     return Group.from_columns(group_id, prompt_id, worker_id, prompt,
-                              GroupColumns(lengths, tokens, logprobs, versions, rewards, finish))
+                              GroupColumns(lengths, tokens, logprobs, versions, rewards, finish),
+                              oldest_version=oldest)
 
 
-def _check_tokens(prompt: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
-                  versions: np.ndarray, ends: list[int]) -> None:
-    """Token ids and versions >= 0, log-probs <= 0 (not NaN), versions non-decreasing
-    within each completion (they may drop from one completion to the next)."""
-    if prompt.min() < 0:
-        raise WireError("bad_value", "negative token id")
-    if not tokens.size:
-        return
-    if min(tokens.min(), versions.min()) < 0:
-        raise WireError("bad_value", "negative token id or policy version")
-    if not logprobs.max() <= 1e-3:  # max is NaN if any entry is: also rejected
-        raise WireError("bad_value", "log-probs must be <= 0 and not NaN")
-    drops = versions[1:] < versions[:-1]  # drops[i]: v[i+1] < v[i]
-    if drops.any():
-        drops[[e - 1 for e in ends[:-1] if 0 < e < versions.size]] = False  # completion boundaries
-        if drops.any():
-            raise WireError("bad_value", "token versions decrease within a completion")
+def prepare_decoder() -> None:
+    """Load (on a fresh machine: compile, ~2 s) the validator now, so that the first
+    message a receiver decodes does not pay for it."""
+    _scanner()
+
+
+@functools.cache
+def _scanner() -> Callable[..., int]:
+    """The compiled validator (numba; imported on the first decode, not at import)."""
+    from pipeline_rl._wire_kernel import scan_group
+    return scan_group  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _scan_errors() -> dict[int, tuple[str, str]]:
+    from pipeline_rl._wire_kernel import ERRORS
+    return ERRORS

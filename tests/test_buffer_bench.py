@@ -16,7 +16,8 @@ def test_buffer_benchmark_quick(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "buffer.py"), "--quick", "--json", str(out)],
                    check=True, cwd=ROOT, timeout=120, capture_output=True)
     report = json.loads(out.read_text())
-    for key in ("groups_per_s_1", "groups_per_s_4", "bare_zmq_groups_per_s", "lost"):
+    for key in ("groups_per_s_1", "groups_per_s_4", "bare_zmq_groups_per_s", "lost", "ratio_to_bare",
+                "ratio_to_bare_min", "ratio_to_bare_max", "repeats"):
         assert key in report
     assert report["lost"] == 0 and report["groups_per_s_4"] > 0 and report["bare_zmq_groups_per_s"] > 0
     assert [r["groups"] for r in report["runs"]] == [400, 400, 400, 400]

@@ -147,3 +147,23 @@ def test_encoder_rejects_inconsistent_groups() -> None:
         encode_group(_group(completions=(bad,)))
     with pytest.raises(WireError, match="empty_group"):
         encode_group(_group(completions=()))
+
+
+def test_completion_stores_wire_dtypes() -> None:
+    comp = Completion([5, 6], np.array([-0.5, -0.25]), np.array([1, 2], np.int64), 0.0, "stop")  # type: ignore[arg-type]
+    assert comp.token_ids.dtype == np.int32 and comp.logprobs.dtype == np.float32
+    assert comp.versions.dtype == np.int32 and comp.versions.flags.c_contiguous
+    strided = np.arange(8, dtype=np.int32)[::2]
+    assert Completion(strided, np.zeros(4, np.float32), np.zeros(4, np.int32), 0.0, "stop").token_ids.flags.c_contiguous
+    with pytest.raises(ValueError, match="token_ids must be 1-D"):
+        Completion(np.zeros((2, 2), np.int32), np.zeros(4, np.float32), np.zeros(4, np.int32), 0.0, "stop")
+
+
+def test_message_is_plain_msgpack_with_the_documented_fields() -> None:
+    group = _group()
+    fields = msgpack.unpackb(encode_group(group), raw=False)
+    assert fields[:4] == [SCHEMA_VERSION, 1, 2, 0] and len(fields) == 11
+    assert np.frombuffer(fields[6], "<i4").tolist() == [5, 6, 7, 5, 6, 7]
+    assert np.frombuffer(fields[8], "<i4").tolist() == [1, 1, 2, 1, 1, 2]
+    # a decoded group re-encodes to the same bytes (the columns path of the encoder)
+    assert encode_group(decode_group(encode_group(group))) == encode_group(group)

@@ -52,9 +52,6 @@ from dataclasses import dataclass
 from pipeline_rl.buffer.types import Admission, AdmissionStats, BufferStats, _Counters
 from pipeline_rl.samples import Group
 
-_NEWEST = 2**31 - 1  # oldest_version of a group without tokens: never stale
-
-
 @dataclass(slots=True)
 class _Entry:
     group: Group
@@ -66,14 +63,6 @@ class _Step:
     """The assembled batch of one multi-rank optimizer step; slice r -> None once taken."""
 
     slices: list[list[Group] | None]
-
-
-def oldest_version(group: Group) -> int:
-    """Oldest token version of ``group`` in O(completions): token versions are
-    non-decreasing along a completion (a ``Completion`` invariant, enforced by
-    ``wire.decode_group``), so each completion's oldest is its first entry."""
-    firsts = [c.versions.item(0) for c in group.completions if c.versions.shape[0]]
-    return min(firsts) if firsts else _NEWEST
 
 
 class ReplayBuffer:
@@ -100,9 +89,10 @@ class ReplayBuffer:
         self.groups_per_step = groups_per_step
         self.num_ranks = num_ranks
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # notified on every state change
+        self._changed = threading.Condition(self._lock)  # notified on any change a waiter can use
         self._queue: deque[_Entry] = deque()
         self._steps: dict[int, _Step] = {}
+        self._wants: list[int] = []  # batch sizes (groups) trainer ranks are waiting for
         self._held = 0
         self._version = start_version
         self._used_base = start_version * groups_per_step  # groups "trained" before we started
@@ -131,7 +121,10 @@ class ReplayBuffer:
                 stored += 1
             if groups:
                 self._c.bytes_in += nbytes * stored // len(groups)
-            self._changed.notify_all()
+            # Only a waiting trainer rank can use new groups (admission and room do
+            # not grow with a put); wake it once its batch is complete, not per put.
+            if self._wants and len(self._queue) >= min(self._wants):
+                self._changed.notify_all()
         return stored
 
     def wait_for_space(self, timeout_s: float) -> bool:
@@ -159,7 +152,7 @@ class ReplayBuffer:
                 self._c.disconnections += 1
 
     def _append_locked(self, group: Group) -> None:
-        self._queue.append(_Entry(group, oldest_version(group)))
+        self._queue.append(_Entry(group, group.oldest_version))
         self._c.groups_in += 1
         owed = self._outstanding.get(group.worker_id, 0)
         if owed > 0:
@@ -270,9 +263,13 @@ class ReplayBuffer:
                 self._held += total
                 self._changed.notify_all()
                 continue
-            if not self._wait_locked(lambda: len(self._queue) >= total or version in self._steps,
-                                     deadline, None):
-                return None
+            self._wants.append(total)
+            try:
+                if not self._wait_locked(lambda: len(self._queue) >= total or version in self._steps,
+                                         deadline, None):
+                    return None
+            finally:
+                self._wants.remove(total)
 
     def _take_slice_locked(self, step: _Step, version: int, rank: int,
                            num_groups: int) -> list[Group]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from types import TracebackType
 
 import zmq
@@ -39,13 +40,14 @@ import zmq
 from pipeline_rl.buffer.replay import ReplayBuffer
 from pipeline_rl.buffer.types import check_address
 from pipeline_rl.samples import Group
-from pipeline_rl.wire import DEFAULT_LIMITS, WireError, WireLimits, decode_group
+from pipeline_rl.wire import DEFAULT_LIMITS, WireError, WireLimits, decode_group, prepare_decoder
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RCVHWM = 16
 DEFAULT_SOCKET_BUFFER = 1 << 20
 _POLL_MS = 100          # how often the thread re-checks for stop and room
+_MONITOR_S = 0.05       # how often connection events are read while messages flow
 _BURST = 64             # messages decoded per buffer-lock acquisition at most
 _LOG_FIRST = 10         # log the first rejects of each reason, then every _LOG_EVERY-th
 _LOG_EVERY = 1000
@@ -65,12 +67,14 @@ class BufferServer:
                  limits: WireLimits = DEFAULT_LIMITS, rcvhwm: int = DEFAULT_RCVHWM,
                  socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER) -> None:
         bind_to = check_address(address or "tcp://127.0.0.1:*", bind=True)
+        prepare_decoder()
         self.buffer = buffer
         self.limits = limits
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.PULL)
         for opt, value in ((zmq.RCVHWM, rcvhwm), (zmq.LINGER, 0), (zmq.RCVBUF, socket_buffer_bytes),
+                           (zmq.RCVTIMEO, _POLL_MS),
                            (zmq.MAXMSGSIZE, 2 * limits.max_message_bytes)):
             self._sock.setsockopt(opt, value)
         self._monitor = self._sock.get_monitor_socket(
@@ -88,34 +92,35 @@ class BufferServer:
 
     # ---------------------------------------------------------------- thread
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
+        next_monitor = 0.0
         try:
             while not self._stop.is_set():
                 # Full buffer: stop reading, so ZeroMQ pushes back on the producers.
-                if not self.buffer.wait_for_space(_POLL_MS / 1000):
+                if self.buffer.free_slots() <= 0 and not self.buffer.wait_for_space(_POLL_MS / 1000):
                     self._drain_monitor()  # connection events still get counted
                     if self.buffer.closed:  # nothing will ever fit: idle until close()
                         self._stop.wait(_POLL_MS / 1000)
                     continue
-                ready = dict(poller.poll(_POLL_MS))
-                if self._monitor in ready:
+                self._receive_burst(min(_BURST, max(1, self.buffer.free_slots())))
+                if (now := time.monotonic()) >= next_monitor:
                     self._drain_monitor()
-                if self._sock in ready:
-                    self._receive_burst(min(_BURST, max(1, self.buffer.free_slots())))
+                    next_monitor = now + _MONITOR_S
         except Exception:  # a bug here must be loud, not a silently dead receiver
             log.exception("buffer receiver thread crashed")
             raise
 
     def _receive_burst(self, limit: int) -> None:
+        """Wait up to ``_POLL_MS`` for a message (the socket's ``RCVTIMEO``), then take
+        whatever else is already queued, up to ``limit`` messages in all."""
         groups: list[Group] = []
         nbytes = 0
+        flags = 0  # the first recv blocks (GIL released), the rest only take what is there
         for _ in range(limit):
             try:
-                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+                frame = self._sock.recv(flags, copy=False)
             except zmq.Again:
                 break
+            flags = zmq.NOBLOCK
             if frame.more:
                 self._discard_rest()
                 self._reject("multipart", "a group must be one single-frame message")

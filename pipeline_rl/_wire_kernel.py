@@ -1,0 +1,83 @@
+"""The numba validator behind ``wire.decode_group`` (imported lazily: importing
+numba costs ~0.5 s; compiled once per machine into numba's on-disk cache).
+
+One pass over a decoded group's flat arrays checks every per-token invariant
+and finds the oldest token version, in ~3 us for 8 x 256 tokens; the numpy
+version of the same checks took ~15 us (some twenty small array calls), which
+made the receiver the bottleneck of the sample link.
+
+``scan_group`` returns the group's oldest token version (``>= 0``; ``NEWEST``
+for a group with no tokens) or a negative code from :data:`ERRORS`. It reads
+``tokens``, ``logprobs`` and ``versions`` only after checking that all three
+hold ``sum(lengths)`` entries, so it never reads out of bounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+NEWEST = 2**31 - 1  # oldest version of a group without tokens (samples.NEWEST_VERSION)
+
+# code -> (reason, one-line detail); reasons match wire.WireError's tags
+ERRORS: dict[int, tuple[str, str]] = {
+    -1: ("bad_size", "a completion length is negative or above the limit"),
+    -2: ("length_mismatch", "token_ids do not hold sum(lengths) entries"),
+    -3: ("length_mismatch", "logprobs do not hold sum(lengths) entries"),
+    -4: ("length_mismatch", "versions do not hold sum(lengths) entries"),
+    -5: ("bad_value", "negative prompt token id"),
+    -6: ("bad_value", "negative token id"),
+    -7: ("bad_value", "negative policy version"),
+    -8: ("bad_value", "token versions decrease within a completion"),
+    -9: ("bad_value", "log-probs must be <= 0 and not NaN"),
+    -10: ("bad_value", "non-finite reward"),
+    -11: ("bad_value", "unknown finish code"),
+}
+
+_LOGP_SLACK = 1e-3  # float32 rounding of a log-prob of ~0 may land just above 0
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def scan_group(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+               versions: np.ndarray, rewards: np.ndarray, finish: np.ndarray,
+               max_length: int, num_finish: int) -> int:  # pragma: no cover - compiled
+    """Validate one group (shapes: lengths/rewards/finish [n], the rest [sum(lengths)],
+    prompt [P]); see the module docstring for the result."""
+    total = 0
+    for c in range(lengths.shape[0]):
+        if lengths[c] < 0 or lengths[c] > max_length:
+            return -1
+        total += lengths[c]
+    if tokens.shape[0] != total:
+        return -2
+    if logprobs.shape[0] != total:
+        return -3
+    if versions.shape[0] != total:
+        return -4
+    for i in range(prompt.shape[0]):
+        if prompt[i] < 0:
+            return -5
+    oldest = NEWEST
+    pos = 0
+    for c in range(lengths.shape[0]):
+        end = pos + lengths[c]
+        if end > pos:
+            oldest = min(oldest, versions[pos])
+            prev = versions[pos]
+            for t in range(pos, end):
+                if tokens[t] < 0:
+                    return -6
+                v = versions[t]
+                if v < 0:
+                    return -7
+                if v < prev:
+                    return -8
+                prev = v
+                if not logprobs[t] <= _LOGP_SLACK:  # NaN fails this too
+                    return -9
+        pos = end
+        if not np.isfinite(rewards[c]):
+            return -10
+        if finish[c] >= num_finish:
+            return -11
+    return oldest
