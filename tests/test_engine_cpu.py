@@ -211,6 +211,7 @@ def test_staged_weights_take_effect_only_when_applied(engine: GenerationEngine, 
     assert engine.stage(check_update(load_update(model_dirs[1], v0 + 1), engine.weight_spec))
     assert not engine.stage(check_update(load_update(model_dirs[1], v0 + 1), engine.weight_spec))
     assert not _run(engine, [], steps=2) and engine.version == v0
+    assert getattr(engine, "last_staging_path") == "direct"  # not vLLM's layerwise fallback
     applied = engine.apply_staged()
     assert applied is not None and applied.version == v0 + 1 and engine.apply_staged() is None
     done = _run(engine, [])

