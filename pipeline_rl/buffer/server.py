@@ -96,7 +96,8 @@ class BufferServer:
         try:
             while not self._stop.is_set():
                 # Full buffer: stop reading, so ZeroMQ pushes back on the producers.
-                if self.buffer.free_slots() <= 0 and not self.buffer.wait_for_space(_POLL_MS / 1000):
+                if ((self.buffer.free_slots() <= 0 or self.buffer.closed)
+                        and not self.buffer.wait_for_space(_POLL_MS / 1000)):
                     self._drain_monitor()  # connection events still get counted
                     if self.buffer.closed:  # nothing will ever fit: idle until close()
                         self._stop.wait(_POLL_MS / 1000)
