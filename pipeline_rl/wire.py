@@ -38,7 +38,7 @@ import numpy as np
 
 from pipeline_rl.samples import FINISH_REASONS, Group, GroupColumns
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # written as a msgpack positive fixint: must stay <= 127
 _FIELDS = 11
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -47,7 +47,6 @@ _U8 = np.dtype("u1")
 _FINISH_CODE = {name: i for i, name in enumerate(FINISH_REASONS)}
 _ID_MAX = 2**63 - 1
 _Buffer = bytes | memoryview | np.ndarray  # anything bytes.join takes
-_ARRAY_HEADER = bytes([0x90 | _FIELDS])  # msgpack fixarray of the 11 fields
 
 
 class WireError(ValueError):
@@ -99,26 +98,30 @@ def encode_group(group: Group) -> bytes:
 def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buffer],
           logprobs: Sequence[_Buffer], versions: Sequence[_Buffer], rewards: _Buffer, finish: _Buffer) -> bytes:
     """The msgpack array of the module docstring, written directly so that the token
-    arrays are copied once, straight into the message: a fixarray header, the four
-    ints as msgpack packs them, then each field as ``bin 32`` (0xc6, big-endian
-    byte count, the bytes) -- valid msgpack that any decoder reads. Token, log-prob
-    and version fields are the concatenation of their parts (``num_tokens`` entries
-    of 4 bytes each); ``finish`` holds one byte per completion."""
+    arrays are copied once, straight into the message: a fixarray header, the
+    schema version as a fixint, the three ids as ``uint 64`` (0xcf), then each
+    field as ``bin 32`` (0xc6, big-endian byte count, the bytes) -- valid msgpack
+    that any decoder reads. Token, log-prob and version fields are the
+    concatenation of their parts (``num_tokens`` entries of 4 bytes each);
+    ``finish`` holds one byte per completion."""
     prompt = _view(group.prompt_ids, _I32)
-    ints = msgpack.packb([SCHEMA_VERSION, group.group_id, group.prompt_id, group.worker_id])
+    try:
+        head = _HEAD.pack(0x90 | _FIELDS, SCHEMA_VERSION, 0xCF, group.group_id, 0xCF, group.prompt_id,
+                          0xCF, group.worker_id, 0xC6, prompt.nbytes)
+    except struct.error:
+        raise WireError("bad_type", f"group {group.group_id}: ids must be integers in 0..2**64-1 "
+                        f"(prompt_id {group.prompt_id!r}, worker_id {group.worker_id!r})") from None
     nbytes = 4 * num_tokens
     count = len(finish)
-    parts: list[Any] = [_ARRAY_HEADER, ints[1:],  # ints[0] is packb's fixarray(4) byte
-                            _bin_header(prompt.nbytes), prompt,
-                            _bin_header(4 * count), lengths,
-                            _bin_header(nbytes), *tokens, _bin_header(nbytes), *logprobs,
-                            _bin_header(nbytes), *versions,
-                            _bin_header(8 * count), rewards, _bin_header(count), finish]
+    tok_head = _BIN32.pack(0xC6, nbytes)
+    parts: list[Any] = [head, prompt, _BIN32.pack(0xC6, 4 * count), lengths,
+                        tok_head, *tokens, tok_head, *logprobs, tok_head, *versions,
+                        _BIN32.pack(0xC6, 8 * count), rewards, _BIN32.pack(0xC6, count), finish]
     return b"".join(parts)
 
 
-def _bin_header(nbytes: int) -> bytes:
-    return b"\xc6" + nbytes.to_bytes(4, "big")
+_HEAD = struct.Struct(">BBBQBQBQBI")  # fixarray, fixint schema, 3 x (uint 64 tag, id), bin 32 tag + size
+_BIN32 = struct.Struct(">BI")          # bin 32 tag + size
 
 
 def _view(a: np.ndarray, dtype: np.dtype) -> memoryview:

@@ -170,3 +170,50 @@ def test_message_is_plain_msgpack_with_the_documented_fields() -> None:
     assert np.frombuffer(fields[8], "<i4").tolist() == [1, 1, 2, 1, 1, 2]
     # a decoded group re-encodes to the same bytes (the columns path of the encoder)
     assert encode_group(decode_group(encode_group(group))) == encode_group(group)
+
+
+def _reference_ok(lengths: list[int], versions: np.ndarray, logprobs: np.ndarray) -> bool:
+    """The version and log-prob rules, written the slow and obvious way."""
+    pos = 0
+    for n in lengths:
+        v = versions[pos:pos + n]
+        if (np.diff(v) < 0).any():
+            return False
+        pos += n
+    return bool((versions >= 0).all() and (logprobs <= np.float32(1e-3)).all())
+
+
+def test_validator_matches_a_reference_on_random_groups() -> None:
+    """The compiled validator (branch-free reductions, boundary drops subtracted)
+    accepts exactly what the per-completion reference accepts."""
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        lengths = [int(x) for x in rng.integers(0, 5, size=int(rng.integers(1, 5)))]
+        total = sum(lengths)
+        versions = np.sort(rng.integers(0, 4, size=total)).astype(np.int32)[::-1].copy() \
+            if rng.random() < 0.3 else rng.integers(-1 if rng.random() < 0.1 else 0, 4, size=total).astype(np.int32)
+        logprobs = -rng.exponential(1.0, size=total).astype(np.float32)
+        if total and rng.random() < 0.1:
+            logprobs[int(rng.integers(0, total))] = rng.choice([np.nan, 0.5])
+        fields = _fields()
+        fields[5] = np.array(lengths, "<i4").tobytes()
+        fields[6] = np.zeros(total, "<i4").tobytes()
+        fields[7] = logprobs.astype("<f4").tobytes()
+        fields[8] = versions.astype("<i4").tobytes()
+        fields[9] = np.zeros(len(lengths), "<f8").tobytes()
+        fields[10] = bytes(len(lengths))
+        raw = msgpack.packb(fields, use_bin_type=True)
+        expected = _reference_ok(lengths, versions, logprobs)
+        try:
+            group = decode_group(raw)
+        except WireError as e:
+            assert not expected and e.reason == "bad_value", (lengths, versions, logprobs, e)
+            continue
+        assert expected, (lengths, versions, logprobs)
+        firsts = [int(versions[s]) for s, n in zip(np.cumsum([0] + lengths[:-1]), lengths) if n]
+        assert group.oldest_version == (min(firsts) if firsts else 2**31 - 1)
+
+
+def test_encoder_rejects_ids_outside_uint64() -> None:
+    with pytest.raises(WireError, match="bad_type: group -1: ids must be integers"):
+        encode_group(_group(group_id=-1))
