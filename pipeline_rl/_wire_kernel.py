@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-NEWEST = 2**31 - 1  # oldest version of a group without tokens (samples.NEWEST_VERSION)
+from pipeline_rl.samples import NEWEST_VERSION as NEWEST  # a group without tokens: never stale
+
 
 # code -> (reason, one-line detail); reasons match wire.WireError's tags
 ERRORS: dict[int, tuple[str, str]] = {

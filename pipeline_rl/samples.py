@@ -19,7 +19,19 @@ FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
 NEWEST_VERSION = 2**31 - 1  # oldest version of a group with no tokens: never stale
 I32 = npt.NDArray[np.int32]
 F32 = npt.NDArray[np.float32]
-_ARRAY_FIELDS = (("token_ids", np.dtype("<i4")), ("logprobs", np.dtype("<f4")), ("versions", np.dtype("<i4")))
+_I32_LE, _F32_LE = np.dtype("<i4"), np.dtype("<f4")
+_ARRAY_FIELDS = (("token_ids", _I32_LE), ("logprobs", _F32_LE), ("versions", _I32_LE))
+
+
+def wire_array(a: object, dtype: np.dtype, what: str) -> np.ndarray:
+    """``a`` as a 1-D C-contiguous array of ``dtype`` -- itself when it already is one,
+    so the wire encoder can copy its bytes as they are. Raises ValueError naming
+    ``what`` for anything that is not 1-D."""
+    if type(a) is not np.ndarray or a.dtype != dtype or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=dtype)
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {a.shape}")
+    return a
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -46,12 +58,7 @@ class Completion:
 
     def __post_init__(self) -> None:
         for name, dtype in _ARRAY_FIELDS:
-            a = getattr(self, name)
-            if type(a) is not np.ndarray or a.dtype != dtype or not a.flags.c_contiguous:
-                a = np.ascontiguousarray(a, dtype=dtype)
-                object.__setattr__(self, name, a)
-            if a.ndim != 1:
-                raise ValueError(f"Completion.{name} must be 1-D, got shape {a.shape}")
+            object.__setattr__(self, name, wire_array(getattr(self, name), dtype, f"Completion.{name}"))
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +112,8 @@ class Group:
     only materialised when first read (the replay buffer never reads it: it needs
     ids and the oldest version, which the columns give directly).
 
-    Invariants: ``prompt_ids`` is non-empty; at least one completion;
+    Invariants: ``prompt_ids`` is non-empty, stored 1-D contiguous little-endian
+    int32 (like a Completion's arrays); at least one completion;
     ``group_id`` is unique across the whole run. Treat instances as immutable.
     """
 
@@ -116,7 +124,7 @@ class Group:
         self.group_id = group_id
         self.prompt_id = prompt_id
         self.worker_id = worker_id
-        self.prompt_ids = prompt_ids
+        self.prompt_ids = wire_array(prompt_ids, _I32_LE, "Group.prompt_ids")
         self._completions: tuple[Completion, ...] | None = tuple(completions)
         self._columns: GroupColumns | None = None
         self._oldest: int | None = None

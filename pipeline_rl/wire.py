@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buf
     that any decoder reads. Token, log-prob and version fields are the
     concatenation of their parts (``num_tokens`` entries of 4 bytes each);
     ``finish`` holds one byte per completion."""
-    prompt = _view(group.prompt_ids, _I32)
+    prompt = group.prompt_ids  # contiguous <i4 (a Group invariant)
     try:
         head = _HEAD.pack(0x90 | _FIELDS, SCHEMA_VERSION, 0xCF, group.group_id, 0xCF, group.prompt_id,
                           0xCF, group.worker_id, 0xC6, prompt.nbytes)
@@ -124,26 +125,17 @@ _HEAD = struct.Struct(">BBBQBQBQBI")  # fixarray, fixint schema, 3 x (uint 64 ta
 _BIN32 = struct.Struct(">BI")          # bin 32 tag + size
 
 
-def _view(a: np.ndarray, dtype: np.dtype) -> memoryview:
-    """A buffer of ``a``'s entries as contiguous ``dtype`` (no copy when they already are)."""
-    if a.dtype != dtype or not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a, dtype=dtype)
-    return a.data
-
-
-def _array(buf: object, dtype: np.dtype, what: str, count: int | None = None) -> np.ndarray:
+def _array(buf: object, dtype: np.dtype, what: str) -> np.ndarray:
     if not isinstance(buf, bytes):
         raise WireError("bad_type", f"{what} must be bytes, got {type(buf).__name__}")
     if len(buf) % dtype.itemsize:
         raise WireError("truncated", f"{what} has {len(buf)} bytes, not a multiple of {dtype.itemsize}")
-    arr = np.frombuffer(buf, dtype=dtype)
-    if count is not None and arr.shape[0] != count:
-        raise WireError("length_mismatch", f"{what} has {arr.shape[0]} entries, expected {count}")
-    return arr
+    return np.frombuffer(buf, dtype=dtype)
 
 
-_ARRAY_LAYOUT: tuple[tuple[np.dtype, str], ...] = ((_I32, "prompt_ids"), (_I32, "lengths"), (_I32, "token_ids"), (_F32, "logprobs"),
-                 (_I32, "versions"), (_F64, "rewards"), (_U8, "finish"))
+_ARRAY_LAYOUT: tuple[tuple[np.dtype, str], ...] = (
+    (_I32, "prompt_ids"), (_I32, "lengths"), (_I32, "token_ids"), (_F32, "logprobs"),
+    (_I32, "versions"), (_F64, "rewards"), (_U8, "finish"))
 
 
 def _ids(msg: list[object]) -> tuple[int, int, int]:
@@ -193,13 +185,14 @@ def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -
         raise WireError("bad_size", f"{n} completions, allowed 1..{limits.max_completions}")
     if not 1 <= prompt.shape[0] <= limits.max_prompt_tokens:
         raise WireError("bad_size", f"prompt has {prompt.shape[0]} tokens, allowed 1..{limits.max_prompt_tokens}")
-    if rewards.shape[0] != n or finish.shape[0] != n:
-        _array(msg[9], _F64, "rewards", n)
-        _array(msg[10], _U8, "finish", n)
-    oldest = _scanner()(prompt, lengths, tokens, logprobs, versions, rewards, finish,
-                        limits.max_completion_tokens, len(FINISH_REASONS))
+    for arr, what in ((rewards, "rewards"), (finish, "finish")):
+        if arr.shape[0] != n:
+            raise WireError("length_mismatch", f"{what} has {arr.shape[0]} entries, expected {n}")
+    kernel = _kernel()
+    oldest = kernel.scan_group(prompt, lengths, tokens, logprobs, versions, rewards, finish,
+                               limits.max_completion_tokens, len(FINISH_REASONS))
     if oldest < 0:
-        reason, detail = _scan_errors()[oldest]
+        reason, detail = kernel.ERRORS[oldest]
         if reason == "length_mismatch":
             detail += f" ({int(lengths.astype(np.int64).sum())}; got {tokens.shape[0]} token ids, "\
                       f"{logprobs.shape[0]} log-probs, {versions.shape[0]} versions)"
@@ -212,17 +205,12 @@ def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -
 def prepare_decoder() -> None:
     """Load (on a fresh machine: compile, ~2 s) the validator now, so that the first
     message a receiver decodes does not pay for it."""
-    _scanner()
+    _kernel()
 
 
 @functools.cache
-def _scanner() -> Callable[..., int]:
-    """The compiled validator (numba; imported on the first decode, not at import)."""
-    from pipeline_rl._wire_kernel import scan_group
-    return scan_group  # type: ignore[no-any-return]
+def _kernel() -> ModuleType:
+    """The compiled validator's module (numba: imported on the first decode, not at import)."""
+    from pipeline_rl import _wire_kernel
 
-
-@functools.cache
-def _scan_errors() -> dict[int, tuple[str, str]]:
-    from pipeline_rl._wire_kernel import ERRORS
-    return ERRORS
+    return _wire_kernel

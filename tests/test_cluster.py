@@ -23,9 +23,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from pipeline_rl.cli import parse_config
 from pipeline_rl.config import Config
 from pipeline_rl.metrics import read_metrics
+from tiny_run import tiny_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -63,12 +63,7 @@ def two_nodes() -> Iterator[Any]:
 
 
 def _config(tiny_model_dir: str, out: Path, *extra: str) -> Config:
-    argv = ["--model.path", tiny_model_dir, "--out-dir", str(out), "--staleness", "2",
-            "--rollout.n", "4", "--trainer.batch_size", "8", "--trainer.micro_batch_size", "8",
-            "--rollout.max_new_tokens", "24", "--rollout.max_num_seqs", "16",
-            "--trainer.batch_timeout_s", "120", *extra]
-    cfg, _ = parse_config(argv, check_cpu=True)
-    return cfg
+    return tiny_run_config(tiny_model_dir, out, "--staleness", "2", *extra)
 
 
 def _node_of(handle: Any) -> str:

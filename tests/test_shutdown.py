@@ -27,6 +27,7 @@ import psutil
 import pytest
 
 from pipeline_rl.actors.checkpoint import latest_checkpoint, read_run_state
+from tiny_run import TINY_RUN_FLAGS
 
 pytestmark = pytest.mark.slow
 
@@ -107,10 +108,8 @@ def test_ctrl_c_stops_everything_and_leaves_nothing(tiny_model_dir: str, tmp_pat
     for key in ("RAY_ADDRESS", "RAY_TMPDIR"):
         env.pop(key, None)
     argv = [sys.executable, str(REPO / "launch" / "async_grpo.py"), "--model.path", tiny_model_dir,
-            "--out-dir", str(out), "--max-steps", "1000", "--staleness", "2",
-            "--rollout.n", "4", "--trainer.batch_size", "8", "--trainer.micro_batch_size", "8",
-            "--rollout.max_new_tokens", "24", "--rollout.max_num_seqs", "16",
-            "--trainer.batch_timeout_s", "120", "--ray.num_cpus", "2"]
+            "--out-dir", str(out), "--max-steps", "1000", "--staleness", "2", *TINY_RUN_FLAGS,
+            "--ray.num_cpus", "2"]
     shm_before = set(os.listdir("/dev/shm"))
     with log.open("wb") as sink:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,

@@ -1,7 +1,8 @@
 """A pure-torch GRPO loop on the built-in model: checks that a warm-started model learns under RL.
 
 This is not the training system (that is vLLM + DeepSpeed + ZeroMQ + Ray); it
-reproduces the same objective in one process to size the built-in default:
+runs the same objective (the project's own advantages and loss) in one process
+with transformers sampling, to size the built-in default:
 ``groups`` prompts x ``n`` samples at temperature 1, GRPO advantages (group mean
 and std), a REINFORCE loss with token normalisation and truncated importance
 weights ``min(exp(logp - logp_behav), cap)`` against a behaviour policy
@@ -17,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from pipeline_rl.config import AlgorithmConfig, CorrectionConfig
+from pipeline_rl.correction.advantages import compute_advantages
+from pipeline_rl.correction.loss import PolicyBatch, policy_loss
 from pipeline_rl.models.warmstart import completion_logprobs, probe, sample
 from pipeline_rl.tasks.base import Task
 
@@ -72,6 +76,7 @@ def grpo_probe(model_dir: str | Path, task: Task, cfg: RLProbeConfig,
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0, eps=cfg.adam_eps, betas=cfg.betas)
     gen = torch.Generator().manual_seed(cfg.seed)
     history = [copy.deepcopy(policy.state_dict())]
+    algo, corr = AlgorithmConfig(), CorrectionConfig(type="tis", tis_cap=cfg.tis_cap)  # GRPO, token norm.
     result = RLProbeResult()
     t0 = time.perf_counter()
     next_prompt = cfg.seed * 1_000_003 % max(1, task.num_prompts // 2)
@@ -84,12 +89,10 @@ def grpo_probe(model_dir: str | Path, task: Task, cfg: RLProbeConfig,
                     temperature=cfg.temperature, generator=gen)
         with torch.no_grad():
             behav_logp = completion_logprobs(behaviour, ro.prompt_ids, ro.tokens, cfg.temperature)  # [B, T]
-        r = ro.rewards.view(cfg.groups, cfg.n)                                                     # [G, n]
-        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)           # [B]
+        adv = compute_advantages("grpo", ro.rewards.view(cfg.groups, cfg.n)).view(-1)             # [B]
         policy.train()
         logp = completion_logprobs(policy, ro.prompt_ids, ro.tokens, cfg.temperature)              # [B, T]
-        weight = torch.clamp(torch.exp(logp.detach() - behav_logp), max=cfg.tis_cap)              # [B, T]
-        loss = -(ro.mask * weight * adv[:, None] * logp).sum() / ro.mask.sum()
+        loss, _ = policy_loss(PolicyBatch(logp, behav_logp, ro.mask, adv), algo, corr)
         opt.zero_grad()
         loss.backward()
         if cfg.grad_clip > 0:
