@@ -286,8 +286,11 @@ def test_killed_producer_process_is_refunded_by_worker_lost() -> None:
     buf = ReplayBuffer(capacity_groups=16, staleness=0, groups_per_step=4)
     with BufferServer(buf) as server:
         assert buf.acquire(7, 400).granted == 4  # (0 + 0 + 1) * 4
-        buf.set_version(100)  # pretend training went on, so the worker gets a large grant
-        assert buf.acquire(7, 400).granted == 400
+        # Pretend training went on, so the worker gets a grant larger than anything that
+        # can be in flight when it dies (queues + kernel socket buffers: ~2,700 of these
+        # 1.6 KB groups at most), so every group it sent was granted.
+        buf.set_version(10_000)
+        assert buf.acquire(7, 40_000).granted == 40_000
         proc = mp.get_context("spawn").Process(target=_send_forever, args=(server.address, 7))
         proc.start()
         got = 0
