@@ -92,8 +92,9 @@ def build_parser(prog: str = "async_grpo.py", description: str | None = None) ->
                      help="Print the resolved configuration as JSON and exit.")
     top.add_argument("--model", dest="model.path", default=argparse.SUPPRESS, metavar="PATH_OR_HF_ID",
                      help="Shorthand for --model.path.")
-    top.add_argument("--dataset", dest="task.dataset", default=argparse.SUPPRESS, metavar="FILE.jsonl",
-                     help="Shorthand for --task.dataset (JSONL rows with 'prompt' and 'answer').")
+    top.add_argument("--dataset", dest="task.dataset", default=argparse.SUPPRESS, metavar="FILE",
+                     help="Shorthand for --task.dataset (a local .jsonl/.json/.parquet/.arrow/.csv "
+                     "file or a save_to_disk folder).")
     top.add_argument("--ray-address", dest="ray.address", default=argparse.SUPPRESS, metavar="ADDRESS",
                      help="Shorthand for --ray.address (join an existing cluster).")
     sections: list[tuple[str, type[BaseModel]]] = []

@@ -1,15 +1,34 @@
-"""Tasks: deterministic prompt pools, rewards on right/wrong/garbled answers, dataset loading errors."""
+"""Tasks: deterministic prompt pools, rewards on right/wrong/garbled answers, dataset loading
+(JSONL, JSON, Parquet, Arrow, CSV, save_to_disk folders) and its errors, chat templates,
+plug-in rewards."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pipeline_rl.cli import UsageError, parse_config
 from pipeline_rl.config import TaskConfig
-from pipeline_rl.tasks import AdditionTask, DatasetTask, Prompt, SortTask, Task, TaskError, build_task
+from pipeline_rl.tasks import (
+    AdditionTask,
+    ConfiguredTask,
+    DatasetTask,
+    Prompt,
+    SortTask,
+    Task,
+    TaskError,
+    build_task,
+    build_task_for_model,
+    resolve_reward,
+)
 from pipeline_rl.tasks.math_reward import answers_match, extract_answer, math_reward
+
+TESTS = Path(__file__).resolve().parent
 
 
 class CharEncoder:
@@ -88,6 +107,8 @@ def test_bad_builtin_parameters_are_clear_errors() -> None:
     ("it is 50\\%", "50"),
     ("\\boxed{90^\\circ}", "90"),
     ("2.50", "2.5"),
+    ("so she sold \\boxed{72} clips", "Natalia sold 48/2 = 24 clips in May.\n#### 72"),
+    ("#### 1,000", "The total is 1000.\n#### 1000"),
 ])
 def test_math_reward_matches_equivalent_answers(completion: str, answer: str) -> None:
     assert math_reward(completion, answer) == 1.0
@@ -164,3 +185,297 @@ def test_dataset_missing_or_empty_file(tmp_path: Path) -> None:
         build_task(TaskConfig(dataset=str(tmp_path / "nope.jsonl")))
     with pytest.raises(TaskError, match="holds no rows"):
         build_task(TaskConfig(dataset=str(_write(tmp_path, ["", "  "]))))
+
+
+# --- datasets in other formats ----------------------------------------------------------------
+
+QA = [{"question": f"What is {i}+{i}?", "solution": f"{i}+{i}={2 * i}\n#### {2 * i}", "id": i}
+      for i in range(6)]
+
+
+def _write_format(tmp_path: Path, fmt: str, records: list[dict[str, Any]]) -> Path:
+    """``records`` written as ``fmt`` (the way users get such files: pandas, pyarrow, datasets)."""
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist(records)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, tmp_path / "data.parquet")
+        return tmp_path / "data.parquet"
+    if fmt == "json":
+        (tmp_path / "data.json").write_text(json.dumps(records))
+        return tmp_path / "data.json"
+    if fmt == "json-lines":
+        (tmp_path / "data.json").write_text("\n".join(json.dumps(r) for r in records))
+        return tmp_path / "data.json"
+    if fmt == "csv":
+        table.to_pandas().to_csv(tmp_path / "data.csv", index=False)
+        return tmp_path / "data.csv"
+    if fmt == "arrow":
+        with pa.ipc.new_stream(str(tmp_path / "data.arrow"), table.schema) as w:
+            w.write_table(table)
+        return tmp_path / "data.arrow"
+    import datasets
+
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    return tmp_path / "saved"
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json", "json-lines", "csv", "arrow", "save_to_disk"])
+def test_dataset_formats_with_custom_fields(tmp_path: Path, fmt: str) -> None:
+    path = _write_format(tmp_path, fmt, QA)
+    cfg = TaskConfig(dataset=str(path), prompt_field="question", answer_field="solution")
+    assert cfg.name == "dataset"
+    task = build_task(cfg, seed=3, tokenizer=CharEncoder(), max_prompt_tokens=64)
+    assert isinstance(task, DatasetTask) and task.num_prompts == len(QA)
+    prompts = [task.prompt(i) for i in range(len(QA))]
+    assert sorted(p.text for p in prompts) == sorted(r["question"] for r in QA)
+    assert sorted(p.answer for p in prompts) == sorted(r["solution"] for r in QA)
+    p = next(p for p in prompts if p.text == "What is 4+4?")
+    assert task.reward(p.text, "4+4 is \\boxed{8}", p) == 1.0            # GSM8K-style reference
+    assert task.reward(p.text, "\\boxed{9}", p) == 0.0
+
+
+def test_dataset_missing_column_names_file_and_columns(tmp_path: Path) -> None:
+    path = _write_format(tmp_path, "parquet", QA)
+    with pytest.raises(TaskError) as err:
+        build_task(TaskConfig(dataset=str(path)))                      # default field 'prompt'
+    assert str(err.value) == f"task.prompt_field: {path} has no column 'prompt' (columns: question, solution, id)"
+    with pytest.raises(TaskError, match=r"task.answer_field: .* has no column 'answer' \(columns: question"):
+        build_task(TaskConfig(dataset=str(path), prompt_field="question"))
+    json_path = _write_format(tmp_path, "json", QA)
+    with pytest.raises(TaskError, match=r"task.answer_field: .*data.json has no column 'answer'"):
+        build_task(TaskConfig(dataset=str(json_path), prompt_field="question"))
+    jsonl = _write(tmp_path, [json.dumps(r) for r in QA])
+    with pytest.raises(TaskError, match=rf"{jsonl}:1: row has no 'prompt' field \(task.prompt_field; "
+                                        r"fields: id, question, solution\)"):
+        build_task(TaskConfig(dataset=str(jsonl)))
+
+
+@pytest.mark.parametrize("records, message", [
+    ([{"prompt": "ok", "answer": "1"}, {"prompt": "", "answer": "2"}], r"\[1\]: 'prompt' must be a non-empty string"),
+    ([{"prompt": "ok", "answer": "1"}, {"prompt": "x", "answer": None}], r"\[1\]: 'answer' must be a non-empty"),
+    ([{"prompt": "ok", "answer": 1.0}, {"prompt": "x", "answer": float("nan")}], r"\[1\]: 'answer' must be"),
+    ([{"prompt": "ok", "answer": "1"}, {"prompt": None, "answer": "2"}], r"\[1\]: 'prompt' must be"),
+])
+def test_dataset_bad_rows_in_parquet_name_the_row(tmp_path: Path, records: list[dict[str, Any]],
+                                                 message: str) -> None:
+    path = _write_format(tmp_path, "parquet", records)
+    with pytest.raises(TaskError, match=message) as err:
+        build_task(TaskConfig(dataset=str(path)))
+    assert str(err.value).startswith(f"{path}[1]: ") and "\n" not in str(err.value)
+
+
+def test_dataset_unreadable_inputs_are_one_line_errors(tmp_path: Path) -> None:
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('[{"prompt": "a", "answer": 1},')
+    bad_parquet = tmp_path / "bad.parquet"
+    bad_parquet.write_bytes(b"not parquet at all")
+    other = tmp_path / "data.txt"
+    other.write_text("x")
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    import datasets
+
+    splits = tmp_path / "splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(QA), "test": datasets.Dataset.from_list(QA)}
+                         ).save_to_disk(str(splits))
+    for path, message in [(bad_json, "task.dataset: cannot read"), (bad_parquet, "task.dataset: cannot read"),
+                          (other, "unknown format '.txt'"), (plain_dir, "not one written by save_to_disk"),
+                          (splits, "holds splits train, test; give one of them"),
+                          (tmp_path / "openai/gsm8k", "no such file")]:
+        with pytest.raises(TaskError, match=message) as err:
+            build_task(TaskConfig(dataset=str(path), prompt_field="question", answer_field="solution"))
+        assert "\n" not in str(err.value), str(err.value)
+    task = build_task(TaskConfig(dataset=str(splits / "test"), prompt_field="question", answer_field="solution"))
+    assert task.num_prompts == len(QA)
+
+
+# --- chat templates ---------------------------------------------------------------------------
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _char_tokenizer(chat_template: str | None) -> Any:
+    """A tiny character-level ``PreTrainedTokenizerFast`` built here (nothing downloaded)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["<unk>", "\n"] + [chr(c) for c in range(32, 127)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    fast.chat_template = chat_template
+    return fast
+
+
+@pytest.fixture(scope="module")
+def chat_tok() -> Any:
+    return _char_tokenizer(TEMPLATE)
+
+
+def test_chat_template_renders_dataset_prompts(tmp_path: Path, chat_tok: Any) -> None:
+    path = _write_format(tmp_path, "parquet", QA)
+    cfg = TaskConfig(dataset=str(path), prompt_field="question", answer_field="solution",
+                     system_prompt="Think, then answer.")
+    task = build_task(cfg, seed=0, tokenizer=chat_tok, max_prompt_tokens=200)
+    plain = build_task(cfg, seed=0)                                    # no tokenizer: verbatim
+    assert isinstance(task, ConfiguredTask) and isinstance(plain, DatasetTask)
+    assert task.name == "dataset" and task.num_prompts == len(QA)
+    for i in range(len(QA)):
+        p, raw = task.prompt(i), plain.prompt(i)
+        assert p.text == f"<|system|>Think, then answer.\n<|user|>{raw.text}\n<|assistant|>"
+        assert p.raw_prompt == p.question == raw.text and p.templated and not raw.templated
+        assert p.answer == raw.answer and p.prompt_id == i
+    p = task.prompt(0)
+    assert task.reward(p.text, f"\\boxed{{{p.answer.rsplit('#### ', 1)[1]}}}", p) == 1.0
+    no_system = build_task(TaskConfig(dataset=str(path), prompt_field="question", answer_field="solution"),
+                           tokenizer=chat_tok)
+    assert no_system.prompt(0).text == f"<|user|>{plain.prompt(0).text}\n<|assistant|>"
+
+
+def test_chat_template_counts_rendered_tokens_against_the_context(tmp_path: Path, chat_tok: Any) -> None:
+    path = _write(tmp_path, [json.dumps({"prompt": "x" * 10, "answer": "1"})])
+    overhead = len("<|user|>\n<|assistant|>")
+    with pytest.raises(TaskError, match=rf"{path}:1: prompt is {10 + overhead} tokens"):
+        build_task(TaskConfig(dataset=str(path)), tokenizer=chat_tok, max_prompt_tokens=10 + overhead - 1)
+    build_task(TaskConfig(dataset=str(path)), tokenizer=chat_tok, max_prompt_tokens=10 + overhead)
+    with pytest.raises(TaskError, match="task.digits: sort prompts take up to"):
+        build_task(TaskConfig(name="sort", digits=4), tokenizer=chat_tok, max_prompt_tokens=12)
+
+
+def test_chat_template_none_or_absent_leaves_prompts_raw(tmp_path: Path, chat_tok: Any) -> None:
+    path = _write(tmp_path, [json.dumps({"prompt": "2+2?", "answer": "4"})])
+    task = build_task(TaskConfig(dataset=str(path), chat_template="none"), tokenizer=chat_tok)
+    assert isinstance(task, DatasetTask) and task.prompt(0).text == "2+2?" and not task.prompt(0).templated
+    builtin = build_task(TaskConfig(name="sort", digits=3), tokenizer=_char_tokenizer(None), max_prompt_tokens=16)
+    assert isinstance(builtin, SortTask)                               # no template: unchanged
+    assert build_task(TaskConfig(name="sort", digits=3), tokenizer=CharEncoder()) == SortTask(3, 100_000)
+    sorted_chat = build_task(TaskConfig(name="sort", digits=3), tokenizer=chat_tok)
+    assert sorted_chat.prompt(5).text == f"<|user|>{builtin.prompt(5).text}\n<|assistant|>"
+    with pytest.raises(TaskError, match="task.system_prompt: the model's tokenizer has no chat template"):
+        build_task(TaskConfig(name="sort", system_prompt="hi"), tokenizer=_char_tokenizer(None))
+
+
+def test_builtin_tokenizer_has_no_chat_template(tmp_path: Path) -> None:
+    from pipeline_rl.models.builtin import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    task = build_task_for_model(TaskConfig(name="addition", digits=2), str(tmp_path), max_prompt_tokens=8)
+    assert isinstance(task, AdditionTask) and task.prompt(0) == AdditionTask(2, 100_000).prompt(0)
+
+
+def test_build_task_for_model_uses_the_saved_chat_template(tmp_path: Path, chat_tok: Any) -> None:
+    chat_tok.save_pretrained(tmp_path)
+    task = build_task_for_model(TaskConfig(name="sort", digits=3, system_prompt="S"), str(tmp_path), seed=1)
+    raw = SortTask(3, 100_000, seed=1).prompt(7)
+    assert task.prompt(7) == Prompt(7, f"<|system|>S\n<|user|>{raw.text}\n<|assistant|>", raw.answer, raw.text)
+    assert build_task_for_model(TaskConfig(name="sort", digits=3, chat_template="none"), "/nonexistent") \
+        == SortTask(3, 100_000)                                        # none: no tokenizer is loaded
+
+
+def test_failing_chat_template_is_a_one_line_error(tmp_path: Path) -> None:
+    tok = _char_tokenizer("{% if messages[0].role == 'system' %}{{ raise_exception('System role not "
+                          "supported') }}{% endif %}{{ messages[0].content }}")
+    build_task(TaskConfig(name="sort"), tokenizer=tok)                 # no system prompt: fine
+    with pytest.raises(TaskError, match=r"^task.chat_template: .*System role not supported.*"
+                                        r"--task.system_prompt$"):
+        build_task(TaskConfig(name="sort", system_prompt="be nice"), tokenizer=tok)
+
+
+# --- plug-in rewards --------------------------------------------------------------------------
+
+@pytest.fixture
+def plugin_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(TESTS))
+
+
+def test_plugin_reward_replaces_builtin_and_dataset_rewards(tmp_path: Path, plugin_path: None,
+                                                            chat_tok: Any) -> None:
+    sort = build_task(TaskConfig(name="sort", digits=4, reward="reward_plugin:contains_answer"))
+    assert isinstance(sort, ConfiguredTask) and isinstance(sort.base, SortTask)
+    p = sort.prompt(0)
+    assert p == SortTask(4, 100_000).prompt(0)                          # prompts unchanged
+    assert sort.reward(p.text, f"junk {p.answer} junk", p) == 1.0      # exact match would say 0
+    assert sort.reward(p.text, "nope", p) == 0.25
+    path = _write(tmp_path, [json.dumps({"prompt": "Say hi", "answer": "hi"})])
+    data = build_task(TaskConfig(dataset=str(path), reward="reward_plugin:echo_question"), tokenizer=chat_tok)
+    q = data.prompt(0)
+    assert q.templated and data.reward(q.text, "Say hi", q) == 1.0     # meta.question is the raw prompt
+    scorer = build_task(TaskConfig(name="addition", reward="reward_plugin:Scorer.score"))
+    assert scorer.reward("", "", scorer.prompt(0)) == 0.5
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("reward_plugin", r"expected MODULE:FUNCTION \(e.g. my_rewards:score\), got 'reward_plugin'"),
+    ("reward_plugin:", "expected MODULE:FUNCTION"),
+    ("no_such_module_xyz:f", r"cannot import module 'no_such_module_xyz' \(ModuleNotFoundError: .*PYTHONPATH"),
+    ("reward_plugin:missing", "module 'reward_plugin' has no attribute 'missing'"),
+    ("reward_plugin:Scorer.nope", "module 'reward_plugin' has no attribute 'Scorer.nope'"),
+    ("reward_plugin:NOT_CALLABLE", r"'reward_plugin:NOT_CALLABLE' is not callable \(it is a int\)"),
+    ("reward_plugin:two_args", r"must accept \(prompt, completion, meta\)"),
+    ("broken_reward_module:f", r"importing module 'broken_reward_module' failed: ZeroDivisionError"),
+])
+def test_bad_reward_specs_are_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              plugin_path: None, spec: str, message: str) -> None:
+    (tmp_path / "broken_reward_module.py").write_text("x = 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError, match=message) as err:
+        resolve_reward(spec)
+    assert str(err.value).startswith("task.reward: ") and "\n" not in str(err.value)
+    if ":" in spec and not spec.endswith(":"):                         # well-formed: fails in build_task
+        with pytest.raises(TaskError, match=message):
+            build_task(TaskConfig(name="sort", reward=spec))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task.reward", "my_rewards.score"], "--task.reward: expected MODULE:FUNCTION"),
+    (["--task.reward", "a:b c"], "--task.reward: expected MODULE:FUNCTION"),
+    (["--task.system_prompt", "hi", "--task.chat_template", "none"],
+     "--task.system_prompt: needs --task.chat_template auto"),
+    (["--task.chat_template", "jinja"], "--task.chat_template: invalid choice"),
+    (["--task.prompt_field", ""], "--task.prompt_field"),
+])
+def test_cli_rejects_bad_task_flags_in_one_line(argv: list[str], message: str) -> None:
+    with pytest.raises(UsageError) as err:
+        parse_config(argv, check_cpu=False)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_cli_accepts_the_new_task_flags(tmp_path: Path) -> None:
+    cfg, _ = parse_config(["--dataset", "gsm8k.parquet", "--task.prompt_field", "question",
+                           "--task.answer_field", "solution", "--task.system_prompt", "Be brief.",
+                           "--task.reward", "my_rewards:score"], check_cpu=False)
+    t = cfg.task
+    assert (t.name, t.dataset, t.prompt_field, t.answer_field) == ("dataset", "gsm8k.parquet", "question", "solution")
+    assert (t.chat_template, t.system_prompt, t.reward) == ("auto", "Be brief.", "my_rewards:score")
+    assert TaskConfig().chat_template == "auto" and TaskConfig().reward is None
+
+
+def test_importing_tasks_stays_light() -> None:
+    code = ("import sys, pipeline_rl.tasks, pipeline_rl.config; "
+            "heavy = {'torch', 'datasets', 'transformers', 'pyarrow'} & set(sys.modules); "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=TESTS.parent)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--task.reward", "no_such_module_xyz:score"], "task.reward: cannot import"),
+    (["--task.reward", "reward_plugin:two_args"], "task.reward: 'reward_plugin:two_args' must accept"),
+    (["--task.prompt_field", "question", "--task.answer_field", "nope"], "task.answer_field: "),
+])
+def test_driver_stops_on_bad_task_before_anything_starts(flags: list[str], needle: str, tmp_path: Path,
+                                                         tiny_model_dir: str, plugin_path: None,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline_rl.driver import run
+
+    data = _write_format(tmp_path, "parquet", QA)
+    cfg, _ = parse_config(["--model", tiny_model_dir, "--dataset", str(data), "--task.prompt_field", "question",
+                           "--task.answer_field", "solution", "--out-dir", str(tmp_path / "out"), *flags],
+                          check_cpu=True)
+    assert run(cfg) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "out").exists()  # nothing started

@@ -129,9 +129,10 @@ class GenerationEngine(ABC):
         """Names and shapes a weight update must carry."""
         return self._spec
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt, exactly as the engine would tokenize it."""
-        return list(self._tokenizer.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, exactly as the engine would tokenize it (without the
+        tokenizer's own special tokens for text a chat template already wrote them into)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     @abstractmethod
     def add(self, request: GenRequest) -> None:

@@ -1,9 +1,12 @@
 """Verifiable tasks: deterministic prompt pools with programmatic rewards.
 
 Built-in (CPU default): ``addition`` and ``sort`` (:mod:`pipeline_rl.tasks.builtin`).
-User data: ``dataset``, a JSONL file scored by math answer matching
+User data: ``dataset``, a local JSONL / JSON / Parquet / Arrow / CSV file (or a
+``save_to_disk`` folder) scored by math answer matching
 (:mod:`pipeline_rl.tasks.dataset`, :mod:`pipeline_rl.tasks.math_reward`).
-Importing this package imports no torch.
+Over any task: the tokenizer's chat template and a plug-in reward
+(:mod:`pipeline_rl.tasks.chat`, :mod:`pipeline_rl.tasks.plugin`).
+Importing this package imports no torch, ``datasets`` or transformers.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from typing import TYPE_CHECKING
 
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task, TaskError
 from pipeline_rl.tasks.builtin import AdditionTask, SortTask
-from pipeline_rl.tasks.dataset import DatasetTask, Encoder, load_dataset_task
+from pipeline_rl.tasks.chat import ConfiguredTask, Renderer, chat_renderer, has_chat_template
+from pipeline_rl.tasks.dataset import DatasetTask, Encoder, load_dataset_task, prompt_tokens
+from pipeline_rl.tasks.plugin import resolve_reward
 
 if TYPE_CHECKING:
     from pipeline_rl.config import TaskConfig
 
-__all__ = ["AdditionTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Task", "TaskError",
-           "build_task", "longest_prompt"]
+__all__ = ["AdditionTask", "ConfiguredTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Task",
+           "TaskError", "build_task", "build_task_for_model", "longest_prompt", "resolve_reward"]
 
 
 def longest_prompt(cfg: "TaskConfig") -> str | None:
@@ -31,25 +36,78 @@ def longest_prompt(cfg: "TaskConfig") -> str | None:
     return None
 
 
+def task_renderer(cfg: "TaskConfig", tokenizer: object | None) -> Renderer | None:
+    """The chat-template renderer the config asks for, or None (prompts verbatim).
+
+    With ``chat_template=auto``, a tokenizer with a chat template gives one; a
+    ``system_prompt`` with no template to put it in is a :class:`TaskError`
+    (``chat_template=none`` with a system prompt is refused by the config).
+    """
+    if cfg.chat_template == "auto" and has_chat_template(tokenizer):
+        return chat_renderer(tokenizer, cfg.system_prompt)
+    if cfg.system_prompt and cfg.chat_template == "auto" and tokenizer is not None:
+        raise TaskError("task.system_prompt: the model's tokenizer has no chat template to put it in")
+    return None
+
+
+def _check_builtin_fits(cfg: "TaskConfig", tokenizer: Encoder, max_prompt_tokens: int,
+                        render: Renderer | None) -> None:
+    longest = longest_prompt(cfg)
+    if longest is None:
+        return
+    n = prompt_tokens(tokenizer, longest if render is None else render(longest), render is not None)
+    if n > max_prompt_tokens:
+        raise TaskError(f"task.digits: {cfg.name} prompts take up to {n} tokens, more than the "
+                        f"{max_prompt_tokens} the model's context leaves for them")
+
+
 def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = None,
                max_prompt_tokens: int | None = None) -> Task:
-    """The task a config names.
+    """The task a config names, as the rollout workers must see it.
 
-    With ``tokenizer`` and ``max_prompt_tokens`` (the driver passes
-    ``rollout.max_model_len - rollout.max_new_tokens``), every prompt is checked
-    to fit before anything starts: a dataset row that does not is a
-    :class:`TaskError` naming ``FILE:LINE``.
+    - ``task.reward`` is resolved first (a bad spec is a one-line :class:`TaskError`
+      naming the flag) and replaces the task's reward (``task.reward(...)`` calls it).
+    - With a ``tokenizer`` that has a chat template and ``chat_template=auto``,
+      ``prompt(i).text`` is the rendered prompt (see :mod:`pipeline_rl.tasks.chat`);
+      the template is tried on prompt 0 here, so a failing one is an error now.
+      Without a tokenizer, prompts are verbatim: pass the model's tokenizer
+      wherever prompts are fed to the model.
+    - With ``tokenizer`` and ``max_prompt_tokens`` (the driver passes
+      ``rollout.max_model_len - rollout.max_new_tokens``), every prompt, rendered,
+      is checked to fit before anything starts: a dataset row that does not is a
+      :class:`TaskError` naming ``FILE:LINE`` (``FILE[i]`` for non-JSONL data).
+
+    The task is returned unwrapped when neither a template nor a plug-in reward applies.
     """
+    reward_fn = resolve_reward(cfg.reward) if cfg.reward is not None else None
+    render = task_renderer(cfg, tokenizer)
+    check = tokenizer is not None and max_prompt_tokens is not None
+    base: Task
     if cfg.name == "dataset":
         if cfg.dataset is None:
-            raise TaskError("task.dataset: give a JSONL file for task.name=dataset")
-        return load_dataset_task(cfg.dataset, seed=seed, tokenizer=tokenizer,
-                                 max_prompt_tokens=max_prompt_tokens)
-    task: Task = (AdditionTask if cfg.name == "addition" else SortTask)(cfg.digits, cfg.num_prompts, seed)
-    longest = longest_prompt(cfg)
-    if tokenizer is not None and max_prompt_tokens is not None and longest is not None:
-        n = len(tokenizer.encode(longest))
-        if n > max_prompt_tokens:
-            raise TaskError(f"task.digits: {cfg.name} prompts take up to {n} tokens, more than the "
-                            f"{max_prompt_tokens} the model's context leaves for them")
+            raise TaskError("task.dataset: give a data file for task.name=dataset")
+        base = load_dataset_task(cfg.dataset, seed=seed, prompt_field=cfg.prompt_field,
+                                 answer_field=cfg.answer_field, tokenizer=tokenizer if check else None,
+                                 max_prompt_tokens=max_prompt_tokens, render=render)
+    else:
+        base = (AdditionTask if cfg.name == "addition" else SortTask)(cfg.digits, cfg.num_prompts, seed)
+        if tokenizer is not None and max_prompt_tokens is not None:
+            _check_builtin_fits(cfg, tokenizer, max_prompt_tokens, render)
+    if render is None and reward_fn is None:
+        return base
+    task = ConfiguredTask(base, render, reward_fn)
+    task.prompt(0)
     return task
+
+
+def build_task_for_model(cfg: "TaskConfig", model_dir: str, *, seed: int = 0,
+                         max_prompt_tokens: int | None = None) -> Task:
+    """:func:`build_task` with the tokenizer of the model in ``model_dir`` (loaded with
+    ``transformers.AutoTokenizer``, imported here), so prompts get its chat template.
+    With ``chat_template=none`` and no length check, no tokenizer is loaded."""
+    if cfg.chat_template == "none" and max_prompt_tokens is None:
+        return build_task(cfg, seed=seed)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return build_task(cfg, seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens)

@@ -21,17 +21,37 @@ class TaskError(ValueError):
 class Prompt:
     """One prompt of a task.
 
-    ``prompt_id`` is the id it was asked for; ``text`` is fed to the model
-    verbatim (no chat template, no BOS added by the built-in tokenizer);
-    ``answer`` is the reference answer the reward compares against.
+    ``prompt_id`` is the id it was asked for. ``text`` is exactly the text fed to
+    the model: the task's prompt as written (a built-in task's ``"sort 5193="``,
+    a dataset's prompt column), or, when a chat template was applied
+    (``--task.chat_template auto`` with a tokenizer that has one), that prompt
+    rendered as the user turn (after ``--task.system_prompt``, if any) with the
+    generation prompt appended. ``raw_prompt`` is the prompt as written when a
+    template was applied, else None (``text`` is then the prompt as written).
+    ``answer`` is the reference answer the reward compares against, never
+    templated.
     """
 
     prompt_id: int
     text: str
     answer: str
+    raw_prompt: str | None = None
+
+    @property
+    def templated(self) -> bool:
+        """True when ``text`` is chat-template output (it may already hold the BOS
+        text, so it should be encoded without adding special tokens)."""
+        return self.raw_prompt is not None
+
+    @property
+    def question(self) -> str:
+        """The prompt as written, before any chat template."""
+        return self.text if self.raw_prompt is None else self.raw_prompt
 
 
-#: Any callable scoring one completion of a prompt; must return a float in [0, 1].
+#: Any callable scoring one completion of a prompt, called as ``f(meta.text,
+#: completion, meta)``; must return a float in [0, 1]. ``meta.question`` is the
+#: prompt before any chat template, ``meta.answer`` the reference answer.
 RewardFn = Callable[[str, str, Prompt], float]
 
 

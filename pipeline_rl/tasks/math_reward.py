@@ -7,6 +7,9 @@ Extraction, first rule that applies wins:
 3. the text after the last "answer is" / "answer:" (case-insensitive), up to the end of the sentence;
 4. the last number in the completion.
 
+A reference answer may be a whole solution: GSM8K style (``... #### 72``, the
+text after the last ``####``) or MATH style (the last ``\\boxed{...}``).
+
 Comparison: both sides are normalised (LaTeX spacing and ``\\left``/``\\right``,
 ``$``, ``\\text{}``, ``\\dfrac``/``\\tfrac``, trailing periods, units of degrees,
 thousands separators); when both parse as numbers (integers, decimals,
@@ -70,6 +73,9 @@ def extract_answer(completion: str) -> str | None:
 def normalize(answer: str) -> str:
     """Canonical string form of an answer (module doc lists what is removed)."""
     s = answer.strip()
+    if "####" in s:  # a GSM8K-style reference solution: the answer follows the last ####
+        tail = s.rsplit("####", 1)[1].strip()
+        s = tail.splitlines()[0] if tail else ""
     boxed = _last_braced(s, "boxed")
     if boxed is not None:
         s = boxed
