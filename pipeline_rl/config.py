@@ -79,8 +79,25 @@ class TaskConfig(Section):
     name: Literal["addition", "sort", "dataset"] = Field(
         "sort", description="Built-in verifiable task (sort: 'sort 5193=' -> '1359'; addition: "
         "'12+34=' -> '46'), or 'dataset' for --task.dataset.")
-    dataset: str | None = Field(None, description="JSONL file with 'prompt' and 'answer' fields "
-                                "(math answer-matching reward). Sets task.name=dataset.")
+    dataset: str | None = Field(None, description="Local data file: .jsonl, .json, .parquet, .arrow, "
+                                ".csv, or a datasets save_to_disk folder (nothing is downloaded), with "
+                                "the --task.prompt_field and --task.answer_field columns; math "
+                                "answer-matching reward. Sets task.name=dataset.")
+    prompt_field: str = Field("prompt", min_length=1, description="Dataset: the column holding the "
+                              "prompt text.")
+    answer_field: str = Field("answer", min_length=1, description="Dataset: the column holding the "
+                              "reference answer (a string or a number) the reward compares against.")
+    chat_template: Literal["auto", "none"] = Field(
+        "auto", description="auto: when the model's tokenizer has a chat template, feed each prompt "
+        "rendered by it as the user turn (after --task.system_prompt) with the generation prompt; "
+        "none: feed prompts verbatim.")
+    system_prompt: str | None = Field(None, description="System message put before every prompt by "
+                                      "the chat template (needs --task.chat_template auto and a "
+                                      "tokenizer with a template).")
+    reward: str | None = Field(None, description="Plug-in reward MODULE:FUNCTION, a callable "
+                               "f(prompt, completion, meta) -> float in [0, 1] that replaces the "
+                               "task's reward; imported at start-up, so the module must be importable "
+                               "(installed or on PYTHONPATH) on every node.")
     digits: int = Field(4, ge=1, le=12, description="Built-in tasks: operand digits / list length.")
     num_prompts: int = Field(100_000, ge=1, description="Built-in tasks: size of the prompt pool.")
 
@@ -94,7 +111,20 @@ class TaskConfig(Section):
     @model_validator(mode="after")
     def _dataset_given(self) -> "TaskConfig":
         if (self.name == "dataset") != (self.dataset is not None):
-            raise ValueError("task.dataset: give a JSONL file exactly when task.name is 'dataset'")
+            raise ValueError("task.dataset: give a data file exactly when task.name is 'dataset'")
+        return self
+
+    @model_validator(mode="after")
+    def _template_and_reward(self) -> "TaskConfig":
+        """The system prompt needs a template; the reward is spelt MODULE:FUNCTION (it is
+        imported when the task is built, before anything starts)."""
+        if self.system_prompt and self.chat_template == "none":
+            raise ValueError("task.system_prompt: needs --task.chat_template auto (got none)")
+        from pipeline_rl.tasks.plugin import REWARD_SPEC  # torch-free, stdlib only
+
+        spec = self.reward
+        if spec is not None and not REWARD_SPEC.match(spec):
+            raise ValueError(f"task.reward: expected MODULE:FUNCTION (e.g. my_rewards:score), got {spec!r}")
         return self
 
 
@@ -116,6 +146,9 @@ class RolloutConfig(Section):
     kv_cache_gib: int = Field(1, ge=1, le=1024, description="vLLM CPU KV-cache space (GiB, whole).")
     max_model_len: int = Field(256, ge=16, le=1_048_576, description="Context length given to vLLM.")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM GPU memory share.")
+    max_restarts: int = Field(3, ge=0, le=1000, description="Times a rollout worker whose process "
+                              "died is restarted before the run ends (an exception inside a worker "
+                              "ends the run at once).")
 
 
 class BufferConfig(Section):
@@ -179,7 +212,11 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 = off).")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = by time "
+                                  "and at the end only).")
+    checkpoint_every_s: float = Field(300.0, ge=0.0, description="Also checkpoint when this many "
+                                      "seconds passed since the last checkpoint (0 = off), so a "
+                                      "crash loses minutes, not the run.")
     batch_timeout_s: float = Field(600.0, gt=0.0, description="Give up when no batch arrives this long.")
 
 
@@ -205,6 +242,9 @@ class Config(Section):
     out_dir: str = Field("runs/latest", description="Metrics, TensorBoard logs and checkpoints.")
     seed: int = Field(0, ge=0, description="Random seed.")
     resume: str | None = Field(None, description="Checkpoint folder to resume from.")
+    watchdog_s: float = Field(120.0, ge=0.0, description="End the run, saying who waits for what, "
+                              "when no step completes within max(this, 20 x the median step time) "
+                              "seconds (0 = off).")
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -12,6 +12,17 @@ Who runs where (one CPU each on CPU machines; the buffer takes no CPU of its own
 Invariants the loop keeps: the trainer version only grows, one per step; every
 step's metrics are logged before the next step's are; a stop request (signal)
 is honoured between steps and within ``_POLL_S`` while waiting for one.
+
+Failures end the run with one line naming the actor and the cause
+(:class:`OrchestratorError`), checked every ``_POLL_S`` while a step is awaited:
+an exception inside any actor method (a worker's weight update or engine step,
+a trainer step, the buffer), a dead buffer or trainer process, a worker process
+that died more than ``rollout.max_restarts`` times, and a run that stopped
+progressing (the :class:`~pipeline_rl.supervision.Watchdog`: the message says
+who waits for what). Every such message names the newest checkpoint to resume
+from, or says that there is none; checkpoints are taken every
+``trainer.checkpoint_every`` steps, every ``trainer.checkpoint_every_s`` seconds
+and at the end.
 """
 
 from __future__ import annotations
@@ -29,12 +40,17 @@ from types import TracebackType
 from typing import Any
 
 from pipeline_rl.config import Config
+from pipeline_rl.faults import FAULT_ENV
 from pipeline_rl.metrics import MetricsLogger, StepMetrics, summary_table
+from pipeline_rl.supervision import Watchdog, cause_of, describe_failure, first_line
 
 log = logging.getLogger("pipeline_rl.orchestrator")
 
 _POLL_S = 0.5
 _STOP_GRACE_S = 3.0
+_SHUTDOWN_WAIT_S = 5.0      # per shutdown phase: a failed run must still end within seconds
+_STARTUP_TIMEOUT_S = 900.0  # a start-up phase that takes longer ends the run
+_STARTUP_SAY_EVERY_S = 30.0
 
 
 class OrchestratorError(RuntimeError):
@@ -93,6 +109,9 @@ class Orchestrator:
         self._trainers: list[Any] = []
         self._workers: list[_WorkerState] = []
         self._logger: MetricsLogger | None = None
+        self._buffer_watch: Any = None
+        self._watchdog = Watchdog(cfg.watchdog_s)
+        self._last_checkpoint_t = time.monotonic()
         self.version = 0
         self.history: list[StepMetrics] = []
 
@@ -114,39 +133,102 @@ class Orchestrator:
         import ray
 
         from pipeline_rl.actors.remote import remote_classes
-        from pipeline_rl.driver import ACTOR_ENV
 
         cfg = self.cfg
-        runtime_env = {"env_vars": {**ACTOR_ENV, "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gib)}}
-        if ray.is_initialized():  # an embedding program (a test, a notebook) owns Ray
-            pass
-        elif cfg.ray.address:
-            ray.init(address=cfg.ray.address, runtime_env=runtime_env, log_to_driver=True)
-        else:
-            # A private local Ray: no token file in the home folder (PLATFORM.md), unless the
-            # user chose an auth mode.
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ctx = ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                           object_store_memory=cfg.ray.object_store_mb * 2**20,
-                           runtime_env=runtime_env)
-            self._started_ray = True
-            self._ray_session_dir = getattr(ctx, "address_info", {}).get("session_dir")
+        self._init_ray()
         buffer_cls, rollout_cls, trainer_cls = remote_classes(cfg, ray.get_runtime_context().get_node_id())
         multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
         host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
         self._buffer = buffer_cls.remote(cfg, host, self._resume_version())
-        address = ray.get(self._buffer.address.remote())
+        address = self._wait([self._buffer.address.remote()], "the replay buffer to bind its socket",
+                             "replay buffer")[0]
         log.info("buffer listening on %s", address)
-        self._start_trainers(trainer_cls, multi_node)
+        self._buffer_watch = self._buffer.watch.remote()
+        # Workers start (vLLM) while the trainers start (DeepSpeed): the phases overlap.
         self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, address, self._buffer))
                          for i in range(cfg.rollout.num_workers)]
-        ray.get([w.handle.ready.remote() for w in self._workers])
-        ray.get(self._trainers[0].set_workers.remote([w.handle for w in self._workers]))
-        ray.get([t.publish_current.remote() for t in self._trainers])
+        self._start_trainers(trainer_cls, multi_node)
+        self._wait([w.handle.ready.remote() for w in self._workers],
+                   f"{len(self._workers)} rollout worker(s) to start vLLM", "rollout worker")
+        self._wait([self._trainers[0].set_workers.remote([w.handle for w in self._workers])],
+                   "the trainer to register the workers", "trainer")
+        self._wait([t.publish_current.remote() for t in self._trainers],
+                   "the first weights to be published", "trainer")
         for w in self._workers:
             w.run_ref = w.handle.run.remote(self._start_counter(w))
         self.out.mkdir(parents=True, exist_ok=True)
         self._logger = MetricsLogger(self.out)
+        self._last_checkpoint_t = time.monotonic()
+
+    def _runtime_env(self) -> dict[str, Any]:
+        from pipeline_rl.driver import ACTOR_ENV
+
+        env = {**ACTOR_ENV, "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.rollout.kv_cache_gib)}
+        if os.environ.get(FAULT_ENV):
+            env[FAULT_ENV] = os.environ[FAULT_ENV]
+        return {"env_vars": env}
+
+    def _init_ray(self) -> None:
+        """Join the cluster Ray the config names (or the one an embedding program
+        started), or start a local one sized for the run; then check that the cluster
+        can place every actor (one line naming what is missing otherwise)."""
+        import ray
+
+        cfg = self.cfg
+        if ray.is_initialized():  # an embedding program (a test, a notebook) owns Ray
+            pass
+        elif cfg.ray.address:
+            ray.init(address=cfg.ray.address, runtime_env=self._runtime_env(), log_to_driver=True)
+        else:
+            # A private local Ray: no token file in the home folder, unless the user chose an
+            # auth mode.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ctx = ray.init(num_cpus=self._local_cpus(), include_dashboard=False,
+                           object_store_memory=cfg.ray.object_store_mb * 2**20,
+                           runtime_env=self._runtime_env())
+            self._started_ray = True
+            self._ray_session_dir = getattr(ctx, "address_info", {}).get("session_dir")
+        from pipeline_rl.resources import check_cluster
+
+        problem = check_cluster(cfg, ray.cluster_resources())
+        if problem:
+            raise OrchestratorError(problem)
+
+    def _local_cpus(self) -> int:
+        """CPUs of a local Ray: ``--ray.num_cpus``, else this machine's cores, raised to
+        what the actors need (oversubscribing, said in one line) so nothing waits for
+        CPUs that will never come."""
+        from pipeline_rl.resources import cpus_needed
+
+        need = cpus_needed(self.cfg)
+        if self.cfg.ray.num_cpus is not None:
+            return self.cfg.ray.num_cpus
+        have = os.cpu_count() or 1
+        if need > have:
+            log.warning("oversubscribing: %d actors of one CPU each on %d cores (steps will be slower)",
+                        need, have)
+        return max(need, have)
+
+    def _wait(self, refs: list[Any], what: str, role: str) -> list[Any]:
+        """``ray.get(refs)`` during start-up, saying every ``_STARTUP_SAY_EVERY_S`` what it
+        waits for; a failure or ``_STARTUP_TIMEOUT_S`` ends the run with one line."""
+        import ray
+
+        t0 = time.monotonic()
+        pending = list(refs)
+        while pending:
+            if self.stop.is_set():
+                raise KeyboardInterrupt
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=_STARTUP_SAY_EVERY_S)
+            waited = time.monotonic() - t0
+            if pending and waited >= _STARTUP_TIMEOUT_S:
+                raise OrchestratorError(f"start-up: gave up waiting for {what} after {waited:.0f} s")
+            if pending:
+                log.warning("start-up: still waiting for %s (%.0f s so far)", what, waited)
+        try:
+            return list(ray.get(refs))
+        except ray.exceptions.RayError as e:
+            raise OrchestratorError(f"start-up: {describe_failure(e, role)}") from None
 
     def _resume_version(self) -> int:
         """The version a ``--resume`` checkpoint holds (0 for a fresh run); a bad
@@ -166,12 +248,15 @@ class Orchestrator:
         n = self.cfg.trainer.num_ranks
         self._trainers = [trainer_cls.remote(self.cfg, self.model_dir, r, n, self._buffer)
                           for r in range(n)]
-        master = ray.get(self._trainers[0].node_ip.remote()) if multi_node else "127.0.0.1"
+        master = (self._wait([self._trainers[0].node_ip.remote()], "the trainer to start", "trainer")[0]
+                  if multi_node else "127.0.0.1")
         port = free_port()
-        versions = ray.get([t.setup.remote(master, port) for t in self._trainers])
+        versions = self._wait([t.setup.remote(master, port) for t in self._trainers],
+                              f"{n} trainer rank(s) to start DeepSpeed", "trainer")
         self.version = int(versions[0])
         if self.cfg.resume:
-            versions = ray.get([t.load_checkpoint.remote(self.cfg.resume) for t in self._trainers])
+            versions = self._wait([t.load_checkpoint.remote(self.cfg.resume) for t in self._trainers],
+                                  "the trainers to load the checkpoint", "trainer")
             self.version = int(versions[0])
             log.info("resumed from %s at version %d", self.cfg.resume, self.version)
 
@@ -184,11 +269,12 @@ class Orchestrator:
             _quiet(lambda: w.handle.stop.remote())
         runs = [w.run_ref for w in self._workers if w.run_ref is not None]
         if runs:
-            _quiet(lambda: ray.wait(runs, num_returns=len(runs), timeout=10.0))
-        for t in self._trainers:
-            _quiet(lambda: ray.get(t.close.remote(), timeout=10.0))
+            _quiet(lambda: ray.wait(runs, num_returns=len(runs), timeout=_SHUTDOWN_WAIT_S))
+        closing = [t.close.remote() for t in self._trainers]
+        if closing:
+            _quiet(lambda: ray.wait(closing, num_returns=len(closing), timeout=_SHUTDOWN_WAIT_S))
         if self._buffer is not None:
-            _quiet(lambda: ray.get(self._buffer.close.remote(), timeout=10.0))
+            _quiet(lambda: ray.get(self._buffer.close.remote(), timeout=_SHUTDOWN_WAIT_S))
         for handle in [w.handle for w in self._workers] + self._trainers + [self._buffer]:
             if handle is not None:
                 _quiet(lambda: ray.kill(handle))
@@ -209,8 +295,7 @@ class Orchestrator:
             if reports is None:
                 break
             self._log_step(reports, clock)
-            every = self.cfg.trainer.checkpoint_every
-            if every and self.version % every == 0 and self.version < self.cfg.max_steps:
+            if self._checkpoint_due() and self.version < self.cfg.max_steps:
                 self.checkpoint()
         if self._abandoned_step:
             log.warning("stopped during a training step: no final checkpoint (the step's weights "
@@ -219,6 +304,11 @@ class Orchestrator:
             self.checkpoint()
             print(summary_table(self.history), flush=True)
         return self.history
+
+    def _checkpoint_due(self) -> bool:
+        every, every_s = self.cfg.trainer.checkpoint_every, self.cfg.trainer.checkpoint_every_s
+        return bool((every and self.version % every == 0)
+                    or (every_s and time.monotonic() - self._last_checkpoint_t >= every_s))
 
     def _one_step(self) -> list[Any] | None:
         import ray
@@ -235,37 +325,113 @@ class Orchestrator:
                     return None
                 break
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
+            self._check_buffer()
             self._supervise_workers()
+            if pending and self._watchdog.overdue():
+                raise OrchestratorError(self._with_checkpoint(self._stalled()))
         try:
             reports = ray.get(refs)
-        except ray.exceptions.RayActorError as e:
-            raise self._trainer_died(e) from None
+        except ray.exceptions.RayError as e:
+            raise self._failure(e) from None
         if any(r is None for r in reports):
-            raise OrchestratorError(f"no batch within --trainer.batch_timeout_s="
-                                    f"{self.cfg.trainer.batch_timeout_s} at version {self.version}")
+            raise OrchestratorError(self._with_checkpoint(
+                f"no batch within --trainer.batch_timeout_s={self.cfg.trainer.batch_timeout_s} "
+                f"at version {self.version}"))
         self.version += 1
         return reports
 
-    def _trainer_died(self, e: BaseException) -> OrchestratorError:
-        return OrchestratorError(f"a trainer rank died at version {self.version} "
-                                 f"({type(e).__name__}); resume from the last checkpoint in "
-                                 f"{self.out / 'checkpoints'} with --resume")
+    def _failure(self, e: BaseException) -> OrchestratorError:
+        """The one-line error for a failed trainer call: a dead buffer is named as such
+        (a trainer waiting on it fails too), else the innermost failing actor."""
+        self._check_buffer(probe=True)
+        return OrchestratorError(self._with_checkpoint(
+            f"{describe_failure(e, 'trainer')} (at version {self.version})"))
+
+    def _with_checkpoint(self, message: str) -> str:
+        """``message`` plus where to resume from: the newest complete checkpoint, or none."""
+        from pipeline_rl.actors.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(self.out / "checkpoints")
+        if latest is None:
+            return f"{message}; no checkpoint was saved yet"
+        return f"{message}; resume with --resume {latest}"
+
+    def _check_buffer(self, *, probe: bool = False) -> None:
+        """End the run if the buffer's health sentinel answered (its receiver thread
+        crashed, or its process died); with ``probe``, also ask it directly."""
+        import ray
+
+        if self._buffer_watch is None:
+            return
+        ready, _ = ray.wait([self._buffer_watch], timeout=0)
+        why: str | None = None
+        if ready:
+            try:
+                why = ray.get(self._buffer_watch) or "it closed while the run was going on"
+            except ray.exceptions.RayError as e:
+                why = f"its process died ({first_line(e)})"
+        elif probe:
+            try:
+                ray.get(self._buffer.ping.remote(), timeout=2.0)
+            except ray.exceptions.GetTimeoutError:
+                pass
+            except ray.exceptions.RayError as e:
+                why = f"its process died ({first_line(e)})"
+        if why is not None and not self.stop.is_set():
+            raise OrchestratorError(self._with_checkpoint(f"replay buffer failed: {why}"))
+
+    def _stalled(self) -> str:
+        """Who waits for what, in one line, when the watchdog fires."""
+        import ray
+
+        share = self.cfg.groups_per_step
+        parts = [f"no step completed for {self._watchdog.waited_s():.0f} s (watchdog bound "
+                 f"{self._watchdog.bound_s():.0f} s, --watchdog-s): the trainer waits for a batch of "
+                 f"{share} groups at version {self.version}"]
+        try:
+            buf = ray.get(self._buffer.stats.remote(), timeout=2.0)
+            adm = buf.admission
+            parts.append(f"the buffer holds {buf.fill} groups (capacity {buf.capacity}, "
+                         f"{sum(buf.evicted.values())} evicted); admission budget {adm.used}/{adm.limit} "
+                         f"used at version {adm.version}")
+        except ray.exceptions.RayError as e:
+            parts.append(f"the buffer does not answer ({first_line(e)})")
+        refs = [w.handle.stats.remote() for w in self._workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
+        for i, ref in enumerate(refs):
+            if ref not in ready:
+                parts.append(f"rollout worker {i} does not answer")
+                continue
+            st = ray.get(ref)
+            parts.append(f"rollout worker {i} holds weights v{st.version}, {st.in_flight_groups} "
+                         f"groups in flight, {st.groups_sent} sent, "
+                         f"{'generating' if st.in_flight_groups else 'idle: no admission'}")
+        return "; ".join(parts)
 
     def _supervise_workers(self) -> None:
-        """Restart the generation loop of a worker that died (Ray restarts its process)."""
+        """Restart the generation loop of a worker whose process died (Ray restarts the
+        process) up to ``rollout.max_restarts`` times; an exception raised inside a
+        worker ends the run."""
         import ray
 
         runs = [w.run_ref for w in self._workers]
         done, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
-        for w in self._workers:
+        for idx, w in enumerate(self._workers):
             if w.run_ref not in done or self.stop.is_set():
                 continue
             try:
                 ray.get(w.run_ref)
-                why = "returned"
+                why = "its generation loop returned"
+            except ray.exceptions.RayActorError as e:
+                why = f"its process died ({first_line(e)})"
             except ray.exceptions.RayError as e:
-                why = type(e).__name__
-            idx = self._workers.index(w)
+                raise OrchestratorError(self._with_checkpoint(
+                    f"rollout worker {idx} failed: {cause_of(e)} "
+                    f"(at version {self.version})")) from None
+            if w.restarts >= self.cfg.rollout.max_restarts:
+                raise OrchestratorError(self._with_checkpoint(
+                    f"rollout worker {idx} stopped {w.restarts + 1} times, more than "
+                    f"--rollout.max_restarts={self.cfg.rollout.max_restarts} allows: {why}"))
             lost = ray.get(self._buffer.worker_lost.remote(idx))
             w.restarts += 1
             w.tokens, w.idle_s, w.stalls_seen = 0, 0.0, 0
@@ -273,8 +439,8 @@ class Orchestrator:
                         idx, why, lost)
             try:
                 ray.get(self._trainers[0].offer_latest.remote([w.handle]))
-            except ray.exceptions.RayActorError as e:
-                raise self._trainer_died(e) from None
+            except ray.exceptions.RayError as e:
+                raise self._failure(e) from None
             w.run_ref = w.handle.run.remote(self._start_counter(w))
 
     def _start_counter(self, w: _WorkerState) -> int:
@@ -336,6 +502,7 @@ class Orchestrator:
                    "generator_idle_frac": min(1.0, gen_idle)},
         )
         self.history.append(m)
+        self._watchdog.step_done(step_wall)
         assert self._logger is not None
         self._logger.log(m)
 
@@ -348,8 +515,10 @@ class Orchestrator:
         path = self.out / "checkpoints" / checkpoint_name(self.version)
         try:
             ray.get([t.save_checkpoint.remote(str(path), self.version) for t in self._trainers])
-        except ray.exceptions.RayActorError as e:
-            raise self._trainer_died(e) from None
+        except ray.exceptions.RayError as e:
+            raise self._failure(e) from None
+        self._last_checkpoint_t = time.monotonic()
+        self._watchdog.touch()
         log.info("checkpoint saved: %s", path)
         return path
 

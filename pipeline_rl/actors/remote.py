@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline_rl.config import Config
+from pipeline_rl.faults import inject
 
 
 def _one_thread_per_process(cfg: Config) -> None:
@@ -63,7 +64,22 @@ class BufferActor:
         self._buffer.set_version(version)
 
     def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float, rank: int) -> Any:
+        inject("buffer", trainer_version)
         return self._buffer.get_batch(num_groups, trainer_version, timeout_s, rank=rank)
+
+    def watch(self, poll_s: float = 0.5) -> str | None:
+        """Block until the buffer closes (None) or its receiver thread fails (one line
+        saying why); the driver keeps one call pending as a health sentinel, so a dead
+        buffer process also shows as this call failing."""
+        while not self._buffer.closed:
+            error = self._server.error
+            if error is not None:
+                return f"receiver thread crashed: {type(error).__name__}: {error}"
+            time.sleep(poll_s)
+        return None
+
+    def ping(self) -> bool:
+        return True
 
     def worker_lost(self, worker_id: int) -> int:
         return self._buffer.worker_lost(worker_id)
@@ -99,6 +115,10 @@ class RayAdmission:
 # --------------------------------------------------------------------------- rollout
 
 
+class WeightLoadFailed(RuntimeError):
+    """A rollout worker could not take the weights the trainer published (fatal to the run)."""
+
+
 class RolloutActor:
     """One vLLM rollout worker. Threaded actor: ``run`` holds one thread for the
     generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
@@ -107,11 +127,13 @@ class RolloutActor:
                  buffer: Any) -> None:
         _one_thread_per_process(cfg)
         from pipeline_rl.actors.rollout_worker import RolloutWorker
-        from pipeline_rl.tasks import build_task
+        from pipeline_rl.tasks import build_task_for_model
 
+        # The model's tokenizer: prompts reach the engine rendered by its chat template.
+        task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
                                      buffer_address=buffer_address, admission=RayAdmission(buffer),
-                                     task=build_task(cfg.task, seed=cfg.seed))
+                                     task=task)
 
     def ready(self) -> bool:
         return True
@@ -123,7 +145,16 @@ class RolloutActor:
         return self._worker.run()
 
     def offer_weights(self, refs: list[Any]) -> None:
-        self._worker.offer_weights(refs)
+        """Take new weights. Failing to take them is fatal to this worker: it could never
+        reach a newer version, so the admission budget would hold it idle forever. The
+        error ends :meth:`run` (the driver then ends the run naming it) and is re-raised."""
+        try:
+            self._worker.offer_weights(refs)
+        except Exception as e:
+            from pipeline_rl.supervision import first_line
+
+            self._worker.fail(WeightLoadFailed(f"taking new weights failed: {first_line(e)}"))
+            raise
 
     def stats(self) -> Any:
         return self._worker.stats()
@@ -220,6 +251,7 @@ class TrainerActor:
         if groups is None:
             return None
         wait_s = time.perf_counter() - t0
+        inject("trainer_step", self._trainer.version)
         with self._lock:
             result = self._trainer.step(groups)
             self._publish()
@@ -241,7 +273,7 @@ class TrainerActor:
 
     def close(self) -> None:
         if self._publisher is not None:
-            self._publisher.close()
+            self._publisher.close(timeout_s=5.0)
 
 
 def remote_classes(cfg: Config, buffer_node_id: str) -> tuple[Any, Any, Any]:

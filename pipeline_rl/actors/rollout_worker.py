@@ -25,8 +25,11 @@ Invariants:
   newest staged update is kept; the loop makes it live between two steps.
 - Rewards run in a thread pool, off the engine's critical path. A reward
   function that raises (or returns a non-finite value) is logged with the
-  prompt id and scores 0; it never stops the worker. A send that fails
-  (buffer gone, backpressure timeout) stops the worker with that error.
+  prompt id and scores 0; it stops the worker only if it has failed on its
+  first ``REWARD_FAILURES_FATAL`` calls without a single success. A send that
+  fails (buffer gone, backpressure timeout) stops the worker with that error,
+  and so does :meth:`RolloutWorker.fail` (the actor calls it when new weights
+  cannot be taken).
 """
 
 from __future__ import annotations
@@ -51,12 +54,19 @@ from pipeline_rl.actors.engine import (
 )
 from pipeline_rl.actors.weights import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
+from pipeline_rl.faults import inject
 from pipeline_rl.samples import I32, Completion, Group
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task
 
 log = logging.getLogger(__name__)
 
 GROUP_ID_STRIDE = 1 << 40  # group ids: worker_id * stride + local counter (unique per run)
+#: A reward function that failed this many times without ever succeeding ends the run.
+REWARD_FAILURES_FATAL = 32
+
+
+class RewardFailed(RuntimeError):
+    """The task's reward function fails on every call (it never returned a score)."""
 
 
 class AdmissionLike(Protocol):
@@ -141,6 +151,7 @@ class _Counters:
     elapsed_s: float = 0.0
     updates_rejected: int = 0
     reward_errors: int = 0
+    reward_ok: int = 0
     stall_ms: list[float] = field(default_factory=list)
 
 
@@ -185,6 +196,7 @@ class RolloutWorker:
         validated here, applied by the loop before its next engine step. Raises
         ``WeightUpdateError`` for a bad payload (the served weights stay)."""
         update = resolve_offer(offer)
+        inject("weight_update", update.version)
         try:
             checked = check_update(update, self._engine.weight_spec)
         except WeightUpdateError as e:
@@ -197,6 +209,13 @@ class RolloutWorker:
         else:
             log.info("worker %d: ignoring weights v%d (not newer than v%d)", self.worker_id,
                      update.version, self._engine.version)
+
+    def fail(self, error: BaseException) -> None:
+        """Make :meth:`run` raise ``error`` before its next step (the first failure wins)."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+        self._wake.set()
 
     def stop(self) -> None:
         """Ask :meth:`run` to return after the current step (in-flight groups are dropped)."""
@@ -245,6 +264,7 @@ class RolloutWorker:
             self._granted = 0
 
     def _step(self) -> None:
+        inject("engine_step", self._engine.version)
         t = time.perf_counter()
         finished = self._engine.step()
         dt = time.perf_counter() - t
@@ -308,7 +328,8 @@ class RolloutWorker:
         self._local += 1
         group_id = self.worker_id * GROUP_ID_STRIDE + local
         prompt = self._task.prompt(local * self.cfg.rollout.num_workers + self.worker_id)
-        prompt_ids = tuple(self._engine.encode(prompt.text))
+        # A chat template writes its own special tokens (BOS included) into the text.
+        prompt_ids = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
         self._pending[group_id] = _Pending(group_id, prompt, prompt_ids)
         for i in range(self.n):
             self._engine.add(GenRequest(f"{group_id}:{i}", prompt_ids, self._sampling))
@@ -345,12 +366,19 @@ class RolloutWorker:
             value = float(self._reward_fn(prompt.text, completion, prompt))
             if not math.isfinite(value):
                 raise ValueError(f"non-finite reward {value}")
+            with self._lock:
+                self._c.reward_ok += 1
             return value
-        except Exception as e:  # a user's reward function must never kill the worker
+        except Exception as e:  # a user's reward function must never kill the worker...
             with self._lock:
                 self._c.reward_errors += 1
+                hopeless = not self._c.reward_ok and self._c.reward_errors >= REWARD_FAILURES_FATAL
             log.warning("worker %d: reward function failed on prompt %d (scored 0): %s: %s",
                         self.worker_id, prompt.prompt_id, type(e).__name__, e)
+            if hopeless:  # ...unless it has never once worked: then nothing can be learned
+                self.fail(RewardFailed(f"the reward function failed on all of its first "
+                                       f"{REWARD_FAILURES_FATAL} calls; last: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''}"))
             return 0.0
 
     def _on_sent(self, fut: Future[None]) -> None:

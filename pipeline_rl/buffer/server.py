@@ -87,6 +87,8 @@ class BufferServer:
             raise OSError(f"cannot bind the buffer at {bind_to!r}: {e}") from None
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._logged: dict[str, int] = {}
+        #: What ended the receiver thread, if an exception did (samples no longer arrive).
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"buffer-recv {self.address}", daemon=True)
         self._thread.start()
 
@@ -106,7 +108,8 @@ class BufferServer:
                 if (now := time.monotonic()) >= next_monitor:
                     self._drain_monitor()
                     next_monitor = now + _MONITOR_S
-        except Exception:  # a bug here must be loud, not a silently dead receiver
+        except Exception as e:  # a bug here must be loud, not a silently dead receiver
+            self.error = e
             log.exception("buffer receiver thread crashed")
             raise
 

@@ -1,0 +1,44 @@
+"""Fault injection for failure tests: make one actor raise at a chosen point.
+
+Set ``PIPELINE_RL_FAULT=POINT@VERSION`` in the driver's environment (the driver
+passes it on to every actor) and the named point raises :class:`InjectedFault`
+the first time it is reached at a policy version >= ``VERSION``. Points:
+
+- ``weight_update``: a rollout worker taking new weights (``RolloutWorker.offer_weights``);
+- ``engine_step``: a rollout worker's engine step (``RolloutWorker._step``);
+- ``trainer_step``: a trainer rank's step (``TrainerActor.train_step``);
+- ``buffer``: the replay buffer handing out a batch (``BufferActor.get_batch``).
+
+Unset (the normal case) every check is one dictionary lookup. Nothing here runs
+at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+FAULT_ENV = "PIPELINE_RL_FAULT"
+FAULT_POINTS = ("weight_update", "engine_step", "trainer_step", "buffer")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by :func:`inject` at the point ``PIPELINE_RL_FAULT`` names."""
+
+
+def inject(point: str, version: int) -> None:
+    """Raise :class:`InjectedFault` if ``PIPELINE_RL_FAULT`` names ``point`` and
+    ``version`` has reached the one it gives."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    name, _, at = spec.partition("@")
+    if name == point and version >= int(at or 0):
+        raise InjectedFault(f"injected fault at {point} (version {version})")
+
+
+def check_fault_spec(spec: str) -> None:
+    """Raise ValueError (one line) unless ``spec`` is ``POINT@VERSION`` with a known point."""
+    name, _, at = spec.partition("@")
+    if name not in FAULT_POINTS or not at.isdigit():
+        raise ValueError(f"{FAULT_ENV}: expected POINT@VERSION with POINT one of "
+                         f"{', '.join(FAULT_POINTS)} (got {spec!r})")
