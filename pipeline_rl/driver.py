@@ -77,7 +77,9 @@ class _StopFlag:
 def resolve_model_dir(cfg: Config) -> str:
     """The HF folder the run starts from: ``--model.path`` or the built-in model."""
     if cfg.model.path is not None:
-        return cfg.model.path
+        from pipeline_rl.models.check import check_model_dir
+
+        return check_model_dir(cfg.model.path)
     from pipeline_rl.models import default_model_dir
 
     return str(default_model_dir(cfg.model, cfg.task))

@@ -7,7 +7,9 @@ the first time it is reached at a policy version >= ``VERSION``. Points:
 - ``weight_update``: a rollout worker taking new weights (``RolloutWorker.offer_weights``);
 - ``engine_step``: a rollout worker's engine step (``RolloutWorker._step``);
 - ``trainer_step``: a trainer rank's step (``TrainerActor.train_step``);
-- ``buffer``: the replay buffer handing out a batch (``BufferActor.get_batch``).
+- ``buffer``: the replay buffer handing out a batch (``BufferActor.get_batch``);
+- ``engine_hang``: a rollout worker stops stepping its engine without an error
+  (a hung engine), until it is told to stop: the progress watchdog's case.
 
 Unset (the normal case) every check is one dictionary lookup. Nothing here runs
 at import.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import os
 
 FAULT_ENV = "PIPELINE_RL_FAULT"
-FAULT_POINTS = ("weight_update", "engine_step", "trainer_step", "buffer")
+FAULT_POINTS = ("weight_update", "engine_step", "trainer_step", "buffer", "engine_hang")
 
 
 class InjectedFault(RuntimeError):
@@ -28,12 +30,18 @@ class InjectedFault(RuntimeError):
 def inject(point: str, version: int) -> None:
     """Raise :class:`InjectedFault` if ``PIPELINE_RL_FAULT`` names ``point`` and
     ``version`` has reached the one it gives."""
+    if reached(point, version):
+        raise InjectedFault(f"injected fault at {point} (version {version})")
+
+
+def reached(point: str, version: int) -> bool:
+    """True if ``PIPELINE_RL_FAULT`` names ``point`` and ``version`` has reached its version
+    (for faults that are not exceptions, such as ``engine_hang``)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return False
     name, _, at = spec.partition("@")
-    if name == point and version >= int(at or 0):
-        raise InjectedFault(f"injected fault at {point} (version {version})")
+    return name == point and version >= int(at or 0)
 
 
 def check_fault_spec(spec: str) -> None:

@@ -51,6 +51,7 @@ _STOP_GRACE_S = 3.0
 _SHUTDOWN_WAIT_S = 5.0      # per shutdown phase: a failed run must still end within seconds
 _STARTUP_TIMEOUT_S = 900.0  # a start-up phase that takes longer ends the run
 _STARTUP_SAY_EVERY_S = 30.0
+_RESTART_TIMEOUT_S = 300.0  # a restarted rollout worker must have its engine up by then
 
 
 class OrchestratorError(RuntimeError):
@@ -290,6 +291,7 @@ class Orchestrator:
     def train(self) -> list[StepMetrics]:
         """Run steps until ``max_steps`` (or a stop request); checkpoint; print a summary."""
         clock = _Clock()
+        self._watchdog.touch()  # start-up has its own bounds (``_wait``): not a stall
         while self.version < self.cfg.max_steps and not self.stop.is_set():
             reports = self._one_step()
             if reports is None:
@@ -435,13 +437,38 @@ class Orchestrator:
             lost = ray.get(self._buffer.worker_lost.remote(idx))
             w.restarts += 1
             w.tokens, w.idle_s, w.stalls_seen = 0, 0.0, 0
-            log.warning("rollout worker %d stopped (%s): restarted, %d in-flight groups lost",
+            log.warning("rollout worker %d stopped (%s): restarting, %d in-flight groups lost",
                         idx, why, lost)
+            if not self._await_restart(w, idx):
+                return
             try:
                 ray.get(self._trainers[0].offer_latest.remote([w.handle]))
             except ray.exceptions.RayError as e:
                 raise self._failure(e) from None
             w.run_ref = w.handle.run.remote(self._start_counter(w))
+
+    def _await_restart(self, w: _WorkerState, idx: int) -> bool:
+        """Wait until Ray has restarted a worker's process and its engine is up (calls to
+        an actor that is still restarting fail as "unavailable"); False on a stop request."""
+        import ray
+
+        deadline = time.monotonic() + _RESTART_TIMEOUT_S
+        while not self.stop.is_set():
+            try:
+                ray.get(w.handle.ready.remote(), timeout=_POLL_S * 10)
+                return True
+            except ray.exceptions.GetTimeoutError:
+                pass
+            except ray.exceptions.ActorUnavailableError:
+                time.sleep(_POLL_S)
+            except ray.exceptions.RayError as e:
+                raise OrchestratorError(self._with_checkpoint(
+                    f"rollout worker {idx} could not be restarted: {cause_of(e)}")) from None
+            if time.monotonic() > deadline:
+                raise OrchestratorError(self._with_checkpoint(
+                    f"rollout worker {idx} did not come back within {_RESTART_TIMEOUT_S:.0f} s "
+                    f"of its restart"))
+        return False
 
     def _start_counter(self, w: _WorkerState) -> int:
         """Where a worker's group counter starts: past the groups of a resumed run, and in a

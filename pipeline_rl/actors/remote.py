@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline_rl.config import Config
-from pipeline_rl.faults import inject
+from pipeline_rl.faults import FAULT_ENV, inject
 
 
 def _one_thread_per_process(cfg: Config) -> None:
@@ -284,13 +284,16 @@ def remote_classes(cfg: Config, buffer_node_id: str) -> tuple[Any, Any, Any]:
     def needs(resource: str | None) -> dict[str, float]:
         return {resource: 0.001} if resource else {}
 
+    # A fault to inject (tests) reaches the actors of a Ray the driver did not start too.
+    env = {"runtime_env": {"env_vars": {FAULT_ENV: os.environ[FAULT_ENV]}}} if os.environ.get(FAULT_ENV) else {}
     here = NodeAffinitySchedulingStrategy(buffer_node_id, soft=False)
-    buffer_cls = _actor(BufferActor).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here)
+    buffer_cls = _actor(BufferActor).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here,
+                                             **env)
     rollout_cls = _actor(RolloutActor).options(
         num_cpus=1, max_concurrency=4, max_restarts=-1, max_task_retries=0,
-        resources=needs(cfg.ray.rollout_resource))
+        resources=needs(cfg.ray.rollout_resource), **env)
     trainer_cls = _actor(TrainerActor).options(num_cpus=1, max_concurrency=2,
-                                               resources=needs(cfg.ray.trainer_resource))
+                                               resources=needs(cfg.ray.trainer_resource), **env)
     return buffer_cls, rollout_cls, trainer_cls
 
 

@@ -54,7 +54,7 @@ from pipeline_rl.actors.engine import (
 )
 from pipeline_rl.actors.weights import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
-from pipeline_rl.faults import inject
+from pipeline_rl.faults import inject, reached
 from pipeline_rl.samples import I32, Completion, Group
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task
 
@@ -265,6 +265,8 @@ class RolloutWorker:
 
     def _step(self) -> None:
         inject("engine_step", self._engine.version)
+        while reached("engine_hang", self._engine.version) and not self._stop.is_set():
+            self._stop.wait(0.1)
         t = time.perf_counter()
         finished = self._engine.step()
         dt = time.perf_counter() - t

@@ -88,7 +88,21 @@ def read_weight_spec(model_dir: str | Path) -> WeightSpec:
         with safe_open(str(root / name), framework="numpy") as f:
             for key in f.keys():
                 shapes[key] = tuple(f.get_slice(key).get_shape())
+    if _ties_embeddings(root):
+        # A tied LM head is the embedding: the trainer's parameters name it once (as the
+        # embedding), whether or not the checkpoint also stored a copy under this name.
+        shapes.pop("lm_head.weight", None)
     return WeightSpec(shapes)
+
+
+def _ties_embeddings(root: Path) -> bool:
+    """Whether the folder's ``config.json`` ties the LM head to the input embedding."""
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    return bool(config.get("tie_word_embeddings", False))
 
 
 def load_update(model_dir: str | Path, version: int) -> WeightUpdate:

@@ -1,0 +1,123 @@
+"""Start-up checks of a user's model folder, before any process starts.
+
+Each problem is one line naming ``--model.path`` and what is wrong: the folder
+does not exist (nothing is ever downloaded: a hub id must already be in the
+local Hugging Face cache), it has no ``config.json``, its architecture is not a
+causal LM, vLLM has no implementation of it, or it has no tokenizer.
+
+vLLM's list of architectures is read from the installed package's registry
+source (``vllm/model_executor/models/registry.py``) without importing vLLM,
+which would cost the driver seconds; when that file cannot be read the check
+is skipped and vLLM itself reports an unknown architecture at start-up.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+from pathlib import Path
+
+_FLAG = "--model.path"
+
+
+class ModelFolderError(ValueError):
+    """A model folder the run cannot use; the message is one line naming ``--model.path``."""
+
+
+def check_model_dir(path: str) -> str:
+    """Check the model a run starts from; returns the local folder it resolves to.
+
+    Raises :class:`ModelFolderError` (one line) for a missing folder, a folder
+    without ``config.json``, an architecture that is not a causal LM or that vLLM
+    cannot run, or a folder without a tokenizer."""
+    folder = _resolve(path)
+    config = _read_config(folder)
+    _check_architecture(folder, config)
+    _check_tokenizer(folder)
+    return str(folder)
+
+
+def _resolve(path: str) -> Path:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ModelFolderError(f"{_FLAG}: {path} is a file; give the model's folder")
+    cached = _from_hf_cache(path)
+    if cached is not None:
+        return cached
+    raise ModelFolderError(f"{_FLAG}: no such folder: {path} (nothing is downloaded: give a local "
+                           f"folder, or a hub id already in the local Hugging Face cache)")
+
+
+def _from_hf_cache(repo_id: str) -> Path | None:
+    """The local snapshot of hub id ``repo_id``, when it is already cached."""
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or not a valid id: the caller reports it
+        return None
+
+
+def _read_config(folder: Path) -> dict[str, object]:
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ModelFolderError(f"{_FLAG}: {folder} has no config.json (not a Hugging Face model folder)")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFolderError(f"{_FLAG}: {file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelFolderError(f"{_FLAG}: {file} does not hold a JSON object")
+    return config
+
+
+def _check_architecture(folder: Path, config: dict[str, object]) -> None:
+    archs = config.get("architectures") or []
+    names = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    if not names:
+        raise ModelFolderError(f"{_FLAG}: {folder}/config.json names no architecture "
+                               f"(an 'architectures' list such as ['LlamaForCausalLM'])")
+    causal = [a for a in names if a.endswith(("ForCausalLM", "LMHeadModel"))]
+    if not causal:
+        raise ModelFolderError(f"{_FLAG}: {folder} holds a {names[0]}, not a causal language model "
+                               f"(an architecture ending in ForCausalLM)")
+    known = vllm_architectures()
+    if known is not None and not any(a in known for a in causal):
+        raise ModelFolderError(f"{_FLAG}: vLLM has no implementation of {causal[0]} (the "
+                               f"architecture in {folder}/config.json)")
+
+
+def _check_tokenizer(folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - any failure here means: no usable tokenizer
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelFolderError(f"{_FLAG}: {folder} has no usable tokenizer (tokenizer.json or "
+                               f"tokenizer_config.json with its vocabulary): {first}") from None
+
+
+def vllm_architectures() -> frozenset[str] | None:
+    """Architecture names the installed vLLM implements for text generation, read from
+    its registry's source; None when vLLM or that table cannot be found."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    registry = Path(list(spec.submodule_search_locations)[0]) / "model_executor" / "models" / "registry.py"
+    try:
+        tree = ast.parse(registry.read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and node.targets else None
+        if (isinstance(node, ast.Assign) and isinstance(target, ast.Name)
+                and target.id == "_TEXT_GENERATION_MODELS" and isinstance(node.value, ast.Dict)):
+            return frozenset(k.value for k in node.value.keys
+                             if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return None
