@@ -145,9 +145,11 @@ def test_empty_shapes(shape: tuple[int, int], fz: bool) -> None:
 
 @pytest.mark.parametrize("fz", PATHS)
 def test_on_policy_every_correction_is_plain_reinforce(fz: bool) -> None:
-    """behaviour == trainer: every correction gives the plain on-policy loss and gradient."""
+    """behaviour == trainer: every correction gives the plain on-policy loss and gradient
+    (on finite log-probs: seq-mask-tis rejects a row with a non-finite one, tested below)."""
     batch = random_batch(noise=0.0)
-    batch = replace(batch, behav_logp=batch.logp.detach().clone())
+    finite = torch.where(torch.isfinite(batch.logp), batch.logp.detach(), -1.0)
+    batch = replace(batch, logp=finite.requires_grad_(), behav_logp=finite.clone())
     algo = AlgorithmConfig()
     base_loss, base_grad, _ = run(batch, algo, CorrectionConfig(type="none"), fz)
     for name in NAMES:
@@ -361,3 +363,18 @@ def test_metrics_as_dict_is_flat_floats() -> None:
     assert all(type(v) is float for v in d.values()) and d["all_masked"] == 0.0
     assert {"mismatch_kl_k1", "mismatch_kl_k3", "masked_token_frac", "masked_seq_frac",
             "clipped_frac", "ess", "ratio_mean", "ratio_max", "adv_mean", "adv_std"} <= set(d)
+
+
+@pytest.mark.parametrize("fz", PATHS)
+def test_seq_mask_tis_rejects_a_row_with_a_catastrophic_token(fz: bool) -> None:
+    """Seq-Mask-TIS: a masked-in token whose trainer log-prob is -inf (or nan) rejects its
+    whole sequence, as a finite catastrophic one (-1001) does; it is not averaged past."""
+    behav = torch.full((3, 4), -1.0)
+    logp = torch.tensor([[-1.0, -1.0, float("-inf"), -1.0],
+                         [-1.0, -1.0, -1001.0, -1.0],
+                         [-1.0, -1.0, float("nan"), -1.0]], requires_grad=True)
+    batch = PolicyBatch(logp=logp, behav_logp=behav, mask=torch.ones(3, 4, dtype=torch.bool),
+                        advantages=torch.tensor([1.0, 1.0, 1.0]))
+    loss, grad, m = run(batch, AlgorithmConfig(), CorrectionConfig(type="seq-mask-tis"), fz)
+    assert torch.equal(grad, torch.zeros_like(grad)), grad
+    assert m.masked_seq_frac == 1.0 and loss == 0.0

@@ -18,7 +18,9 @@ Invariants:
   take the same step (tested).
 - Gradient accumulation is caller-managed (``managed_gradient_accumulation: false``): any
   number of micro-batches per step; ``engine.step()`` is the only accumulation boundary.
-- ``version`` counts optimizer steps (one per step; ``ppo_epochs`` per step with the PPO loss).
+- ``version`` counts batches trained (one per :meth:`Trainer.step`, however many PPO epochs,
+  i.e. optimizer steps, the batch gets): the unit of ``max_steps``, checkpoint names, lag,
+  staleness eviction and the admission budget.
 
 :class:`TrainLoop` is the continuous consumer: it takes the next batch as soon as the buffer can
 give one (never a whole generation round), records the wait (trainer idle time), steps,
@@ -232,7 +234,7 @@ class Trainer:
 
     @property
     def version(self) -> int:
-        """Optimizer steps taken (the policy version of the current weights)."""
+        """Batches trained (the policy version of the current weights; see the module docstring)."""
         return self._version
 
     @property
@@ -298,13 +300,13 @@ class Trainer:
         for _ in range(epochs):
             loss_sum, logps, parts = self._accumulate(mbs, norm, prox, ref)
             self.engine.step()
-            self._version += 1
             self._steps_taken += 1
             if first is None:
                 # each rank's loss is scaled by world_size (see norm above): undo for the report
                 first = (self._all_reduce_sum(loss_sum) / self.world_size, LossMetrics.merge(parts))
                 prox = logps
         assert first is not None
+        self._version += 1  # one version per batch, however many PPO epochs it had
         # ZeRO-0 fp32: recorded by the clip hook; otherwise (ZeRO 1-3, and DeepSpeed's bf16
         # optimizer, which clips by itself) the engine reports it
         grad_norm = self._grad_norm if self._grad_norm is not None else self.engine.get_global_grad_norm()

@@ -84,7 +84,8 @@ def _row(lp: Any, bl: Any, m: Any, mrow: Any, grad: Any, o: int, T: int, c: floa
     """One row: writes grad[o:o+T], returns its partial sums (float32; max/min as keys).
 
     seq-mask-tis runs as tis and, when the row's mean log-ratio falls outside
-    [lo, hi], zeroes the row afterwards (the row is still in cache): no second pass."""
+    [lo, hi] (or a masked-in token has an unusable log-prob), zeroes the row afterwards (the
+    row is still in cache): no second pass."""
     for j in range(T):                                    # mask -> float32 row buffer: byte
         mrow[j] = f32(1.0) if m[o + j] != 0 else f32(0.0)  # loads in the main loop are slow
     rclamp = f32(RATIO_LOG_CLAMP)
@@ -133,7 +134,8 @@ def _row(lp: Any, bl: Any, m: Any, mrow: Any, grad: Any, o: int, T: int, c: floa
         a_w2 += w * w
         a_clip += f32(1.0) if clip else f32(0.0)
         a_kept += f32(1.0) if keep else f32(0.0)
-    if mode == 3 and not (a_valid > 0 and a_ru >= lo * a_valid and a_ru <= hi * a_valid):
+    if mode == 3 and not (a_valid > 0 and a_valid == a_mask and a_ru >= lo * a_valid
+                          and a_ru <= hi * a_valid):
         for t in range(o, o + T):                         # sequence rejected: drop it whole
             grad[t] = f32(0.0)
         a_w = a_w2 = a_clip = a_kept = a_loss = f32(0.0)

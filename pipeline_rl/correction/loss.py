@@ -309,7 +309,7 @@ def _reference_loss(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionC
     lp_d = logp.detach()
     ppo = algo.loss == "ppo"
     prox = batch.prox_logp.detach().to(dt) if ppo and batch.prox_logp is not None else lp_d
-    lr = LogRatio.build(prox, batch.behav_logp, mask & usable(lp_d))  # π_prox/μ or π/μ
+    lr = LogRatio.build(prox, batch.behav_logp, mask, usable(lp_d))   # π_prox/μ or π/μ
     cw = CORRECTIONS[corr.type](lr, corr)
     coef = cw.weights * _row_coef(batch, algo).to(dt)[:, None]            # [B, T] w·A·s
     lp = torch.where(lr.valid, logp, 0.0)                                 # [B, T] finite

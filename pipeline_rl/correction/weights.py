@@ -65,17 +65,24 @@ class LogRatio:
 
     r: Tensor      # [B, T] float32, log(π/μ), 0 off valid
     valid: Tensor  # [B, T] bool, mask & finite log-probs
+    complete: Tensor  # [B] bool, every masked-in token of the row is valid
 
     @staticmethod
-    def build(logp_train: Tensor, logp_behav: Tensor, mask: Tensor) -> "LogRatio":
-        """From raw ``[B, T]`` log-probs (any float dtype, may hold -inf/nan) and a mask."""
+    def build(logp_train: Tensor, logp_behav: Tensor, mask: Tensor,
+              also_usable: Tensor | None = None) -> "LogRatio":
+        """From raw ``[B, T]`` log-probs (any float dtype, may hold -inf/nan) and a mask;
+        ``also_usable`` (``[B, T]`` bool) marks further tokens as unusable (PPO: the current
+        log-probs, when the ratio is taken against the proximal ones)."""
         if logp_train.shape != logp_behav.shape or logp_train.shape != mask.shape or logp_train.dim() != 2:
             raise ValueError(f"correction: logp_train {tuple(logp_train.shape)}, logp_behav "
                              f"{tuple(logp_behav.shape)} and mask {tuple(mask.shape)} must be equal [B, T]")
         dt = torch.float64 if logp_train.dtype == torch.float64 else torch.float32
         lp, bl = logp_train.detach().to(dt), logp_behav.detach().to(dt)    # [B, T]
         valid = mask.bool() & usable(lp) & usable(bl)                    # [B, T]
-        return LogRatio(r=torch.where(valid, lp - bl, 0.0), valid=valid)
+        if also_usable is not None:
+            valid &= also_usable
+        complete = valid.sum(dim=1) == mask.bool().sum(dim=1)             # [B]
+        return LogRatio(r=torch.where(valid, lp - bl, 0.0), valid=valid, complete=complete)
 
     def ratio(self) -> Tensor:
         """``exp(clamp(r, ±R))`` [B, T]; 1 off valid (callers multiply by ``valid``)."""
@@ -136,7 +143,9 @@ def seq_mask_tis(lr: LogRatio, cfg: CorrectionConfig) -> CorrectionWeights:
     ``exp(mean_t r)`` lies outside ``[seq_lo, seq_hi]`` is dropped whole; the kept ones get
     ``min(exp(r), seq_cap)``. The test is done in log space (no overflow)."""
     mean_r, nonempty = seq_log_ratio(lr)                      # [B], [B]
-    ok = nonempty & (mean_r >= math.log(cfg.seq_lo)) & (mean_r <= math.log(cfg.seq_hi))
+    # A row with a masked-in token whose log-prob is -inf/nan is rejected whole: such a
+    # catastrophic token is what this method exists to catch, not one to average past.
+    ok = nonempty & lr.complete & (mean_r >= math.log(cfg.seq_lo)) & (mean_r <= math.log(cfg.seq_hi))
     return _capped(lr, cfg.seq_cap, lr.valid & ok[:, None])
 
 
