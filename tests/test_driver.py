@@ -38,3 +38,80 @@ def test_missing_dataset_file(tmp_path: Path, tiny_model_dir: str, capsys: pytes
                           check_cpu=True)
     assert run(cfg) == 2
     assert "nope.jsonl" in capsys.readouterr().err
+
+
+def _model_copy(src: str, dst: Path, *, drop: tuple[str, ...] = (), config: dict[str, object] | None = None) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    for name in drop:
+        (dst / name).unlink()
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    return dst
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing", "no such folder"),
+    ("file", "is a file"),
+    ("no_config", "has no config.json"),
+    ("not_causal", "holds a BertModel, not a causal language model"),
+    ("unknown_arch", "vLLM has no implementation of MadeUpForCausalLM"),
+    ("no_tokenizer", "has no usable tokenizer"),
+])
+def test_bad_model_folder_is_one_line_error(case: str, needle: str, tmp_path: Path, tiny_model_dir: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A model folder the run cannot use is one line naming --model.path, exit status 2,
+    and nothing starts."""
+    folder = tmp_path / "model"
+    if case == "file":
+        folder.write_text("not a folder")
+    elif case == "no_config":
+        _model_copy(tiny_model_dir, folder, drop=("config.json",))
+    elif case == "not_causal":
+        _model_copy(tiny_model_dir, folder, config={"architectures": ["BertModel"]})
+    elif case == "unknown_arch":
+        _model_copy(tiny_model_dir, folder, config={"architectures": ["MadeUpForCausalLM"]})
+    elif case == "no_tokenizer":
+        _model_copy(tiny_model_dir, folder, drop=("tokenizer.json", "tokenizer_config.json",
+                                                  "special_tokens_map.json"))
+    cfg, _ = parse_config(["--model", str(folder), "--out-dir", str(tmp_path / "out")], check_cpu=False)
+    assert run(cfg) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert len(err) == 1 and err[0].startswith("async_grpo.py: error: --model.path: "), err
+    assert needle in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_resources_checked_against_the_cluster() -> None:
+    """A cluster short of CPUs, or without a declared custom resource, is one line naming
+    what is missing; a fitting one passes."""
+    from pipeline_rl.resources import check_cluster, cpus_needed
+
+    cfg, _ = parse_config(["--rollout.num_workers", "2", "--trainer.num_ranks", "2",
+                           "--trainer.batch_size", "64", "--ray.rollout_resource", "gen"], check_cpu=False)
+    assert cpus_needed(cfg) == 4
+    short = check_cluster(cfg, {"CPU": 2.0, "gen": 1.0})
+    assert short is not None and "has 2 CPUs, the run needs 4" in short and "\n" not in short
+    missing = check_cluster(cfg, {"CPU": 8.0})
+    assert missing == "--ray.rollout_resource: no node of the Ray cluster declares the resource 'gen'"
+    assert check_cluster(cfg, {"CPU": 4.0, "gen": 1.0}) is None
+
+
+def test_supervision_names_the_innermost_actor() -> None:
+    """The failure text of a Ray error raised through two actors names the innermost one."""
+    from pipeline_rl.supervision import Watchdog, describe_failure
+
+    class Chained(RuntimeError):
+        pass
+
+    outer = Chained("ray::TrainerActor.train_step() (pid=1)\n  ...\nray::BufferActor.get_batch() (pid=2)")
+    outer.cause = ValueError("boom")  # type: ignore[attr-defined]
+    assert describe_failure(outer, "trainer") == "replay buffer failed: ValueError: boom"
+    assert describe_failure(KeyError("k"), "trainer") == "trainer failed: KeyError: 'k'"
+    dog = Watchdog(floor_s=30.0)
+    assert dog.bound_s() == 30.0 and not dog.overdue()
+    for _ in range(5):
+        dog.step_done(2.0)
+    assert dog.bound_s() == 40.0  # 20 x the median step time, above the floor
