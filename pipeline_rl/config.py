@@ -242,6 +242,10 @@ class Config(Section):
     out_dir: str = Field("runs/latest", description="Metrics, TensorBoard logs and checkpoints.")
     seed: int = Field(0, ge=0, description="Random seed.")
     resume: str | None = Field(None, description="Checkpoint folder to resume from.")
+    log_level: Literal["info", "debug"] = Field(
+        "info", description="info: one line per start-up phase, the step lines and the summary on "
+        "the console; the actors' own output (vLLM, DeepSpeed, Ray workers) goes to "
+        "OUT_DIR/logs/. debug: everything on the console.")
     watchdog_s: float = Field(120.0, ge=0.0, description="End the run, saying who waits for what, "
                               "when no step completes within max(this, 20 x the median step time) "
                               "seconds (0 = off).")

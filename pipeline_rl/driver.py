@@ -33,18 +33,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pipeline_rl.actors.process import ACTOR_ENV
 from pipeline_rl.config import Config
 
+__all__ = ["ACTOR_ENV", "check_task", "resolve_model_dir", "run"]
+
 log = logging.getLogger("pipeline_rl.driver")
-
-#: Environment of every actor process: one thread per process (PLATFORM.md), vLLM in-process.
-ACTOR_ENV = {
-    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": "cpu",
-    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-    "RAY_DEDUP_LOGS": "0",
-}
-
 
 class RunStopped(Exception):
     """The run was stopped by a signal (Ctrl-C / SIGTERM)."""
@@ -98,10 +92,20 @@ def check_task(cfg: Config, model_dir: str) -> None:
                max_prompt_tokens=cfg.rollout.max_model_len - cfg.rollout.max_new_tokens)
 
 
+def _configure_logging(cfg: Config) -> None:
+    """info: the project's own messages only (libraries at WARNING), one short line each;
+    debug: every logger, with timestamps."""
+    if cfg.log_level == "debug":
+        logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s: %(message)s",
+                            stream=sys.stderr)
+        return
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("pipeline_rl").setLevel(logging.INFO)
+
+
 def run(cfg: Config) -> int:
     """Run a whole training job; returns the process exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    _configure_logging(cfg)
     from pipeline_rl.orchestrator import Orchestrator, OrchestratorError
 
     from pipeline_rl.tasks import TaskError

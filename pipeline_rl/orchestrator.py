@@ -32,8 +32,10 @@ import os
 import shutil
 import socket
 import statistics
+import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -52,6 +54,11 @@ _SHUTDOWN_WAIT_S = 5.0      # per shutdown phase: a failed run must still end wi
 _STARTUP_TIMEOUT_S = 900.0  # a start-up phase that takes longer ends the run
 _STARTUP_SAY_EVERY_S = 30.0
 _RESTART_TIMEOUT_S = 300.0  # a restarted rollout worker must have its engine up by then
+
+
+def say(line: str) -> None:
+    """One progress line on the console (start-up phases), as the step lines are."""
+    print(line, file=sys.stderr, flush=True)
 
 
 class OrchestratorError(RuntimeError):
@@ -99,7 +106,8 @@ class Orchestrator:
     """Starts Ray and every actor on enter, runs steps in :meth:`train`, stops all on exit."""
 
     def __init__(self, cfg: Config, model_dir: str, stop: threading.Event) -> None:
-        self.cfg = cfg
+        # Actors may run in another working directory: they get the run folder absolute.
+        self.cfg = cfg.model_copy(update={"out_dir": str(Path(cfg.out_dir).resolve())})
         self.model_dir = model_dir
         self.stop = stop
         self.out = Path(cfg.out_dir)
@@ -137,20 +145,23 @@ class Orchestrator:
 
         cfg = self.cfg
         self._init_ray()
-        buffer_cls, rollout_cls, trainer_cls = remote_classes(cfg, ray.get_runtime_context().get_node_id())
+        buffer_name = f"pipeline_rl_buffer_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        buffer_cls, rollout_cls, trainer_cls = remote_classes(
+            cfg, ray.get_runtime_context().get_node_id(), buffer_name)
         multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
         host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
         self._buffer = buffer_cls.remote(cfg, host, self._resume_version())
         address = self._wait([self._buffer.address.remote()], "the replay buffer to bind its socket",
                              "replay buffer")[0]
-        log.info("buffer listening on %s", address)
+        say(f"buffer: listening on {address}")
         self._buffer_watch = self._buffer.watch.remote()
         # Workers start (vLLM) while the trainers start (DeepSpeed): the phases overlap.
-        self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, address, self._buffer))
+        self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, address, buffer_name))
                          for i in range(cfg.rollout.num_workers)]
         self._start_trainers(trainer_cls, multi_node)
         self._wait([w.handle.ready.remote() for w in self._workers],
                    f"{len(self._workers)} rollout worker(s) to start vLLM", "rollout worker")
+        say(f"rollout: {len(self._workers)} vLLM worker(s) ready ({cfg.rollout.dtype})")
         self._wait([self._trainers[0].set_workers.remote([w.handle for w in self._workers])],
                    "the trainer to register the workers", "trainer")
         self._wait([t.publish_current.remote() for t in self._trainers],
@@ -160,9 +171,11 @@ class Orchestrator:
         self.out.mkdir(parents=True, exist_ok=True)
         self._logger = MetricsLogger(self.out)
         self._last_checkpoint_t = time.monotonic()
+        logs = "" if cfg.log_level == "debug" else f"; actor logs in {self.out / 'logs'}"
+        say(f"training: {cfg.max_steps} steps at staleness {cfg.staleness}{logs}")
 
     def _runtime_env(self) -> dict[str, Any]:
-        from pipeline_rl.driver import ACTOR_ENV
+        from pipeline_rl.actors.process import ACTOR_ENV
 
         env = {**ACTOR_ENV, "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.rollout.kv_cache_gib)}
         if os.environ.get(FAULT_ENV):
@@ -179,21 +192,28 @@ class Orchestrator:
         if ray.is_initialized():  # an embedding program (a test, a notebook) owns Ray
             pass
         elif cfg.ray.address:
-            ray.init(address=cfg.ray.address, runtime_env=self._runtime_env(), log_to_driver=True)
+            ray.init(address=cfg.ray.address, runtime_env=self._runtime_env(), log_to_driver=True,
+                     logging_level=self._ray_logging_level())
+            say(f"Ray: joined the cluster at {cfg.ray.address}")
         else:
             # A private local Ray: no token file in the home folder, unless the user chose an
             # auth mode.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ctx = ray.init(num_cpus=self._local_cpus(), include_dashboard=False,
+            cpus = self._local_cpus()
+            ctx = ray.init(num_cpus=cpus, include_dashboard=False,
                            object_store_memory=cfg.ray.object_store_mb * 2**20,
-                           runtime_env=self._runtime_env())
+                           runtime_env=self._runtime_env(), logging_level=self._ray_logging_level())
             self._started_ray = True
+            say(f"Ray: started locally with {cpus} CPUs")
             self._ray_session_dir = getattr(ctx, "address_info", {}).get("session_dir")
         from pipeline_rl.resources import check_cluster
 
         problem = check_cluster(cfg, ray.cluster_resources())
         if problem:
             raise OrchestratorError(problem)
+
+    def _ray_logging_level(self) -> int:
+        return logging.INFO if self.cfg.log_level == "debug" else logging.WARNING
 
     def _local_cpus(self) -> int:
         """CPUs of a local Ray: ``--ray.num_cpus``, else this machine's cores, raised to
@@ -255,6 +275,7 @@ class Orchestrator:
         versions = self._wait([t.setup.remote(master, port) for t in self._trainers],
                               f"{n} trainer rank(s) to start DeepSpeed", "trainer")
         self.version = int(versions[0])
+        say(f"trainer: {n} rank(s) ready (DeepSpeed ZeRO-{self.cfg.trainer.zero_stage})")
         if self.cfg.resume:
             versions = self._wait([t.load_checkpoint.remote(self.cfg.resume) for t in self._trainers],
                                   "the trainers to load the checkpoint", "trainer")

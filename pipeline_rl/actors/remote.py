@@ -18,20 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline_rl.actors.process import setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV, inject
-
-
-def _one_thread_per_process(cfg: Config) -> None:
-    """Process set-up of every actor: one thread per process, one process per core
-    (PLATFORM.md "Threads"), vLLM in-process with the configured CPU KV cache."""
-    from pipeline_rl.driver import ACTOR_ENV
-
-    os.environ.update(ACTOR_ENV)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gib)
-    import torch
-
-    torch.set_num_threads(1)
 
 
 # --------------------------------------------------------------------------- buffer
@@ -45,6 +34,7 @@ class BufferActor:
     """
 
     def __init__(self, cfg: Config, bind_host: str, start_version: int = 0) -> None:
+        setup_actor_process(cfg, "buffer", uses_torch=False)
         from pipeline_rl.buffer import BufferServer, ReplayBuffer
         from pipeline_rl.wire import WireLimits
 
@@ -96,10 +86,14 @@ class BufferActor:
 
 
 class RayAdmission:
-    """Adapter: the rollout worker's admission source, backed by the buffer actor."""
+    """Adapter: the rollout worker's admission source, backed by the buffer actor (found
+    by its Ray name: an actor handle among a restartable actor's constructor arguments
+    makes Ray log an error at every start)."""
 
-    def __init__(self, buffer: Any) -> None:
-        self._buffer = buffer
+    def __init__(self, buffer_name: str) -> None:
+        import ray
+
+        self._buffer: Any = ray.get_actor(buffer_name)
 
     def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Any:
         import ray
@@ -124,15 +118,15 @@ class RolloutActor:
     generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_address: str,
-                 buffer: Any) -> None:
-        _one_thread_per_process(cfg)
+                 buffer_name: str) -> None:
+        setup_actor_process(cfg, f"rollout-{worker_id}")
         from pipeline_rl.actors.rollout_worker import RolloutWorker
         from pipeline_rl.tasks import build_task_for_model
 
         # The model's tokenizer: prompts reach the engine rendered by its chat template.
         task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
-                                     buffer_address=buffer_address, admission=RayAdmission(buffer),
+                                     buffer_address=buffer_address, admission=RayAdmission(buffer_name),
                                      task=task)
 
     def ready(self) -> bool:
@@ -184,7 +178,7 @@ class TrainerActor:
     """One data-parallel trainer rank (DeepSpeed). Rank 0 publishes weights."""
 
     def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int, buffer: Any) -> None:
-        _one_thread_per_process(cfg)
+        setup_actor_process(cfg, f"trainer-{rank}")
         self._cfg = cfg
         self._model_dir = model_dir
         self._rank = rank
@@ -276,9 +270,10 @@ class TrainerActor:
             self._publisher.close(timeout_s=5.0)
 
 
-def remote_classes(cfg: Config, buffer_node_id: str) -> tuple[Any, Any, Any]:
+def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str) -> tuple[Any, Any, Any]:
     """The Ray actor classes (buffer, rollout, trainer) with their resources; the
-    buffer is pinned to ``buffer_node_id`` (the driver's node)."""
+    buffer is pinned to ``buffer_node_id`` (the driver's node) and named ``buffer_name``
+    (the rollout workers find it by that name)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     def needs(resource: str | None) -> dict[str, float]:
@@ -288,7 +283,7 @@ def remote_classes(cfg: Config, buffer_node_id: str) -> tuple[Any, Any, Any]:
     env = {"runtime_env": {"env_vars": {FAULT_ENV: os.environ[FAULT_ENV]}}} if os.environ.get(FAULT_ENV) else {}
     here = NodeAffinitySchedulingStrategy(buffer_node_id, soft=False)
     buffer_cls = _actor(BufferActor).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here,
-                                             **env)
+                                             name=buffer_name, **env)
     rollout_cls = _actor(RolloutActor).options(
         num_cpus=1, max_concurrency=4, max_restarts=-1, max_task_retries=0,
         resources=needs(cfg.ray.rollout_resource), **env)
