@@ -1,4 +1,4 @@
-"""Staleness x off-policy correction ablation, in fp32 and bf16 generation (DESIGN.md section 10).
+"""Staleness x off-policy correction ablation, in fp32 and bf16 generation (docs/design.md).
 
 The grid: staleness {0, 1, 2, 4, 8} x correction {none, tis, icepop,
 seq-mask-tis} x generation dtype {float32, bfloat16} (``--rollout.dtype``;

@@ -1,4 +1,4 @@
-"""Asynchronous vs synchronous RL on the same hardware and work (DESIGN.md section 10).
+"""Asynchronous vs synchronous RL on the same hardware and work (docs/design.md).
 
 Configurations, each on the same model, task, batch and seed:
 

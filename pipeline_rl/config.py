@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-#: Attention head sizes vLLM's CPU attention backend accepts (PLATFORM.md).
+#: Attention head sizes vLLM's CPU attention backend accepts (docs/design.md, platform notes).
 CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 CorrectionName = Literal["none", "tis", "icepop", "seq-mask-tis"]
@@ -164,7 +164,7 @@ class BufferConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    """Advantage estimator and policy objective (DESIGN.md section 4)."""
+    """Advantage estimator and policy objective (docs/design.md section 4)."""
 
     advantage: AdvantageName = Field("grpo", description="grpo (mean/std), dr_grpo (mean), "
                                      "rloo (leave-one-out).")
@@ -180,7 +180,7 @@ class AlgorithmConfig(Section):
 
 
 class CorrectionConfig(Section):
-    """Off-policy correction weights (DESIGN.md section 4)."""
+    """Off-policy correction weights (docs/design.md section 4)."""
 
     type: CorrectionName = Field("tis", description="none, tis, icepop or seq-mask-tis.")
     tis_cap: float = Field(2.0, gt=1.0, le=1e6, description="TIS: cap C on exp(r).")

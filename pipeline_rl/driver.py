@@ -1,4 +1,4 @@
-"""The Ray driver behind ``launch/async_grpo.py`` (DESIGN.md section 8).
+"""The Ray driver behind ``launch/async_grpo.py`` (docs/design.md section 8).
 
 Start-up, in order: resolve the model folder (the built-in model is built and
 warm-started locally when ``--model.path`` is unset); start or join Ray; start

@@ -104,7 +104,7 @@ class Group:
     """The completions of one prompt; travels and is stored as one unit.
 
     The prompt's token ids live here, once: every completion of a group
-    continues the same prompt (DESIGN.md lists them per completion; storing them
+    continues the same prompt (docs/design.md lists them per completion; storing them
     once per group carries the same information at 1/n of the bytes).
 
     A group is built either from :class:`Completion` objects or, by the wire
@@ -191,7 +191,7 @@ class Group:
         return sum(c.num_tokens for c in self.completions)
 
     def lag(self, trainer_version: int) -> int:
-        """Trainer version minus the oldest token version (DESIGN.md section 2)."""
+        """Trainer version minus the oldest token version (docs/design.md section 2)."""
         return max(0, trainer_version - self.oldest_version)
 
     @property

@@ -1,4 +1,4 @@
-"""The sample wire format (DESIGN.md section 3): one ZeroMQ message = one group.
+"""The sample wire format (docs/design.md section 3): one ZeroMQ message = one group.
 
 Layout: a msgpack array, schema version first. Token arrays travel as raw
 little-endian bytes, concatenated over the group's completions, with a per-

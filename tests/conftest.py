@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-# Tests run on 2-core machines: one thread per process (PLATFORM.md, "Threads").
+# Tests run on 2-core machines: one thread per process (docs/design.md, platform notes).
 for _key, _value in {
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
     "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "1", "DS_ACCELERATOR": "cpu",

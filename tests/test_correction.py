@@ -1,4 +1,4 @@
-"""Correction weights (DESIGN.md section 4) against hand-computed values."""
+"""Correction weights (docs/design.md section 4) against hand-computed values."""
 
 from __future__ import annotations
 

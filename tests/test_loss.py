@@ -1,5 +1,5 @@
 """The policy objective: hand-computed values, fused == reference, gradient checks,
-micro-batch accumulation, and the numerical edge cases of issue 3 item 5."""
+micro-batch accumulation, and the numerical edge cases (non-finite and extreme log-probs)."""
 
 from __future__ import annotations
 

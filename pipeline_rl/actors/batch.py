@@ -129,7 +129,7 @@ def _pad(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
 
 @dataclass(frozen=True, slots=True)
 class LagStats:
-    """Staleness of a batch when the trainer takes it (DESIGN.md section 2).
+    """Staleness of a batch when the trainer takes it (docs/design.md section 2).
 
     Per completion: lag = trainer version - oldest token version (completions without tokens are
     left out). ``hist[k]`` counts completions with lag ``k``. ``mixed_version_frac``: fraction of

@@ -7,7 +7,7 @@
   ``AsyncLLM`` with ``pause_generation(mode="keep")`` / ``resume_generation``
   around vLLM's weight-transfer API.
 
-What every engine guarantees (DESIGN.md sections 5-6):
+What every engine guarantees (docs/design.md):
 
 - Log-probs are those of the sampled token, ``logprobs_mode="processed_logprobs"``
   (after temperature), default ``top_p=1, top_k=0``.

@@ -4,7 +4,7 @@ groups to the replay buffer, taking new weights between engine steps.
 The loop (one thread, the only one touching the engine)::
 
     apply the newest offered weights (if newer)   <- between steps, never mid-step
-    acquire admission for as many groups as fit   <- global budget (DESIGN.md section 2)
+    acquire admission for as many groups as fit   <- global budget (docs/design.md section 2)
     add n requests per admitted group
     one engine step -> finished sequences
     a group whose n sequences finished -> reward pool (threads) -> GroupSender

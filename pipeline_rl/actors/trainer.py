@@ -1,6 +1,6 @@
 """The DeepSpeed trainer: batches of groups -> corrected policy-gradient step -> new weights.
 
-One :class:`Trainer` per data-parallel rank. A step (DESIGN.md sections 4 and 7):
+One :class:`Trainer` per data-parallel rank. A step (docs/design.md):
 
 1. advantages per group (``pipeline_rl.correction.advantages``),
 2. sequences padded into micro-batches (``pipeline_rl.actors.batch``; pad, not pack),
@@ -26,7 +26,7 @@ Invariants:
 give one (never a whole generation round), records the wait (trainer idle time), steps,
 publishes the weights (``pipeline_rl.actors.publish``) and checkpoints every N steps.
 
-CPU specifics (PLATFORM.md): gloo, torch's AdamW (``torch_adam``: no JIT-compiled C++ op), the
+CPU specifics (docs/design.md, platform notes): gloo, torch's AdamW (``torch_adam``: no JIT-compiled C++ op), the
 shared-memory comm op skipped, ``TORCH_EXTENSIONS_DIR`` under the project, one thread.
 """
 
@@ -161,7 +161,7 @@ def _init_distributed(rank: int, world_size: int, master_addr: str | None, maste
 
 
 def _prepare_cpu_deepspeed() -> None:
-    """PLATFORM.md: no JIT C++ builds on CPU (shm comm op skipped), extensions under the project."""
+    """docs/design.md, platform notes: no JIT C++ builds on CPU (shm comm op skipped), extensions under the project."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_ROOT / ".cache" / "torch_extensions"))
     setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)

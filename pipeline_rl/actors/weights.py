@@ -4,7 +4,7 @@ and its validation against the model a worker serves.
 Invariants of :class:`WeightUpdate`: ``names`` and ``arrays`` have one length and
 line up; names are Hugging Face parameter names (``model.state_dict()`` keys of
 the HF model); arrays are C-contiguous numpy arrays; ``version`` is the number
-of optimizer steps behind these weights (DESIGN.md section 2).
+of optimizer steps behind these weights (docs/design.md section 2).
 
 A worker never applies an update it has not validated: :func:`validate_update`
 checks the whole payload against the model's :class:`WeightSpec` (read from the

@@ -1,4 +1,4 @@
-"""The replay buffer and its ZeroMQ link (DESIGN.md sections 2-3).
+"""The replay buffer and its ZeroMQ link (docs/design.md).
 
 ``ReplayBuffer`` (replay.py): bounded FIFO, staleness eviction, admission budget.
 ``BufferServer`` (server.py): PULL socket + receiver thread feeding a buffer.

@@ -14,7 +14,7 @@ Invariants (checked by the tests):
   ``staleness`` at hand-out is evicted and counted (``evicted["stale"]``); it is
   never handed out. Every accepted group is handed out exactly once, evicted
   once, or still stored: ``groups_in == groups_out + evicted + fill + held``.
-* Admission (DESIGN.md section 2, AReaL's rule): a grant is made only while
+* Admission (docs/design.md section 2, AReaL's rule): a grant is made only while
   ``used <= (staleness + version + 1) * groups_per_step`` after it, where
   ``used`` counts every group that was granted and not lost, minus evicted ones
   (evicted and lost groups give their slot back, so eviction cannot starve the

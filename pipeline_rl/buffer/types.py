@@ -58,7 +58,7 @@ class Admission:
     """The answer to a rollout worker's request to start new groups.
 
     ``granted``: how many groups the worker may start now (0..max_groups); the
-    admission budget is global across workers (DESIGN.md section 2).
+    admission budget is global across workers (docs/design.md section 2).
     ``version``: the latest trainer version the buffer knows.
     ``min_version``: the oldest weights version the worker may generate these
     groups with and still have them pass ``--staleness`` when trained

@@ -1,4 +1,4 @@
-"""Off-policy correction, advantages and the policy objective (DESIGN.md section 4).
+"""Off-policy correction, advantages and the policy objective (docs/design.md section 4).
 
 - ``weights.py``: correction weights ``none`` / ``tis`` / ``icepop`` / ``seq-mask-tis``
   (registry :data:`CORRECTIONS`).

@@ -1,4 +1,4 @@
-"""Group-relative advantages (DESIGN.md section 4).
+"""Group-relative advantages (docs/design.md section 4).
 
 ``rewards`` is ``[G, n]``: ``G`` groups (prompts) of ``n >= 2`` completions each.
 

@@ -1,4 +1,4 @@
-"""Off-policy correction weights (DESIGN.md section 4), one small function per method.
+"""Off-policy correction weights (docs/design.md section 4), one small function per method.
 
 Notation per completion token ``t``: ``logμ_t`` the behaviour log-prob from the
 generator, ``logπ_t`` the trainer's log-prob, ``r_t = logπ_t - logμ_t`` (always

@@ -8,7 +8,7 @@ Tokenizer invariants: one token per printable ASCII character (space included),
 no token is added on encode (no BOS), decoding concatenates characters, so
 ``decode(encode(s)) == s`` for every printable-ASCII ``s``. The tokenizer class is
 the generic ``PreTrainedTokenizerFast`` (a Qwen2 ``model_type`` would make
-transformers 5 rebuild a byte-level pipeline that drops spaces; PLATFORM.md).
+transformers 5 rebuild a byte-level pipeline that drops spaces; docs/design.md, platform notes).
 """
 
 from __future__ import annotations

@@ -1,0 +1,388 @@
+"""Soak benchmark: does any process of the pipeline grow in memory, step after step?
+
+Usage::
+
+    python benchmarks/soak.py [--steps 20000] [--sample-every 100] [--warmup N]
+                              [--json PATH] [--md PATH] [--actor-env KEY=VALUE ...]
+                              [--in-process] [-- PIPELINE FLAGS]
+
+What is measured. The default mode runs the real pipeline -- the same
+:class:`~pipeline_rl.orchestrator.Orchestrator` that ``launch/async_grpo.py``
+drives, with its defaults and ``--staleness 2`` unless flags after ``--`` say
+otherwise -- on a local Ray started here. A sampler thread in the driver reads
+the trainer version (one per optimizer step) and, every ``--sample-every``
+steps, the resident set size (RSS, ``/proc/PID/statm`` through psutil) of every
+process: the buffer, each trainer rank and each rollout worker (their pids come
+from Ray's actor table; rollout workers also answer ``pid()``), and the driver
+itself. Reading RSS costs microseconds per process, so the sampling does not
+perturb the run.
+
+Per process the report gives the RSS at the first and last sample and the
+*slope*: the least-squares line of RSS against step over the samples at or
+after ``--warmup`` steps (allocator pools, caches and the buffer fill up
+first), in KiB per 1,000 steps; also the slope over the second half of the
+run alone (a slope that falls from one to the other is something filling up;
+one that stays is a leak). A process whose slope exceeds ``--limit-kib``
+(500 KiB per 1,000 steps by default) is flagged. A process that restarts (a
+rollout worker Ray brought back) starts a new segment; only its last segment
+is fitted.
+
+``--in-process`` is the cheap bisection variant: one ``CpuEngine`` with a
+``RolloutWorker`` and an in-process ``ReplayBuffer``/``BufferServer`` in this
+process, and a stand-in trainer loop (take a batch at the current version,
+offer the next version's weights -- alternating between two read-only copies
+of the model's weights, as arrays fetched from Ray's object store are
+read-only -- open the admission budget, poll the worker's stats). No Ray, no
+DeepSpeed; the one process sampled is this one. Flags after ``--`` still
+configure the run (``--staleness``, ``--rollout.max_num_seqs``, ...).
+
+``--actor-env KEY=VALUE`` adds environment variables to every actor process
+(and to this process with ``--in-process``), e.g. to compare an allocator or
+library setting without editing code.
+
+Output: a Markdown table on stdout (and in ``--md``), all samples and fits in
+``--json``. The exit status is 0 unless the run itself failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline_rl.config import Config  # noqa: E402
+
+_DEFAULT_FLAGS = ["--staleness", "2"]
+_ACTOR_CLASSES = {"BufferActor": "buffer", "TrainerActor": "trainer", "RolloutActor": "rollout"}
+
+
+@dataclass(slots=True)
+class Series:
+    """RSS samples of one process: ``(step, rss_bytes)`` per sample; ``segment``
+    restarts at 0 when the process was replaced (a new pid under the same name)."""
+
+    name: str
+    pid: int
+    samples: list[tuple[int, int]] = field(default_factory=list)
+    restarts: int = 0
+    segment_start: int = 0  # index in ``samples`` where the current pid's samples begin
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """The memory figures of one process (see the module docstring)."""
+
+    name: str
+    pid: int
+    samples: int
+    first_mib: float
+    last_mib: float
+    max_mib: float
+    slope_kib_per_1k_steps: float | None
+    second_half_slope_kib_per_1k_steps: float | None
+    restarts: int
+    over_limit: bool
+
+
+def slope_kib_per_1k(points: list[tuple[int, int]]) -> float | None:
+    """Least-squares slope of RSS (bytes) against step, in KiB per 1,000 steps."""
+    if len(points) < 3 or len({s for s, _ in points}) < 2:
+        return None
+    fit = statistics.linear_regression([float(s) for s, _ in points], [float(r) for _, r in points])
+    return fit.slope * 1000.0 / 1024.0
+
+
+def fit_series(series: Series, warmup: int, limit_kib: float) -> Fit:
+    seg = series.samples[series.segment_start:]
+    steady = [p for p in seg if p[0] >= warmup]
+    half = [p for p in steady if p[0] >= (steady[0][0] + steady[-1][0]) / 2] if steady else []
+    slope = slope_kib_per_1k(steady)
+    rss = [r for _, r in series.samples] or [0]
+    return Fit(name=series.name, pid=series.pid, samples=len(series.samples),
+               first_mib=rss[0] / 2**20, last_mib=rss[-1] / 2**20, max_mib=max(rss) / 2**20,
+               slope_kib_per_1k_steps=slope, second_half_slope_kib_per_1k_steps=slope_kib_per_1k(half),
+               restarts=series.restarts, over_limit=slope is not None and slope > limit_kib)
+
+
+class RssSampler:
+    """Samples the RSS of named processes whenever ``step()`` crosses a multiple of
+    ``every``; runs in a daemon thread that polls ``step()`` every ``poll_s``."""
+
+    def __init__(self, step: Any, resolve: Any, every: int, poll_s: float = 0.02) -> None:
+        self._step = step          # () -> int: the current optimizer step
+        self._resolve = resolve    # () -> dict[name, pid]: the processes to sample now
+        self.every = every
+        self.poll_s = poll_s
+        self.series: dict[str, Series] = {}
+        self._next = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def start(self) -> None:
+        self.sample(self._step())
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            step = self._step()
+            if step >= self._next:
+                self.sample(step)
+
+    def sample(self, step: int) -> None:
+        import psutil
+
+        self._next = (step // self.every + 1) * self.every
+        pids = self._resolve()
+        for name, pid in pids.items():
+            try:
+                rss = int(psutil.Process(pid).memory_info().rss)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            s = self.series.get(name)
+            if s is None:
+                s = self.series[name] = Series(name, pid)
+            elif s.pid != pid:  # replaced (a restarted rollout worker): a new segment
+                s.pid, s.restarts, s.segment_start = pid, s.restarts + 1, len(s.samples)
+            s.samples.append((step, rss))
+
+
+# --------------------------------------------------------------------------- the real pipeline
+
+
+def actor_pids(job_hex: str) -> dict[str, int]:
+    """``name -> pid`` of this job's live pipeline actors (Ray's actor table, kept by
+    the GCS: no dashboard needed). Names: ``buffer``, ``trainer0``.., ``rollout0``..
+    (ranks and workers in order of creation)."""
+    from ray._private import state
+
+    table = state.actors(job_id=None)
+    rows = [a for a in table.values()
+            if a.get("State") == "ALIVE" and a.get("JobID") == job_hex
+            and a.get("ActorClassName") in _ACTOR_CLASSES and a.get("Pid")]
+    rows.sort(key=lambda a: (a["ActorClassName"], a.get("StartTime", 0), a["ActorID"]))
+    out: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for a in rows:
+        kind = _ACTOR_CLASSES[a["ActorClassName"]]
+        if kind == "buffer":
+            name = kind
+        else:
+            name = f"{kind}{counts.get(kind, 0)}"
+            counts[kind] = counts.get(kind, 0) + 1
+        out[name] = int(a["Pid"])
+    return out
+
+
+def run_pipeline(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[RssSampler, float]:
+    """Run ``cfg`` through the orchestrator on a private local Ray, sampling RSS."""
+    import ray
+
+    from pipeline_rl.driver import ACTOR_ENV, resolve_model_dir
+    from pipeline_rl.orchestrator import Orchestrator
+
+    env = {**ACTOR_ENV, "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gib), **actor_env}
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count() or 2, include_dashboard=False,
+             object_store_memory=cfg.ray.object_store_mb * 2**20, runtime_env={"env_vars": env},
+             log_to_driver=False)
+    job_hex = ray.get_runtime_context().get_job_id()
+    driver_pid = os.getpid()
+    pids: dict[str, int] = {}
+    last_resolve = [0.0]
+
+    def resolve() -> dict[str, int]:
+        # Re-read the actor table only when a process is gone (a restart) or now and then.
+        import psutil
+
+        now = time.monotonic()
+        if not pids or now - last_resolve[0] > 60 or not all(psutil.pid_exists(p) for p in pids.values()):
+            pids.clear()
+            pids.update(actor_pids(job_hex))
+            last_resolve[0] = now
+        return {**pids, "driver": driver_pid}
+
+    model_dir = resolve_model_dir(cfg)
+    log_path = Path(cfg.out_dir) / "progress.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        with log_path.open("w") as log, contextlib.redirect_stdout(log):
+            with Orchestrator(cfg, model_dir, threading.Event()) as orch:
+                sampler = RssSampler(lambda: orch.version, resolve, every)
+                sampler.start()
+                try:
+                    orch.train()
+                finally:
+                    sampler.sample(orch.version)
+                    sampler.stop()
+    finally:
+        ray.shutdown()
+    return sampler, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- in-process variant
+
+
+def run_in_process(cfg: Config, every: int) -> tuple[RssSampler, float]:
+    """One engine + worker + buffer in this process and a stand-in trainer loop."""
+    import numpy as np
+
+    from pipeline_rl.actors.engine import engine_config
+    from pipeline_rl.actors.engine_cpu import CpuEngine
+    from pipeline_rl.actors.rollout_worker import RolloutWorker
+    from pipeline_rl.actors.weights import WeightUpdate, load_update
+    from pipeline_rl.buffer.replay import ReplayBuffer
+    from pipeline_rl.buffer.server import BufferServer
+    from pipeline_rl.driver import ACTOR_ENV, resolve_model_dir
+    from pipeline_rl.tasks import build_task
+
+    for key, value in ACTOR_ENV.items():
+        os.environ.setdefault(key, value)
+    import torch
+
+    torch.set_num_threads(1)
+    model_dir = resolve_model_dir(cfg)
+    engine = CpuEngine(engine_config(cfg.rollout, model_dir, seed=cfg.seed))
+    buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step)
+    server = BufferServer(buffer)
+    worker = RolloutWorker(cfg, 0, model_dir, server.address, buffer, build_task(cfg.task, seed=cfg.seed),
+                           engine=engine)
+    base = load_update(model_dir, 0)
+    variants = []
+    for k in range(2):  # two read-only weight sets, like arrays out of Ray's object store
+        arrays = tuple(np.ascontiguousarray(a + np.float32(1e-6 * k)) for a in base.arrays)
+        for a in arrays:
+            a.setflags(write=False)
+        variants.append(arrays)
+    version = [0]
+    sampler = RssSampler(lambda: version[0], lambda: {"in-process": os.getpid()}, every)
+    loop = threading.Thread(target=worker.run, name="rollout", daemon=True)
+    t0 = time.perf_counter()
+    loop.start()
+    sampler.start()
+    try:
+        while version[0] < cfg.max_steps:
+            groups = buffer.get_batch(cfg.groups_per_step, version[0], timeout_s=cfg.trainer.batch_timeout_s)
+            if groups is None:
+                raise RuntimeError(f"no batch within {cfg.trainer.batch_timeout_s} s at version {version[0]}")
+            del groups
+            nxt = version[0] + 1
+            worker.offer_weights(WeightUpdate(nxt, base.names, variants[nxt % 2]))
+            buffer.set_version(nxt)
+            worker.stats()
+            version[0] = nxt
+    finally:
+        sampler.sample(version[0])
+        sampler.stop()
+        worker.stop()
+        loop.join(30.0)
+        worker.close()
+        server.close()
+    return sampler, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- report
+
+
+def markdown(fits: list[Fit], *, steps: int, warmup: int, limit_kib: float, wall_s: float, mode: str) -> str:
+    def num(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:,.0f}"
+
+    lines = [f"Soak ({mode}): {steps:,} steps in {wall_s:,.0f} s; slopes fitted from step {warmup:,} "
+             f"(limit {limit_kib:,.0f} KiB per 1,000 steps).", "",
+             "| process | pid | samples | RSS first (MiB) | RSS last (MiB) | RSS max (MiB) "
+             "| slope (KiB/1k steps) | 2nd-half slope (KiB/1k steps) | restarts | over limit |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for f in fits:
+        lines.append(f"| {f.name} | {f.pid} | {f.samples} | {f.first_mib:,.1f} | {f.last_mib:,.1f} | "
+                     f"{f.max_mib:,.1f} | {num(f.slope_kib_per_1k_steps)} | "
+                     f"{num(f.second_half_slope_kib_per_1k_steps)} | {f.restarts} | "
+                     f"{'yes' if f.over_limit else 'no'} |")
+    return "\n".join(lines)
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"soak.py: error: --actor-env expects KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pipeline_flags: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, pipeline_flags = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--steps", type=int, default=20_000, help="Optimizer steps to run (default 20000).")
+    p.add_argument("--sample-every", type=int, default=None,
+                   help="Steps between RSS samples (default: steps/200, at least 10).")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="Slopes are fitted from this step on (default: 10%% of the steps, at least 500 "
+                        "when the run is long enough).")
+    p.add_argument("--limit-kib", type=float, default=500.0, help="Flag slopes above this (KiB/1k steps).")
+    p.add_argument("--out-dir", type=Path, default=None, help="Run folder (default: a temporary one).")
+    p.add_argument("--actor-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="Extra environment variable for every actor (repeatable).")
+    p.add_argument("--in-process", action="store_true", help="One engine + worker + buffer here, no Ray.")
+    p.add_argument("--json", type=Path, default=None, help="Write samples and fits as JSON here.")
+    p.add_argument("--md", type=Path, default=None, help="Write the Markdown table here.")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be >= 2")
+    every = args.sample_every or max(10, args.steps // 200)
+    warmup = args.warmup if args.warmup is not None else min(max(500, args.steps // 10), args.steps // 2)
+    actor_env = parse_env(args.actor_env)
+
+    from pipeline_rl.cli import parse_config
+
+    with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
+        out_dir = args.out_dir or Path(tmp)
+        flags = _DEFAULT_FLAGS + pipeline_flags + ["--max-steps", str(args.steps), "--out-dir", str(out_dir)]
+        cfg, _ = parse_config(flags)
+        mode = "in-process" if args.in_process else "pipeline"
+        if args.in_process:
+            os.environ.update(actor_env)
+            sampler, wall_s = run_in_process(cfg, every)
+        else:
+            sampler, wall_s = run_pipeline(cfg, every, actor_env)
+    fits = [fit_series(s, warmup, args.limit_kib) for s in sampler.series.values()]
+    table = markdown(fits, steps=args.steps, warmup=warmup, limit_kib=args.limit_kib, wall_s=wall_s, mode=mode)
+    print(table)
+    if args.md is not None:
+        args.md.write_text(table + "\n")
+    if args.json is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from common import hardware
+
+        args.json.write_text(json.dumps({
+            "mode": mode, "steps": args.steps, "sample_every": every, "warmup": warmup,
+            "limit_kib_per_1k_steps": args.limit_kib, "wall_s": wall_s, "pipeline_flags": flags,
+            "actor_env": actor_env, "hardware": hardware(),
+            "fits": [asdict(f) for f in fits],
+            "samples": {s.name: s.samples for s in sampler.series.values()},
+        }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
