@@ -28,8 +28,6 @@ import logging
 import signal
 import sys
 import threading
-import time
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -39,10 +37,6 @@ from pipeline_rl.config import Config
 __all__ = ["ACTOR_ENV", "check_task", "resolve_model_dir", "run"]
 
 log = logging.getLogger("pipeline_rl.driver")
-
-class RunStopped(Exception):
-    """The run was stopped by a signal (Ctrl-C / SIGTERM)."""
-
 
 class _StopFlag:
     """Set by SIGINT/SIGTERM; the main loop polls it between steps."""
@@ -132,9 +126,3 @@ def run(cfg: Config) -> int:
     return 130 if stop.event.is_set() else 0
 
 
-def now() -> float:
-    return time.perf_counter()
-
-
-def out_dir(cfg: Config) -> Path:
-    return Path(cfg.out_dir)

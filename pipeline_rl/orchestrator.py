@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import threading
@@ -44,6 +43,7 @@ from typing import Any
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV
 from pipeline_rl.metrics import MetricsLogger, StepMetrics, summary_table
+from pipeline_rl.net import free_port
 from pipeline_rl.supervision import Watchdog, cause_of, describe_failure, first_line
 
 log = logging.getLogger("pipeline_rl.orchestrator")
@@ -63,12 +63,6 @@ def say(line: str) -> None:
 
 class OrchestratorError(RuntimeError):
     """The run cannot go on (a trainer died, no batch came in time, start-up failed)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(slots=True)

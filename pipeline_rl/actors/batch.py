@@ -79,11 +79,6 @@ class _Row:
         return int(self.prompt.shape[0] + self.tokens.shape[0])
 
 
-def flat_completions(groups: Sequence[Group]) -> int:
-    """Number of completions (sequences) in ``groups``."""
-    return sum(len(g.completions) for g in groups)
-
-
 def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray], *,
                         micro_batch_size: int, pad_id: int = 0) -> list[MicroBatch]:
     """Pad the batch's sequences into micro-batches of at most ``micro_batch_size`` rows.

@@ -42,9 +42,9 @@ from pipeline_rl.actors.weights import (
     WeightUpdateError,
     check_update,
 )
+from pipeline_rl.config import KVPolicy
 from pipeline_rl.samples import F32, I32, FinishReason
 
-KVPolicy = Literal["keep", "recompute"]
 
 
 @dataclass(frozen=True, slots=True)

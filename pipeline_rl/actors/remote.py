@@ -16,11 +16,24 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.actors.process import setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV, inject
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.actors.publish import WeightPublisher
+    from pipeline_rl.actors.rollout_worker import WorkerStats
+    from pipeline_rl.actors.trainer import StepResult
+    from pipeline_rl.buffer.types import Admission, BufferStats
+    from pipeline_rl.samples import Group
+
+#: A Ray actor handle (Ray's own type says nothing about the methods it exposes).
+ActorHandle = Any
 
 
 # --------------------------------------------------------------------------- buffer
@@ -47,13 +60,14 @@ class BufferActor:
     def address(self) -> str:
         return self._server.address
 
-    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Any:
+    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Admission:
         return self._buffer.acquire(worker_id, max_groups, timeout_s)
 
     def set_version(self, version: int) -> None:
         self._buffer.set_version(version)
 
-    def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float, rank: int) -> Any:
+    def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float,
+                  rank: int) -> list[Group] | None:
         inject("buffer", trainer_version)
         return self._buffer.get_batch(num_groups, trainer_version, timeout_s, rank=rank)
 
@@ -77,7 +91,7 @@ class BufferActor:
     def release(self, worker_id: int, count: int) -> int:
         return self._buffer.release(worker_id, count)
 
-    def stats(self) -> Any:
+    def stats(self) -> BufferStats:
         return self._buffer.stats()
 
     def close(self) -> None:
@@ -93,12 +107,13 @@ class RayAdmission:
     def __init__(self, buffer_name: str) -> None:
         import ray
 
-        self._buffer: Any = ray.get_actor(buffer_name)
+        self._buffer: ActorHandle = ray.get_actor(buffer_name)
 
-    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Any:
+    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Admission:
         import ray
 
-        return ray.get(self._buffer.acquire.remote(worker_id, max_groups, timeout_s))
+        admission: Admission = ray.get(self._buffer.acquire.remote(worker_id, max_groups, timeout_s))
+        return admission
 
     def release(self, worker_id: int, count: int) -> int:
         import ray
@@ -132,13 +147,13 @@ class RolloutActor:
     def ready(self) -> bool:
         return True
 
-    def run(self, start_counter: int = 0) -> Any:
+    def run(self, start_counter: int = 0) -> WorkerStats:
         """The generation loop (returns when stopped); group ids and prompts continue
         from ``start_counter``."""
         self._worker.start_at(start_counter)
         return self._worker.run()
 
-    def offer_weights(self, refs: list[Any]) -> None:
+    def offer_weights(self, refs: list[ObjectRef]) -> None:
         """Take new weights. Failing to take them is fatal to this worker: it could never
         reach a newer version, so the admission budget would hold it idle forever. The
         error ends :meth:`run` (the driver then ends the run naming it) and is re-raised."""
@@ -150,7 +165,7 @@ class RolloutActor:
             self._worker.fail(WeightLoadFailed(f"taking new weights failed: {first_line(e)}"))
             raise
 
-    def stats(self) -> Any:
+    def stats(self) -> WorkerStats:
         return self._worker.stats()
 
     def stop(self) -> None:
@@ -169,7 +184,7 @@ class TrainerReport:
     for the batch (``wait_s``, the trainer's idle time) and the step's wall time
     including that wait (``wall_s``)."""
 
-    result: Any
+    result: StepResult
     wait_s: float
     wall_s: float
 
@@ -177,16 +192,24 @@ class TrainerReport:
 class TrainerActor:
     """One data-parallel trainer rank (DeepSpeed). Rank 0 publishes weights."""
 
-    def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int, buffer: Any) -> None:
+    def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int,
+                 buffer: ActorHandle) -> None:
         setup_actor_process(cfg, f"trainer-{rank}")
         self._cfg = cfg
         self._model_dir = model_dir
         self._rank = rank
         self._world_size = world_size
         self._buffer = buffer
-        self._trainer: Any = None
-        self._publisher: Any = None
+        self._trainer_or_none: Trainer | None = None
+        self._publisher: WeightPublisher | None = None
         self._lock = threading.Lock()
+
+    @property
+    def _trainer(self) -> Trainer:
+        """The rank's trainer (built by :meth:`setup`, which the driver calls first)."""
+        if self._trainer_or_none is None:
+            raise RuntimeError("TrainerActor: setup() was not called")
+        return self._trainer_or_none
 
     def node_ip(self) -> str:
         import ray
@@ -201,22 +224,19 @@ class TrainerActor:
         from pipeline_rl.actors.publish import WeightPublisher
         from pipeline_rl.actors.trainer import Trainer
 
-        self._trainer = Trainer(self._cfg, self._model_dir, rank=self._rank,
+        self._trainer_or_none = Trainer(self._cfg, self._model_dir, rank=self._rank,
                                 world_size=self._world_size, master_addr=master_addr,
                                 master_port=master_port)
         self._publisher = WeightPublisher() if self._rank == 0 else None
         return int(self._trainer.version)
 
-    def version(self) -> int:
-        return int(self._trainer.version)
-
-    def set_workers(self, workers: list[Any]) -> None:
+    def set_workers(self, workers: list[ActorHandle]) -> None:
         """Rank 0: the rollout workers to publish to; workers new to the publisher get the
         newest published weights at once."""
         if self._publisher is not None:
             self._publisher.set_workers(workers)
 
-    def offer_latest(self, workers: list[Any]) -> None:
+    def offer_latest(self, workers: list[ActorHandle]) -> None:
         """Rank 0: give ``workers`` (restarted ones) the newest published weights."""
         if self._publisher is not None:
             self._publisher.offer_latest(workers)
@@ -253,9 +273,6 @@ class TrainerActor:
             # asked for (fire and forget; the buffer ignores an older version).
             self._buffer.set_version.remote(self._trainer.version)
         return TrainerReport(result, wait_s, time.perf_counter() - t0)
-
-    def publish_stats(self) -> Any:
-        return None if self._publisher is None else self._publisher.stats()
 
     def save_checkpoint(self, path: str, data_position: int) -> str:
         with self._lock:

@@ -36,7 +36,6 @@ import importlib
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +54,7 @@ from pipeline_rl.actors.checkpoint import (
 from pipeline_rl.actors.publish import WeightPublisher, gather_weights
 from pipeline_rl.actors.weights import WeightUpdate
 from pipeline_rl.config import Config
+from pipeline_rl.net import free_port
 from pipeline_rl.correction.advantages import compute_advantages
 from pipeline_rl.correction.loss import LossMetrics, PolicyBatch, loss_normalizer, policy_loss
 from pipeline_rl.samples import Group
@@ -113,12 +113,6 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     return ds
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _init_distributed(rank: int, world_size: int, master_addr: str | None, master_port: int | None,
                       backend: str) -> None:
     """Join (or create) the process group; a process holds one group for its lifetime.
@@ -153,7 +147,7 @@ def _init_distributed(rank: int, world_size: int, master_addr: str | None, maste
     if master_port is None:
         if world_size > 1:
             raise ValueError("trainer: master_port (or MASTER_PORT) is required with world_size > 1")
-        master_port = _free_port()
+        master_port = free_port()
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
