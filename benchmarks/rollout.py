@@ -90,12 +90,17 @@ def run_worker(engine: object, model_dir: str, w: Workload, *, offers: Sequence[
 
     def offer_loop() -> None:
         assert offers is not None
+        # The first update as soon as generation is under way (not after a fixed delay: on a
+        # busy machine a short run could end before it, and then no stall is measured).
+        while worker.stats().steps < 1 and not done.wait(0.001):
+            pass
         i = 0
-        while not done.wait(update_every_s):
+        while not done.is_set():
             update = offers[i % len(offers)]
             i += 1
             in_flight.append(engine.num_unfinished())  # type: ignore[attr-defined]
             worker.offer_weights(_bump(update, engine.version + 1))  # type: ignore[attr-defined]
+            done.wait(update_every_s)
 
     t = threading.Thread(target=offer_loop, daemon=True) if offers else None
     try:

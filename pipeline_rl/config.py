@@ -176,7 +176,16 @@ class AlgorithmConfig(Section):
     ppo_clip: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon.")
     ppo_epochs: int = Field(1, ge=1, le=64, description="PPO passes over each batch.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the reference policy (0 = off).")
-    kl_estimator: KLEstimator = Field("k3", description="KL estimator for the penalty.")
+    kl_estimator: KLEstimator = Field("k3", description="KL estimator for the penalty (k3; k1 "
+                                      "is refused as a loss term: its gradient is that of log pi "
+                                      "whatever the reference).")
+
+    @model_validator(mode="after")
+    def _kl_estimator_is_a_loss(self) -> "AlgorithmConfig":
+        if self.kl_coef > 0 and self.kl_estimator == "k1":
+            raise ValueError("algorithm.kl_estimator: k1 as a loss term has the gradient of log pi "
+                             "whatever the reference is (it pulls towards nothing); use k3")
+        return self
 
 
 class CorrectionConfig(Section):
@@ -271,6 +280,18 @@ class Config(Section):
     @property
     def groups_per_step(self) -> int:
         return self.trainer.batch_size // self.rollout.n
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but probably not meant (one line each; the driver
+        prints them at start)."""
+        out = []
+        algo = self.algorithm
+        if algo.normalization == "constant" and algo.constant_length > 4 * self.rollout.max_new_tokens:
+            out.append(f"--algorithm.constant_length {algo.constant_length} is "
+                       f"{algo.constant_length / self.rollout.max_new_tokens:.0f}x "
+                       f"--rollout.max_new_tokens {self.rollout.max_new_tokens}: with constant "
+                       f"normalisation the gradient shrinks by about that factor")
+        return out
 
 
 def head_dim_of(model: ModelConfig) -> int | None:

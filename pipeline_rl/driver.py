@@ -104,6 +104,8 @@ def run(cfg: Config) -> int:
 
     from pipeline_rl.tasks import TaskError
 
+    for warning in cfg.warnings():
+        log.warning("%s", warning)
     try:
         model_dir = resolve_model_dir(cfg)
         check_task(cfg, model_dir)

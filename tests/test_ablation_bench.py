@@ -5,6 +5,8 @@ finished cells and starts no Ray)."""
 
 from __future__ import annotations
 
+import math
+
 import importlib.util
 import json
 import sys
@@ -59,7 +61,7 @@ def test_tiny_grid_end_to_end_and_resume(tiny_model_dir: str, tmp_path: Path,
         assert CELL_KEYS <= c.keys() and CURVE_KEYS <= c["curves"].keys()
         assert c["status"] == "done" and c["steps"] == 2 and c["curves"]["step"] == [1, 2]
         assert isinstance(c["collapsed"], bool) and 0.0 <= c["final_reward"] <= 1.0
-        assert c["mismatch_kl_k3_mean"] >= 0.0
+        assert math.isfinite(c["mismatch_kl_k3_mean"]) and c["mismatch_kl_k3_mean"] > 0.0  # bf16 vs fp32
         assert (out / "cells" / c["name"] / "metrics.jsonl").is_file()
         assert not (out / "cells" / c["name"] / "checkpoints").exists()
     assert result["cells"][0]["lag_mean"] == 0.0

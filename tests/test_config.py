@@ -93,3 +93,25 @@ def test_launch_bad_invocations_exit_2_with_one_line(argv: list[str]) -> None:
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("async_grpo.py: error: --"), res.stderr
+
+
+def test_k1_kl_as_a_loss_term_is_refused() -> None:
+    """k1's gradient as a loss term is that of log pi whatever the reference: refused in one line."""
+    from pipeline_rl.cli import UsageError, parse_config
+
+    with pytest.raises(UsageError, match=r"^--algorithm\.kl_estimator: k1 as a loss term"):
+        parse_config(["--algorithm.kl_coef", "0.1", "--algorithm.kl_estimator", "k1"], check_cpu=False)
+    cfg, _ = parse_config(["--algorithm.kl_estimator", "k1"], check_cpu=False)  # no penalty: fine
+    assert cfg.algorithm.kl_estimator == "k1"
+
+
+def test_constant_normalisation_far_above_the_length_warns() -> None:
+    from pipeline_rl.cli import parse_config
+
+    cfg, _ = parse_config(["--algorithm.normalization", "constant", "--algorithm.constant_length", "1024",
+                           "--rollout.max_new_tokens", "16"], check_cpu=False)
+    (warning,) = cfg.warnings()
+    assert "64x" in warning and "gradient shrinks" in warning
+    cfg, _ = parse_config(["--algorithm.normalization", "constant", "--algorithm.constant_length", "32",
+                           "--rollout.max_new_tokens", "16"], check_cpu=False)
+    assert cfg.warnings() == []

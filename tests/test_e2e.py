@@ -94,3 +94,25 @@ def test_staleness_zero_is_synchronous(ray_local: None, tiny_model_dir: str, tmp
     assert len(rows) == 5
     for r in rows:
         assert r["lag_max"] == 0 and r["mixed_version_frac"] == 0.0 and r["evicted"] == 0
+
+
+def test_ppo_epochs_keep_one_version_per_step_and_resume(ray_local: None, tiny_model_dir: str,
+                                                         tmp_path: Path) -> None:
+    """``--algorithm.ppo_epochs 2``: two optimizer steps per batch, one version. Steps,
+    versions, checkpoint names and the resumed run all count in that unit; the lag bound
+    holds."""
+    from pipeline_rl.actors.checkpoint import read_run_state
+
+    ppo = ("--algorithm.loss", "ppo", "--algorithm.ppo_epochs", "2", "--trainer.checkpoint_every", "2")
+    cfg = _config(tiny_model_dir, tmp_path / "ppo", "--max-steps", "4", *ppo)
+    rows = _run(cfg)
+    assert [(r["step"], r["version"]) for r in rows] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    assert all(r["lag_max"] <= cfg.staleness for r in rows)
+    ckpts = Path(cfg.out_dir) / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004"]
+    assert read_run_state(ckpts / "step_000002").version == 2
+    resumed = _config(tiny_model_dir, tmp_path / "resumed", "--max-steps", "4", "--resume",
+                      str(ckpts / "step_000002"), *ppo)
+    rows = _run(resumed)
+    assert [(r["step"], r["version"]) for r in rows] == [(3, 3), (4, 4)]
+    assert read_run_state(Path(resumed.out_dir) / "checkpoints" / "step_000004").version == 4

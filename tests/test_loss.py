@@ -114,7 +114,9 @@ def test_fused_matches_reference(name: str, norm: str) -> None:
     d0, d1 = m0.as_dict(), m1.as_dict()
     for k in d0:
         assert d1[k] == pytest.approx(d0[k], rel=1e-4, abs=1e-6), k
-    assert m0.nonfinite_tokens == 2 and m0.masked_seq_frac >= 0
+    assert m0.nonfinite_tokens == 2
+    if name == "seq-mask-tis":  # rows 2 and 3 hold a non-finite masked-in log-prob
+        assert m0.masked_seq_frac > 0
     l2, g2, _ = run(replace(batch, mask=batch.mask.float()), algo, corr, True)   # 0/1 float mask
     assert l2 == l1 and torch.equal(g2, g1)
 
