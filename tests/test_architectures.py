@@ -498,6 +498,13 @@ def test_launcher_runs_20_steps(arch: str, model_dir: Path, dataset: Path, tmp_p
     assert [r["step"] for r in rows] == list(range(1, 21)), f"{arch}: steps {[r['step'] for r in rows]}"
     _record(arch, "launcher_reward_mean_last5", round(float(np.mean([r["reward_mean"] for r in rows[-5:]])), 3))
     _record(arch, "launcher_mixed_version_frac_max", round(max(float(r["mixed_version_frac"]) for r in rows), 3))
+    # A quiet console: one line per start-up phase on stderr (the step lines go to stdout, the
+    # actors' own output to OUT/logs/), at most 10 before the first step.
+    before = [ln for ln in stderr.read_text().splitlines()
+              if ln.strip() and not ln.startswith("pipeline_rl.orchestrator: checkpoint saved")]
+    assert len(before) <= 10, f"{arch}: {len(before)} console lines:\n" + "\n".join(before)
+    assert stdout.read_text().startswith("step    1 |"), stdout.read_text()[:500]
+    assert {"buffer.log", "rollout-0.log", "trainer-0.log"} <= {f.name for f in (out / "logs").iterdir()}
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
