@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -66,7 +67,6 @@ class MetricsLogger:
         out_dir.mkdir(parents=True, exist_ok=True)
         self._file = (out_dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._stream = stream if stream is not None else sys.stdout  # read at call time
-        self._history: list[StepMetrics] = []
         self._tb: Any = None
         self._wandb: Any = None
         if tensorboard:
@@ -85,7 +85,6 @@ class MetricsLogger:
         rec = m.as_record()
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
-        self._history.append(m)
         if self._tb is not None:
             for key, value in rec.items():
                 if isinstance(value, (int, float)) and key != "step":
@@ -95,11 +94,10 @@ class MetricsLogger:
         self._stream.write(progress_line(m) + "\n")
         self._stream.flush()
 
-    @property
-    def history(self) -> list[StepMetrics]:
-        return list(self._history)
-
     def close(self) -> None:
+        """Flush and close every sink (idempotent)."""
+        if self._file.closed:
+            return
         self._file.close()
         if self._tb is not None:
             self._tb.close()
@@ -115,7 +113,7 @@ def progress_line(m: StepMetrics) -> str:
             f"idle {m.trainer_idle_frac:.2f} | {m.time_s:6.1f}s")
 
 
-def summary_table(history: list[StepMetrics]) -> str:
+def summary_table(history: Sequence[StepMetrics]) -> str:
     """A Markdown table summarising a run (first/last reward, speeds, lag, evictions)."""
     if not history:
         return "(no steps completed)"
@@ -142,6 +140,18 @@ def summary_table(history: list[StepMetrics]) -> str:
     lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {name:<{width}} | {value} |" for name, value in rows]
     return "\n".join(lines)
+
+
+def read_history(path: Path) -> list[StepMetrics]:
+    """The steps of a ``metrics.jsonl`` file as :class:`StepMetrics` (fields it does not
+    name go to ``extra``); the run's full record, read once at its end for the summary
+    instead of being kept in memory step after step."""
+    names = set(StepMetrics.__dataclass_fields__) - {"extra"}
+    out = []
+    for rec in read_metrics(path):
+        extra = {k: float(v) for k, v in rec.items() if k not in names and isinstance(v, (int, float))}
+        out.append(StepMetrics(**{k: v for k, v in rec.items() if k in names}, extra=extra))
+    return out
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

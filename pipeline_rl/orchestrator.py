@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -42,7 +43,7 @@ from typing import Any
 
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV
-from pipeline_rl.metrics import MetricsLogger, StepMetrics, summary_table
+from pipeline_rl.metrics import MetricsLogger, StepMetrics, read_history, summary_table
 from pipeline_rl.net import free_port
 from pipeline_rl.supervision import Watchdog, cause_of, describe_failure, first_line
 
@@ -53,6 +54,7 @@ _STOP_GRACE_S = 3.0
 _SHUTDOWN_WAIT_S = 5.0      # per shutdown phase: a failed run must still end within seconds
 _STARTUP_TIMEOUT_S = 900.0  # a start-up phase that takes longer ends the run
 _STARTUP_SAY_EVERY_S = 30.0
+_HISTORY_STEPS = 1000      # steps of metrics the driver keeps in memory
 _RESTART_TIMEOUT_S = 300.0  # a restarted rollout worker must have its engine up by then
 
 
@@ -116,7 +118,10 @@ class Orchestrator:
         self._watchdog = Watchdog(cfg.watchdog_s)
         self._last_checkpoint_t = time.monotonic()
         self.version = 0
-        self.history: list[StepMetrics] = []
+        #: The most recent steps (bounded: a long run must not grow the driver; the whole
+        #: record is ``OUT_DIR/metrics.jsonl``).
+        self.history: deque[StepMetrics] = deque(maxlen=_HISTORY_STEPS)
+        self.steps_done = 0
 
     # ------------------------------------------------------------------ start / stop
 
@@ -317,10 +322,12 @@ class Orchestrator:
         if self._abandoned_step:
             log.warning("stopped during a training step: no final checkpoint (the step's weights "
                         "would not match its version); the last periodic checkpoint is resumable")
-        elif self.history:
+        elif self.steps_done:
             self.checkpoint()
-            print(summary_table(self.history), flush=True)
-        return self.history
+            assert self._logger is not None
+            self._logger.close()  # flushed: the summary reads the whole record back
+            print(summary_table(read_history(self.out / "metrics.jsonl")[-self.steps_done:]), flush=True)
+        return list(self.history)
 
     def _checkpoint_due(self) -> bool:
         every, every_s = self.cfg.trainer.checkpoint_every, self.cfg.trainer.checkpoint_every_s
@@ -544,6 +551,7 @@ class Orchestrator:
                    "generator_idle_frac": min(1.0, gen_idle)},
         )
         self.history.append(m)
+        self.steps_done += 1
         self._watchdog.step_done(step_wall)
         assert self._logger is not None
         self._logger.log(m)

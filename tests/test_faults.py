@@ -110,7 +110,7 @@ def test_killed_buffer_is_named(ray_local: None, tiny_model_dir: str, tmp_path: 
     killed: list[float] = []
 
     def kill_buffer(orch: Any) -> None:
-        while len(orch.history) < 3:
+        while orch.steps_done < 3:
             time.sleep(0.01)
         pid = int(ray.get(orch._buffer.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
         os.kill(pid, signal.SIGKILL)
