@@ -516,9 +516,10 @@ class Orchestrator:
                 continue
             delta.tokens += max(0, st.tokens_generated - w.tokens)
             delta.idle_s += max(0.0, st.idle_s - w.idle_s)
-            delta.stalls_ms += list(st.stall_ms[w.stalls_seen:])
+            new = st.updates_applied - w.stalls_seen  # stall_ms holds the most recent ones only
+            delta.stalls_ms += list(st.stall_ms[-new:]) if new > 0 else []
             delta.answered += 1
-            w.tokens, w.idle_s, w.stalls_seen = st.tokens_generated, st.idle_s, len(st.stall_ms)
+            w.tokens, w.idle_s, w.stalls_seen = st.tokens_generated, st.idle_s, st.updates_applied
         return delta
 
     def _log_step(self, reports: list[Any], clock: _Clock) -> None:
