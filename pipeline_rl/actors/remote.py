@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +141,7 @@ class RolloutActor:
 
         # The model's tokenizer: prompts reach the engine rendered by its chat template.
         task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager")
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
                                      buffer_address=buffer_address, admission=RayAdmission(buffer_name),
                                      task=task)
@@ -158,7 +160,10 @@ class RolloutActor:
         reach a newer version, so the admission budget would hold it idle forever. The
         error ends :meth:`run` (the driver then ends the run naming it) and is re-raised."""
         try:
-            self._worker.offer_weights(refs)
+            # Always on the one staging thread: Ray serves concurrent calls on a pool of
+            # threads, and every thread that frees an update's arrays grows its own malloc
+            # arena (measured: resident memory grew ~20 MB per 1,000 updates that way).
+            self._stager.submit(self._worker.offer_weights, refs).result()
         except Exception as e:
             from pipeline_rl.supervision import first_line
 

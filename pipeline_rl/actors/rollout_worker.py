@@ -38,6 +38,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -63,6 +64,10 @@ log = logging.getLogger(__name__)
 GROUP_ID_STRIDE = 1 << 40  # group ids: worker_id * stride + local counter (unique per run)
 #: A reward function that failed this many times without ever succeeding ends the run.
 REWARD_FAILURES_FATAL = 32
+#: Applied updates whose stall a worker remembers (``WorkerStats.stall_ms``): a run applies
+#: one update per trainer step, so keeping them all would grow the worker (and every stats
+#: reply) without bound; a poller that reads the stats once per step needs the last few.
+STALL_WINDOW = 256
 
 
 class RewardFailed(RuntimeError):
@@ -104,10 +109,14 @@ class SenderLike(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
-    """A snapshot of one worker. ``stall_ms``: per applied update, the time no engine
-    step could run; ``idle_s``: time the engine had nothing to run; ``step_s``:
-    time inside engine steps; ``send_wait_s``: time sends were blocked by a full
-    buffer (in the reward/send threads, not the engine's)."""
+    """A snapshot of one worker. ``stall_ms``: for the most recent applied updates (at
+    most ``STALL_WINDOW``, oldest first), the time no engine step could run;
+    ``updates_applied`` counts every applied update, so the ``k`` applied since a
+    previous snapshot are ``stall_ms[-k:]`` (when ``k <= STALL_WINDOW``), and
+    ``stall_ms_total`` sums the stalls of all of them; ``idle_s``: time the engine
+    had nothing to run; ``step_s``: time inside engine steps; ``send_wait_s``: time
+    sends were blocked by a full buffer (in the reward/send threads, not the
+    engine's)."""
 
     worker_id: int
     version: int
@@ -124,6 +133,7 @@ class WorkerStats:
     reward_errors: int
     send_wait_s: float
     in_flight_groups: int
+    stall_ms_total: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -152,7 +162,9 @@ class _Counters:
     updates_rejected: int = 0
     reward_errors: int = 0
     reward_ok: int = 0
-    stall_ms: list[float] = field(default_factory=list)
+    updates_applied: int = 0
+    stall_ms_total: float = 0.0
+    stall_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
 
 
 class RolloutWorker:
@@ -229,7 +241,8 @@ class RolloutWorker:
                 worker_id=self.worker_id, version=self._engine.version, groups_started=c.groups_started,
                 groups_sent=c.groups_sent, tokens_generated=c.tokens, steps=c.steps, step_s=c.step_s,
                 idle_s=c.idle_s, elapsed_s=c.elapsed_s, stall_ms=tuple(c.stall_ms),
-                updates_applied=len(c.stall_ms), updates_rejected=c.updates_rejected,
+                updates_applied=c.updates_applied, stall_ms_total=c.stall_ms_total,
+                updates_rejected=c.updates_rejected,
                 reward_errors=c.reward_errors, send_wait_s=self._sender.wait_s,
                 in_flight_groups=len(self._pending))
 
@@ -289,6 +302,8 @@ class RolloutWorker:
             return
         with self._lock:
             self._c.stall_ms.append(applied.stall_s * 1e3)
+            self._c.stall_ms_total += applied.stall_s * 1e3
+            self._c.updates_applied += 1
         log.info("worker %d: weights v%d applied in %.1f ms, %d sequences in flight", self.worker_id,
                  applied.version, applied.stall_s * 1e3, applied.in_flight)
 
