@@ -33,7 +33,9 @@ process, and a stand-in trainer loop (take a batch at the current version,
 offer the next version's weights -- alternating between two read-only copies
 of the model's weights, as arrays fetched from Ray's object store are
 read-only -- open the admission budget, poll the worker's stats). No Ray, no
-DeepSpeed; the one process sampled is this one. Flags after ``--`` still
+DeepSpeed; the one process sampled is this one. ``--offer-threads N`` offers
+the updates from N threads in turn, as the calls of a threaded Ray actor land
+on the threads of its pool. Flags after ``--`` still
 configure the run (``--staleness``, ``--rollout.max_num_seqs``, ...).
 
 ``--actor-env KEY=VALUE`` adds environment variables to every actor process
@@ -192,7 +194,8 @@ def run_pipeline(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[Rs
     """Run ``cfg`` through the orchestrator on a private local Ray, sampling RSS."""
     import ray
 
-    from pipeline_rl.driver import ACTOR_ENV, resolve_model_dir
+    from pipeline_rl.actors.process import ACTOR_ENV
+    from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.orchestrator import Orchestrator
 
     env = {**ACTOR_ENV, "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gib), **actor_env}
@@ -238,8 +241,12 @@ def run_pipeline(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[Rs
 # --------------------------------------------------------------------------- in-process variant
 
 
-def run_in_process(cfg: Config, every: int) -> tuple[RssSampler, float]:
-    """One engine + worker + buffer in this process and a stand-in trainer loop."""
+def run_in_process(cfg: Config, every: int, offer_threads: int = 1) -> tuple[RssSampler, float]:
+    """One engine + worker + buffer in this process and a stand-in trainer loop.
+    ``offer_threads > 1`` offers each update from the next of that many threads in
+    turn (as a threaded Ray actor's pool does); 1 offers from this thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
 
     from pipeline_rl.actors.engine import engine_config
@@ -248,11 +255,13 @@ def run_in_process(cfg: Config, every: int) -> tuple[RssSampler, float]:
     from pipeline_rl.actors.weights import WeightUpdate, load_update
     from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.buffer.server import BufferServer
-    from pipeline_rl.driver import ACTOR_ENV, resolve_model_dir
+    from pipeline_rl.actors.process import ACTOR_ENV
+    from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.tasks import build_task
 
     for key, value in ACTOR_ENV.items():
         os.environ.setdefault(key, value)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
 
     torch.set_num_threads(1)
@@ -269,6 +278,7 @@ def run_in_process(cfg: Config, every: int) -> tuple[RssSampler, float]:
         for a in arrays:
             a.setflags(write=False)
         variants.append(arrays)
+    pools = [ThreadPoolExecutor(1, thread_name_prefix=f"offer-{i}") for i in range(offer_threads)]
     version = [0]
     sampler = RssSampler(lambda: version[0], lambda: {"in-process": os.getpid()}, every)
     loop = threading.Thread(target=worker.run, name="rollout", daemon=True)
@@ -282,7 +292,11 @@ def run_in_process(cfg: Config, every: int) -> tuple[RssSampler, float]:
                 raise RuntimeError(f"no batch within {cfg.trainer.batch_timeout_s} s at version {version[0]}")
             del groups
             nxt = version[0] + 1
-            worker.offer_weights(WeightUpdate(nxt, base.names, variants[nxt % 2]))
+            update = WeightUpdate(nxt, base.names, variants[nxt % 2])
+            if offer_threads > 1:
+                pools[nxt % offer_threads].submit(worker.offer_weights, update).result()
+            else:
+                worker.offer_weights(update)
             buffer.set_version(nxt)
             worker.stats()
             version[0] = nxt
@@ -293,6 +307,8 @@ def run_in_process(cfg: Config, every: int) -> tuple[RssSampler, float]:
         loop.join(30.0)
         worker.close()
         server.close()
+        for pool in pools:
+            pool.shutdown()
     return sampler, time.perf_counter() - t0
 
 
@@ -344,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--actor-env", action="append", default=[], metavar="KEY=VALUE",
                    help="Extra environment variable for every actor (repeatable).")
     p.add_argument("--in-process", action="store_true", help="One engine + worker + buffer here, no Ray.")
+    p.add_argument("--offer-threads", type=int, default=1,
+                   help="--in-process: offer updates from this many threads in turn (default 1).")
     p.add_argument("--json", type=Path, default=None, help="Write samples and fits as JSON here.")
     p.add_argument("--md", type=Path, default=None, help="Write the Markdown table here.")
     args = p.parse_args(argv)
@@ -362,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = "in-process" if args.in_process else "pipeline"
         if args.in_process:
             os.environ.update(actor_env)
-            sampler, wall_s = run_in_process(cfg, every)
+            sampler, wall_s = run_in_process(cfg, every, max(1, args.offer_threads))
         else:
             sampler, wall_s = run_pipeline(cfg, every, actor_env)
     fits = [fit_series(s, warmup, args.limit_kib) for s in sampler.series.values()]

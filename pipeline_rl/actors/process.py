@@ -23,10 +23,6 @@ ACTOR_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": "cpu",
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
     "RAY_DEDUP_LOGS": "0",
-    # Every weight update re-creates the oneDNN GEMM primitives of the CPU engine; oneDNN
-    # caches primitives (1,024 by default), which kept the worker growing for thousands of
-    # updates. A model has a few dozen GEMMs: 64 entries hold them all.
-    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64",
 }
 
 

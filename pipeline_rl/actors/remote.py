@@ -13,11 +13,11 @@ no side effect at module import).
 from __future__ import annotations
 
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipeline_rl.actors.process import setup_actor_process
 from pipeline_rl.config import Config
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 #: A Ray actor handle (Ray's own type says nothing about the methods it exposes).
 ActorHandle = Any
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- buffer
@@ -207,7 +208,10 @@ class TrainerActor:
         self._buffer = buffer
         self._trainer_or_none: Trainer | None = None
         self._publisher: WeightPublisher | None = None
-        self._lock = threading.Lock()
+        # All torch work of this rank runs on this one thread, in call order (Ray serves
+        # calls on a pool of threads; freeing tensors from several of them grows one
+        # malloc arena per thread, and steps, saves and loads must not overlap anyway).
+        self._torch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
 
     @property
     def _trainer(self) -> Trainer:
@@ -221,9 +225,15 @@ class TrainerActor:
 
         return str(ray.util.get_node_ip_address())
 
+    def _on_torch_thread(self, fn: Callable[[], T]) -> T:
+        return self._torch.submit(fn).result()
+
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the process group (rendezvous at rank 0) and build the DeepSpeed engine;
         returns the starting version."""
+        return self._on_torch_thread(lambda: self._setup(master_addr, master_port))
+
+    def _setup(self, master_addr: str, master_port: int) -> int:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                           RANK=str(self._rank), WORLD_SIZE=str(self._world_size), LOCAL_RANK="0")
         from pipeline_rl.actors.publish import WeightPublisher
@@ -249,7 +259,7 @@ class TrainerActor:
     def publish_current(self) -> None:
         """Publish the current weights (start-up, resume). Every rank calls it: under
         ZeRO-3 gathering the full parameters is a collective."""
-        self._publish()
+        self._on_torch_thread(self._publish)
 
     def _publish(self) -> None:
         if self._publisher is None and not self._trainer.weights_collective:
@@ -271,21 +281,23 @@ class TrainerActor:
             return None
         wait_s = time.perf_counter() - t0
         inject("trainer_step", self._trainer.version)
-        with self._lock:
-            result = self._trainer.step(groups)
-            self._publish()
-            # Open the admission budget for the next step now, not when the next batch is
-            # asked for (fire and forget; the buffer ignores an older version).
-            self._buffer.set_version.remote(self._trainer.version)
+        result = self._on_torch_thread(lambda: self._step(groups))
         return TrainerReport(result, wait_s, time.perf_counter() - t0)
 
+    def _step(self, groups: list[Group]) -> StepResult:
+        result = self._trainer.step(groups)
+        self._publish()
+        # Open the admission budget for the next step now, not when the next batch is
+        # asked for (fire and forget; the buffer ignores an older version).
+        self._buffer.set_version.remote(self._trainer.version)
+        return result
+
     def save_checkpoint(self, path: str, data_position: int) -> str:
-        with self._lock:
-            return str(self._trainer.save_checkpoint(path, data_position=data_position))
+        return self._on_torch_thread(
+            lambda: str(self._trainer.save_checkpoint(path, data_position=data_position)))
 
     def load_checkpoint(self, path: str) -> int:
-        with self._lock:
-            return int(self._trainer.load_checkpoint(path).version)
+        return self._on_torch_thread(lambda: int(self._trainer.load_checkpoint(path).version))
 
     def close(self) -> None:
         if self._publisher is not None:
