@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from collections.abc import Iterator
+
 import pytest
 
 # Tests run on 2-core machines: one thread per process (docs/design.md, platform notes).
@@ -25,3 +27,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("tiny_model")
     build_tiny_model(out, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A local Ray (2 CPUs) shared by one test module's pipeline runs; the orchestrator
+    joins it instead of starting its own."""
+    import ray
+
+    from pipeline_rl.driver import ACTOR_ENV
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
+             runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -26,18 +26,6 @@ pytestmark = pytest.mark.slow
 REQUIRED_KEYS = {"step", "version", "time_s", "reward_mean", "tokens_per_s", "lag_mean", "lag_max",
                  "evicted", "mismatch_kl", "masked_frac", "mixed_version_frac", "trainer_idle_frac",
                  "weight_update_stall_ms"}
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    from pipeline_rl.driver import ACTOR_ENV
-
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
-             runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _config(tiny_model_dir: str, out: Path, *extra: str) -> Config:

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -35,18 +35,6 @@ CASES = [
     ("trainer_step", "trainer failed: InjectedFault: injected fault at trainer_step"),
     ("buffer", "replay buffer failed: InjectedFault: injected fault at buffer"),
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    import ray
-
-    from pipeline_rl.driver import ACTOR_ENV
-
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
-             runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _run_with_fault(point: str, model_dir: str, out: Path, capsys: pytest.CaptureFixture[str],
