@@ -63,9 +63,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import config, hardware, run_pipeline, start_ray, stop_ray  # noqa: E402
+from benchmarks.common import config, hardware, run_pipeline, start_ray, stop_ray  # noqa: E402
 
 STALENESS = (0, 1, 2, 4, 8)
 CORRECTIONS = ("none", "tis", "icepop", "seq-mask-tis")

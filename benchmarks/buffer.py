@@ -22,6 +22,8 @@ import json
 import multiprocessing as mp
 import threading
 import time
+import sys
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.process import BaseProcess
@@ -29,9 +31,11 @@ from multiprocessing.synchronize import Barrier
 
 import zmq
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.synthetic import SyntheticGroups  # noqa: E402
 from pipeline_rl.buffer import BufferServer, GroupSender, ReplayBuffer
 from pipeline_rl.buffer.sender import DEFAULT_SNDHWM
-from pipeline_rl.buffer.synthetic import SyntheticGroups
 from pipeline_rl.wire import encode_group
 
 _BATCH = 32

@@ -44,7 +44,7 @@ def config(argv: list[str]) -> Config:
 def start_ray() -> None:
     import ray
 
-    from pipeline_rl.driver import ACTOR_ENV
+    from pipeline_rl.actors.process import ACTOR_ENV
 
     os.environ.update({k: v for k, v in ACTOR_ENV.items() if k not in os.environ})
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

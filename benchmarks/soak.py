@@ -71,12 +71,15 @@ _ACTOR_CLASSES = {"BufferActor": "buffer", "TrainerActor": "trainer", "RolloutAc
 
 @dataclass(slots=True)
 class Series:
-    """RSS samples of one process: ``(step, rss_bytes)`` per sample; ``segment``
-    restarts at 0 when the process was replaced (a new pid under the same name)."""
+    """RSS samples of one process: ``(step, rss_bytes)`` per sample, and the same
+    samples split by kind (``anon``: private heap; ``file``: mapped files;
+    ``shmem``: shared memory such as Ray's object store), from ``/proc/PID/status``.
+    ``segment_start`` moves when the process was replaced (a new pid, same name)."""
 
     name: str
     pid: int
     samples: list[tuple[int, int]] = field(default_factory=list)
+    parts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     restarts: int = 0
     segment_start: int = 0  # index in ``samples`` where the current pid's samples begin
 
@@ -93,6 +96,7 @@ class Fit:
     max_mib: float
     slope_kib_per_1k_steps: float | None
     second_half_slope_kib_per_1k_steps: float | None
+    part_slopes_kib_per_1k_steps: dict[str, float | None]
     restarts: int
     over_limit: bool
 
@@ -111,10 +115,12 @@ def fit_series(series: Series, warmup: int, limit_kib: float) -> Fit:
     half = [p for p in steady if p[0] >= (steady[0][0] + steady[-1][0]) / 2] if steady else []
     slope = slope_kib_per_1k(steady)
     rss = [r for _, r in series.samples] or [0]
+    parts = {kind: slope_kib_per_1k([p for p in pts[series.segment_start:] if p[0] >= warmup])
+             for kind, pts in series.parts.items()}
     return Fit(name=series.name, pid=series.pid, samples=len(series.samples),
                first_mib=rss[0] / 2**20, last_mib=rss[-1] / 2**20, max_mib=max(rss) / 2**20,
                slope_kib_per_1k_steps=slope, second_half_slope_kib_per_1k_steps=slope_kib_per_1k(half),
-               restarts=series.restarts, over_limit=slope is not None and slope > limit_kib)
+               part_slopes_kib_per_1k_steps=parts, restarts=series.restarts, over_limit=slope is not None and slope > limit_kib)
 
 
 class RssSampler:
@@ -153,7 +159,8 @@ class RssSampler:
         for name, pid in pids.items():
             try:
                 rss = int(psutil.Process(pid).memory_info().rss)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                parts = rss_parts(pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
                 continue
             s = self.series.get(name)
             if s is None:
@@ -161,6 +168,20 @@ class RssSampler:
             elif s.pid != pid:  # replaced (a restarted rollout worker): a new segment
                 s.pid, s.restarts, s.segment_start = pid, s.restarts + 1, len(s.samples)
             s.samples.append((step, rss))
+            for kind, value in parts.items():
+                s.parts.setdefault(kind, []).append((step, value))
+
+
+def rss_parts(pid: int) -> dict[str, int]:
+    """``anon``/``file``/``shmem`` resident bytes of ``pid`` (Linux ``/proc/PID/status``)."""
+    keys = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] in keys:
+                out[keys[fields[0]]] = int(fields[1]) * 1024
+    return out
 
 
 # --------------------------------------------------------------------------- the real pipeline
@@ -322,12 +343,15 @@ def markdown(fits: list[Fit], *, steps: int, warmup: int, limit_kib: float, wall
     lines = [f"Soak ({mode}): {steps:,} steps in {wall_s:,.0f} s; slopes fitted from step {warmup:,} "
              f"(limit {limit_kib:,.0f} KiB per 1,000 steps).", "",
              "| process | pid | samples | RSS first (MiB) | RSS last (MiB) | RSS max (MiB) "
-             "| slope (KiB/1k steps) | 2nd-half slope (KiB/1k steps) | restarts | over limit |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             "| slope (KiB/1k steps) | 2nd-half slope (KiB/1k steps) | anon / file / shmem slope "
+             "| restarts | over limit |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for f in fits:
         lines.append(f"| {f.name} | {f.pid} | {f.samples} | {f.first_mib:,.1f} | {f.last_mib:,.1f} | "
                      f"{f.max_mib:,.1f} | {num(f.slope_kib_per_1k_steps)} | "
-                     f"{num(f.second_half_slope_kib_per_1k_steps)} | {f.restarts} | "
+                     f"{num(f.second_half_slope_kib_per_1k_steps)} | "
+                     f"{' / '.join(num(f.part_slopes_kib_per_1k_steps.get(k)) for k in ('anon', 'file', 'shmem'))} | "
+                     f"{f.restarts} | "
                      f"{'yes' if f.over_limit else 'no'} |")
     return "\n".join(lines)
 
@@ -389,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.md is not None:
         args.md.write_text(table + "\n")
     if args.json is not None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from common import hardware
+        from benchmarks.common import hardware
 
         args.json.write_text(json.dumps({
             "mode": mode, "steps": args.steps, "sample_every": every, "warmup": warmup,
@@ -398,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             "actor_env": actor_env, "hardware": hardware(),
             "fits": [asdict(f) for f in fits],
             "samples": {s.name: s.samples for s in sampler.series.values()},
+            "sample_parts": {s.name: s.parts for s in sampler.series.values()},
         }, indent=1))
     return 0
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import RunSummary, config, hardware, run_pipeline, start_ray, stop_ray, summarize  # noqa: E402
+from benchmarks.common import RunSummary, config, hardware, run_pipeline, start_ray, stop_ray, summarize  # noqa: E402
 
 ASYNC_STALENESS = (1, 2, 4)
 

@@ -1,8 +1,9 @@
 """Trainer benchmark: step time, publish time per step, trainer idle fraction.
 
 The built-in model (``ModelConfig`` defaults: hidden 128, 2 layers, 4 heads) is trained by the
-real DeepSpeed trainer (ZeRO from ``--zero-stage``, one rank, gloo, CPU) in the real
-continuous loop (:class:`pipeline_rl.actors.trainer.TrainLoop`) fed by a producer thread that
+real DeepSpeed trainer (ZeRO from ``--zero-stage``, one rank, gloo, CPU) running the step the
+pipeline's trainer ranks run (:class:`pipeline_rl.actors.trainer.RankStep`: wait for the batch,
+step, publish, open the admission budget), back to back, fed by a producer thread that
 plays the rollout workers: it asks the real :class:`ReplayBuffer` for admission (global budget,
 staleness ``--staleness``), generates random well-formed groups (``rollout.n`` completions of up
 to ``rollout.max_new_tokens`` tokens) stamped with the version it knows, optionally at a capped
@@ -13,7 +14,7 @@ from the object store the way a rollout worker does (``[ObjectRef]`` -> ``resolv
 Figures (``--json PATH`` writes them; the three headline keys are always there):
 - ``step_time_s``: mean wall time of ``Trainer.step`` (batch of ``trainer.batch_size`` sequences);
 - ``publish_time_s``: mean time publishing costs the training thread per step (copying the
-  weights out + handing them to the publisher); ``publish_frac`` = that / step time (target <= 0.2);
+  weights out + handing them to the publisher); ``publish_frac`` = that / step time;
 - ``trainer_idle_frac``: time waiting for a batch / loop wall time;
 - the first ``warmup_steps`` steps (JIT compilation of the loss kernel, allocator warm-up) are
   left out of every figure and reported as ``first_step_s``;
@@ -53,7 +54,6 @@ class BenchResult:
     step_time_p90_s: float
     publish_time_s: float
     publish_frac: float
-    gather_s: float
     trainer_idle_frac: float
     tokens_per_s: float
     sequences_per_step: int
@@ -99,7 +99,7 @@ class Producer(threading.Thread):
         self.produced = 0
 
     def run(self) -> None:
-        from pipeline_rl.actors.batch import synthetic_groups
+        from benchmarks.synthetic import synthetic_groups
 
         t0 = time.perf_counter()
         while not self.stop_event.is_set():
@@ -124,7 +124,7 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
     import torch
 
     from pipeline_rl.actors.publish import WeightPublisher
-    from pipeline_rl.actors.trainer import LoopRecord, Trainer, TrainLoop
+    from pipeline_rl.actors.trainer import RankStep, RankStepReport, Trainer
     from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.models.builtin import build_tiny_model
 
@@ -150,20 +150,22 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
         publisher = WeightPublisher(receivers)
         buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step)
         producer = Producer(buffer, cfg, gen_groups_per_s)
-        loop = TrainLoop(trainer, buffer, publisher=publisher, batch_timeout_s=60)
+        rank_step = RankStep(trainer, buffer, publisher)
         published_at: dict[int, float] = {}
-        start = [0.0]
-
-        def on_step(rec: LoopRecord) -> None:
-            published_at[rec.step.version] = time.time()
-            if rec.step.version == warmup_steps:       # the clock starts after the warm-up
-                start[0] = time.perf_counter()
-            elif rec.step.version > warmup_steps and time.perf_counter() - start[0] >= duration_s:
-                loop.stop()
-
+        records: list[RankStepReport] = []
+        start = 0.0
         torch.manual_seed(0)
         producer.start()
-        summary = loop.run(max_steps=10**9, on_step=on_step)
+        while True:
+            rec = rank_step(60.0)
+            if rec is None:
+                raise RuntimeError("trainer benchmark: no batch within 60 s")
+            records.append(rec)
+            published_at[rec.result.version] = time.time()
+            if rec.result.version == warmup_steps:        # the clock starts after the warm-up
+                start = time.perf_counter()
+            elif rec.result.version > warmup_steps and time.perf_counter() - start >= duration_s:
+                break
         publisher.flush(30)
         pstats = publisher.stats()
         producer.stop_event.set()
@@ -177,24 +179,24 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
         if workers:
             ray.shutdown()
         trainer.close()
-    recs = summary.records[warmup_steps:]
+    recs = records[warmup_steps:]
     wall = sum(r.wall_s for r in recs)
-    steps = [r.step.step_time_s for r in recs]
-    publish = [r.gather_s + r.publish_block_s for r in recs]
-    tokens = sum(r.step.num_tokens for r in recs)
+    steps = [r.result.step_time_s for r in recs]
+    publish = [r.publish_s for r in recs]
+    tokens = sum(r.result.num_tokens for r in recs)
     bstats = buffer.stats()
     step_mean = float(np.mean(steps))
     return BenchResult(
-        steps=len(recs), duration_s=wall, step_time_s=step_mean, first_step_s=summary.records[0].step.step_time_s,
+        steps=len(recs), duration_s=wall, step_time_s=step_mean, first_step_s=records[0].result.step_time_s,
         step_time_p90_s=float(np.percentile(steps, 90)), publish_time_s=float(np.mean(publish)),
-        publish_frac=float(np.mean(publish)) / step_mean, gather_s=float(np.mean([r.gather_s for r in recs])),
+        publish_frac=float(np.mean(publish)) / step_mean,
         trainer_idle_frac=sum(r.wait_s for r in recs) / wall, tokens_per_s=tokens / wall,
         sequences_per_step=cfg.trainer.batch_size, params=params,
         update_bytes=pstats.bytes_published // max(pstats.published, 1), workers=workers,
         put_s=pstats.put_s / max(pstats.published, 1), offer_s=pstats.offer_s / max(pstats.published, 1),
         delivery_s=float(np.mean(delivery)) if delivery else 0.0, superseded=pstats.superseded,
         groups_produced=producer.produced, evicted=sum(bstats.evicted.values()),
-        lag_mean=float(np.mean([r.step.lag.mean for r in recs])))
+        lag_mean=float(np.mean([r.result.lag.mean for r in recs])))
 
 
 def main(argv: list[str] | None = None) -> BenchResult:
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
     print(f"trainer: {res.steps} steps in {res.duration_s:.1f} s, {res.params / 1e6:.2f} M params, "
           f"{res.sequences_per_step} seqs/step | step {res.step_time_s * 1e3:.1f} ms (p90 "
           f"{res.step_time_p90_s * 1e3:.1f}) | publish on training thread {res.publish_time_s * 1e3:.2f} ms "
-          f"= {res.publish_frac:.1%} of a step (gather {res.gather_s * 1e3:.2f} ms) | background put "
+          f"= {res.publish_frac:.1%} of a step | background put "
           f"{res.put_s * 1e3:.2f} ms, offer {res.offer_s * 1e3:.2f} ms, delivery {res.delivery_s * 1e3:.1f} ms "
           f"to {res.workers} worker(s), {res.update_bytes / 2**20:.2f} MiB/update, {res.superseded} superseded | "
           f"idle {res.trainer_idle_frac:.1%} | {res.tokens_per_s:.0f} tokens/s | lag {res.lag_mean:.2f}")

@@ -31,10 +31,9 @@ import threading
 from types import FrameType
 from typing import Any
 
-from pipeline_rl.actors.process import ACTOR_ENV
 from pipeline_rl.config import Config
 
-__all__ = ["ACTOR_ENV", "check_task", "resolve_model_dir", "run"]
+__all__ = ["check_task", "resolve_model_dir", "run"]
 
 log = logging.getLogger("pipeline_rl.driver")
 

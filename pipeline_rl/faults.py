@@ -6,7 +6,7 @@ the first time it is reached at a policy version >= ``VERSION``. Points:
 
 - ``weight_update``: a rollout worker taking new weights (``RolloutWorker.offer_weights``);
 - ``engine_step``: a rollout worker's engine step (``RolloutWorker._step``);
-- ``trainer_step``: a trainer rank's step (``TrainerActor.train_step``);
+- ``trainer_step``: a trainer rank's step (``RankStep``, run by ``TrainerActor.train_step``);
 - ``buffer``: the replay buffer handing out a batch (``BufferActor.get_batch``);
 - ``engine_hang``: a rollout worker stops stepping its engine without an error
   (a hung engine), until it is told to stop: the progress watchdog's case.

@@ -36,16 +36,23 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pipeline_rl.actors.remote import ActorHandle
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV
 from pipeline_rl.metrics import MetricsLogger, StepMetrics, read_history, summary_table
 from pipeline_rl.net import free_port
 from pipeline_rl.supervision import Watchdog, cause_of, describe_failure, first_line
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from pipeline_rl.actors.trainer import RankStepReport
 
 log = logging.getLogger("pipeline_rl.orchestrator")
 
@@ -71,8 +78,8 @@ class OrchestratorError(RuntimeError):
 class _WorkerState:
     """What the driver tracks per rollout worker between stats polls."""
 
-    handle: Any
-    run_ref: Any = None
+    handle: ActorHandle
+    run_ref: "ObjectRef[None] | None" = None
     tokens: int = 0
     idle_s: float = 0.0
     stalls_seen: int = 0
@@ -110,11 +117,11 @@ class Orchestrator:
         self._started_ray = False
         self._abandoned_step = False  # a stop left a train step unfinished: no final checkpoint
         self._ray_session_dir: str | None = None
-        self._buffer: Any = None
-        self._trainers: list[Any] = []
+        self._buffer: ActorHandle = None
+        self._trainers: list[ActorHandle] = []
         self._workers: list[_WorkerState] = []
         self._logger: MetricsLogger | None = None
-        self._buffer_watch: Any = None
+        self._buffer_watch: "ObjectRef[str | None] | None" = None
         self._watchdog = Watchdog(cfg.watchdog_s)
         self._last_checkpoint_t = time.monotonic()
         self.version = 0
@@ -229,7 +236,7 @@ class Orchestrator:
                         need, have)
         return max(need, have)
 
-    def _wait(self, refs: list[Any], what: str, role: str) -> list[Any]:
+    def _wait(self, refs: "list[ObjectRef[Any]]", what: str, role: str) -> list[Any]:
         """``ray.get(refs)`` during start-up, saying every ``_STARTUP_SAY_EVERY_S`` what it
         waits for; a failure or ``_STARTUP_TIMEOUT_S`` ends the run with one line."""
         import ray
@@ -262,7 +269,7 @@ class Orchestrator:
         except CheckpointError as e:
             raise OrchestratorError(f"--resume: {e}") from None
 
-    def _start_trainers(self, trainer_cls: Any, multi_node: bool) -> None:
+    def _start_trainers(self, trainer_cls: ActorHandle, multi_node: bool) -> None:
         import ray
 
         n = self.cfg.trainer.num_ranks
@@ -334,7 +341,7 @@ class Orchestrator:
         return bool((every and self.version % every == 0)
                     or (every_s and time.monotonic() - self._last_checkpoint_t >= every_s))
 
-    def _one_step(self) -> list[Any] | None:
+    def _one_step(self) -> "list[RankStepReport] | None":
         import ray
 
         refs = [t.train_step.remote(self.cfg.trainer.batch_timeout_s) for t in self._trainers]
@@ -357,12 +364,16 @@ class Orchestrator:
             reports = ray.get(refs)
         except ray.exceptions.RayError as e:
             raise self._failure(e) from None
-        if any(r is None for r in reports):
+        done = [r for r in reports if r is not None]
+        if len(done) < len(reports):
             raise OrchestratorError(self._with_checkpoint(
                 f"no batch within --trainer.batch_timeout_s={self.cfg.trainer.batch_timeout_s} "
                 f"at version {self.version}"))
-        self.version += 1
-        return reports
+        versions = {r.result.version for r in done}
+        if len(versions) != 1:   # ranks step together through their collectives
+            raise OrchestratorError(f"trainer ranks disagree on the version after a step: {sorted(versions)}")
+        self.version = versions.pop()   # the trainer owns the version; the driver follows it
+        return done
 
     def _failure(self, e: BaseException) -> OrchestratorError:
         """The one-line error for a failed trainer call: a dead buffer is named as such
@@ -522,7 +533,7 @@ class Orchestrator:
             w.tokens, w.idle_s, w.stalls_seen = st.tokens_generated, st.idle_s, st.updates_applied
         return delta
 
-    def _log_step(self, reports: list[Any], clock: _Clock) -> None:
+    def _log_step(self, reports: "list[RankStepReport]", clock: _Clock) -> None:
         import ray
 
         now = time.perf_counter()
@@ -565,7 +576,7 @@ class Orchestrator:
 
         path = self.out / "checkpoints" / checkpoint_name(self.version)
         try:
-            ray.get([t.save_checkpoint.remote(str(path), self.version) for t in self._trainers])
+            ray.get([t.save_checkpoint.remote(str(path)) for t in self._trainers])
         except ray.exceptions.RayError as e:
             raise self._failure(e) from None
         self._last_checkpoint_t = time.monotonic()
@@ -574,7 +585,7 @@ class Orchestrator:
         return path
 
 
-def _quiet(fn: Any) -> None:
+def _quiet(fn: Callable[[], object]) -> None:
     """Best-effort shutdown step: log, never raise."""
     try:
         fn()

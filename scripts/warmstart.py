@@ -5,7 +5,7 @@
 
 The model folder is what ``launch/async_grpo.py`` uses when no ``--model`` is given
 (``pipeline_rl.models.default_model_dir``). ``--rl-check`` runs the pure-torch GRPO
-probe (``pipeline_rl.models.rl_probe``): the pipeline's objective in one process,
+probe (``benchmarks/rl_probe.py``): the pipeline's objective in one process,
 to show the reward curve the full system should reproduce.
 """
 
@@ -18,7 +18,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline_rl.config import ModelConfig, TaskConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline_rl.config import ModelConfig, TaskConfig  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline_rl.config import TrainerConfig
     from pipeline_rl.models import default_model_dir, recipe_for
     from pipeline_rl.models.default import INFO_FILE
-    from pipeline_rl.models.rl_probe import RLProbeConfig, grpo_probe
+    from benchmarks.rl_probe import RLProbeConfig, grpo_probe
     from pipeline_rl.tasks import build_task
 
     torch.set_num_threads(1)

@@ -35,7 +35,7 @@ def ray_local() -> Iterator[None]:
     joins it instead of starting its own."""
     import ray
 
-    from pipeline_rl.driver import ACTOR_ENV
+    from pipeline_rl.actors.process import ACTOR_ENV
 
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
              runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)

@@ -400,7 +400,7 @@ def test_in_flight_updates_keep_policy(arch: str, model_dir: Path, slot: EngineS
 def checkpoint(arch: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint of the real DeepSpeed trainer (ZeRO-0, fp32) after two steps on
     synthetic groups, from the tiny run's configuration."""
-    from pipeline_rl.actors.batch import synthetic_groups
+    from benchmarks.synthetic import synthetic_groups
     from pipeline_rl.actors.trainer import Trainer
 
     root = tmp_path_factory.mktemp(f"ckpt_{arch}")
@@ -412,7 +412,7 @@ def checkpoint(arch: str, model_dir: Path, tmp_path_factory: pytest.TempPathFact
             groups = synthetic_groups(cfg.trainer.batch_size // cfg.rollout.n, cfg.rollout.n,
                                       vocab_size=min(vocab, 300), first_token=3, seed=i)
             assert trainer.step(groups).version == i + 1
-        return trainer.save_checkpoint(root / "step_000002", data_position=2)
+        return trainer.save_checkpoint(root / "step_000002")
     finally:
         trainer.close()
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_rl.actors.batch import synthetic_groups
+from benchmarks.synthetic import synthetic_groups
 from pipeline_rl.actors.checkpoint import CheckpointError, RunState, latest_checkpoint, read_run_state
 from pipeline_rl.config import Config
 
@@ -38,7 +38,7 @@ def saved(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict
     trainer.step(b[0])
     trainer.step(b[1])
     rng_at_save = torch.get_rng_state().clone()
-    path = trainer.save_checkpoint(root / "step_000002", data_position=8)
+    path = trainer.save_checkpoint(root / "step_000002")
     torch.manual_seed(1234)  # the resumed run must restore the saved RNG, not inherit this one
     r3 = trainer.step(b[2])
     u = trainer.weights()

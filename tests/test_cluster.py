@@ -39,7 +39,7 @@ def two_nodes() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from pipeline_rl.driver import ACTOR_ENV
+    from pipeline_rl.actors.process import ACTOR_ENV
 
     scratch = tempfile.mkdtemp(prefix="prl-", dir="/tmp")  # short: Unix socket paths
     old = os.environ.get("RAY_TMPDIR")

@@ -96,7 +96,7 @@ def test_default_recipe_aims_at_the_target_reward() -> None:
 
 
 def test_grpo_probe_runs(warm_dir: Path) -> None:
-    from pipeline_rl.models.rl_probe import RLProbeConfig, grpo_probe
+    from benchmarks.rl_probe import RLProbeConfig, grpo_probe
 
     task = build_task(TaskConfig(name="sort", digits=3))
     res = grpo_probe(warm_dir, task, RLProbeConfig(steps=3, groups=2, n=4, lag=1, probe_every=3))

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_rl.actors.batch import build_micro_batches, lag_stats, synthetic_groups
+from benchmarks.synthetic import synthetic_groups
+from pipeline_rl.actors.batch import build_micro_batches, lag_stats
 from pipeline_rl.config import Config
 
 
@@ -178,7 +179,7 @@ def _rank_main(rank: int, world: int, port: int, stage: int, model_dir: str, out
 
     trainer = Trainer(_dp_cfg(stage, world), model_dir, rank=rank, world_size=world, master_port=port)
     result = _three_steps(trainer, rank, world)
-    trainer.save_checkpoint(Path(out).with_suffix(".ckpt"), data_position=12)   # a collective
+    trainer.save_checkpoint(Path(out).with_suffix(".ckpt"))   # a collective
     if rank == 0:
         np.savez(out, **result)  # type: ignore[arg-type]
 
@@ -234,14 +235,15 @@ def _initial(model_dir: str) -> tuple[list[str], list[np.ndarray]]:
 
 # ------------------------------------------------------------------------------ the loop
 
-def test_train_loop_consumes_from_replay_buffer(trainer_factory: Any, tmp_path: Path) -> None:
-    """A producer thread feeds a real ReplayBuffer; the loop trains, waits (idle is measured),
-    publishes every version in order, sets the buffer's version, and checkpoints at the end."""
+def test_rank_step_consumes_from_replay_buffer(trainer_factory: Any) -> None:
+    """The pipeline's per-rank step (the same code the trainer actors run) against a real
+    ReplayBuffer fed by a slow producer: it waits (idle is measured), trains, publishes
+    every version in order and opens the buffer's admission for the next version."""
     import threading
     import time
 
     from pipeline_rl.actors.publish import WeightPublisher
-    from pipeline_rl.actors.trainer import TrainLoop
+    from pipeline_rl.actors.trainer import RankStep
     from pipeline_rl.buffer.replay import ReplayBuffer
 
     cfg = make_cfg(micro_batch_size=8)
@@ -267,18 +269,19 @@ def test_train_loop_consumes_from_replay_buffer(trainer_factory: Any, tmp_path: 
     th = threading.Thread(target=produce, daemon=True)
     th.start()
     pub = WeightPublisher([Sink()], background=False)
-    loop = TrainLoop(trainer, buf, publisher=pub, checkpoint_root=tmp_path, batch_timeout_s=30)
-    summary = loop.run(max_steps=3)
+    step = RankStep(trainer, buf, pub)
+    reports = [step(30.0) for _ in range(3)]
     pub.close()
     stop.set()
     buf.close()
     th.join(5)
-    assert summary.steps == 3 and summary.final_version == 3 and buf.version == 3
-    assert summary.wait_s > 0 and 0 < summary.idle_frac < 1
+    assert all(r is not None for r in reports)
+    done = [r for r in reports if r is not None]
+    assert [r.result.version for r in done] == [1, 2, 3] and buf.version == 3
+    assert sum(r.wait_s for r in done) > 0 and all(r.wait_s < r.wall_s for r in done)
     assert seen == [1, 2, 3]
-    assert summary.data_position == 12
-    assert summary.last_checkpoint is not None and Path(summary.last_checkpoint).name == "step_000003"
-    assert max(r.step.lag.max for r in summary.records) <= 1
+    assert max(r.result.lag.max for r in done) <= 1
+    assert step(0.2) is None                              # the buffer is closed: no batch, no step
 
 
 def test_ppo_epochs_and_kl_penalty(trainer_factory: Any) -> None:

@@ -49,7 +49,7 @@ def scenario(model_dir: str, ckpt_root: str, dtype: str, stage: int, device: str
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.actors.batch import synthetic_groups
+    from benchmarks.synthetic import synthetic_groups
     from pipeline_rl.actors.trainer import Trainer
 
     cfg = make_cfg(dtype, stage, device, kl_coef)
@@ -91,7 +91,7 @@ def scenario(model_dir: str, ckpt_root: str, dtype: str, stage: int, device: str
     flat = np.concatenate(diffs)
     out["logp_diff_max"], out["logp_diff_mean"] = float(flat.max()), float(flat.mean())
 
-    path = t.save_checkpoint(Path(ckpt_root) / "step", data_position=16)
+    path = t.save_checkpoint(Path(ckpt_root) / "step")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     out["hf_diff"] = _max_diff({n: p.detach().numpy() for n, p in hf.named_parameters()}, w)
     r_next = t.step(nxt)

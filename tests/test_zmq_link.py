@@ -24,7 +24,7 @@ from pipeline_rl.buffer import (
     GroupSender,
     ReplayBuffer,
 )
-from pipeline_rl.buffer.synthetic import SyntheticGroups
+from benchmarks.synthetic import SyntheticGroups
 from pipeline_rl.wire import WireLimits, encode_group
 
 SMALL = WireLimits(max_message_bytes=64 * 1024)

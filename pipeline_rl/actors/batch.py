@@ -151,38 +151,3 @@ def lag_stats(groups: Sequence[Group], trainer_version: int) -> LagStats:
     hist = np.bincount(np.asarray(lags, dtype=np.int64))
     return LagStats(mean=float(np.mean(lags)), max=int(max(lags)),
                     hist=tuple(int(x) for x in hist), mixed_version_frac=mixed / len(lags))
-
-
-def synthetic_groups(num_groups: int, n: int, *, prompt_len: int = 8, max_completion_len: int = 16,
-                     vocab_size: int = 128, first_token: int = 3, version: int = 0,
-                     version_spread: int = 0, seed: int = 0, first_group_id: int = 0) -> list[Group]:
-    """Random but well-formed groups (for tests, benchmarks and dry runs without a generator).
-
-    Token ids are drawn from ``[first_token, vocab_size)`` (the built-in tokenizer's specials are
-    below 3), completion lengths from ``[1, max_completion_len]``, behaviour log-probs from
-    ``-U(0.1, 5)``, rewards are 0/1 (each group has at least one of each, so GRPO advantages are
-    non-zero). Token versions lie in ``[version - version_spread, version]`` and are
-    non-decreasing; some completions span two versions when ``version_spread > 0``.
-    """
-    from pipeline_rl.samples import Completion
-
-    rng = np.random.default_rng(seed)
-    groups = []
-    for gi in range(num_groups):
-        prompt = rng.integers(first_token, vocab_size, prompt_len, dtype=np.int32)
-        rewards = rng.permutation([1.0] + [0.0] + list(rng.integers(0, 2, n - 2).astype(float)))
-        comps = []
-        for ci in range(n):
-            t = int(rng.integers(1, max_completion_len + 1))
-            start = version - int(rng.integers(0, version_spread + 1))
-            versions = np.full(t, start, dtype=np.int32)
-            if version_spread and t > 1 and start < version:
-                versions[int(rng.integers(1, t)):] = start + 1
-            comps.append(Completion(
-                token_ids=rng.integers(first_token, vocab_size, t, dtype=np.int32),
-                logprobs=-rng.uniform(0.1, 5.0, t).astype(np.float32),
-                versions=versions, reward=float(rewards[ci]),
-                finish_reason="length" if t == max_completion_len else "stop"))
-        groups.append(Group(group_id=first_group_id + gi, prompt_id=first_group_id + gi, worker_id=0,
-                            prompt_ids=prompt, completions=tuple(comps)))
-    return groups

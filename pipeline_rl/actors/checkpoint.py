@@ -50,9 +50,9 @@ class CheckpointError(RuntimeError):
 class RunState:
     """What a run needs besides weights and optimizer to continue where it stopped.
 
-    ``version``: optimizer steps taken (the policy version of the saved weights);
-    ``data_position``: an opaque counter owned by the caller (e.g. groups consumed), returned
-    unchanged on resume; ``world_size`` / ``zero_stage``: the layout the optimizer state was
+    ``version``: batches trained (the policy version of the saved weights; one per batch
+    however many PPO epochs it had); ``data_position``: groups trained,
+    ``version * groups_per_step`` over all ranks; ``world_size`` / ``zero_stage``: the layout the optimizer state was
     partitioned for (a resume must use the same).
     """
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,10 +25,9 @@ from pipeline_rl.faults import FAULT_ENV, inject
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from pipeline_rl.actors.trainer import Trainer
     from pipeline_rl.actors.publish import WeightPublisher
     from pipeline_rl.actors.rollout_worker import WorkerStats
-    from pipeline_rl.actors.trainer import StepResult
+    from pipeline_rl.actors.trainer import RankStep, RankStepReport, Trainer
     from pipeline_rl.buffer.types import Admission, BufferStats
     from pipeline_rl.samples import Group
 
@@ -184,15 +182,22 @@ class RolloutActor:
 # --------------------------------------------------------------------------- trainer
 
 
-@dataclass(frozen=True, slots=True)
-class TrainerReport:
-    """What one trainer rank did in one step: the trainer's result, how long it waited
-    for the batch (``wait_s``, the trainer's idle time) and the step's wall time
-    including that wait (``wall_s``)."""
+class _BufferSource:
+    """The buffer's Ray actor seen as a :class:`~pipeline_rl.actors.trainer.BatchSource`."""
 
-    result: StepResult
-    wait_s: float
-    wall_s: float
+    def __init__(self, buffer: ActorHandle) -> None:
+        self._buffer = buffer
+
+    def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float | None = None, *,
+                  rank: int = 0) -> list[Group] | None:
+        import ray
+
+        groups: list[Group] | None = ray.get(self._buffer.get_batch.remote(
+            num_groups, trainer_version, timeout_s, rank))
+        return groups
+
+    def set_version(self, version: int) -> None:
+        self._buffer.set_version.remote(version)   # fire and forget: the buffer ignores an older one
 
 
 class TrainerActor:
@@ -208,6 +213,7 @@ class TrainerActor:
         self._buffer = buffer
         self._trainer_or_none: Trainer | None = None
         self._publisher: WeightPublisher | None = None
+        self._rank_step: RankStep | None = None
         # All torch work of this rank runs on this one thread, in call order (Ray serves
         # calls on a pool of threads; freeing tensors from several of them grows one
         # malloc arena per thread, and steps, saves and loads must not overlap anyway).
@@ -237,12 +243,13 @@ class TrainerActor:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                           RANK=str(self._rank), WORLD_SIZE=str(self._world_size), LOCAL_RANK="0")
         from pipeline_rl.actors.publish import WeightPublisher
-        from pipeline_rl.actors.trainer import Trainer
+        from pipeline_rl.actors.trainer import RankStep, Trainer
 
         self._trainer_or_none = Trainer(self._cfg, self._model_dir, rank=self._rank,
                                 world_size=self._world_size, master_addr=master_addr,
                                 master_port=master_port)
         self._publisher = WeightPublisher() if self._rank == 0 else None
+        self._rank_step = RankStep(self._trainer, _BufferSource(self._buffer), self._publisher)
         return int(self._trainer.version)
 
     def set_workers(self, workers: list[ActorHandle]) -> None:
@@ -259,42 +266,21 @@ class TrainerActor:
     def publish_current(self) -> None:
         """Publish the current weights (start-up, resume). Every rank calls it: under
         ZeRO-3 gathering the full parameters is a collective."""
-        self._on_torch_thread(self._publish)
+        self._on_torch_thread(lambda: self._step.publish())
 
-    def _publish(self) -> None:
-        if self._publisher is None and not self._trainer.weights_collective:
-            return
-        update = self._trainer.weights()
-        if self._publisher is not None:
-            self._publisher.publish(update)
+    @property
+    def _step(self) -> RankStep:
+        if self._rank_step is None:
+            raise RuntimeError("TrainerActor: setup() was not called")
+        return self._rank_step
 
-    def train_step(self, timeout_s: float) -> TrainerReport | None:
-        """Take this rank's share of the next batch (blocking up to ``timeout_s``), step,
-        publish. Returns None when no batch came in time."""
-        import ray
+    def train_step(self, timeout_s: float) -> RankStepReport | None:
+        """This rank's pipeline step (:class:`RankStep`: wait for the batch share, step,
+        publish, open the admission budget); None when no batch came within ``timeout_s``."""
+        return self._on_torch_thread(lambda: self._step(timeout_s))
 
-        t0 = time.perf_counter()
-        share = self._cfg.groups_per_step // self._cfg.trainer.num_ranks
-        groups = ray.get(self._buffer.get_batch.remote(share, self._trainer.version, timeout_s,
-                                                       self._rank))
-        if groups is None:
-            return None
-        wait_s = time.perf_counter() - t0
-        inject("trainer_step", self._trainer.version)
-        result = self._on_torch_thread(lambda: self._step(groups))
-        return TrainerReport(result, wait_s, time.perf_counter() - t0)
-
-    def _step(self, groups: list[Group]) -> StepResult:
-        result = self._trainer.step(groups)
-        self._publish()
-        # Open the admission budget for the next step now, not when the next batch is
-        # asked for (fire and forget; the buffer ignores an older version).
-        self._buffer.set_version.remote(self._trainer.version)
-        return result
-
-    def save_checkpoint(self, path: str, data_position: int) -> str:
-        return self._on_torch_thread(
-            lambda: str(self._trainer.save_checkpoint(path, data_position=data_position)))
+    def save_checkpoint(self, path: str) -> str:
+        return self._on_torch_thread(lambda: str(self._trainer.save_checkpoint(path)))
 
     def load_checkpoint(self, path: str) -> int:
         return self._on_torch_thread(lambda: int(self._trainer.load_checkpoint(path).version))

@@ -53,6 +53,7 @@ from pipeline_rl.actors.engine import (
     SamplingConfig,
     engine_config,
 )
+from pipeline_rl.actors.process import HeapTrimmer
 from pipeline_rl.actors.weights import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
@@ -116,7 +117,8 @@ class WorkerStats:
     ``stall_ms_total`` sums the stalls of all of them; ``idle_s``: time the engine
     had nothing to run; ``step_s``: time inside engine steps; ``send_wait_s``: time
     sends were blocked by a full buffer (in the reward/send threads, not the
-    engine's)."""
+    engine's); ``heap_trim_s``: time spent handing free heap pages back to the OS
+    (``HeapTrimmer``, on the engine's thread between steps)."""
 
     worker_id: int
     version: int
@@ -134,6 +136,7 @@ class WorkerStats:
     send_wait_s: float
     in_flight_groups: int
     stall_ms_total: float = 0.0
+    heap_trim_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -201,6 +204,7 @@ class RolloutWorker:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._c = _Counters()
+        self._heap = HeapTrimmer()   # free C-heap pages back to the OS every few seconds
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:
@@ -244,7 +248,7 @@ class RolloutWorker:
                 updates_applied=c.updates_applied, stall_ms_total=c.stall_ms_total,
                 updates_rejected=c.updates_rejected,
                 reward_errors=c.reward_errors, send_wait_s=self._sender.wait_s,
-                in_flight_groups=len(self._pending))
+                in_flight_groups=len(self._pending), heap_trim_s=self._heap.trim_s)
 
     # -- the loop (one thread) -----------------------------------------------------------
     def run(self, max_groups: int | None = None) -> WorkerStats:
@@ -256,6 +260,7 @@ class RolloutWorker:
             while not self._stop.is_set():
                 self._raise_background_error()
                 self._apply_offered()
+                self._heap.maybe_trim()
                 self._admit(max_groups)
                 if self._engine.num_unfinished():
                     self._step()

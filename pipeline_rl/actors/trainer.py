@@ -22,9 +22,10 @@ Invariants:
   i.e. optimizer steps, the batch gets): the unit of ``max_steps``, checkpoint names, lag,
   staleness eviction and the admission budget.
 
-:class:`TrainLoop` is the continuous consumer: it takes the next batch as soon as the buffer can
-give one (never a whole generation round), records the wait (trainer idle time), steps,
-publishes the weights (``pipeline_rl.actors.publish``) and checkpoints every N steps.
+:class:`RankStep` is what a rank does per pipeline step, wherever it runs: take the next batch
+as soon as the buffer can give one (never a whole generation round), recording the wait
+(trainer idle time), step, publish the weights (``pipeline_rl.actors.publish``), open the
+buffer's admission budget for the next version.
 
 CPU specifics (docs/design.md, platform notes): gloo, torch's AdamW (``torch_adam``: no JIT-compiled C++ op), the
 shared-memory comm op skipped, ``TORCH_EXTENSIONS_DIR`` under the project, one thread.
@@ -409,10 +410,11 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str | Path, *, data_position: int = 0) -> Path:
+    def save_checkpoint(self, path: str | Path) -> Path:
         """Write a complete checkpoint to ``path`` (see ``pipeline_rl.actors.checkpoint``); a
-        collective. ``data_position`` is stored and returned by :meth:`load_checkpoint`.
-        Multi-rank runs need ``path`` on a filesystem every rank sees."""
+        collective. Its run state holds the version and the groups trained so far
+        (``version * groups_per_step``). Multi-rank runs need ``path`` on a filesystem every
+        rank sees."""
         import torch.distributed as dist
 
         final = Path(path)
@@ -428,7 +430,8 @@ class Trainer:
         save_rng(part, self.rank)
         dist.barrier()
         if self.rank == 0:
-            write_run_state(part, RunState(version=self._version, data_position=data_position,
+            write_run_state(part, RunState(version=self._version,
+                                           data_position=self._version * self.cfg.groups_per_step,
                                            world_size=self.world_size, zero_stage=self.zero_stage))
             publish_dir(part, final)
         dist.barrier()
@@ -442,7 +445,7 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> RunState:
         """Restore weights, optimizer, scheduler, version and RNG from a checkpoint; returns its
-        run state (``data_position`` as saved). Call it before the first step (ZeRO-3 needs an
+        run state. Call it before the first step (ZeRO-3 needs an
         untouched engine). Raises :class:`CheckpointError` with a one-line reason."""
         d = Path(path)
         state = read_run_state(d)
@@ -480,7 +483,8 @@ def _logp_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature
 # ------------------------------------------------------------------------------------------------
 
 class BatchSource(Protocol):
-    """Where batches come from: the ReplayBuffer itself, or an adapter over its Ray actor."""
+    """Where a rank's batches come from: the :class:`ReplayBuffer` itself (tests,
+    benchmarks) or an adapter over the buffer's Ray actor (the pipeline)."""
 
     def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float | None = None, *,
                   rank: int = 0) -> list[Group] | None: ...
@@ -489,145 +493,60 @@ class BatchSource(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class LoopRecord:
-    """One step of :class:`TrainLoop`: the step itself plus the time around it.
+class RankStepReport:
+    """What one rank did in one pipeline step.
 
-    ``wait_s``: blocked waiting for the batch (trainer idle); ``gather_s``: copying the weights
-    out for publishing (on the critical path); ``publish_block_s``: handing them to the publisher;
-    ``checkpoint``: folder written after this step, if any; ``wall_s``: the whole iteration
-    (wait included), so ``sum(wait_s) / sum(wall_s)`` is the idle fraction of any window.
+    ``wait_s``: blocked waiting for the batch (the trainer's idle time); ``publish_s``:
+    copying the weights out and handing them to the publisher (on the training thread);
+    ``wall_s``: the whole step, wait included, so ``sum(wait_s) / sum(wall_s)`` is the
+    idle fraction of any window.
     """
 
-    step: StepResult
+    result: StepResult
     wait_s: float
-    gather_s: float
-    publish_block_s: float
-    checkpoint_s: float
-    checkpoint: str | None
-    wall_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class LoopSummary:
-    """Totals of one :meth:`TrainLoop.run`. ``idle_frac = wait_s / wall_s``."""
-
-    steps: int
-    final_version: int
-    wall_s: float
-    wait_s: float
-    train_s: float
     publish_s: float
-    checkpoint_s: float
-    data_position: int
-    last_checkpoint: str | None
-    records: tuple[LoopRecord, ...] = field(repr=False, default=())
-
-    @property
-    def idle_frac(self) -> float:
-        return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+    wall_s: float
 
 
-class TrainLoop:
-    """Consume batches continuously: get -> step -> publish -> (checkpoint), until ``max_steps``.
+class RankStep:
+    """The step every trainer rank runs -- the pipeline's trainer actors, the tests and the
+    trainer benchmark alike: wait for this rank's share of the next batch, train on it,
+    publish the new weights, open the buffer's admission budget for the next version.
 
-    The trainer asks for the next ``groups_per_rank`` groups as soon as a step ends; the buffer
-    answers as soon as it holds that many groups within the staleness bound, so the trainer never
-    waits for a generation round. Ranks each take their own groups (disjoint: the buffer pops) and
-    stay in step through the collectives inside :meth:`Trainer.step`.
-
-    ``publisher`` is given on the rank that publishes (rank 0) and None elsewhere; under ZeRO-3
-    every rank still joins the gather. ``data_position`` counts groups consumed over all ranks
-    and is saved in checkpoints.
+    The loop around it (how many steps, checkpoints, supervision) is the driver's
+    (:class:`pipeline_rl.orchestrator.Orchestrator`). The version is the trainer's
+    (:attr:`Trainer.version`, one per batch): the driver reads it from the reports.
+    ``publisher`` is given on the rank that publishes (rank 0) and None elsewhere; under
+    ZeRO-3 every rank still joins the gather.
     """
 
-    def __init__(self, trainer: Trainer, source: BatchSource, *, publisher: WeightPublisher | None = None,
-                 groups_per_rank: int | None = None, checkpoint_root: str | Path | None = None,
-                 checkpoint_every: int | None = None, data_position: int = 0,
-                 batch_timeout_s: float | None = None, poll_s: float = 0.5) -> None:
-        cfg = trainer.cfg
+    def __init__(self, trainer: Trainer, source: BatchSource, publisher: WeightPublisher | None) -> None:
         self.trainer, self.source, self.publisher = trainer, source, publisher
-        self.groups_per_rank = groups_per_rank or cfg.groups_per_step // trainer.world_size
-        self.checkpoint_root = Path(checkpoint_root) if checkpoint_root is not None else None
-        self.checkpoint_every = cfg.trainer.checkpoint_every if checkpoint_every is None else checkpoint_every
-        self.data_position = data_position
-        self.batch_timeout_s = batch_timeout_s or cfg.trainer.batch_timeout_s
-        self.poll_s = poll_s
-        self._stop = threading.Event()
+        self.share = trainer.cfg.groups_per_step // trainer.world_size
 
-    def stop(self) -> None:
-        """Ask :meth:`run` to return after the current step (thread-safe)."""
-        self._stop.set()
+    def __call__(self, timeout_s: float) -> RankStepReport | None:
+        """One step; None when no batch came within ``timeout_s``."""
+        from pipeline_rl.faults import inject
 
-    def next_batch(self) -> tuple[list[Group] | None, float]:
-        """Wait for the next batch; returns (groups or None when stopped, seconds waited).
-        Raises TimeoutError after ``batch_timeout_s`` without one."""
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.batch_timeout_s
-        while not self._stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"trainer: no batch of {self.groups_per_rank} groups within "
-                                   f"{self.batch_timeout_s:.0f} s (trainer.batch_timeout_s)")
-            poll = min(self.poll_s, left)
-            t_poll = time.monotonic()
-            groups = self.source.get_batch(self.groups_per_rank, self.trainer.version, poll,
-                                           rank=self.trainer.rank)
-            if groups:
-                return groups, time.perf_counter() - t0
-            if time.monotonic() - t_poll < poll / 2:   # source closed or not blocking: don't spin
-                self._stop.wait(min(0.05, poll))
-        return None, time.perf_counter() - t0
-
-    def run(self, max_steps: int, on_step: Callable[[LoopRecord], None] | None = None) -> LoopSummary:
-        """Train until the trainer's version reaches ``max_steps`` (a resumed run continues its
-        count) or :meth:`stop`; checkpoints every ``checkpoint_every`` steps and at the end."""
-        t_start = time.perf_counter()
-        records: list[LoopRecord] = []
-        last_ckpt: str | None = None
         tr = self.trainer
-        while tr.version < max_steps and not self._stop.is_set():
-            t_iter = time.perf_counter()
-            groups, wait_s = self.next_batch()
-            if groups is None:
-                break
-            step = tr.step(groups)
-            self.data_position += len(groups) * tr.world_size
-            gather_s, block_s = self._publish()
-            if tr.rank == 0:
-                self.source.set_version(tr.version)
-            ckpt_s, ckpt = 0.0, None
-            if self.checkpoint_every and tr.version % self.checkpoint_every == 0:
-                ckpt_s, ckpt = self._checkpoint()
-                last_ckpt = ckpt
-            rec = LoopRecord(step, wait_s, gather_s, block_s, ckpt_s, ckpt, time.perf_counter() - t_iter)
-            records.append(rec)
-            if on_step is not None:
-                on_step(rec)
-        if records and (last_ckpt is None or records[-1].checkpoint is None):
-            ckpt_s, last_ckpt = self._checkpoint()
-            last = records[-1]
-            records[-1] = LoopRecord(last.step, last.wait_s, last.gather_s, last.publish_block_s,
-                                     last.checkpoint_s + ckpt_s, last_ckpt, last.wall_s + ckpt_s)
-        return LoopSummary(
-            steps=len(records), final_version=tr.version, wall_s=time.perf_counter() - t_start,
-            wait_s=sum(r.wait_s for r in records), train_s=sum(r.step.step_time_s for r in records),
-            publish_s=sum(r.gather_s + r.publish_block_s for r in records),
-            checkpoint_s=sum(r.checkpoint_s for r in records), data_position=self.data_position,
-            last_checkpoint=last_ckpt, records=tuple(records))
+        groups = self.source.get_batch(self.share, tr.version, timeout_s, rank=tr.rank)
+        if not groups:
+            return None
+        wait_s = time.perf_counter() - t0
+        inject("trainer_step", tr.version)
+        result = tr.step(groups)
+        t1 = time.perf_counter()
+        self.publish()
+        publish_s = time.perf_counter() - t1
+        if tr.rank == 0:   # opens the admission budget for the next version now
+            self.source.set_version(tr.version)
+        return RankStepReport(result, wait_s, publish_s, time.perf_counter() - t0)
 
-    def _publish(self) -> tuple[float, float]:
+    def publish(self) -> None:
+        """Publish the current weights (every rank calls it: a ZeRO-3 gather is collective)."""
         if self.publisher is None and not self.trainer.weights_collective:
-            return 0.0, 0.0
-        t0 = time.perf_counter()
-        update = self.trainer.weights()          # collective under ZeRO-3
-        gather_s = time.perf_counter() - t0
-        block_s = self.publisher.publish(update) if self.publisher is not None else 0.0
-        return gather_s, block_s
-
-    def _checkpoint(self) -> tuple[float, str | None]:
-        if self.checkpoint_root is None:
-            return 0.0, None
-        t0 = time.perf_counter()
-        path = self.trainer.save_checkpoint(self.checkpoint_root / checkpoint_name(self.trainer.version),
-                                            data_position=self.data_position)
-        return time.perf_counter() - t0, str(path)
+            return
+        update = self.trainer.weights()
+        if self.publisher is not None:
+            self.publisher.publish(update)

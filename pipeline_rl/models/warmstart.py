@@ -8,7 +8,7 @@ puts ``1 - s`` on the right digit and spreads ``s`` over the ten digits
 ``<eos>``) and ranks the right digit first (greedy accuracy ~1.0), but sampled
 at temperature 1 it writes a wholly right answer only ~20% of the time: a noisy
 imitator. RL with the exact-match reward has to turn it into a reliable solver
-(measured by :mod:`pipeline_rl.models.rl_probe` and ``scripts/warmstart.py``).
+(measured by ``benchmarks/rl_probe.py`` and ``scripts/warmstart.py``).
 
 Everything is deterministic for a given recipe (seeded torch generator and
 prompt sampler): the same recipe, torch build and thread count give the same
