@@ -242,6 +242,21 @@ class RayConfig(Section):
                                          "needs (places trainers on the nodes that declare it).")
 
 
+class EvalConfig(Section):
+    """Held-out evaluation during training, on the rollout workers' vLLM engines with the
+    current weights (no extra model copy)."""
+
+    every: int = Field(50, ge=0, description="Evaluate every N steps and at the end (0 = never).")
+    num_prompts: int = Field(64, ge=1, le=100_000, description="Held-out prompts per evaluation "
+                             "(the same ones each time).")
+    k: int = Field(4, ge=1, le=1024, description="Samples per prompt at rollout.temperature for "
+                   "mean@k and pass@k (greedy accuracy uses one greedy sample).")
+    dataset: str | None = Field(None, description="Held-out prompts from this data file (fields as "
+                                "--task.prompt_field/--task.answer_field). Default: built-in tasks "
+                                "hold out 5% of their prompt texts; a training dataset gives 5% of its "
+                                "rows (by a hash of the prompt) to evaluation and trains on the rest.")
+
+
 class Config(Section):
     """The whole run."""
 
@@ -265,6 +280,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     @model_validator(mode="after")

@@ -73,16 +73,34 @@ def resolve_model_dir(cfg: Config) -> str:
 
 
 def check_task(cfg: Config, model_dir: str) -> None:
-    """Load the task with the model's tokenizer before anything starts: a dataset row
-    without the needed fields, or a prompt longer than the context leaves room for,
-    is a one-line error here instead of a crash mid-run."""
+    """Load the task (and its held-out split, when evaluation is on) with the model's
+    tokenizer before anything starts: a dataset row without the needed fields, a
+    prompt longer than the context leaves room for, or an empty ``--eval.dataset`` is
+    a one-line error here instead of a crash mid-run.
+
+    Adjusts ``cfg.eval`` in place: a training dataset too small to give any row to the
+    held-out split turns evaluation off (one warning line); ``num_prompts`` is capped at
+    the held-out pool's size."""
     from transformers import AutoTokenizer
 
-    from pipeline_rl.tasks import build_task
+    from pipeline_rl.tasks import TaskError, build_task
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer,
-               max_prompt_tokens=cfg.rollout.max_model_len - cfg.rollout.max_new_tokens)
+    limit = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
+    build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, max_prompt_tokens=limit, evaluation=cfg.eval)
+    if not cfg.eval.every:
+        return
+    try:
+        held_out = build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, max_prompt_tokens=limit,
+                              split="eval", evaluation=cfg.eval)
+    except TaskError as e:
+        if cfg.task.name != "dataset" or cfg.eval.dataset is not None:
+            raise
+        log.warning("evaluation off: %s", str(e).splitlines()[0])
+        cfg.eval.every = 0
+        return
+    held_out.prompt(0)
+    cfg.eval.num_prompts = min(cfg.eval.num_prompts, held_out.num_prompts)
 
 
 def _configure_logging(cfg: Config) -> None:

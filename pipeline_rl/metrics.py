@@ -4,7 +4,9 @@ One :class:`StepMetrics` per optimizer step is appended as one JSON line to
 ``OUT_DIR/metrics.jsonl`` (the file is the run's record; it is flushed every
 step so a killed run keeps what it logged), mirrored to TensorBoard
 (``OUT_DIR/tb``) and to Weights & Biases when ``wandb`` is installed and
-``WANDB_PROJECT`` is set. Nothing here imports torch at module import.
+``WANDB_PROJECT`` is set. Held-out evaluations (:class:`EvalMetrics`) go the same
+ways, to ``OUT_DIR/eval.jsonl`` and under ``eval/`` in TensorBoard. Nothing here
+imports torch at module import.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ class StepMetrics:
     this step's wall time the trainer spent waiting for a batch;
     ``weight_update_stall_ms``: mean time a rollout worker's engine stood still
     per weight update since the previous step (0 when none was applied);
-    ``evicted``: groups dropped as stale so far (cumulative).
+    ``evicted``: groups dropped as stale so far (cumulative); ``entropy``: the policy's
+    per-token entropy on the batch's sampled tokens (mean ``-log π``, nats; a collapse
+    towards 0 means the policy stopped exploring).
     """
 
     step: int
@@ -51,6 +55,7 @@ class StepMetrics:
     loss: float
     buffer_fill: int
     completion_len_mean: float
+    entropy: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_record(self) -> dict[str, Any]:
@@ -60,12 +65,40 @@ class StepMetrics:
         return rec
 
 
+@dataclass(frozen=True, slots=True)
+class EvalMetrics:
+    """One held-out evaluation (``pipeline_rl.actors.evaluation``): launched after ``step``
+    at ``version``; answers came from weights ``version_min`` .. ``version_max``;
+    ``eval_s``: from launch to the last answer scored (it runs beside training)."""
+
+    step: int
+    version: int
+    time_s: float
+    greedy_accuracy: float
+    mean_at_k: float
+    pass_at_k: float
+    k: int
+    num_prompts: int
+    version_min: int
+    version_max: int
+    eval_s: float
+    greedy_len_mean: float
+
+
+def eval_line(m: EvalMetrics) -> str:
+    versions = f"v{m.version_min}" if m.version_min == m.version_max else f"v{m.version_min}-{m.version_max}"
+    return (f"eval after step {m.step} ({versions}) | greedy {m.greedy_accuracy:.3f} | "
+            f"mean@{m.k} {m.mean_at_k:.3f} | pass@{m.k} {m.pass_at_k:.3f} | "
+            f"{m.num_prompts} held-out prompts | {m.eval_s:.1f}s")
+
+
 class MetricsLogger:
     """Appends step records to ``metrics.jsonl`` and TensorBoard, prints progress."""
 
     def __init__(self, out_dir: Path, *, stream: TextIO | None = None, tensorboard: bool = True) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self._file = (out_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self._eval_file = (out_dir / "eval.jsonl").open("a", encoding="utf-8")
         self._stream = stream if stream is not None else sys.stdout  # read at call time
         self._tb: Any = None
         self._wandb: Any = None
@@ -94,11 +127,24 @@ class MetricsLogger:
         self._stream.write(progress_line(m) + "\n")
         self._stream.flush()
 
+    def log_eval(self, m: EvalMetrics) -> None:
+        rec = asdict(m)
+        self._eval_file.write(json.dumps(rec) + "\n")
+        self._eval_file.flush()
+        if self._tb is not None:
+            for key in ("greedy_accuracy", "mean_at_k", "pass_at_k", "greedy_len_mean", "eval_s"):
+                self._tb.add_scalar(f"eval/{key}", rec[key], m.step)
+        if self._wandb is not None:
+            self._wandb.log({f"eval/{k}": v for k, v in rec.items()}, step=m.step)
+        self._stream.write(eval_line(m) + "\n")
+        self._stream.flush()
+
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""
         if self._file.closed:
             return
         self._file.close()
+        self._eval_file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
@@ -109,12 +155,13 @@ def progress_line(m: StepMetrics) -> str:
     """One line per step: step, reward, tokens/s, lag, buffer fill, mismatch KL."""
     return (f"step {m.step:4d} | reward {m.reward_mean:.3f} | {m.tokens_per_s:7.0f} tok/s | "
             f"lag {m.lag_mean:.2f} (max {m.lag_max}) | buffer {m.buffer_fill:3d} | "
-            f"kl {m.mismatch_kl:+.1e} | mixed {m.mixed_version_frac:.2f} | "
+            f"kl {m.mismatch_kl:+.1e} | ent {m.entropy:.2f} | mixed {m.mixed_version_frac:.2f} | "
             f"idle {m.trainer_idle_frac:.2f} | {m.time_s:6.1f}s")
 
 
-def summary_table(history: Sequence[StepMetrics]) -> str:
-    """A Markdown table summarising a run (first/last reward, speeds, lag, evictions)."""
+def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] = ()) -> str:
+    """A Markdown table summarising a run (first/last reward, speeds, lag, evictions,
+    first and last held-out evaluation)."""
     if not history:
         return "(no steps completed)"
     first, last = history[0], history[-1]
@@ -135,7 +182,14 @@ def summary_table(history: Sequence[StepMetrics]) -> str:
         ("evicted groups", f"{last.evicted}"),
         ("trainer idle", f"{statistics.fmean(m.trainer_idle_frac for m in history):.2f}"),
         ("weight-update stall", f"{statistics.fmean(m.weight_update_stall_ms for m in history):.1f} ms"),
+        ("entropy of sampled tokens (first / last step)", f"{first.entropy:.3f} / {last.entropy:.3f} nats"),
     ]
+    if evals:
+        a, b = evals[0], evals[-1]
+        span = f"step {a.step} -> {b.step}"
+        rows += [(f"held-out greedy accuracy ({span})", f"{a.greedy_accuracy:.3f} -> {b.greedy_accuracy:.3f}"),
+                 (f"held-out mean@{b.k} ({span})", f"{a.mean_at_k:.3f} -> {b.mean_at_k:.3f}"),
+                 (f"held-out pass@{b.k} ({span})", f"{a.pass_at_k:.3f} -> {b.pass_at_k:.3f}")]
     width = max(len(r[0]) for r in rows)
     lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {name:<{width}} | {value} |" for name, value in rows]
@@ -152,6 +206,13 @@ def read_history(path: Path) -> list[StepMetrics]:
         extra = {k: float(v) for k, v in rec.items() if k not in names and isinstance(v, (int, float))}
         out.append(StepMetrics(**{k: v for k, v in rec.items() if k in names}, extra=extra))
     return out
+
+
+def read_evals(path: Path) -> list[EvalMetrics]:
+    """The evaluations of an ``eval.jsonl`` file (empty when there is none)."""
+    if not path.exists():
+        return []
+    return [EvalMetrics(**rec) for rec in read_metrics(path)]
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

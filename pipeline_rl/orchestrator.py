@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 from pipeline_rl.actors.remote import ActorHandle
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV
-from pipeline_rl.metrics import MetricsLogger, StepMetrics, read_history, summary_table
+from pipeline_rl.evaluation import Evaluations
+from pipeline_rl.metrics import MetricsLogger, StepMetrics, read_evals, read_history, summary_table
 from pipeline_rl.net import free_port
 from pipeline_rl.supervision import Watchdog, cause_of, describe_failure, first_line
 
@@ -63,6 +64,7 @@ _STARTUP_TIMEOUT_S = 900.0  # a start-up phase that takes longer ends the run
 _STARTUP_SAY_EVERY_S = 30.0
 _HISTORY_STEPS = 1000      # steps of metrics the driver keeps in memory
 _RESTART_TIMEOUT_S = 300.0  # a restarted rollout worker must have its engine up by then
+_EVAL_FINAL_TIMEOUT_S = 300.0  # the end-of-run evaluation must finish by then
 
 
 def say(line: str) -> None:
@@ -318,12 +320,17 @@ class Orchestrator:
     def train(self) -> list[StepMetrics]:
         """Run steps until ``max_steps`` (or a stop request); checkpoint; print a summary."""
         clock = _Clock()
+        first_step = self.version
+        evals = Evaluations(self.cfg.eval, clock.since_start)
+        if evals.enabled and self.version < self.cfg.max_steps:
+            evals.launch(self.version, self.version, self._live_workers())   # the starting point
         self._watchdog.touch()  # start-up has its own bounds (``_wait``): not a stall
         while self.version < self.cfg.max_steps and not self.stop.is_set():
             reports = self._one_step()
             if reports is None:
                 break
             self._log_step(reports, clock)
+            self._evaluate(evals, final=False)
             if self._checkpoint_due() and self.version < self.cfg.max_steps:
                 self.checkpoint()
         if self._abandoned_step:
@@ -331,10 +338,41 @@ class Orchestrator:
                         "would not match its version); the last periodic checkpoint is resumable")
         elif self.steps_done:
             self.checkpoint()
+            if not self.stop.is_set():
+                self._evaluate(evals, final=True)
             assert self._logger is not None
             self._logger.close()  # flushed: the summary reads the whole record back
-            print(summary_table(read_history(self.out / "metrics.jsonl")[-self.steps_done:]), flush=True)
+            history = read_history(self.out / "metrics.jsonl")[-self.steps_done:]
+            ran = [e for e in read_evals(self.out / "eval.jsonl") if e.step >= first_step]
+            print(summary_table(history, ran), flush=True)
         return list(self.history)
+
+    def _live_workers(self) -> list[ActorHandle]:
+        return [w.handle for w in self._workers]
+
+    def _evaluate(self, evals: Evaluations, *, final: bool) -> None:
+        """Collect a finished evaluation and launch a due one; ``final``: wait for the one
+        in flight, then evaluate the final weights (unless that one already did) and wait."""
+        if not evals.enabled:
+            return
+        assert self._logger is not None
+        done = evals.poll(_EVAL_FINAL_TIMEOUT_S if final else 0.0)
+        if done is not None:
+            self._logger.log_eval(done)
+        if final and evals.in_flight_step is not None:
+            raise OrchestratorError(f"the evaluation after step {evals.in_flight_step} did not finish "
+                                    f"within {_EVAL_FINAL_TIMEOUT_S:.0f} s")
+        if final:
+            if done is None or done.version != self.version:
+                evals.launch(self.version, self.version, self._live_workers())
+                last = evals.poll(_EVAL_FINAL_TIMEOUT_S)
+                if last is not None:
+                    self._logger.log_eval(last)
+                elif evals.in_flight_step is not None:
+                    raise OrchestratorError(f"the final evaluation did not finish within "
+                                            f"{_EVAL_FINAL_TIMEOUT_S:.0f} s")
+        elif evals.due(self.version):
+            evals.launch(self.version, self.version, self._live_workers())
 
     def _checkpoint_due(self) -> bool:
         every, every_s = self.cfg.trainer.checkpoint_every, self.cfg.trainer.checkpoint_every_s
@@ -556,6 +594,7 @@ class Orchestrator:
             weight_update_stall_ms=statistics.fmean(wd.stalls_ms) if wd.stalls_ms else 0.0,
             step_time_s=step_wall, loss=float(res[0].loss), buffer_fill=buf.fill,
             completion_len_mean=sum(r.num_tokens for r in res) / max(1, sum(r.num_seqs for r in res)),
+            entropy=statistics.fmean(r.entropy for r in res),
             extra={"mismatch_kl_k3": float(lm.mismatch_kl_k3), "ess": float(lm.ess),
                    "masked_seq_frac": float(lm.masked_seq_frac), "clipped_frac": float(lm.clipped_frac),
                    "train_step_s": float(res[0].step_time_s), "groups_lost": float(buf.admission.lost),

@@ -104,3 +104,25 @@ def test_ppo_epochs_keep_one_version_per_step_and_resume(ray_local: None, tiny_m
     rows = _run(resumed)
     assert [(r["step"], r["version"]) for r in rows] == [(3, 3), (4, 4)]
     assert read_run_state(Path(resumed.out_dir) / "checkpoints" / "step_000004").version == 4
+
+
+def test_held_out_evaluation_during_training(ray_local: None, tiny_model_dir: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``--eval.every 3`` over 6 steps: evaluations of the starting weights, after step 3
+    and after step 6 (the end), on the rollout worker's engine; logged to eval.jsonl,
+    the console and the summary; the step rows carry the policy's entropy."""
+    from pipeline_rl.metrics import read_evals
+
+    cfg = _config(tiny_model_dir, tmp_path / "eval", "--eval.every", "3", "--eval.num_prompts", "6",
+                  "--eval.k", "2")
+    rows = _run(cfg)
+    evals = read_evals(Path(cfg.out_dir) / "eval.jsonl")
+    assert [e.step for e in evals] == [0, 3, 6]
+    for e in evals:
+        assert (e.num_prompts, e.k) == (6, 2)
+        assert 0.0 <= e.greedy_accuracy <= 1.0 and 0.0 <= e.mean_at_k <= e.pass_at_k <= 1.0
+        assert e.version_min <= e.version_max and e.greedy_len_mean > 0
+    assert evals[0].version_max == 0 or evals[0].version_min == 0      # the start was evaluated at v0
+    assert all(r["entropy"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "eval after step 3" in out and "held-out greedy accuracy (step 0 -> 6)" in out

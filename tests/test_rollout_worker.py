@@ -59,13 +59,14 @@ class _Rig:
     """A buffer + receiver + worker around the shared engine."""
 
     def __init__(self, engine: GenerationEngine, model_dir: Path, *, staleness: int = 1000,
-                 reward_fn: object = None) -> None:
+                 reward_fn: object = None, eval_task: AdditionTask | None = None) -> None:
         self.buffer = ReplayBuffer(capacity_groups=64, staleness=staleness, groups_per_step=2)
         self.server = BufferServer(self.buffer)
         self.task = AdditionTask(2, 1000, 0)
         cfg = _cfg()
         self.worker = RolloutWorker(cfg, 0, str(model_dir), self.server.address, self.buffer, self.task,
-                                    engine=engine, reward_fn=reward_fn)  # type: ignore[arg-type]
+                                    engine=engine, reward_fn=reward_fn,  # type: ignore[arg-type]
+                                    eval_task=eval_task)
 
     def received(self, count: int) -> list[Group]:
         groups = self.buffer.get_batch(count, trainer_version=0, timeout_s=10.0)
@@ -188,3 +189,40 @@ def test_admission_budget_and_min_version(engine: GenerationEngine, model_dirs: 
         rig.close()
     assert all((c.versions == v0).all() for g in first for c in g.completions)
     assert all((c.versions == v0 + 1).all() for g in second for c in g.completions)
+
+
+def test_evaluation_beside_generation(engine: GenerationEngine, model_dirs: tuple) -> None:
+    """Held-out prompts are evaluated on the worker's own engine while training groups
+    keep flowing: greedy answers are deterministic (two evaluations agree), k samples
+    per prompt, the serving version is reported; a stopped worker fails what is left."""
+    from pipeline_rl.actors.evaluation import EvalRequest
+
+    rig = _Rig(engine, model_dirs[0], reward_fn=_len_reward, eval_task=AdditionTask(2, 1000, 0, "eval"))
+    loop = threading.Thread(target=rig.worker.run, daemon=True)
+    loop.start()
+    try:
+        a = rig.worker.evaluate(EvalRequest(0, tuple(range(6)), k=3)).result(timeout=120)
+        b = rig.worker.evaluate(EvalRequest(1, tuple(range(6)), k=3)).result(timeout=120)
+        rig.received(2)                                    # training generation went on
+    finally:
+        rig.worker.stop()
+        loop.join(30)
+        late = rig.worker.evaluate(EvalRequest(2, (0,), k=1))
+        rig.close()
+    assert (a.num_prompts, a.k, b.num_prompts) == (6, 3, 6)
+    assert a.greedy_reward_sum == b.greedy_reward_sum and a.greedy_tokens == b.greedy_tokens > 0
+    assert 0.0 < a.greedy_accuracy <= 0.13 and 0.0 < a.mean_at_k <= 0.13   # len(text)/100
+    assert a.pass_at_k == 0.0                                # no answer is "solved" under that reward
+    assert a.version_min == a.version_max == engine.version
+    assert not loop.is_alive() and isinstance(late.exception(timeout=5), RuntimeError)
+
+
+def test_evaluation_needs_an_eval_task(engine: GenerationEngine, model_dirs: tuple) -> None:
+    from pipeline_rl.actors.evaluation import EvalRequest
+
+    rig = _Rig(engine, model_dirs[0])
+    try:
+        with pytest.raises(ValueError, match="no evaluation task"):
+            rig.worker.evaluate(EvalRequest(0, (0,), k=1))
+    finally:
+        rig.close()

@@ -479,3 +479,64 @@ def test_driver_stops_on_bad_task_before_anything_starts(flags: list[str], needl
     err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
     assert len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+# ------------------------------------------------------------------------------ held-out split
+
+
+@pytest.mark.parametrize("cls", [AdditionTask, SortTask])
+def test_builtin_eval_split_is_disjoint_from_training(cls: type) -> None:
+    """Training never sees a held-out prompt text; every eval prompt is one; the split
+    is a pure function of the text (the same in every process)."""
+    from pipeline_rl.tasks.base import is_held_out
+
+    train, held = cls(4, 100_000, 0), cls(4, 100_000, 0, "eval")
+    train_texts = {train.prompt(i).text for i in range(20_000)}
+    eval_texts = {held.prompt(i).text for i in range(300)}
+    assert not train_texts & eval_texts
+    assert all(is_held_out(t) for t in eval_texts) and not any(is_held_out(t) for t in train_texts)
+    assert len(eval_texts) > 200                                 # distinct prompts, not one repeated
+    assert held.prompt(7) == cls(4, 100_000, 0, "eval").prompt(7)
+    assert held.reward(held.prompt(7).text, held.prompt(7).answer, held.prompt(7)) == 1.0
+
+
+def test_builtin_task_too_small_to_split_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task none of whose prompt texts falls in the held-out split (as may happen with
+    1-digit tasks) cannot evaluate: a one-line error, not an endless draw."""
+    import pipeline_rl.tasks.builtin as builtin
+
+    monkeypatch.setattr(builtin, "is_held_out", lambda text: False)
+    with pytest.raises(TaskError, match="too few distinct prompts") as e:
+        SortTask(1, 100, 0, "eval").prompt(0)
+    assert "\n" not in str(e.value)
+    assert SortTask(1, 100, 0).prompt(3).text.startswith("sort ")   # training is unaffected
+
+
+def test_dataset_split_and_eval_file(tmp_path: Path) -> None:
+    """With evaluation on and no eval file, the dataset's rows are split by a hash of
+    the prompt (each row on one side only); with --eval.dataset that file is the eval
+    set and training keeps every row; a split with no rows is a one-line error."""
+    from pipeline_rl.config import EvalConfig
+    from pipeline_rl.tasks.base import is_held_out
+
+    rows = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(400)]
+    path = _write(tmp_path, [json.dumps(r) for r in rows])
+    cfg = TaskConfig(dataset=str(path))
+    on = EvalConfig(every=10)
+    train = build_task(cfg, evaluation=on)
+    held = build_task(cfg, split="eval", evaluation=on)
+    train_texts = {train.prompt(i).text for i in range(train.num_prompts)}
+    eval_texts = {held.prompt(i).text for i in range(held.num_prompts)}
+    assert train.num_prompts + held.num_prompts == 400 and 0 < held.num_prompts < 60
+    assert not train_texts & eval_texts and all(is_held_out(t) for t in eval_texts)
+    assert build_task(cfg, evaluation=EvalConfig(every=0)).num_prompts == 400   # eval off: every row
+    (tmp_path / "e").mkdir()
+    (tmp_path / "t").mkdir()
+    extra = _write(tmp_path / "e", [json.dumps({"prompt": "Two?", "answer": "2"})])
+    own = EvalConfig(every=10, dataset=str(extra))
+    assert build_task(cfg, evaluation=own).num_prompts == 400
+    assert [build_task(cfg, split="eval", evaluation=own).prompt(0).text] == ["Two?"]
+    tiny = _write(tmp_path / "t", [json.dumps({"prompt": "What is 0+0?", "answer": "0"})])
+    with pytest.raises(TaskError, match="no rows for the eval split") as e:
+        build_task(TaskConfig(dataset=str(tiny)), split="eval", evaluation=on)
+    assert "\n" not in str(e.value)

@@ -25,6 +25,7 @@ from pipeline_rl.faults import FAULT_ENV, inject
 if TYPE_CHECKING:
     from ray import ObjectRef
 
+    from pipeline_rl.actors.evaluation import EvalRequest, EvalResult
     from pipeline_rl.actors.publish import WeightPublisher
     from pipeline_rl.actors.rollout_worker import WorkerStats
     from pipeline_rl.actors.trainer import RankStep, RankStepReport, Trainer
@@ -139,11 +140,13 @@ class RolloutActor:
         from pipeline_rl.tasks import build_task_for_model
 
         # The model's tokenizer: prompts reach the engine rendered by its chat template.
-        task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)
+        task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed, evaluation=cfg.eval)
+        eval_task = (build_task_for_model(cfg.task, model_dir, seed=cfg.seed, split="eval",
+                                          evaluation=cfg.eval) if cfg.eval.every else None)
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager")
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
                                      buffer_address=buffer_address, admission=RayAdmission(buffer_name),
-                                     task=task)
+                                     task=task, eval_task=eval_task)
 
     def ready(self) -> bool:
         return True
@@ -171,6 +174,11 @@ class RolloutActor:
 
     def stats(self) -> WorkerStats:
         return self._worker.stats()
+
+    def evaluate(self, request: EvalRequest) -> EvalResult:
+        """Evaluate held-out prompts with the current weights, beside generation (blocks
+        this call's thread until every answer is scored)."""
+        return self._worker.evaluate(request).result()
 
     def stop(self) -> None:
         self._worker.stop()
@@ -305,7 +313,7 @@ def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str) -> tuple[
     buffer_cls = _actor(BufferActor).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here,
                                              name=buffer_name, **env)
     rollout_cls = _actor(RolloutActor).options(
-        num_cpus=1, max_concurrency=4, max_restarts=-1, max_task_retries=0,
+        num_cpus=1, max_concurrency=8, max_restarts=-1, max_task_retries=0,
         resources=needs(cfg.ray.rollout_resource), **env)
     trainer_cls = _actor(TrainerActor).options(num_cpus=1, max_concurrency=2,
                                                resources=needs(cfg.ray.trainer_resource), **env)

@@ -53,6 +53,9 @@ from pipeline_rl.actors.engine import (
     SamplingConfig,
     engine_config,
 )
+from pipeline_rl.actors.evaluation import EVAL_PREFIX, EvalRequest, EvalResult, PendingEval
+from pipeline_rl.actors.evaluation import parse_request_id as parse_eval_request_id
+from pipeline_rl.actors.evaluation import request_id as eval_request_id
 from pipeline_rl.actors.process import HeapTrimmer
 from pipeline_rl.actors.weights import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
@@ -176,6 +179,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_address: str,
                  admission: AdmissionSource, task: Task, *, reward_fn: RewardFn | None = None,
+                 eval_task: Task | None = None,
                  engine: GenerationEngine | None = None, sender: SenderLike | None = None,
                  reward_threads: int = 2, poll_s: float = 0.005, acquire_backoff_s: float = 0.02,
                  acquire_wait_s: float = 0.05) -> None:
@@ -205,6 +209,11 @@ class RolloutWorker:
         self._error: BaseException | None = None
         self._c = _Counters()
         self._heap = HeapTrimmer()   # free C-heap pages back to the OS every few seconds
+        self._eval_task = eval_task
+        self._eval_queue: deque[PendingEval] = deque()     # asked for, not started (any thread)
+        self._evals: dict[int, PendingEval] = {}           # started (loop thread only)
+        self._loop_done = False                            # run() returned (until it runs again)
+        self._greedy = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:
@@ -226,6 +235,22 @@ class RolloutWorker:
             log.info("worker %d: ignoring weights v%d (not newer than v%d)", self.worker_id,
                      update.version, self._engine.version)
 
+    def evaluate(self, request: EvalRequest) -> Future[EvalResult]:
+        """Evaluate held-out prompts (see ``pipeline_rl.actors.evaluation``) beside
+        training generation; the future is set when every answer is scored, or fails
+        when the worker stops first. Any thread."""
+        if self._eval_task is None:
+            raise ValueError(f"worker {self.worker_id}: no evaluation task was given")
+        prompts = tuple(self._eval_task.prompt(i) for i in request.prompt_ids)
+        pending = PendingEval(request, prompts)
+        with self._lock:
+            if self._stop.is_set() or self._loop_done:   # no loop will start it: fail now, never hang
+                pending.future.set_exception(RuntimeError(f"worker {self.worker_id} is stopped"))
+                return pending.future
+            self._eval_queue.append(pending)
+        self._wake.set()
+        return pending.future
+
     def fail(self, error: BaseException) -> None:
         """Make :meth:`run` raise ``error`` before its next step (the first failure wins)."""
         with self._lock:
@@ -234,8 +259,10 @@ class RolloutWorker:
         self._wake.set()
 
     def stop(self) -> None:
-        """Ask :meth:`run` to return after the current step (in-flight groups are dropped)."""
-        self._stop.set()
+        """Ask :meth:`run` to return after the current step (in-flight groups are dropped,
+        evaluations not yet answered fail)."""
+        with self._lock:
+            self._stop.set()
         self._wake.set()
 
     def stats(self) -> WorkerStats:
@@ -256,11 +283,14 @@ class RolloutWorker:
         worker stays stopped), or until ``max_groups`` groups were started and all of
         them were sent. Raises the first send error."""
         start = time.perf_counter()
+        with self._lock:
+            self._loop_done = False
         try:
             while not self._stop.is_set():
                 self._raise_background_error()
                 self._apply_offered()
                 self._heap.maybe_trim()
+                self._start_evals()
                 self._admit(max_groups)
                 if self._engine.num_unfinished():
                     self._step()
@@ -272,6 +302,7 @@ class RolloutWorker:
         finally:
             self._c.elapsed_s += time.perf_counter() - start
             self._release_unstarted()
+            self._cancel_evals()
         return self.stats()
 
     def _release_unstarted(self) -> None:
@@ -358,7 +389,52 @@ class RolloutWorker:
         with self._lock:
             self._c.groups_started += 1
 
+    def _start_evals(self) -> None:
+        """Add the sequences of newly asked-for evaluations to the engine."""
+        while True:
+            with self._lock:
+                if not self._eval_queue:
+                    return
+                pending = self._eval_queue.popleft()
+            req = pending.request
+            self._evals[req.eval_id] = pending
+            for i, prompt in enumerate(pending.prompts):
+                ids = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
+                self._engine.add(GenRequest(eval_request_id(req.eval_id, i, 0), ids, self._greedy))
+                for j in range(1, req.k + 1):
+                    self._engine.add(GenRequest(eval_request_id(req.eval_id, i, j), ids, self._sampling))
+
+    def _collect_eval(self, seq: FinishedSequence) -> None:
+        eval_id, i, j = parse_eval_request_id(seq.request_id)
+        pending = self._evals[eval_id]
+        if pending.add(i, j, seq.text, int(seq.token_ids.shape[0]), seq.versions):
+            del self._evals[eval_id]
+            fut = self._pool.submit(self._score_eval, pending)
+            self._futures.add(fut)
+            fut.add_done_callback(self._on_sent)
+
+    def _score_eval(self, pending: PendingEval) -> None:
+        try:
+            result = pending.score(lambda p, text: self._reward(p, text), self._engine.version)
+        except BaseException as e:
+            pending.future.set_exception(e)
+            raise
+        pending.future.set_result(result)
+
+    def _cancel_evals(self) -> None:
+        with self._lock:
+            self._loop_done = True
+            waiting = list(self._eval_queue) + list(self._evals.values())
+            self._eval_queue.clear()
+        self._evals.clear()
+        for pending in waiting:
+            if not pending.future.done():
+                pending.future.set_exception(RuntimeError(f"worker {self.worker_id} stopped during an evaluation"))
+
     def _collect(self, seq: FinishedSequence) -> None:
+        if seq.request_id.startswith(EVAL_PREFIX):
+            self._collect_eval(seq)
+            return
         gid, idx = (int(x) for x in seq.request_id.split(":"))
         group = self._pending[gid]
         group.done[idx] = seq

@@ -72,7 +72,9 @@ class StepResult:
     ``version``: policy version after the step; ``num_tokens``: completion tokens in this rank's
     share; ``lag``: staleness of the batch measured against the version that consumed it;
     ``pad_frac``: padding share of the micro-batch inputs; ``grad_norm``: before clipping
-    (None when DeepSpeed does not report it).
+    (None when DeepSpeed does not report it); ``entropy``: mean of ``-log π`` over this
+    rank's completion tokens under the policy at the start of the step (the Monte Carlo
+    estimate of the policy's per-token entropy on what it sampled, in nats).
     """
 
     version: int
@@ -88,6 +90,7 @@ class StepResult:
     reward_mean: float
     pad_frac: float
     grad_norm: float | None
+    entropy: float = 0.0
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
@@ -292,6 +295,7 @@ class Trainer:
         # epoch (the loss then uses logp detached), that epoch's log-probs afterwards.
         prox: list[torch.Tensor] | None = None
         first: tuple[float, LossMetrics] | None = None
+        entropy = 0.0
         for _ in range(epochs):
             loss_sum, logps, parts = self._accumulate(mbs, norm, prox, ref)
             self.engine.step()
@@ -300,6 +304,7 @@ class Trainer:
                 # each rank's loss is scaled by world_size (see norm above): undo for the report
                 first = (self._all_reduce_sum(loss_sum) / self.world_size, LossMetrics.merge(parts))
                 prox = logps
+                entropy = _sampled_entropy(logps, [mb.mask for mb in mbs])
         assert first is not None
         self._version += 1  # one version per batch, however many PPO epochs it had
         # ZeRO-0 fp32: recorded by the clip hook; otherwise (ZeRO 1-3, and DeepSpeed's bf16
@@ -315,7 +320,7 @@ class Trainer:
             num_micro_batches=len(mbs), lag=lag, mixed_version_frac=lag.mixed_version_frac,
             reward_mean=float(np.mean(rewards)) if rewards else 0.0,
             pad_frac=1.0 - real / max(1, sum(mb.input_ids.numel() for mb in mbs)),
-            grad_norm=None if grad_norm is None else float(grad_norm))
+            grad_norm=None if grad_norm is None else float(grad_norm), entropy=entropy)
 
     def _accumulate(self, mbs: Sequence[MicroBatch], norm: float, prox: Sequence[torch.Tensor] | None,
                     ref: Sequence[torch.Tensor] | None) -> tuple[float, list[torch.Tensor], list[LossMetrics]]:
@@ -469,6 +474,16 @@ class Trainer:
     def close(self) -> None:
         """Release the engine (the process group stays: one per process)."""
         self.engine.destroy()
+
+
+def _sampled_entropy(logps: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float:
+    """Mean ``-log π`` over masked-in tokens with a finite log-prob: logps/masks [B, L-1] each."""
+    total, count = 0.0, 0.0
+    for logp, mask in zip(logps, masks, strict=True):
+        keep = (mask > 0) & torch.isfinite(logp)                                   # [B, L-1]
+        total += float(-(logp[keep]).sum())
+        count += float(keep.sum())
+    return total / count if count else 0.0
 
 
 def _logp_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:

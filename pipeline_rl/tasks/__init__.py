@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline_rl.tasks.base import Prompt, RewardFn, Task, TaskError
+from pipeline_rl.tasks.base import Prompt, RewardFn, Split, Task, TaskError
 from pipeline_rl.tasks.builtin import AdditionTask, SortTask
 from pipeline_rl.tasks.chat import ConfiguredTask, Renderer, chat_renderer, has_chat_template
 from pipeline_rl.tasks.dataset import DatasetTask, Encoder, load_dataset_task, prompt_tokens
 from pipeline_rl.tasks.plugin import resolve_reward
 
 if TYPE_CHECKING:
-    from pipeline_rl.config import TaskConfig
+    from pipeline_rl.config import EvalConfig, TaskConfig
 
-__all__ = ["AdditionTask", "ConfiguredTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Task",
+__all__ = ["AdditionTask", "ConfiguredTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
            "TaskError", "build_task", "build_task_for_model", "longest_prompt", "resolve_reward"]
 
 
@@ -62,8 +62,14 @@ def _check_builtin_fits(cfg: "TaskConfig", tokenizer: Encoder, max_prompt_tokens
 
 
 def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = None,
-               max_prompt_tokens: int | None = None) -> Task:
+               max_prompt_tokens: int | None = None, split: Split = "train",
+               evaluation: "EvalConfig | None" = None) -> Task:
     """The task a config names, as the rollout workers must see it.
+
+    - ``split``: ``train`` prompts, or the held-out ``eval`` ones. Built-in tasks always
+      keep the two apart (5% of prompt texts are held out). A dataset is split only
+      when ``evaluation`` is on (``every > 0``) without ``evaluation.dataset``;
+      ``split="eval"`` with ``evaluation.dataset`` reads that file whole.
 
     - ``task.reward`` is resolved first (a bad spec is a one-line :class:`TaskError`
       naming the flag) and replaces the task's reward (``task.reward(...)`` calls it).
@@ -86,11 +92,15 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
     if cfg.name == "dataset":
         if cfg.dataset is None:
             raise TaskError("task.dataset: give a data file for task.name=dataset")
-        base = load_dataset_task(cfg.dataset, seed=seed, prompt_field=cfg.prompt_field,
+        eval_file = evaluation.dataset if evaluation is not None and split == "eval" else None
+        split_rows = eval_file is None and (split == "eval" or (
+            evaluation is not None and evaluation.every > 0 and evaluation.dataset is None))
+        base = load_dataset_task(eval_file or cfg.dataset, seed=seed, prompt_field=cfg.prompt_field,
                                  answer_field=cfg.answer_field, tokenizer=tokenizer if check else None,
-                                 max_prompt_tokens=max_prompt_tokens, render=render)
+                                 max_prompt_tokens=max_prompt_tokens, render=render,
+                                 split=split if split_rows else None)
     else:
-        base = (AdditionTask if cfg.name == "addition" else SortTask)(cfg.digits, cfg.num_prompts, seed)
+        base = (AdditionTask if cfg.name == "addition" else SortTask)(cfg.digits, cfg.num_prompts, seed, split)
         if tokenizer is not None and max_prompt_tokens is not None:
             _check_builtin_fits(cfg, tokenizer, max_prompt_tokens, render)
     if render is None and reward_fn is None:
@@ -101,13 +111,15 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
 
 
 def build_task_for_model(cfg: "TaskConfig", model_dir: str, *, seed: int = 0,
-                         max_prompt_tokens: int | None = None) -> Task:
+                         max_prompt_tokens: int | None = None, split: Split = "train",
+                         evaluation: "EvalConfig | None" = None) -> Task:
     """:func:`build_task` with the tokenizer of the model in ``model_dir`` (loaded with
     ``transformers.AutoTokenizer``, imported here), so prompts get its chat template.
     With ``chat_template=none`` and no length check, no tokenizer is loaded."""
     if cfg.chat_template == "none" and max_prompt_tokens is None:
-        return build_task(cfg, seed=seed)
+        return build_task(cfg, seed=seed, split=split, evaluation=evaluation)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return build_task(cfg, seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens)
+    return build_task(cfg, seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
+                      split=split, evaluation=evaluation)

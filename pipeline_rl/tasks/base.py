@@ -9,8 +9,15 @@ counter walks the pool in epochs). Rewards are floats in ``[0, 1]``.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Literal, Protocol, runtime_checkable
+
+#: Which prompts a task serves: ``train`` (the default) or the held-out ``eval`` split.
+Split = Literal["train", "eval"]
+
+#: Share of distinct prompt texts held out for evaluation, per mille.
+HELD_OUT_PER_MILLE = 50
 
 
 class TaskError(ValueError):
@@ -90,3 +97,13 @@ def strip_eos(completion: str, eos: str = "<eos>") -> str:
     """The completion up to (excluding) the first EOS marker, if the text still holds one."""
     cut = completion.find(eos)
     return completion if cut < 0 else completion[:cut]
+
+
+def is_held_out(question: str) -> bool:
+    """Whether a prompt text belongs to the held-out evaluation split.
+
+    A stable hash of the text (the prompt as written, before any chat template), so the
+    split is the same in every process and run, and a text that appears twice in a
+    dataset is on one side only: training never sees an evaluation prompt."""
+    digest = hashlib.blake2b(question.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 1000 < HELD_OUT_PER_MILLE

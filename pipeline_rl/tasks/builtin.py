@@ -19,7 +19,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from pipeline_rl.tasks.base import Prompt, TaskError, pool_index, strip_eos
+from pipeline_rl.tasks.base import Prompt, Split, TaskError, is_held_out, pool_index, strip_eos
+
+#: Draws a prompt may take to land on its split before the task is declared too small.
+_MAX_DRAWS = 10_000
 
 
 def exact_match(completion: str, answer: str) -> float:
@@ -29,11 +32,16 @@ def exact_match(completion: str, answer: str) -> float:
 
 @dataclass(frozen=True)
 class _SeededTask:
-    """Common part of the built-in tasks: a seeded, stateless prompt pool."""
+    """Common part of the built-in tasks: a seeded, stateless prompt pool.
+
+    ``split`` picks the side of the held-out split (:func:`is_held_out`): a prompt id's
+    generator draws until it lands on its side, so ``train`` never yields an ``eval``
+    prompt text and vice versa."""
 
     digits: int
     num_prompts: int
     seed: int = 0
+    split: Split = "train"
     name: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
@@ -45,7 +53,21 @@ class _SeededTask:
     def _rng(self, prompt_id: int) -> random.Random:
         # String seeds hash with SHA-512: stable across processes, Python versions and hosts.
         index = pool_index(prompt_id, self.num_prompts)
-        return random.Random(f"{self.name}:{self.seed}:{self.digits}:{index}")
+        return random.Random(f"{self.name}:{self.split}:{self.seed}:{self.digits}:{index}")
+
+    def prompt(self, prompt_id: int) -> Prompt:
+        rng = self._rng(prompt_id)
+        want_held_out = self.split == "eval"
+        for _ in range(_MAX_DRAWS):
+            text, answer = self._draw(rng)
+            if is_held_out(text) == want_held_out:
+                return Prompt(prompt_id, text, answer)
+        raise TaskError(f"task {self.name} with {self.digits} digit(s) has too few distinct prompts "
+                        f"for a {self.split} split; use more digits or --eval.every 0")
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        """One random (prompt text, answer)."""
+        raise NotImplementedError
 
     def reward(self, prompt: str, completion: str, meta: Prompt) -> float:
         return exact_match(completion, meta.answer)
@@ -57,10 +79,9 @@ class AdditionTask(_SeededTask):
 
     name: str = field(default="addition", init=False)
 
-    def prompt(self, prompt_id: int) -> Prompt:
-        rng = self._rng(prompt_id)
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
         a, b = rng.randrange(10 ** self.digits), rng.randrange(10 ** self.digits)
-        return Prompt(prompt_id, f"{a}+{b}=", str(a + b))
+        return f"{a}+{b}=", str(a + b)
 
 
 @dataclass(frozen=True)
@@ -69,7 +90,6 @@ class SortTask(_SeededTask):
 
     name: str = field(default="sort", init=False)
 
-    def prompt(self, prompt_id: int) -> Prompt:
-        rng = self._rng(prompt_id)
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
         ds = [rng.randrange(10) for _ in range(self.digits)]
-        return Prompt(prompt_id, f"sort {''.join(map(str, ds))}=", "".join(map(str, sorted(ds))))
+        return f"sort {''.join(map(str, ds))}=", "".join(map(str, sorted(ds)))

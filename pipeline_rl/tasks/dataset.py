@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from pipeline_rl.tasks.base import Prompt, TaskError, pool_index
+from pipeline_rl.tasks.base import HELD_OUT_PER_MILLE, Prompt, Split, TaskError, is_held_out, pool_index
 from pipeline_rl.tasks.math_reward import math_reward
 
 #: File suffix -> the ``datasets`` packaged builder that reads it.
@@ -242,11 +242,19 @@ class DatasetTask:
 def load_dataset_task(path: str | Path, *, seed: int = 0, prompt_field: str = "prompt",
                       answer_field: str = "answer", tokenizer: Encoder | None = None,
                       max_prompt_tokens: int | None = None,
-                      render: Callable[[str], str] | None = None) -> DatasetTask:
+                      render: Callable[[str], str] | None = None, split: Split | None = None) -> DatasetTask:
     """Load and validate a dataset; with a tokenizer and a limit, also check every prompt
-    (as ``render`` turns it into model input, when given) fits."""
+    (as ``render`` turns it into model input, when given) fits. ``split`` keeps only the
+    rows on that side of the held-out split (:func:`is_held_out` of the prompt); None
+    keeps them all."""
     p = Path(path)
     rows = load_rows(p, prompt_key=prompt_field, answer_key=answer_field)
+    if split is not None:
+        rows = [r for r in rows if is_held_out(r.prompt) == (split == "eval")]
+        if not rows:
+            raise TaskError(f"{p}: no rows for the {split} split (the prompts hashed to "
+                            f"{HELD_OUT_PER_MILLE / 10:g}% go to evaluation); give --eval.dataset FILE "
+                            f"or --eval.every 0")
     if tokenizer is not None and max_prompt_tokens is not None:
         check_prompt_lengths(p, rows, tokenizer, max_prompt_tokens, render)
     return DatasetTask(p, tuple(rows), seed)

@@ -1,0 +1,66 @@
+"""Held-out evaluation's arithmetic and scheduling (the worker side runs for real in
+test_rollout_worker.py, the whole path through the launcher in test_e2e.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline_rl.actors.evaluation import (
+    EvalRequest, EvalResult, PendingEval, parse_request_id, request_id,
+)
+from pipeline_rl.config import EvalConfig
+from pipeline_rl.evaluation import Evaluations, split_prompts
+from pipeline_rl.tasks import Prompt
+
+
+def test_split_prompts_covers_each_id_once() -> None:
+    for n, w in [(64, 1), (64, 3), (5, 8), (1, 2)]:
+        shares = split_prompts(n, w)
+        assert sorted(i for s in shares for i in s) == list(range(n))
+        assert len(shares) == min(n, w) and max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_request_ids_round_trip_and_never_look_like_training_ids() -> None:
+    rid = request_id(3, 17, 2)
+    assert parse_request_id(rid) == (3, 17, 2) and not rid.split(":")[0].isdigit()
+
+
+def test_pending_eval_scores_greedy_mean_and_pass_at_k() -> None:
+    """Two prompts, k=2: greedy right on one; samples right on 1 of 2 and 0 of 2."""
+    prompts = (Prompt(0, "a", "x"), Prompt(1, "b", "y"))
+    p = PendingEval(EvalRequest(0, (0, 1), k=2), prompts)
+    answers = {(0, 0): "x", (0, 1): "x", (0, 2): "z", (1, 0): "z", (1, 1): "z", (1, 2): "z"}
+    done = [p.add(i, j, text, 3, np.array([4, 5], dtype=np.int32)) for (i, j), text in answers.items()]
+    assert done == [False] * 5 + [True]
+    res = p.score(lambda prompt, text: float(text == prompt.answer), version_now=9)
+    assert (res.greedy_accuracy, res.mean_at_k, res.pass_at_k) == (0.5, 0.25, 0.5)
+    assert (res.version_min, res.version_max, res.greedy_tokens) == (4, 5, 6)
+    merged = EvalResult.merge([res, res])
+    assert (merged.num_prompts, merged.greedy_accuracy, merged.pass_at_k) == (4, 0.5, 0.5)
+    with pytest.raises(ValueError):
+        EvalResult.merge([])
+    with pytest.raises(ValueError):
+        EvalRequest(0, (0,), k=0)
+
+
+def test_schedule_skips_while_one_is_in_flight() -> None:
+    class _Ref:
+        pass
+
+    class _Worker:
+        def __init__(self) -> None:
+            self.asked: list[EvalRequest] = []
+            self.evaluate = self
+
+        def remote(self, req: EvalRequest) -> _Ref:
+            self.asked.append(req)
+            return _Ref()
+
+    ev = Evaluations(EvalConfig(every=5, num_prompts=10, k=2), clock=lambda: 0.0)
+    assert ev.due(0) and ev.due(10) and not ev.due(7)
+    ws = [_Worker(), _Worker()]
+    assert ev.launch(0, 0, ws) and ev.in_flight_step == 0
+    assert [r.prompt_ids for w in ws for r in w.asked] == [tuple(range(5)), tuple(range(5, 10))]
+    assert not ev.launch(5, 5, ws) and ev.skipped == 1
+    assert not Evaluations(EvalConfig(every=0), clock=lambda: 0.0).due(0)
