@@ -76,12 +76,30 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
         os.kill(killed[0], 0)
 
 
-def test_staleness_zero_is_synchronous(ray_local: None, tiny_model_dir: str, tmp_path: Path) -> None:
-    cfg = _config(tiny_model_dir, tmp_path / "sync", "--staleness", "0", "--max-steps", "5")
+def test_staleness_zero_is_synchronous_and_evaluates_held_out_prompts(
+        ray_local: None, tiny_model_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Staleness 0: no lag, no mixed versions, no evictions. ``--eval.every 3`` over 6
+    steps: evaluations of the starting weights, after step 3 and after step 6 (the end),
+    on the rollout worker's engine, logged to eval.jsonl, the console and the summary;
+    the step rows carry the policy's entropy."""
+    from pipeline_rl.metrics import read_evals
+
+    cfg = _config(tiny_model_dir, tmp_path / "sync", "--staleness", "0", "--eval.every", "3",
+                  "--eval.num_prompts", "6", "--eval.k", "2")
     rows = _run(cfg)
-    assert len(rows) == 5
+    assert len(rows) == 6
     for r in rows:
         assert r["lag_max"] == 0 and r["mixed_version_frac"] == 0.0 and r["evicted"] == 0
+        assert r["entropy"] > 0
+    evals = read_evals(Path(cfg.out_dir) / "eval.jsonl")
+    assert [e.step for e in evals] == [0, 3, 6]
+    for e in evals:
+        assert (e.num_prompts, e.k) == (6, 2)
+        assert 0.0 <= e.greedy_accuracy <= 1.0 and 0.0 <= e.mean_at_k <= e.pass_at_k <= 1.0
+        assert e.version_min <= e.version_max and e.greedy_len_mean > 0
+    assert evals[0].version_min == 0                       # the start was evaluated
+    out = capsys.readouterr().out
+    assert "eval after step 3" in out and "held-out greedy accuracy (step 0 -> 6)" in out
 
 
 def test_ppo_epochs_keep_one_version_per_step_and_resume(ray_local: None, tiny_model_dir: str,
@@ -105,24 +123,3 @@ def test_ppo_epochs_keep_one_version_per_step_and_resume(ray_local: None, tiny_m
     assert [(r["step"], r["version"]) for r in rows] == [(3, 3), (4, 4)]
     assert read_run_state(Path(resumed.out_dir) / "checkpoints" / "step_000004").version == 4
 
-
-def test_held_out_evaluation_during_training(ray_local: None, tiny_model_dir: str, tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """``--eval.every 3`` over 6 steps: evaluations of the starting weights, after step 3
-    and after step 6 (the end), on the rollout worker's engine; logged to eval.jsonl,
-    the console and the summary; the step rows carry the policy's entropy."""
-    from pipeline_rl.metrics import read_evals
-
-    cfg = _config(tiny_model_dir, tmp_path / "eval", "--eval.every", "3", "--eval.num_prompts", "6",
-                  "--eval.k", "2")
-    rows = _run(cfg)
-    evals = read_evals(Path(cfg.out_dir) / "eval.jsonl")
-    assert [e.step for e in evals] == [0, 3, 6]
-    for e in evals:
-        assert (e.num_prompts, e.k) == (6, 2)
-        assert 0.0 <= e.greedy_accuracy <= 1.0 and 0.0 <= e.mean_at_k <= e.pass_at_k <= 1.0
-        assert e.version_min <= e.version_max and e.greedy_len_mean > 0
-    assert evals[0].version_max == 0 or evals[0].version_min == 0      # the start was evaluated at v0
-    assert all(r["entropy"] > 0 for r in rows)
-    out = capsys.readouterr().out
-    assert "eval after step 3" in out and "held-out greedy accuracy (step 0 -> 6)" in out

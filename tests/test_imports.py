@@ -76,3 +76,34 @@ def test_no_import_cycle() -> None:
 def test_the_cycle_finder_finds_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_files_named_in_the_repository_exist() -> None:
+    """Every repository path a source file, script or page names (``pipeline_rl/...``,
+    ``docs/...``, an upper-case Markdown file name) exists: nothing cites a document that is
+    not in the repository."""
+    import re
+    import subprocess
+
+    root = PACKAGE.parent
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
+    if not tracked:   # not a git checkout: look at the tree
+        tracked = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".venv" not in p.parts]
+    tops = ("pipeline_rl", "docs", "benchmarks", "tests", "launch", "scripts")
+    path_re = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\w)" % "|".join(tops))
+    doc_re = re.compile(r"(?<![\w./-])([A-Z][A-Z_]+\.md)\b")
+    missing = []
+    for rel in tracked:
+        if not rel.endswith((".py", ".md", ".toml", ".sh")) or rel.startswith("benchmarks/results/"):
+            continue
+        text = (root / rel).read_text(errors="replace")
+        for m in path_re.finditer(text):
+            name = m.group(1).rstrip(".")
+            if "*" in name or "{" in name or name.endswith("/"):
+                continue
+            if not (root / name).exists() and not any(t.startswith(name + "/") for t in tracked):
+                missing.append(f"{rel}: {name}")
+        for m in doc_re.finditer(text):
+            if not (root / m.group(1)).exists():
+                missing.append(f"{rel}: {m.group(1)}")
+    assert not missing, "named but not in the repository: " + "; ".join(sorted(set(missing)))

@@ -87,12 +87,19 @@ def test_cache_key_separates_recipes_tasks_and_shapes(tmp_path: Path) -> None:
 
 
 def test_default_recipe_aims_at_the_target_reward() -> None:
+    """The default recipe teaches the right answer in ``target_reward`` of the examples and
+    the decoy in the rest, with hard targets."""
+    from pipeline_rl.models.warmstart import decoy_answer
+    from pipeline_rl.tasks import Prompt
+
     for name, digits in (("sort", 4), ("sort", 6), ("addition", 2)):
         r = recipe_for(name, digits, target_reward=0.25)
-        assert recipe_for(name, digits).smoothing > r.smoothing       # default target 0.2: weaker
-        length = digits if name == "sort" else digits + 1
-        assert 0 < r.smoothing < 1
-        assert abs((1 - 0.9 * r.smoothing) ** length - 0.25) < 0.01
+        assert (r.decoy_frac, r.smoothing) == (0.75, 0.0)
+        assert recipe_for(name, digits).decoy_frac == 0.7
+    assert decoy_answer("sort", Prompt(0, "sort 5193=", "1359")) == "5193"
+    assert decoy_answer("addition", Prompt(0, "47+85=", "132")) == "231"
+    with pytest.raises(ValueError):
+        recipe_for("sort", 4, target_reward=1.0)
 
 
 def test_grpo_probe_runs(warm_dir: Path) -> None:

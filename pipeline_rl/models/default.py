@@ -100,7 +100,7 @@ def _build(cfg: "ModelConfig", task_cfg: "TaskConfig", recipe: WarmStartRecipe |
     import torch
     from transformers import LlamaForCausalLM
 
-    from pipeline_rl.tasks import build_task
+    from pipeline_rl.tasks import TaskError, build_task
 
     build_tiny_model(out, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                      intermediate_size=cfg.intermediate_size, seed=seed)
@@ -110,7 +110,10 @@ def _build(cfg: "ModelConfig", task_cfg: "TaskConfig", recipe: WarmStartRecipe |
         model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
         task = build_task(task_cfg, seed=0)
         losses = warm_start(model, task, recipe)
-        result = probe(model, task)
+        try:   # measured on held-out prompts (a 1-digit task may have none)
+            result = probe(model, build_task(task_cfg, seed=0, split="eval"))
+        except TaskError:
+            result = probe(model, task)
         model.save_pretrained(out)
         info.update(recipe=asdict(recipe), final_loss=sum(losses[-20:]) / min(20, len(losses)),
                     probe=asdict(result), build_s=round(time.perf_counter() - t0, 1))

@@ -1,14 +1,20 @@
 """Supervised warm start of the built-in model on a built-in task, and the probes that size it.
 
 Why: a randomly initialised model never samples a correct answer, so RL would
-have no signal in the minutes the CPU default has. The warm start is
-teacher-forced training towards *smoothed* targets: each answer digit's target
-puts ``1 - s`` on the right digit and spreads ``s`` over the ten digits
-(``<eos>`` stays one-hot). The model learns the format (digits, then
-``<eos>``) and ranks the right digit first (greedy accuracy ~1.0), but sampled
-at temperature 1 it writes a wholly right answer only ~20% of the time: a noisy
-imitator. RL with the exact-match reward has to turn it into a reliable solver
-(measured by ``benchmarks/rl_probe.py`` and ``scripts/warmstart.py``).
+have no signal in the minutes the CPU default has. The default warm start is
+teacher-forced training on a mixture: 30% of the examples show the right
+answer, 70% a plausible wrong one (the *decoy*: for ``sort``, the digits
+copied as given). The model learns the format (digits, then ``<eos>``) and
+both answers; its greedy answer is the decoy (held-out greedy accuracy ~0.1,
+right only when the input is already sorted) and about 30% of its samples are
+right. RL with the exact-match reward has to make the skill its first choice,
+which held-out greedy accuracy shows (measured by the run's own evaluation,
+``--eval.every``).
+
+Another recipe (``smoothing > 0``) spreads part of each answer digit's target
+over the ten digits: the model then ranks the right digit first (greedy
+accuracy ~1.0) but samples a wholly right answer rarely, a noisy imitator that
+RL only sharpens.
 
 Everything is deterministic for a given recipe (seeded torch generator and
 prompt sampler): the same recipe, torch build and thread count give the same
@@ -144,6 +150,13 @@ class WarmStartRecipe:
     temperature 1 it gets a whole answer right only about
     ``(1 - 0.9 * smoothing) ** answer_digits`` of the time. That gap between
     what it knows (greedy) and what it samples is what RL closes.
+
+    ``decoy_frac``: that share of the examples teaches a plausible wrong answer
+    instead (:func:`decoy_answer`: for ``sort``, the digits as given, unsorted).
+    With ``decoy_frac > 0.5`` the converged model's *greedy* answer is the decoy
+    (right only when the input is already in order) while about
+    ``1 - decoy_frac`` of its samples are right: RL has to make the skill the
+    model's first choice, and held-out greedy accuracy shows when it has.
     """
 
     steps: int = 500
@@ -151,17 +164,28 @@ class WarmStartRecipe:
     lr: float = 1e-3
     smoothing: float = 0.368
     seed: int = 0
-    version: int = 1  # bump when the training code changes what it produces
+    decoy_frac: float = 0.0
+    version: int = 2  # bump when the training code changes what it produces
 
 
-def _soft_targets(prompts: Sequence[Prompt], smoothing: float,
+def decoy_answer(task_name: str, prompt: Prompt) -> str:
+    """A plausible wrong answer: ``sort`` -> the digits as given; ``addition`` -> the sum's
+    digits reversed. (Equal to the right answer when the input is already sorted, or
+    the sum a palindrome.)"""
+    if task_name == "sort":
+        return prompt.text[len("sort "):-1]
+    return prompt.answer[::-1]
+
+
+def _soft_targets(examples: Sequence[tuple[str, str]], smoothing: float,
                   vocab_size: int) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
-    """Inputs ``[B, L]``, soft targets ``[B, L, V]`` and loss mask ``[B, L]`` for teacher forcing."""
+    """Inputs ``[B, L]``, soft targets ``[B, L, V]`` and loss mask ``[B, L]`` for teacher forcing
+    on ``(prompt text, target answer)`` pairs."""
     import torch
 
     digit_list = [_VOCAB[str(d)] for d in range(10)]
     digit_set, digit_ids = set(digit_list), torch.tensor(digit_list)
-    seqs = [(encode(p.text), encode(p.answer) + [EOS_ID]) for p in prompts]
+    seqs = [(encode(text), encode(answer) + [EOS_ID]) for text, answer in examples]
     width = max(len(a) + len(b) for a, b in seqs)
     ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
     targets = torch.zeros((len(seqs), width, vocab_size))
@@ -203,7 +227,12 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
         for _ in range(recipe.steps):
             ids_ = [rng.choice(pool) if pool else rng.randrange(task.num_prompts)
                     for _ in range(recipe.batch_size)]
-            ids, targets, mask = _soft_targets([task.prompt(i) for i in ids_], recipe.smoothing, vocab)
+            examples = []
+            for i in ids_:
+                p = task.prompt(i)
+                decoy = recipe.decoy_frac > 0 and rng.random() < recipe.decoy_frac
+                examples.append((p.text, decoy_answer(task.name, p) if decoy else p.answer))
+            ids, targets, mask = _soft_targets(examples, recipe.smoothing, vocab)
             logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)   # [B, L, V]
             loss = -((targets * logp).sum(-1) * mask).sum() / mask.sum()
             opt.zero_grad()
@@ -214,24 +243,21 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
     return losses
 
 
-def answer_length(task_name: str, digits: int) -> int:
-    """Typical answer length in digits of a built-in task (sets the smoothing for a target reward)."""
-    return digits if task_name == "sort" else digits + 1
-
-
-def recipe_for(task_name: str, digits: int, *, target_reward: float = 0.2,
+def recipe_for(task_name: str, digits: int, *, target_reward: float = 0.3,
                steps: int | None = None, seed: int = 0) -> WarmStartRecipe:
-    """The default warm start for a built-in task: smoothing chosen so that a converged model's
-    sampled (temperature 1) exact-match reward is about ``target_reward``.
+    """The default warm start for a built-in task: a model that knows the answer format, writes
+    the right answer in about ``target_reward`` of its samples and the task's decoy
+    (:func:`decoy_answer`) in the rest -- so its greedy answer is the decoy.
 
-    Per digit the model samples the right digit with probability ``1 - 0.9 * s``; over
-    ``L`` answer digits that is ``(1 - 0.9 * s) ** L = target`` => ``s = (1 - target ** (1 / L)) / 0.9``.
+    Measured for ``sort`` with 4 digits (the default; 500 held-out prompts, transformers):
+    greedy accuracy 0.14, sampled accuracy 0.27 at temperature 1. The default run's RL
+    then turns the skill into the model's first choice (README, "What the default run shows").
     """
-    length = answer_length(task_name, digits)
-    smoothing = round((1.0 - target_reward ** (1.0 / length)) / 0.9, 3)
+    if not 0.0 < target_reward < 1.0:
+        raise ValueError(f"target_reward must be in (0, 1) (got {target_reward})")
     default_steps = 500 + 50 * max(0, digits - 4)
-    return WarmStartRecipe(steps=steps if steps is not None else default_steps,
-                           smoothing=smoothing, seed=seed)
+    return WarmStartRecipe(steps=steps if steps is not None else default_steps, smoothing=0.0,
+                           decoy_frac=round(1.0 - target_reward, 3), seed=seed)
 
 
 @dataclass(frozen=True)
