@@ -69,6 +69,17 @@ def one_run(name: str, out: Path, flags: list[str]) -> DemoRun:
         evals=[asdict(e) for e in read_evals(out / "eval.jsonl")])
 
 
+def median_run(runs: list[DemoRun]) -> DemoRun:
+    """Median timings over rounds; rewards and evaluations of the last round."""
+    import statistics
+
+    last = runs[-1]
+    return DemoRun(name=last.name, steps=last.steps, wall_s=statistics.median(r.wall_s for r in runs),
+                   train_s=statistics.median(r.train_s for r in runs),
+                   steps_per_s=statistics.median(r.steps_per_s for r in runs),
+                   reward_first=last.reward_first, reward_last=last.reward_last, evals=last.evals)
+
+
 def markdown(runs: dict[str, DemoRun]) -> str:
     d, n = runs["default"], runs["no-eval"]
     lines = ["| run | steps | wall time (s) | training time (s) | steps/s | train reward first -> last 10% |",
@@ -114,31 +125,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="Write the figures here.")
     p.add_argument("--md", type=Path, default=None, help="Write the Markdown tables here.")
     p.add_argument("--png", type=Path, default=None, help="Write the evaluation curve here.")
+    p.add_argument("--repeats", type=int, default=1, help="Rounds of the three runs, each round in a "
+                   "rotated order (so no run always goes first); figures are medians over rounds, "
+                   "the curve and table from the last round.")
     args = p.parse_args(argv)
     from pipeline_rl.config import ModelConfig, TaskConfig
     from pipeline_rl.models import WarmStartRecipe, default_model_dir
 
     previous = default_model_dir(ModelConfig(), TaskConfig(), recipe=WarmStartRecipe(smoothing=0.368))
     steps = ["--max-steps", str(args.steps)]
+    flags = {"default": [*steps, "--eval.every", "50"], "no-eval": [*steps, "--eval.every", "0"],
+             "previous": [*steps, "--model.path", str(previous), "--eval.every", str(args.steps)]}
+    rounds: list[dict[str, DemoRun]] = []
     start_ray()
     try:
         with tempfile.TemporaryDirectory(prefix="demo_") as tmp:
-            runs = {
-                "default": one_run("default", Path(tmp) / "default", [*steps, "--eval.every", "50"]),
-                "no-eval": one_run("no-eval", Path(tmp) / "noeval", [*steps, "--eval.every", "0"]),
-                "previous": one_run("previous", Path(tmp) / "previous",
-                                    [*steps, "--model.path", str(previous), "--eval.every", str(args.steps)]),
-            }
+            names = list(flags)
+            for r in range(args.repeats):
+                order = names[r % 3:] + names[:r % 3]
+                rounds.append({n: one_run(n, Path(tmp) / f"{n}_{r}", flags[n]) for n in order})
     finally:
         stop_ray()
+    runs = {n: median_run([rd[n] for rd in rounds]) for n in names}
     table = markdown(runs)
+    if args.repeats > 1:
+        table += "\n\n" + f"Medians over {args.repeats} rounds (orders rotated); per round, steps/s: " + "; ".join(
+            ", ".join(f"{n} {rd[n].steps_per_s:.2f}" for n in names) for rd in rounds) + "."
     print(table)
     if args.md is not None:
         args.md.write_text(table + "\n")
     if args.png is not None:
         plot(runs["default"], args.png)
     if args.json is not None:
-        args.json.write_text(json.dumps({"hardware": hardware(), "runs": {k: asdict(v) for k, v in runs.items()}},
+        args.json.write_text(json.dumps({"hardware": hardware(), "runs": {k: asdict(v) for k, v in runs.items()},
+                                         "rounds": [{k: asdict(v) for k, v in rd.items()} for rd in rounds]},
                                         indent=1))
     return 0
 

@@ -15,6 +15,7 @@ or a concurrent build never leaves a half-written model behind.
 
 from __future__ import annotations
 
+import logging
 import hashlib
 import json
 import os
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from pipeline_rl.models.builtin import VOCAB_SIZE, build_tiny_model
 from pipeline_rl.models.warmstart import WarmStartRecipe, probe, recipe_for, warm_start
+
+log = logging.getLogger("pipeline_rl.models")
 
 if TYPE_CHECKING:
     from pipeline_rl.config import ModelConfig, TaskConfig
@@ -82,6 +85,7 @@ def default_model_dir(cfg: "ModelConfig", task: "TaskConfig | None" = None, *,
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    log.info("building the built-in model %s (first run only; cached in %s)", name, root)
     try:
         _build(cfg, task_cfg, recipe, tmp, seed)
         try:
@@ -99,8 +103,11 @@ def _build(cfg: "ModelConfig", task_cfg: "TaskConfig", recipe: WarmStartRecipe |
     """Random init into ``out``, then (with a recipe) warm start and probe; writes :data:`INFO_FILE` last."""
     import torch
     from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from pipeline_rl.tasks import TaskError, build_task
+
+    hf_logging.disable_progress_bar()   # the console gets one line for the build, not bars
 
     build_tiny_model(out, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                      intermediate_size=cfg.intermediate_size, seed=seed)

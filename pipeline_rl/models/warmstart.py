@@ -5,9 +5,9 @@ have no signal in the minutes the CPU default has. The default warm start is
 teacher-forced training on a mixture: 30% of the examples show the right
 answer, 70% a plausible wrong one (the *decoy*: for ``sort``, the digits
 copied as given). The model learns the format (digits, then ``<eos>``) and
-both answers; its greedy answer is the decoy (held-out greedy accuracy ~0.1,
-right only when the input is already sorted) and about 30% of its samples are
-right. RL with the exact-match reward has to make the skill its first choice,
+both answers; its greedy answer is mostly the decoy (held-out greedy accuracy
+about 0.2: the input already sorted, or a prompt where it trusts the right
+answer more) and about 30% of its samples are right. RL with the exact-match reward has to make the skill its first choice,
 which held-out greedy accuracy shows (measured by the run's own evaluation,
 ``--eval.every``).
 
@@ -250,12 +250,13 @@ def recipe_for(task_name: str, digits: int, *, target_reward: float = 0.3,
     (:func:`decoy_answer`) in the rest -- so its greedy answer is the decoy.
 
     Measured for ``sort`` with 4 digits (the default; 500 held-out prompts, transformers):
-    greedy accuracy 0.14, sampled accuracy 0.27 at temperature 1. The default run's RL
+    greedy accuracy 0.23, sampled accuracy 0.33 at temperature 1 (1,000 steps; with 500
+    the right answers are learnt less well: 0.14 and 0.27, and RL ends less sharp). The default run's RL
     then turns the skill into the model's first choice (README, "What the default run shows").
     """
     if not 0.0 < target_reward < 1.0:
         raise ValueError(f"target_reward must be in (0, 1) (got {target_reward})")
-    default_steps = 500 + 50 * max(0, digits - 4)
+    default_steps = 1000 + 100 * max(0, digits - 4)
     return WarmStartRecipe(steps=steps if steps is not None else default_steps, smoothing=0.0,
                            decoy_frac=round(1.0 - target_reward, 3), seed=seed)
 
