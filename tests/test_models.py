@@ -95,7 +95,7 @@ def test_default_recipe_aims_at_the_target_reward() -> None:
     for name, digits in (("sort", 4), ("sort", 6), ("addition", 2)):
         r = recipe_for(name, digits, target_reward=0.25)
         assert (r.decoy_frac, r.smoothing) == (0.75, 0.0)
-        assert recipe_for(name, digits).decoy_frac == 0.7
+        assert recipe_for(name, digits).decoy_frac == 0.75
     assert decoy_answer("sort", Prompt(0, "sort 5193=", "1359")) == "5193"
     assert decoy_answer("addition", Prompt(0, "47+85=", "132")) == "231"
     with pytest.raises(ValueError):

@@ -102,10 +102,7 @@ def _build(cfg: "ModelConfig", task_cfg: "TaskConfig", recipe: WarmStartRecipe |
            out: Path, seed: int) -> None:
     """Random init into ``out``, then (with a recipe) warm start and probe; writes :data:`INFO_FILE` last."""
     import torch
-    from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from pipeline_rl.tasks import TaskError, build_task
 
     hf_logging.disable_progress_bar()   # the console gets one line for the build, not bars
 
@@ -114,14 +111,30 @@ def _build(cfg: "ModelConfig", task_cfg: "TaskConfig", recipe: WarmStartRecipe |
     info: dict[str, object] = {"task": task_cfg.name, "digits": task_cfg.digits, "recipe": None}
     if recipe is not None:
         t0 = time.perf_counter()
-        model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
-        task = build_task(task_cfg, seed=0)
-        losses = warm_start(model, task, recipe)
-        try:   # measured on held-out prompts (a 1-digit task may have none)
-            result = probe(model, build_task(task_cfg, seed=0, split="eval"))
-        except TaskError:
-            result = probe(model, task)
-        model.save_pretrained(out)
-        info.update(recipe=asdict(recipe), final_loss=sum(losses[-20:]) / min(20, len(losses)),
-                    probe=asdict(result), build_s=round(time.perf_counter() - t0, 1))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)   # the same weights whatever the caller's thread settings
+        try:
+            _warm_start_into(out, task_cfg, recipe, info)
+        finally:
+            torch.set_num_threads(threads)
+        info["build_s"] = round(time.perf_counter() - t0, 1)
     (out / INFO_FILE).write_text(json.dumps(info, indent=2))
+
+
+def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe, info: dict[str, object]) -> None:
+    """Warm-start the model saved in ``out`` in place; record the recipe and probe in ``info``."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from pipeline_rl.tasks import TaskError, build_task
+
+    model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    task = build_task(task_cfg, seed=0)
+    losses = warm_start(model, task, recipe)
+    try:   # measured on held-out prompts (a 1-digit task may have none)
+        result = probe(model, build_task(task_cfg, seed=0, split="eval"))
+    except TaskError:
+        result = probe(model, task)
+    model.save_pretrained(out)
+    info.update(recipe=asdict(recipe), final_loss=sum(losses[-20:]) / min(20, len(losses)),
+                probe=asdict(result))
