@@ -137,12 +137,13 @@ class RolloutActor:
                  buffer_name: str) -> None:
         setup_actor_process(cfg, f"rollout-{worker_id}")
         from pipeline_rl.actors.rollout_worker import RolloutWorker
-        from pipeline_rl.tasks import build_task_for_model
+        from pipeline_rl.tasks import build_task_for_model, task_tokenizer
 
-        # The model's tokenizer: prompts reach the engine rendered by its chat template.
-        task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed, evaluation=cfg.eval)
+        # The model's tokenizer (loaded once): prompts reach the engine rendered by its chat template.
+        tokenizer = task_tokenizer(cfg.task, model_dir)
+        task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed, evaluation=cfg.eval, tokenizer=tokenizer)
         eval_task = (build_task_for_model(cfg.task, model_dir, seed=cfg.seed, split="eval",
-                                          evaluation=cfg.eval) if cfg.eval.every else None)
+                                          evaluation=cfg.eval, tokenizer=tokenizer) if cfg.eval.every else None)
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager")
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
                                      buffer_address=buffer_address, admission=RayAdmission(buffer_name),

@@ -415,7 +415,7 @@ class RolloutWorker:
 
     def _score_eval(self, pending: PendingEval) -> None:
         try:
-            result = pending.score(lambda p, text: self._reward(p, text), self._engine.version)
+            result = pending.score(self._reward, self._engine.version)
         except BaseException as e:
             pending.future.set_exception(e)
             raise

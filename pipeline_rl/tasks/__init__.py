@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from pipeline_rl.config import EvalConfig, TaskConfig
 
 __all__ = ["AdditionTask", "ConfiguredTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
-           "TaskError", "build_task", "build_task_for_model", "longest_prompt", "resolve_reward"]
+           "TaskError", "build_task", "build_task_for_model", "longest_prompt", "resolve_reward",
+           "task_tokenizer"]
 
 
 def longest_prompt(cfg: "TaskConfig") -> str | None:
@@ -110,16 +111,25 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
     return task
 
 
-def build_task_for_model(cfg: "TaskConfig", model_dir: str, *, seed: int = 0,
-                         max_prompt_tokens: int | None = None, split: Split = "train",
-                         evaluation: "EvalConfig | None" = None) -> Task:
-    """:func:`build_task` with the tokenizer of the model in ``model_dir`` (loaded with
-    ``transformers.AutoTokenizer``, imported here), so prompts get its chat template.
-    With ``chat_template=none`` and no length check, no tokenizer is loaded."""
+def task_tokenizer(cfg: "TaskConfig", model_dir: str, *, max_prompt_tokens: int | None = None) -> Encoder | None:
+    """The tokenizer of the model in ``model_dir`` (``transformers.AutoTokenizer``, imported
+    here) when prompts need it -- for its chat template or a length check -- else None
+    (``chat_template=none`` and no limit: nothing is loaded)."""
     if cfg.chat_template == "none" and max_prompt_tokens is None:
-        return build_task(cfg, seed=seed, split=split, evaluation=evaluation)
+        return None
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return build_task(cfg, seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
+    tokenizer: Encoder = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer
+
+
+def build_task_for_model(cfg: "TaskConfig", model_dir: str, *, seed: int = 0,
+                         max_prompt_tokens: int | None = None, split: Split = "train",
+                         evaluation: "EvalConfig | None" = None,
+                         tokenizer: Encoder | None = None) -> Task:
+    """:func:`build_task` with the tokenizer of the model in ``model_dir`` (see
+    :func:`task_tokenizer`; pass ``tokenizer`` to reuse one already loaded), so prompts
+    get its chat template."""
+    tok = tokenizer if tokenizer is not None else task_tokenizer(cfg, model_dir, max_prompt_tokens=max_prompt_tokens)
+    return build_task(cfg, seed=seed, tokenizer=tok, max_prompt_tokens=max_prompt_tokens if tok is not None else None,
                       split=split, evaluation=evaluation)

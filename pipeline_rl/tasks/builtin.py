@@ -17,6 +17,7 @@ what is learnt.
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from pipeline_rl.tasks.base import Prompt, Split, TaskError, is_held_out, pool_index, strip_eos
@@ -31,7 +32,7 @@ def exact_match(completion: str, answer: str) -> float:
 
 
 @dataclass(frozen=True)
-class _SeededTask:
+class _SeededTask(ABC):
     """Common part of the built-in tasks: a seeded, stateless prompt pool.
 
     ``split`` picks the side of the held-out split (:func:`is_held_out`): a prompt id's
@@ -65,9 +66,9 @@ class _SeededTask:
         raise TaskError(f"task {self.name} with {self.digits} digit(s) has too few distinct prompts "
                         f"for a {self.split} split; use more digits or --eval.every 0")
 
+    @abstractmethod
     def _draw(self, rng: random.Random) -> tuple[str, str]:
         """One random (prompt text, answer)."""
-        raise NotImplementedError
 
     def reward(self, prompt: str, completion: str, meta: Prompt) -> float:
         return exact_match(completion, meta.answer)
