@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,37 +161,41 @@ def test_unadmitted_and_late_groups_of_a_lost_worker_still_count_as_used() -> No
 class SimWorker:
     """A rollout worker on a scripted timeline: it holds weights ``weights``,
     starts every group it is granted once its weights reach ``min_version``,
-    and finishes a group one tick after starting it."""
+    and finishes a group ``duration(start index)`` ticks after starting it."""
 
     worker_id: int
     weights: int = 0
     waiting: list[int] = field(default_factory=list)  # min_version per granted group
-    running: list[int] = field(default_factory=list)  # weights version per started group
+    running: list[tuple[int, int]] = field(default_factory=list)  # (finish tick, weights version)
 
 
 def run_timeline(staleness: int, steps: int, gps: int = 2, workers: int = 3,
-                 weight_delay: int = 0) -> tuple[ReplayBuffer, list[list[int]], list[tuple[int, int]]]:
-    """Ticks: workers finish running groups, acquire greedily and start what their
+                 weight_delay: int = 0, duration: Callable[[int], int] = lambda i: 1,
+                 straggler_wait_s: float = 60.0,
+                 ) -> tuple[ReplayBuffer, list[list[int]], list[tuple[int, int]]]:
+    """Ticks: workers put finished groups, acquire greedily and start what their
     weights allow; the trainer takes a batch when one is there, steps, and its
     weights reach the workers ``weight_delay`` ticks later. Returns the buffer,
     each step's token versions, and (trainer version, weights version) of every start."""
-    buf = ReplayBuffer(capacity_groups=64, staleness=staleness, groups_per_step=gps)
+    buf = ReplayBuffer(capacity_groups=64, staleness=staleness, groups_per_step=gps,
+                       straggler_wait_s=straggler_wait_s)
     sims = [SimWorker(w) for w in range(workers)]
     version, trained, starts, gid = 0, [], [], 0
     published: list[tuple[int, int]] = []  # (tick visible, version)
-    for tick in range(steps * 20):
+    for tick in range(steps * 40):
         for sim in sims:
             sim.weights = max([sim.weights] + [v for t, v in published if t <= tick])
-            for v in sim.running:
+            for _, v in [r for r in sim.running if r[0] <= tick]:
                 buf.put(group(gid, v, sim.worker_id))
                 gid += 1
-            sim.running = []
+            sim.running = [r for r in sim.running if r[0] > tick]
             adm = buf.acquire(sim.worker_id, 4)
             sim.waiting += [adm.min_version] * adm.granted
             ready = [m for m in sim.waiting if m <= sim.weights]
             sim.waiting = [m for m in sim.waiting if m > sim.weights]
-            sim.running += [sim.weights] * len(ready)
-            starts += [(version, sim.weights)] * len(ready)
+            for _ in ready:
+                sim.running.append((tick + duration(len(starts)), sim.weights))
+                starts.append((version, sim.weights))
         batch = buf.get_batch(gps, version, timeout_s=0)
         if batch is not None:
             trained.append([g.oldest_version for g in batch])
@@ -222,6 +227,70 @@ def test_positive_staleness_runs_ahead_but_within_the_bound(staleness: int) -> N
     assert max(lags) <= staleness and max(lags) > 0  # asynchronous, bounded
     assert max(tv - wv for tv, wv in starts) <= staleness
     assert buf.stats().evicted == {}  # the budget keeps eviction away
+
+
+def long_tail(i: int) -> int:
+    """Generation times with a long tail: most groups take 1 tick, every 7th 6 ticks."""
+    return 6 if i % 7 == 3 else 1
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_stragglers_are_waited_for_so_honest_workers_lose_nothing(staleness: int) -> None:
+    buf, trained, _ = run_timeline(staleness=staleness, steps=30, weight_delay=1, duration=long_tail)
+    lags = [step - v for step, versions in enumerate(trained) for v in versions]
+    assert max(lags) <= staleness
+    s = buf.stats()
+    assert s.evicted == {} and s.straggler_timeouts == 0
+    # The same timeline without the wait: long generations are overtaken and evicted.
+    buf, _, _ = run_timeline(staleness=staleness, steps=30, weight_delay=1, duration=long_tail,
+                             straggler_wait_s=0.0)
+    assert buf.stats().evicted.get("stale", 0) > 0 and buf.stats().straggler_timeouts > 0
+
+
+def test_a_straggler_is_handed_out_first_at_its_deadline() -> None:
+    buf = ReplayBuffer(capacity_groups=16, staleness=1, groups_per_step=2)
+    assert buf.acquire(0, 1).granted == 1  # w0's group: deadline 1
+    assert buf.acquire(1, 3).granted == 3  # w1's: deadline 1
+    buf.put(group(10, 0, 1)), buf.put(group(11, 0, 1))
+    assert ids(buf.get_batch(2, 0, timeout_s=0)) == [10, 11]
+    buf.put(group(12, 0, 1))
+    buf.set_version(1)
+    a = buf.acquire(1, 2)
+    assert (a.granted, a.min_version) == (2, 1)
+    buf.put(group(13, 1, 1)), buf.put(group(14, 1, 1))
+    t0 = time.monotonic()
+    assert buf.get_batch(2, 1, timeout_s=0.2) is None  # w0's group is due at version 1
+    assert time.monotonic() - t0 >= 0.19
+    buf.put(group(0, 0, 0))  # it arrives last, and is trained now rather than evicted later
+    assert ids(buf.get_batch(2, 1, timeout_s=0)) == [12, 0]
+    assert ids(buf.get_batch(2, 2, timeout_s=0)) == [13, 14]
+    s = buf.stats()
+    assert s.evicted == {} and s.straggler_wait_s >= 0.19 and s.lag_histogram == {0: 2, 1: 4}
+
+
+@pytest.mark.parametrize("way", ["worker_lost", "release", "timeout", "full"])
+def test_the_straggler_wait_ends(way: str) -> None:
+    buf = ReplayBuffer(capacity_groups=3 if way == "full" else 8, staleness=0, groups_per_step=2,
+                       straggler_wait_s=0.1 if way == "timeout" else 60.0)
+    assert buf.acquire(0, 1).granted == 1 and buf.acquire(1, 1).granted == 1
+    buf.put(group(10, 0, 1)), buf.put(group(11, 0, 1))  # unadmitted: w1 had one grant
+    if way == "full":
+        buf.put(group(12, 0, 1))
+    elif way == "worker_lost":
+        buf.worker_lost(0)
+    elif way == "release":
+        assert buf.release(0, 5) == 1
+    assert ids(buf.get_batch(2, 0, timeout_s=5)) == [10, 11]
+    assert buf.stats().straggler_timeouts == (1 if way == "timeout" else 0)
+
+
+def test_an_arriving_group_fills_its_latest_possible_grant() -> None:
+    from pipeline_rl.buffer.replay import _grant_of
+
+    assert _grant_of([1, 1, 3, 5], 3) == 2  # a group fresh enough for deadline 3 fills a 3
+    assert _grant_of([1, 1, 3, 5], 9) == 3
+    assert _grant_of([1, 1, 3, 5], 2) == 1
+    assert _grant_of([4, 5], 0) == 0  # older than every grant (it will be evicted): the first
 
 
 def test_stale_producer_ignoring_min_version_is_evicted_not_trained() -> None:

@@ -362,8 +362,11 @@ class RolloutWorker:
             if idle:  # the wait in the buffer is engine idle time
                 with self._lock:
                     self._c.idle_s += time.perf_counter() - now
+            # Grants still held keep their own (older, lower) bound satisfied by a
+            # higher one; a lower bound may only replace it once none is held.
+            self._min_version = (adm.min_version if not self._granted
+                                 else max(self._min_version, adm.min_version))
             self._granted += adm.granted
-            self._min_version = adm.min_version
             self._next_acquire = now + self.acquire_backoff_s if adm.granted < room else 0.0
         while self._granted and self._engine.version >= self._min_version:
             self._start_group()

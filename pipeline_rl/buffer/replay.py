@@ -1,5 +1,5 @@
-"""The bounded replay buffer: FIFO storage of whole groups, staleness eviction at
-hand-out, the global admission budget, and multi-rank batch hand-out.
+"""The bounded replay buffer: storage of whole groups in arrival order,
+staleness eviction and most-urgent-first hand-out, the global admission budget, and multi-rank batch hand-out.
 
 Thread-safe and in-process: the ZeroMQ receiver thread (``server.py``) puts
 groups, trainer ranks take batches, rollout workers ask for admission (in the
@@ -21,9 +21,19 @@ Invariants (checked by the tests):
   run) and ``version`` is the newest trainer version the buffer has seen (from
   ``get_batch`` or ``set_version``). If groups arrive in grant order, the i-th
   useful group is trained at version ``i // groups_per_step``, so a group
-  started with weights ``>= Admission.min_version`` passes; it can still be
-  evicted when groups granted after it overtake it (a long generation) and push
-  its training to a later step. ``staleness=0`` is exactly synchronous: only
+  started with weights ``>= Admission.min_version`` passes.
+* Stragglers (a grant whose ``min_version + staleness`` is the step being
+  assembled) are waited for: every grant carries the last version it can be
+  trained at (its *deadline*), and the step at a grant's deadline is not
+  assembled while that grant is outstanding -- at most ``straggler_wait_s``,
+  and never while the buffer is full (the straggler could not be stored).
+  Hand-out is then most-urgent-first (lowest oldest token version, arrival
+  order among equals), so a straggler that arrives last is still trained at its
+  deadline. Without both, groups granted after a long generation overtake it
+  and push it one step past its staleness: it would be evicted although its
+  worker honoured ``min_version``. So a worker that honours ``min_version`` never
+  has a group evicted, unless the straggler wait runs out (counted as
+  ``straggler_timeouts``). ``staleness=0`` is exactly synchronous: only
   the ``groups_per_step`` groups of step ``v`` can be in flight while the
   trainer is at ``v``, they can only be granted once it has reached ``v``, must
   be generated with weights ``v`` (``min_version``), and the trainer waits for
@@ -32,7 +42,7 @@ Invariants (checked by the tests):
 Several trainer ranks (``num_ranks=R``): each rank calls
 ``get_batch(n, version, rank=r)`` once per optimizer step with the same
 ``version``. The first rank able to do so assembles the whole step's ``n * R``
-groups atomically (under the lock, FIFO, after eviction) and the batch is split
+groups atomically (under the lock, after eviction, most urgent first) and the batch is split
 by rank: rank ``r`` gets groups ``[r*n, (r+1)*n)``. A rank that arrives later
 for the same version takes its slice at once. So either every rank of a step
 gets its groups or none does yet: ranks cannot drift apart by a batch, and the
@@ -43,6 +53,7 @@ collectives (each optimizer step all-reduces, so no rank can ask for version
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -51,6 +62,12 @@ from dataclasses import dataclass
 
 from pipeline_rl.buffer.types import Admission, AdmissionStats, BufferStats, _Counters
 from pipeline_rl.samples import Group
+
+# How long a step waits for a straggler at its deadline before it is assembled
+# without it (the straggler is then evicted when it arrives). A worker's death
+# refunds its grants at once (``worker_lost``), so this bounds only a live but
+# slow worker.
+STRAGGLER_WAIT_S = 60.0
 
 @dataclass(slots=True)
 class _Entry:
@@ -66,19 +83,22 @@ class _Step:
 
 
 class ReplayBuffer:
-    """Bounded FIFO of groups with backpressure, staleness eviction and the
+    """Bounded queue of groups with backpressure, staleness eviction and the
     admission budget. See the module docstring for the invariants."""
 
     def __init__(self, capacity_groups: int, staleness: int, groups_per_step: int, *,
-                 num_ranks: int = 1, start_version: int = 0) -> None:
+                 num_ranks: int = 1, start_version: int = 0,
+                 straggler_wait_s: float = STRAGGLER_WAIT_S) -> None:
         """``groups_per_step``: groups the trainer consumes per optimizer step (all
         ranks together); ``start_version``: the trainer's version when the buffer
         starts (non-zero when resuming, so the admission budget does not open
-        ``start_version * groups_per_step`` slots at once)."""
+        ``start_version * groups_per_step`` slots at once); ``straggler_wait_s``:
+        how long a step waits for a grant due at it (module docstring)."""
         _check_positive(capacity_groups=capacity_groups, groups_per_step=groups_per_step,
                         num_ranks=num_ranks)
-        if staleness < 0 or start_version < 0:
-            raise ValueError(f"staleness ({staleness}) and start_version ({start_version}) must be >= 0")
+        if staleness < 0 or start_version < 0 or straggler_wait_s < 0:
+            raise ValueError(f"staleness ({staleness}), start_version ({start_version}) and "
+                             f"straggler_wait_s ({straggler_wait_s}) must be >= 0")
         if groups_per_step % num_ranks:
             raise ValueError(f"groups_per_step={groups_per_step} must divide evenly over num_ranks={num_ranks}")
         if capacity_groups < groups_per_step:
@@ -88,6 +108,7 @@ class ReplayBuffer:
         self.staleness = staleness
         self.groups_per_step = groups_per_step
         self.num_ranks = num_ranks
+        self.straggler_wait_s = straggler_wait_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified on any change a waiter can use
         self._queue: deque[_Entry] = deque()
@@ -96,7 +117,9 @@ class ReplayBuffer:
         self._held = 0
         self._version = start_version
         self._used_base = start_version * groups_per_step  # groups "trained" before we started
-        self._outstanding: dict[int, int] = {}  # worker -> granted, not yet received
+        # worker -> deadlines of its grants not yet received, ascending (a grant's
+        # deadline: the last trainer version its group can be trained at).
+        self._outstanding: dict[int, list[int]] = {}
         self._granted = self._lost = self._unadmitted = 0
         self._c = _Counters()
         self._closed = False
@@ -154,9 +177,9 @@ class ReplayBuffer:
     def _append_locked(self, group: Group) -> None:
         self._queue.append(_Entry(group, group.oldest_version))
         self._c.groups_in += 1
-        owed = self._outstanding.get(group.worker_id, 0)
-        if owed > 0:
-            self._outstanding[group.worker_id] = owed - 1
+        owed = self._outstanding.get(group.worker_id)
+        if owed:
+            owed.pop(_grant_of(owed, group.oldest_version + self.staleness))
         else:
             self._unadmitted += 1  # sent without a grant (or after worker_lost): still counted as used
 
@@ -171,20 +194,25 @@ class ReplayBuffer:
             self._wait_locked(lambda: self._room_locked() > 0 or max_groups == 0, deadline, None)
             granted = max(0, min(max_groups, self._room_locked()))
             used_after = self._used_locked() + granted
-            if granted:
-                self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) + granted
-                self._granted += granted
             # The last granted group is trained at version >= step_of_last; it must
             # then have lag <= staleness.
             step_of_last = max(self._version, (used_after - 1) // self.groups_per_step)
-            return Admission(granted, self._version, max(0, step_of_last - self.staleness))
+            min_version = max(0, step_of_last - self.staleness)
+            if granted:
+                owed = self._outstanding.setdefault(worker_id, [])
+                owed.extend([min_version + self.staleness] * granted)
+                owed.sort()
+                self._granted += granted
+            return Admission(granted, self._version, min_version)
 
     def release(self, worker_id: int, count: int) -> int:
         """A live worker gives back ``count`` grants it will not use (e.g. it is
         stopping). Returns how many were actually outstanding and refunded."""
         with self._lock:
-            refund = min(max(count, 0), self._outstanding.get(worker_id, 0))
-            self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) - refund
+            owed = self._outstanding.get(worker_id, [])
+            refund = min(max(count, 0), len(owed))
+            # A worker starts its grants in order, so the ones it gives back are its newest.
+            del owed[len(owed) - refund:]
             self._changed.notify_all()
             return refund
 
@@ -194,7 +222,7 @@ class ReplayBuffer:
         that worker still in flight and arriving later are accepted as
         ``unadmitted``. Returns the refund."""
         with self._lock:
-            refund = self._outstanding.pop(worker_id, 0)
+            refund = len(self._outstanding.pop(worker_id, []))
             self._lost += refund
             self._changed.notify_all()
             return refund
@@ -213,7 +241,14 @@ class ReplayBuffer:
 
     def _used_locked(self) -> int:
         evicted = sum(self._c.evicted.values())
-        return self._used_base + self._c.groups_in - evicted + sum(self._outstanding.values())
+        return self._used_base + self._c.groups_in - evicted + self._owed_locked()
+
+    def _owed_locked(self) -> int:
+        return sum(len(owed) for owed in self._outstanding.values())
+
+    def _straggler_due_locked(self, version: int) -> bool:
+        """A grant not yet received must be trained at ``version`` at the latest."""
+        return any(owed and owed[0] <= version for owed in self._outstanding.values())
 
     def _limit_locked(self) -> int:
         return (self.staleness + self._version + 1) * self.groups_per_step
@@ -225,7 +260,8 @@ class ReplayBuffer:
     def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float | None = None,
                   *, rank: int = 0) -> list[Group] | None:
         """Hand ``num_groups`` groups (this rank's share of the step) to a trainer
-        rank at ``trainer_version``, FIFO, after evicting stale ones.
+        rank at ``trainer_version``, most urgent first, after evicting stale ones
+        and waiting for stragglers due at this version.
 
         Blocks up to ``timeout_s`` (None: forever, 0: non-blocking) and returns
         None if the batch is not complete by then (nothing is taken) or the
@@ -248,21 +284,35 @@ class ReplayBuffer:
     def _get_locked(self, num_groups: int, version: int, rank: int,
                     deadline: float | None) -> list[Group] | None:
         total = num_groups * self.num_ranks
+        straggle_until: float | None = None  # set when this step starts waiting for a straggler
         while True:
             step = self._steps.get(version)
             if step is not None:
                 return self._take_slice_locked(step, version, rank, num_groups)
             if self._closed:
                 return None
-            groups = self._assemble_locked(total, version) if len(self._queue) >= total else None
-            if groups is not None:
-                if self.num_ranks == 1:
-                    return groups
-                self._steps[version] = _Step([groups[r * num_groups:(r + 1) * num_groups]
-                                              for r in range(self.num_ranks)])
-                self._held += total
-                self._changed.notify_all()
-                continue
+            wait_until = deadline
+            if len(self._queue) >= total:
+                if self._straggler_due_locked(version) and len(self._queue) < self.capacity:
+                    now = time.monotonic()
+                    if straggle_until is None:
+                        straggle_until = now + self.straggler_wait_s
+                    if now < straggle_until:
+                        wait_until = straggle_until if deadline is None else min(deadline, straggle_until)
+                        self._wait_straggler_locked(total, version, wait_until)
+                        if deadline is not None and time.monotonic() >= deadline:
+                            return None
+                        continue
+                    self._c.straggler_timeouts += 1
+                groups = self._assemble_locked(total, version)
+                if groups is not None:
+                    if self.num_ranks == 1:
+                        return groups
+                    self._steps[version] = _Step([groups[r * num_groups:(r + 1) * num_groups]
+                                                  for r in range(self.num_ranks)])
+                    self._held += total
+                    self._changed.notify_all()
+                    continue
             self._wants.append(total)
             try:
                 if not self._wait_locked(lambda: len(self._queue) >= total or version in self._steps,
@@ -270,6 +320,19 @@ class ReplayBuffer:
                     return None
             finally:
                 self._wants.remove(total)
+
+    def _wait_straggler_locked(self, total: int, version: int, until: float) -> None:
+        """Wait (at most until ``until``) for the grants due at ``version`` to arrive,
+        be refunded, or for the buffer to fill; the time counts as ``straggler_wait_s``."""
+        start = time.monotonic()
+        self._wants.append(total)
+        try:
+            self._wait_locked(lambda: (not self._straggler_due_locked(version)
+                                       or len(self._queue) >= self.capacity
+                                       or version in self._steps), until, None)
+        finally:
+            self._wants.remove(total)
+            self._c.straggler_wait_s += time.monotonic() - start
 
     def _take_slice_locked(self, step: _Step, version: int, rank: int,
                            num_groups: int) -> list[Group]:
@@ -286,27 +349,31 @@ class ReplayBuffer:
         return mine
 
     def _assemble_locked(self, total: int, version: int) -> list[Group] | None:
-        """Pop ``total`` fresh groups FIFO, evicting stale ones met on the way;
-        if too few fresh ones remain, put them back at the front (order kept)."""
-        fresh: list[_Entry] = []
+        """Evict the stale groups, then take the ``total`` most urgent fresh ones
+        (lowest oldest token version; arrival order among equals). The batch and
+        the groups left queued keep arrival order. None (nothing taken) if too few fresh ones remain."""
         queue, limit = self._queue, self.staleness
-        while queue and len(fresh) < total:
-            entry = queue.popleft()
-            if version - entry.oldest > limit:
-                self._c.evicted["stale"] = self._c.evicted.get("stale", 0) + 1
-            else:
-                fresh.append(entry)
-        if len(fresh) < total:
-            queue.extendleft(reversed(fresh))
+        fresh = [e for e in queue if version - e.oldest <= limit]
+        stale = len(queue) - len(fresh)
+        if stale:
+            self._c.evicted["stale"] = self._c.evicted.get("stale", 0) + stale
+            queue.clear()
+            queue.extend(fresh)
             self._changed.notify_all()  # evictions freed room and budget
+        if len(fresh) < total:
             return None
+        order = sorted(range(len(fresh)), key=lambda i: fresh[i].oldest)  # stable
+        chosen = set(order[:total])
+        taken = [fresh[i] for i in sorted(chosen)]  # the batch keeps arrival order
+        queue.clear()
+        queue.extend(e for i, e in enumerate(fresh) if i not in chosen)
         hist = self._c.lag_histogram
-        for entry in fresh:
+        for entry in taken:
             lag = max(0, version - entry.oldest)
             hist[lag] = hist.get(lag, 0) + 1
         self._c.groups_out += total
         self._changed.notify_all()
-        return [e.group for e in fresh]
+        return [e.group for e in taken]
 
     # ---------------------------------------------------------------- common
     def _wait_locked(self, ready: Callable[[], bool], deadline: float | None, counter: str | None) -> bool:
@@ -335,10 +402,11 @@ class ReplayBuffer:
                 rejected=dict(c.rejected), fill=len(self._queue), held=self._held,
                 capacity=self.capacity, full_wait_s=c.full_wait_s, consumer_wait_s=c.consumer_wait_s,
                 lag_histogram=dict(c.lag_histogram), bytes_in=c.bytes_in,
+                straggler_wait_s=c.straggler_wait_s, straggler_timeouts=c.straggler_timeouts,
                 connections=c.connections, disconnections=c.disconnections,
                 admission=AdmissionStats(
                     version=self._version, limit=self._limit_locked(), used=self._used_locked(),
-                    granted=self._granted, outstanding=sum(self._outstanding.values()),
+                    granted=self._granted, outstanding=self._owed_locked(),
                     lost=self._lost, unadmitted=self._unadmitted))
 
     @property
@@ -358,6 +426,16 @@ class ReplayBuffer:
             self._closed = True
             self._changed.notify_all()
 
+
+
+def _grant_of(deadlines: list[int], latest: int) -> int:
+    """Index of the grant an arriving group fills, in a worker's ascending grant
+    deadlines, given the latest deadline the group can meet (``oldest version +
+    staleness``): the last grant with a deadline <= ``latest`` (a group started
+    with weights ``v`` can fill any grant whose ``min_version <= v``; taking the
+    latest such grant keeps the earlier, more urgent ones waited for). A group
+    older than every grant fills the first."""
+    return max(0, bisect.bisect_right(deadlines, latest) - 1)
 
 
 def _check_positive(**values: int) -> None:

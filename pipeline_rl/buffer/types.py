@@ -98,7 +98,9 @@ class BufferStats:
     ``handshake_failed``); ``fill``/``capacity``: groups stored now / at most;
     ``full_wait_s``: seconds the receiver stopped reading because the buffer
     was full (producers were blocked by backpressure meanwhile);
-    ``consumer_wait_s``: seconds trainer ranks waited in ``get_batch``;
+    ``consumer_wait_s``: seconds trainer ranks waited in ``get_batch``, of which
+    ``straggler_wait_s`` waiting for a group due at the step being assembled
+    (``straggler_timeouts``: steps assembled without it after the wait ran out);
     ``lag_histogram``: lag -> count over groups handed out; ``bytes_in``:
     message bytes accepted; ``connections``/``disconnections``: producer
     connection events seen by the receiver.
@@ -117,6 +119,8 @@ class BufferStats:
     consumer_wait_s: float
     lag_histogram: dict[int, int]
     bytes_in: int
+    straggler_wait_s: float
+    straggler_timeouts: int
     connections: int
     disconnections: int
     admission: AdmissionStats
@@ -127,6 +131,7 @@ class BufferStats:
             "groups_in": self.groups_in, "groups_out": self.groups_out, "fill": self.fill,
             "held": self.held, "capacity": self.capacity, "full_wait_s": self.full_wait_s,
             "consumer_wait_s": self.consumer_wait_s, "bytes_in": self.bytes_in,
+            "straggler_wait_s": self.straggler_wait_s, "straggler_timeouts": self.straggler_timeouts,
             "connections": self.connections, "disconnections": self.disconnections,
             "evicted": sum(self.evicted.values()), "rejected": sum(self.rejected.values()),
         }
@@ -149,6 +154,8 @@ class _Counters:
     bytes_in: int = 0
     full_wait_s: float = 0.0
     consumer_wait_s: float = 0.0
+    straggler_wait_s: float = 0.0
+    straggler_timeouts: int = 0
     connections: int = 0
     disconnections: int = 0
     evicted: dict[str, int] = field(default_factory=dict)
