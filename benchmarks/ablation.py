@@ -1,50 +1,50 @@
-"""Staleness x off-policy correction ablation, in fp32 and bf16 generation (docs/design.md).
+"""Staleness x off-policy correction ablation over seeds, in fp32 and bf16 generation,
+run as Ray tasks on one machine or a cluster.
 
 The grid: staleness {0, 1, 2, 4, 8} x correction {none, tis, icepop,
 seq-mask-tis} x generation dtype {float32, bfloat16} (``--rollout.dtype``;
 bf16 generation against an fp32 trainer gives a realistic generator/trainer
-mismatch on CPU). Every cell runs the real pipeline (Ray, vLLM, DeepSpeed,
-ZeroMQ) from the same model folder, with the same seed and the same budget
-(``--steps`` optimizer steps); one local Ray serves the whole grid.
+mismatch on CPU) x ``--seeds`` seeds. An *arm* is one (dtype, staleness,
+correction); a *cell* is one arm at one seed. Every cell runs the real pipeline
+(Ray, vLLM, DeepSpeed, ZeroMQ) from the same model folder with the same budget
+(``--steps`` optimizer steps); seeds ``--seed .. --seed + seeds - 1``.
+
+Placement: every cell is one Ray task in a placement group of its own, one CPU
+per actor it starts (rollout workers + trainer ranks, packed on one node); its
+actors are captured by the group, so a cell never spreads over nodes and never
+competes with another for a core. The driver keeps as many cells running as
+the nodes have room for (a node with ``C`` CPUs runs ``C // cpus per cell``).
+``--ray-address`` joins a running cluster (every node needs this repository
+at the same path and the project installed, as for any pipeline run there);
+without it a local Ray is started with one CPU per core. Each cell's run
+folder (``metrics.jsonl``, logs) is written on the node that ran it; its
+record comes back to the driver as the task's result.
 
 Outputs, under ``--out`` (default ``runs/bench_ablation``):
 
-- ``cells/<dtype>_s<k>_<correction>/``: each cell's ``metrics.jsonl`` and
-  ``cell.json`` (written last: a cell with a ``cell.json`` whose settings
-  match is finished and skipped on a rerun, so an interrupted grid resumes
-  cell by cell; a failed cell records its error and is retried on a rerun);
-- ``ablation.json``: hardware, settings and, per cell, the final table's
-  figures plus its curves (reward, mismatch KL, masked fractions against
-  step and wall time);
-- ``ablation.md``: the final table per dtype and a staleness x correction
-  pivot of the final reward;
-- ``ablation_<dtype>.png``: reward vs step, reward vs wall time, mismatch KL
-  (k3) and masked token fraction vs step, one column per correction, one
-  line per staleness; ``ablation_final.png``: final-reward heat maps.
+- ``cells/<cell>/cell.json`` (``<cell>`` = ``bf16_s2_tis_seed1``): the cell's
+  status, wall time, node and metrics rows, written by the driver when the
+  cell ends. A cell whose record matches the grid's settings is finished and
+  skipped on a rerun, so an interrupted grid resumes cell by cell; a failed
+  cell records its error and is retried on a rerun;
+- ``ablation.json``, ``ablation.md``, ``ablation_<dtype>.png``,
+  ``ablation_final.png``: per arm, the mean and 95% interval over seeds of
+  every figure, significance against ``none``, curves with bands
+  (``benchmarks/ablation_report.py`` defines them all).
 
-Definitions (all rewards are batch means; ``k = max(1, steps // 5)``,
-``w = max(1, steps // 10)``): start reward = mean of the first ``k`` steps;
-final reward = mean of the last ``k``; peak = highest ``w``-step trailing mean
-(full windows only); trough = lowest such mean (a dip the run may have
-recovered from); steps to threshold = first step whose ``w``-step trailing
-mean reaches ``--threshold`` (default: half-way from
-the grid's mean start reward to its best final reward, recorded in the JSON;
-none when no cell gained 0.02 over the start);
-**collapse** = the final reward fell below ``max(0.5 * peak, start - tol)``
-(``--collapse-tol``, default 0.05), or a loss went non-finite.
-
-``--quick`` (the smoke grid for a 2-core CPU machine, <= 20 minutes):
-staleness {0, 2, 8} x all four corrections, bfloat16 generation only,
-100 steps each of the pipeline's default configuration (12 cells; each cell
-costs ~30 s of start-up plus its steps). Without ``--quick`` the full grid
-(40 cells, 200 steps each, about an hour on 2 cores) runs unattended.
+``--quick`` (the smoke grid for a 2-core CPU machine): staleness {0, 2, 8} x
+all four corrections, bfloat16 generation only, 100 steps each of the
+pipeline's default configuration; ``--quick --seeds 3`` is 36 cells, about
+16 minutes on 2 cores. Without ``--quick`` the full grid (40 arms x 200 steps
+x seeds) runs unattended.
 
 The grid runs in a child process that the script restarts (``--max-restarts``,
 finished cells kept) if it dies: Ray ends its driver process when its node goes
 away, which no ``except`` can catch.
 
-Usage: ``python benchmarks/ablation.py [--quick] [--staleness 0,2] [--corrections tis,icepop]
-[--dtypes bfloat16] [--steps N] [--json PATH] [-- extra pipeline flags]``.
+Usage: ``python benchmarks/ablation.py [--quick] [--seeds N] [--staleness 0,2]
+[--corrections tis,icepop] [--dtypes bfloat16] [--steps N] [--ray-address ADDR]
+[--json PATH] [-- extra pipeline flags]``.
 """
 
 from __future__ import annotations
@@ -52,20 +52,20 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
+import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import config, hardware, run_pipeline, start_ray, stop_ray  # noqa: E402
+from benchmarks.common import ROOT, config, run_pipeline  # noqa: E402
 
 STALENESS = (0, 1, 2, 4, 8)
 CORRECTIONS = ("none", "tis", "icepop", "seq-mask-tis")
@@ -77,15 +77,9 @@ QUICK_STALENESS = (0, 2, 8)
 QUICK_DTYPES = ("bfloat16",)
 QUICK_STEPS = 100
 FULL_STEPS = 200
+DEFAULT_SEEDS = 3
 #: Pipeline flags --quick adds (none: the built-in default model, task and batch).
 QUICK_FLAGS: tuple[str, ...] = ()
-#: Smallest gain of the best cell over the mean start reward for which an automatic threshold is set.
-MIN_GAIN = 0.02
-#: Curves stored per cell (metrics.jsonl key -> JSON key).
-CURVE_KEYS = {"step": "step", "time_s": "time_s", "reward_mean": "reward", "mismatch_kl": "mismatch_kl_k1",
-              "mismatch_kl_k3": "mismatch_kl_k3", "masked_frac": "masked_token_frac",
-              "masked_seq_frac": "masked_seq_frac", "lag_mean": "lag_mean", "loss": "loss"}
-
 
 CellStatus = Literal["done", "failed"]
 
@@ -95,8 +89,8 @@ class AblationError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Cell:
-    """One point of the grid."""
+class Arm:
+    """One treatment of the grid: every seed of it is a cell."""
 
     dtype: str
     staleness: int
@@ -106,9 +100,25 @@ class Cell:
     def name(self) -> str:
         return f"{SHORT_DTYPE[self.dtype]}_s{self.staleness}_{self.correction}"
 
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One arm at one seed: one run of the pipeline."""
+
+    arm: Arm
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm.name}_seed{self.seed}"
+
     def flags(self) -> tuple[str, ...]:
-        return ("--staleness", str(self.staleness), "--correction.type", self.correction,
-                "--rollout.dtype", self.dtype)
+        return ("--staleness", str(self.arm.staleness), "--correction.type", self.arm.correction,
+                "--rollout.dtype", self.arm.dtype, "--seed", str(self.seed))
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Cell:
+        return Cell(Arm(**data["arm"]), int(data["seed"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,18 +126,18 @@ class GridSettings:
     """What every cell shares; a finished cell is reused only when these match."""
 
     steps: int
-    seed: int
     model_dir: str
     flags: tuple[str, ...]
 
     def key(self) -> str:
-        blob = json.dumps([self.steps, self.seed, self.model_dir, list(self.flags)])
+        blob = json.dumps([self.steps, self.model_dir, list(self.flags)])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 @dataclass(slots=True)
 class CellResult:
-    """A cell's record (``cell.json``): its status, wall time and metrics rows."""
+    """A cell's record (``cell.json``): its status, wall time, the Ray node it ran on
+    and its metrics rows."""
 
     cell: Cell
     settings_key: str
@@ -135,31 +145,7 @@ class CellResult:
     wall_s: float
     rows: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CellSummary:
-    """One row of the final table."""
-
-    name: str
-    dtype: str
-    staleness: int
-    correction: str
-    status: CellStatus
-    steps: int
-    wall_s: float
-    start_reward: float
-    final_reward: float
-    peak_reward: float
-    trough_reward: float
-    steps_to_threshold: int | None
-    time_to_threshold_s: float | None
-    collapsed: bool
-    mismatch_kl_k3_mean: float
-    masked_token_frac_mean: float
-    masked_seq_frac_mean: float
-    lag_mean: float
-    error: str | None
+    node: str | None = None
 
 
 # ---------------------------------------------------------------------------- grid
@@ -175,8 +161,8 @@ def parse_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> 
     return items
 
 
-def grid(staleness: str, corrections: str, dtypes: str) -> list[Cell]:
-    """The cells, dtype-major then staleness then correction."""
+def grid(staleness: str, corrections: str, dtypes: str, seeds: list[int]) -> list[Cell]:
+    """The cells, dtype-major, then staleness, correction, seed."""
     try:
         ks = [int(x) for x in parse_list("--staleness", staleness)]
     except ValueError:
@@ -185,7 +171,12 @@ def grid(staleness: str, corrections: str, dtypes: str) -> list[Cell]:
         raise AblationError(f"--staleness: give non-negative integers (got {staleness!r})")
     corrs = parse_list("--corrections", corrections, CORRECTIONS)
     dts = [DTYPE_ALIASES[d] for d in parse_list("--dtypes", dtypes, tuple(DTYPE_ALIASES))]
-    return [Cell(d, k, c) for d in dict.fromkeys(dts) for k in dict.fromkeys(ks) for c in dict.fromkeys(corrs)]
+    return [Cell(Arm(d, k, c), s) for d in dict.fromkeys(dts) for k in dict.fromkeys(ks)
+            for c in dict.fromkeys(corrs) for s in seeds]
+
+
+def cell_dir(out: Path, cell: Cell) -> Path:
+    return out / "cells" / cell.name
 
 
 def load_finished(path: Path, settings_key: str) -> CellResult | None:
@@ -195,11 +186,12 @@ def load_finished(path: Path, settings_key: str) -> CellResult | None:
         return None
     try:
         data = json.loads(record.read_text())
-    except json.JSONDecodeError:
+        cell = Cell.from_dict(data["cell"])
+    except (json.JSONDecodeError, KeyError, TypeError):
         return None
     if data.get("status") != "done" or data.get("settings_key") != settings_key:
         return None
-    return CellResult(Cell(**data["cell"]), settings_key, "done", data["wall_s"], data["rows"])
+    return CellResult(cell, settings_key, "done", data["wall_s"], data["rows"], None, data.get("node"))
 
 
 def save_record(path: Path, res: CellResult) -> None:
@@ -207,17 +199,20 @@ def save_record(path: Path, res: CellResult) -> None:
     tmp = path / "cell.json.tmp"
     tmp.write_text(json.dumps({"cell": asdict(res.cell), "settings_key": res.settings_key,
                                "status": res.status, "wall_s": res.wall_s, "error": res.error,
-                               "rows": res.rows}))
+                               "node": res.node, "rows": res.rows}))
     tmp.replace(path / "cell.json")
 
 
 def run_cell(cell: Cell, settings: GridSettings, out: Path, keep_checkpoints: bool) -> CellResult:
-    """Run one cell through the real pipeline; a failure is recorded, not raised (the grid goes on)."""
-    path = out / "cells" / cell.name
+    """Run one cell through the real pipeline (in the Ray task that hosts it); a failure
+    is recorded, not raised (the grid goes on)."""
+    import ray
+
+    path = cell_dir(out, cell)
     (path / "cell.json").unlink(missing_ok=True)
     cfg = config(["--model.path", settings.model_dir, *settings.flags, *cell.flags(),
-                  "--seed", str(settings.seed), "--max-steps", str(settings.steps),
-                  "--out-dir", str(path), "--trainer.checkpoint_every", "0"])
+                  "--max-steps", str(settings.steps), "--out-dir", str(path),
+                  "--trainer.checkpoint_every", "0"])
     t0 = time.perf_counter()
     status: CellStatus = "failed"
     error: str | None = None
@@ -230,271 +225,104 @@ def run_cell(cell: Cell, settings: GridSettings, out: Path, keep_checkpoints: bo
     except Exception as e:  # noqa: BLE001 - an unattended grid records the failure and goes on
         traceback.print_exc()
         rows, error = [], f"{type(e).__name__}: {e}".splitlines()[0]
-    res = CellResult(cell, settings.key(), status, time.perf_counter() - t0, rows, error)
     if not keep_checkpoints:
         shutil.rmtree(path / "checkpoints", ignore_errors=True)
-    save_record(path, res)
-    return res
+    return CellResult(cell, settings.key(), status, time.perf_counter() - t0, rows, error,
+                      ray.get_runtime_context().get_node_id())
 
 
-# ---------------------------------------------------------------------------- figures
+def cell_task(cell: Cell, settings: GridSettings, out: str, keep_checkpoints: bool) -> CellResult:
+    """The body of a cell's Ray task (imported by name on the node that runs it)."""
+    from benchmarks.ablation import run_cell as run
 
-def trailing_mean(values: list[float], k: int) -> list[float]:
-    out = []
-    for i in range(len(values)):
-        window = values[max(0, i - k + 1): i + 1]
-        out.append(sum(window) / len(window))
-    return out
+    return run(cell, settings, Path(out), keep_checkpoints)
 
 
-def _window(steps: int) -> int:
-    """k: steps averaged for the start and final reward."""
-    return max(1, steps // 5)
+# ---------------------------------------------------------------------------- Ray
+
+def worker_env() -> dict[str, str]:
+    """Environment of every Ray worker of the grid: the actors' settings, and this
+    repository on the path (a cell task imports ``benchmarks.ablation``)."""
+    from pipeline_rl.actors.process import ACTOR_ENV
+
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**ACTOR_ENV, "PYTHONPATH": path}
 
 
-def _smooth_window(steps: int) -> int:
-    """w: the trailing-mean window of the peak, the threshold and the plotted reward."""
-    return max(1, steps // 10)
+def join_ray(address: str | None) -> None:
+    """Join the cluster at ``address``, or start a local Ray with one CPU per core."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    env = {"env_vars": worker_env()}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
+    else:
+        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, object_store_memory=200 * 2**20,
+                 runtime_env=env, log_to_driver=False)
 
 
-def auto_threshold(results: list[CellResult]) -> float | None:
-    """Half-way from the grid's mean start reward to its best final reward (None: no finished
-    cell, or no cell gained :data:`MIN_GAIN` over the start, so no threshold means anything)."""
-    done = [r for r in results if r.status == "done" and r.rows]
-    if not done:
-        return None
-    starts, finals = [], []
-    for r in done:
-        rewards = [row["reward_mean"] for row in r.rows]
-        k = _window(len(rewards))
-        starts.append(statistics.fmean(rewards[:k]))
-        finals.append(statistics.fmean(rewards[-k:]))
-    start = statistics.fmean(starts)
-    if max(finals) - start < MIN_GAIN:
-        return None
-    return start + 0.5 * (max(finals) - start)
+def cell_slots(cpus_per_cell: int) -> dict[str, int]:
+    """Node id -> how many cells that node can run at once (only nodes with room for one)."""
+    import ray
+
+    slots = {}
+    for node in ray.nodes():
+        fits = int(node.get("Resources", {}).get("CPU", 0.0)) // cpus_per_cell
+        if node.get("Alive") and fits > 0:
+            slots[node["NodeID"]] = fits
+    return slots
 
 
-def summarize_cell(res: CellResult, threshold: float | None, collapse_tol: float) -> CellSummary:
-    rows = res.rows
-    c = res.cell
-    if not rows:
-        nan = float("nan")
-        return CellSummary(c.name, c.dtype, c.staleness, c.correction, res.status, 0, res.wall_s, nan, nan,
-                           nan, nan, None, None, False, nan, nan, nan, nan, res.error)
-    rewards = [r["reward_mean"] for r in rows]
-    k, w = _window(len(rewards)), _smooth_window(len(rewards))
-    smooth = trailing_mean(rewards, w)[w - 1:]  # full windows only: smooth[j] ends at step index j + w - 1
-    start, final, peak = statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:]), max(smooth)
-    hit = next((j + w - 1 for j, v in enumerate(smooth) if threshold is not None and v >= threshold), None)
-    finite = all(math.isfinite(r["loss"]) for r in rows)
-    collapsed = (not finite) or final < max(0.5 * peak, start - collapse_tol)
-    return CellSummary(
-        c.name, c.dtype, c.staleness, c.correction, res.status, len(rows), res.wall_s, start, final, peak,
-        min(smooth),
-        rows[hit]["step"] if hit is not None else None, rows[hit]["time_s"] if hit is not None else None,
-        collapsed, statistics.fmean(r.get("mismatch_kl_k3", 0.0) for r in rows),
-        statistics.fmean(r["masked_frac"] for r in rows),
-        statistics.fmean(r.get("masked_seq_frac", 0.0) for r in rows),
-        statistics.fmean(r["lag_mean"] for r in rows), res.error)
+def run_cells(todo: list[Cell], settings: GridSettings, out: Path, keep_checkpoints: bool,
+              cpus_per_cell: int, on_done: Any) -> None:
+    """Run ``todo`` as Ray tasks, as many at once as the nodes have room for; call
+    ``on_done(result)`` as each ends (in completion order)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-
-def curves(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
-    return {out: [float(r.get(key, float("nan"))) for r in rows] for key, out in CURVE_KEYS.items()}
-
-
-def build_result(results: list[CellResult], settings: GridSettings, threshold: float | None,
-                 collapse_tol: float, wall_s: float) -> dict[str, Any]:
-    thr = threshold if threshold is not None else auto_threshold(results)
-    cells = []
-    for res in results:
-        s = summarize_cell(res, thr, collapse_tol)
-        cells.append({**asdict(s), "curves": curves(res.rows)})
-    return _finite({"hardware": hardware(),
-            "settings": {"steps": settings.steps, "seed": settings.seed, "model_dir": settings.model_dir,
-                         "flags": list(settings.flags), "threshold": thr,
-                         "threshold_source": "flag" if threshold is not None else "auto",
-                         "collapse_rule": f"final < max(0.5 * peak, start - {collapse_tol}) or non-finite loss",
-                         "window": "start/final: mean of the first/last max(1, steps // 5) steps; "
-                                   "peak and threshold: max(1, steps // 10)-step trailing mean"},
-            "wall_s": wall_s, "cells_wall_s": sum(r.wall_s for r in results), "cells": cells})
-
-
-def _finite(x: Any) -> Any:
-    """NaN/inf -> None, so the JSON is standard (a failed cell has no figures)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return format(x, spec)
-
-
-def markdown(result: dict[str, Any]) -> str:
-    hw, st = result["hardware"], result["settings"]
-    lines = [f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU. "
-             f"{st['steps']} steps per cell, seed {st['seed']}; wall time of the cells "
-             f"{result['cells_wall_s'] / 60:.1f} min (this invocation {result['wall_s'] / 60:.1f} min).",
-             f"Reward threshold {_threshold_text(st)}; collapse: "
-             f"{st['collapse_rule']}; {st['window']}.", ""]
-    for dtype in dict.fromkeys(c["dtype"] for c in result["cells"]):
-        cells = [c for c in result["cells"] if c["dtype"] == dtype]
-        lines += [f"### Generation dtype {dtype} (trainer float32)", "",
-                  "| staleness | correction | final reward | start | peak | trough | steps to thr. | collapse | "
-                  "mismatch KL k3 | masked tok. | masked seq. | lag | wall (s) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for c in cells:
-            if c["status"] != "done" and not c["steps"]:
-                lines.append(f"| {c['staleness']} | {c['correction']} | failed: {c['error']} |"
-                             + " |" * 10)
-                continue
-            lines.append(
-                f"| {c['staleness']} | {c['correction']} | {_fmt(c['final_reward'])} | "
-                f"{_fmt(c['start_reward'])} | {_fmt(c['peak_reward'])} | {_fmt(c['trough_reward'])} | "
-                f"{_steps_to(c['steps_to_threshold'], st['threshold'])} | "
-                f"{'**yes**' if c['collapsed'] else 'no'} | {_fmt(c['mismatch_kl_k3_mean'], '.2e')} | "
-                f"{_fmt(c['masked_token_frac_mean'])} | {_fmt(c['masked_seq_frac_mean'])} | "
-                f"{_fmt(c['lag_mean'], '.2f')} | {c['wall_s']:.0f} |")
-        lines += ["", *pivot(cells), ""]
-    return "\n".join(lines)
-
-
-def _steps_to(step: int | None, threshold: float | None) -> str:
-    if threshold is None:
-        return "-"
-    return "never" if step is None else str(step)
-
-
-def _threshold_text(st: dict[str, Any]) -> str:
-    if st["threshold"] is None:
-        return f"none (no cell gained {MIN_GAIN} over the mean start reward)"
-    return f"{st['threshold']:.3f} ({st['threshold_source']})"
-
-
-def pivot(cells: list[dict[str, Any]]) -> list[str]:
-    """Final reward, staleness (rows) x correction (columns)."""
-    ks = list(dict.fromkeys(c["staleness"] for c in cells))
-    corrs = list(dict.fromkeys(c["correction"] for c in cells))
-    by = {(c["staleness"], c["correction"]): c for c in cells}
-    lines = ["Final reward (staleness x correction; * = collapsed):", "",
-             "| staleness | " + " | ".join(corrs) + " |", "|---" * (len(corrs) + 1) + "|"]
-    for k in ks:
-        vals = []
-        for corr in corrs:
-            c = by.get((k, corr))
-            vals.append("-" if c is None else _fmt(c["final_reward"]) + ("*" if c["collapsed"] else ""))
-        lines.append(f"| {k} | " + " | ".join(vals) + " |")
-    return lines
-
-
-def plot(result: dict[str, Any], out: Path) -> list[Path]:
-    """One curves figure per dtype and one final-reward heat map figure; returns the files."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    dtypes = list(dict.fromkeys(c["dtype"] for c in result["cells"]))
-    for dtype in dtypes:
-        cells = [c for c in result["cells"] if c["dtype"] == dtype and c["curves"]["step"]]
-        if not cells:
-            continue
-        path = out / f"ablation_{SHORT_DTYPE[dtype]}.png"
-        _plot_curves(plt, cells, dtype, result, path)
-        written.append(path)
-    path = out / "ablation_final.png"
-    _plot_heatmaps(plt, result, dtypes, path)
-    written.append(path)
-    return written
-
-
-def _plot_curves(plt: Any, cells: list[dict[str, Any]], dtype: str, result: dict[str, Any], path: Path) -> None:
-    corrs = list(dict.fromkeys(c["correction"] for c in cells))
-    ks = sorted(dict.fromkeys(c["staleness"] for c in cells))
-    cmap = plt.get_cmap("viridis")
-    colors = {k: cmap(i / max(1, len(ks) - 1)) for i, k in enumerate(ks)}
-    panels = (("step", "reward", "reward (trailing mean)"), ("time_s", "reward", "reward vs wall time (s)"),
-              ("step", "mismatch_kl_k3", "mismatch KL (k3)"), ("step", "masked_token_frac", "masked token frac"))
-    fig, axes = plt.subplots(len(panels), len(corrs), figsize=(max(6, 4 * len(corrs)), 3 * len(panels)),
-                             squeeze=False, sharey="row")
-    for col, corr in enumerate(corrs):
-        for c in (c for c in cells if c["correction"] == corr):
-            cv = c["curves"]
-            k = _smooth_window(len(cv["step"]))
-            for row, (x, y, label) in enumerate(panels):
-                vals = [_num(v) for v in cv[y]]
-                ys = trailing_mean(vals, k) if y == "reward" else \
-                    [max(v, 1e-9) for v in vals] if y == "mismatch_kl_k3" else vals
-                axes[row][col].plot(cv[x], ys, color=colors[c["staleness"]], lw=1.3,
-                                    ls="--" if c["collapsed"] else "-", label=f"staleness {c['staleness']}")
-        for row, (x, _, label) in enumerate(panels):
-            ax = axes[row][col]
-            ax.set_xlabel("wall time (s)" if x == "time_s" else "step")
-            if col == 0:
-                ax.set_ylabel(label)
-            if panels[row][1] == "mismatch_kl_k3":
-                ax.set_yscale("log")
-        axes[0][col].set_title(f"correction: {corr}")
-    axes[0][0].legend(fontsize=7)
-    hw = result["hardware"]
-    fig.suptitle(f"{dtype} generation, float32 trainer\n{result['settings']['steps']} steps, seed "
-                 f"{result['settings']['seed']}, {hw['cores']} CPU cores; dashed = collapsed", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _num(x: float | None) -> float:
-    return float("nan") if x is None else x
-
-
-def _plot_heatmaps(plt: Any, result: dict[str, Any], dtypes: list[str], path: Path) -> None:
-    fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(5 * max(1, len(dtypes)), 3.5), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes):
-        cells = [c for c in result["cells"] if c["dtype"] == dtype]
-        ks = sorted(dict.fromkeys(c["staleness"] for c in cells))
-        corrs = list(dict.fromkeys(c["correction"] for c in cells))
-        by = {(c["staleness"], c["correction"]): c for c in cells}
-        grid_vals = [[_num(by[(k, corr)]["final_reward"]) if (k, corr) in by else float("nan")
-                      for corr in corrs] for k in ks]
-        top = max([v for row in grid_vals for v in row if not math.isnan(v)] + [0.05])
-        im = ax.imshow(grid_vals, cmap="magma", aspect="auto", vmin=0.0, vmax=top)
-        for i, k in enumerate(ks):
-            for j, corr in enumerate(corrs):
-                c = by.get((k, corr))
-                if c is not None and c["final_reward"] is not None:
-                    ax.text(j, i, f"{c['final_reward']:.2f}{'*' if c['collapsed'] else ''}", ha="center",
-                            va="center", color="white" if c["final_reward"] < 0.6 * top else "black", fontsize=8)
-        ax.set_xticks(range(len(corrs)), corrs)
-        ax.set_yticks(range(len(ks)), [str(k) for k in ks])
-        ax.set_xlabel("correction")
-        ax.set_ylabel("staleness")
-        ax.set_title(f"final reward, {dtype} generation")
-        fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    slots = cell_slots(cpus_per_cell)
+    if not slots:
+        raise AblationError(f"no node of the Ray cluster has the {cpus_per_cell} CPUs a cell needs "
+                            "(rollout workers + trainer ranks, on one node)")
+    at_once = sum(slots.values())
+    print(f"ablation: {cpus_per_cell} CPUs per cell, {at_once} cell(s) at once on {len(slots)} node(s)",
+          flush=True)
+    remote = ray.remote(num_cpus=0, max_calls=1, max_retries=0)(cell_task)
+    queue: deque[Cell] = deque(todo)
+    running: dict[Any, tuple[Cell, Any, float]] = {}  # task ref -> (cell, placement group, start)
+    while queue or running:
+        while queue and len(running) < at_once:
+            cell = queue.popleft()
+            pg = placement_group([{"CPU": 1.0}] * cpus_per_cell, strategy="STRICT_PACK")
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
+            ref = remote.options(scheduling_strategy=strategy).remote(cell, settings, str(out),
+                                                                       keep_checkpoints)
+            running[ref] = (cell, pg, time.perf_counter())
+        ready, _ = ray.wait(list(running), num_returns=1)
+        cell, pg, t0 = running.pop(ready[0])
+        try:
+            res = ray.get(ready[0])
+        except Exception as e:  # noqa: BLE001 - the task's worker died: record it, go on
+            res = CellResult(cell, settings.key(), "failed", time.perf_counter() - t0, [],
+                             f"{type(e).__name__}: {e}".splitlines()[0])
+        remove_placement_group(pg)
+        on_done(res)
 
 
 # ---------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Staleness x off-policy correction ablation (fp32 and bf16 generation), resumable "
-                    "cell by cell. Extra pipeline flags go after '--' (e.g. -- --trainer.lr 5e-4).",
+        description="Staleness x off-policy correction ablation over seeds (fp32 and bf16 generation), "
+                    "cells as Ray tasks, resumable cell by cell. Extra pipeline flags go after '--' "
+                    "(e.g. -- --trainer.lr 5e-4).",
         epilog=f"--quick: staleness {','.join(map(str, QUICK_STALENESS))} x all corrections, "
                f"{','.join(QUICK_DTYPES)} generation only, {QUICK_STEPS} steps per cell of the default "
-               f"model, task and batch; sized for <= 20 minutes on 2 CPU cores. Explicit "
-               "--staleness/--corrections/--dtypes/--steps override it. Without --quick: the full "
-               f"grid, {len(STALENESS) * len(CORRECTIONS) * len(DTYPES)} cells x {FULL_STEPS} steps.")
+               f"model, task and batch. Explicit --staleness/--corrections/--dtypes/--steps override it. "
+               f"Without --quick: the full grid, {len(STALENESS) * len(CORRECTIONS) * len(DTYPES)} arms "
+               f"x {FULL_STEPS} steps x --seeds.")
     p.add_argument("--quick", action="store_true", help="The 2-core smoke grid (see below).")
     p.add_argument("--staleness", default=None, help="Comma list (default 0,1,2,4,8).")
     p.add_argument("--corrections", default=None, help=f"Comma list (default {','.join(CORRECTIONS)}).")
@@ -502,12 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "bfloat16/bf16 (default both).")
     p.add_argument("--steps", type=int, default=None, help=f"Optimizer steps per cell (default {FULL_STEPS}; "
                    f"--quick: {QUICK_STEPS}).")
-    p.add_argument("--seed", type=int, default=0, help="Seed of every cell (default 0).")
+    p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="Seeds per arm (default "
+                   f"{DEFAULT_SEEDS}; intervals and tests need at least 2).")
+    p.add_argument("--seed", type=int, default=0, help="First seed (default 0): seeds seed..seed+seeds-1.")
     p.add_argument("--model", default=None, help="Model folder (default: the built-in model).")
+    p.add_argument("--ray-address", default=None, help="Join the Ray cluster at this address (e.g. "
+                   "ray://head:10001 or head:6379); default: a local Ray, one CPU per core.")
     p.add_argument("--threshold", type=float, default=None, help="Reward threshold for 'steps to "
                    "threshold' (default: half-way from the mean start reward to the best final reward).")
     p.add_argument("--collapse-tol", type=float, default=0.05, help="Collapse tolerance below the start "
                    "reward (default 0.05).")
+    p.add_argument("--alpha", type=float, default=0.05, help="Family-wise significance level of the "
+                   "comparisons against 'none' (Holm-corrected Welch t-tests; default 0.05).")
     p.add_argument("--rerun", action="store_true", help="Rerun finished cells too.")
     p.add_argument("--max-restarts", type=int, default=2, help="Restarts of the grid process when it "
                    "dies (e.g. Ray's node went away); finished cells are kept (default 2).")
@@ -518,7 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Cell], GridSettings]:
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The resolved command line: the cells, what they share, and what one cell needs."""
+
+    cells: list[Cell]
+    settings: GridSettings
+    cpus_per_cell: int
+
+
+def resolve_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
@@ -530,23 +373,32 @@ def resolve_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[Cell]
     steps = args.steps if args.steps is not None else (QUICK_STEPS if quick else FULL_STEPS)
     if steps < 1:
         p.error("--steps: must be >= 1")
+    if args.seeds < 1 or args.seed < 0:
+        p.error(f"--seeds must be >= 1 and --seed >= 0 (got {args.seeds} and {args.seed})")
+    if not 0.0 < args.alpha < 1.0:
+        p.error(f"--alpha must be in (0, 1), got {args.alpha}")
     try:
         cells = grid(args.staleness or ",".join(map(str, QUICK_STALENESS if quick else STALENESS)),
                      args.corrections or ",".join(CORRECTIONS),
-                     args.dtypes or ",".join(QUICK_DTYPES if quick else DTYPES))
+                     args.dtypes or ",".join(QUICK_DTYPES if quick else DTYPES),
+                     list(range(args.seed, args.seed + args.seeds)))
     except AblationError as e:
         p.error(str(e))
     flags = (*(QUICK_FLAGS if quick else ()), *extra)
     # Validate the shared flags once, before anything starts (a bad flag fails in a second, not per cell).
     from pipeline_rl.cli import UsageError
     from pipeline_rl.driver import resolve_model_dir
+    from pipeline_rl.resources import cpus_needed
 
     try:
         base = config([*(["--model.path", args.model] if args.model else []), *flags])
     except UsageError as e:
         p.error(str(e))
+    if base.ray.rollout_resource or base.ray.trainer_resource or base.ray.address:
+        p.error("--ray.address/--ray.rollout_resource/--ray.trainer_resource: a cell is placed on one "
+                "node by the grid; give the cluster with --ray-address instead")
     model_dir = str(Path(resolve_model_dir(base)).resolve())
-    return args, cells, GridSettings(steps, args.seed, model_dir, tuple(flags))
+    return args, Plan(cells, GridSettings(steps, model_dir, tuple(flags)), cpus_needed(base))
 
 
 #: Exit status of a grid process some of whose cells failed (a crash of the process is any other).
@@ -557,12 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the grid in a child process and restart it (finished cells kept) when it dies:
     Ray ends its driver process when its node goes away, which no ``except`` can catch."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, cells, settings = resolve_args(argv)
+    args, plan = resolve_args(argv)
     if args.in_process:
-        return run_grid(args, cells, settings)
+        return run_grid(args, plan)
     if args.rerun:  # forget finished cells here, once, so a restarted child keeps what it finished
-        for cell in cells:
-            (args.out / "cells" / cell.name / "cell.json").unlink(missing_ok=True)
+        for cell in plan.cells:
+            (cell_dir(args.out, cell) / "cell.json").unlink(missing_ok=True)
     child = [sys.executable, str(Path(__file__).resolve()), "--in-process",
              *[a for a in argv if a != "--rerun"]]
     code = -1
@@ -573,59 +425,61 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ablation: the grid process died (exit status {code}); "
               + ("restarting it, finished cells are kept" if attempt < args.max_restarts else "giving up"),
               file=sys.stderr, flush=True)
-    report(collect(cells, settings, args.out), args, settings, wall_s=0.0)
+    report(collect(plan, args.out), args, plan.settings, wall_s=0.0)
     return 1
 
 
-def collect(cells: list[Cell], settings: GridSettings, out: Path) -> list[CellResult]:
+def collect(plan: Plan, out: Path) -> list[CellResult]:
     """The finished cells' records; a cell not finished is a failed placeholder."""
-    return [load_finished(out / "cells" / c.name, settings.key())
-            or CellResult(c, settings.key(), "failed", 0.0, [], "not finished") for c in cells]
+    key = plan.settings.key()
+    return [load_finished(cell_dir(out, c), key) or CellResult(c, key, "failed", 0.0, [], "not finished")
+            for c in plan.cells]
 
 
-def run_grid(args: argparse.Namespace, cells: list[Cell], settings: GridSettings) -> int:
-    """Run every unfinished cell on one local Ray, then write the report."""
+def run_grid(args: argparse.Namespace, plan: Plan) -> int:
+    """Run every unfinished cell on Ray (local or ``--ray-address``), then write the report."""
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    results: list[CellResult] = []
+    settings, key = plan.settings, plan.settings.key()
     t0 = time.perf_counter()
-    todo = [c for c in cells if args.rerun or load_finished(out / "cells" / c.name, settings.key()) is None]
-    print(f"ablation: {len(cells)} cells, {len(cells) - len(todo)} already finished, {len(todo)} to run "
-          f"({settings.steps} steps each) -> {out}", flush=True)
+    finished = {c: load_finished(cell_dir(out, c), key) for c in plan.cells}
+    todo = [c for c in plan.cells if args.rerun or finished[c] is None]
+    print(f"ablation: {len(plan.cells)} cells, {len(plan.cells) - len(todo)} already finished, {len(todo)} "
+          f"to run ({settings.steps} steps each) -> {out}", flush=True)
+    done_count = len(plan.cells) - len(todo)
+
+    def on_done(res: CellResult) -> None:
+        nonlocal done_count
+        done_count += 1
+        save_record(cell_dir(out, res.cell), res)
+        finished[res.cell] = res
+        where = f" on node {res.node[:8]}" if res.node else ""
+        print(f"[{done_count}/{len(plan.cells)}] {res.cell.name}: {res.status} in {res.wall_s:.0f} s{where}"
+              + (f" ({res.error})" if res.error else ""), flush=True)
+
     if todo:
-        start_ray()
-    try:
-        for i, cell in enumerate(cells):
-            done = None if cell in todo else load_finished(out / "cells" / cell.name, settings.key())
-            if done is None:
-                print(f"[{i + 1}/{len(cells)}] {cell.name}", flush=True)
-                done = run_cell(cell, settings, out, args.keep_checkpoints)
-                print(f"[{i + 1}/{len(cells)}] {cell.name}: {done.status} in {done.wall_s:.0f} s"
-                      + (f" ({done.error})" if done.error else ""), flush=True)
-            results.append(done)
-    finally:
-        if todo:
-            stop_ray()
+        import ray
+
+        join_ray(args.ray_address)
+        try:
+            run_cells(todo, settings, out, args.keep_checkpoints, plan.cpus_per_cell, on_done)
+        finally:
+            ray.shutdown()
+    results = [finished[c] or CellResult(c, key, "failed", 0.0, [], "not finished") for c in plan.cells]
     report(results, args, settings, time.perf_counter() - t0)
     return 0 if all(r.status == "done" for r in results) else CELLS_FAILED
 
 
 def report(results: list[CellResult], args: argparse.Namespace, settings: GridSettings, wall_s: float) -> None:
-    result = build_result(results, settings, args.threshold, args.collapse_tol, wall_s)
+    from benchmarks.ablation_report import build_result, write_outputs
+
+    result = build_result(results, settings, args.threshold, args.collapse_tol, args.alpha, wall_s)
     write_outputs(result, args.out, args.json)
 
 
-def write_outputs(result: dict[str, Any], out: Path, json_path: Path | None) -> None:
-    text = json.dumps(result, indent=1, allow_nan=False)
-    (out / "ablation.json").write_text(text)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(text)
-    md = markdown(result)
-    (out / "ablation.md").write_text(md + "\n")
-    plot(result, out)
-    print(md, flush=True)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run the importable module, not a second copy under ``__main__``: the cells' records
+    # come back from Ray tasks as ``benchmarks.ablation`` classes.
+    from benchmarks.ablation import main as _main
+
+    raise SystemExit(_main())

@@ -1,62 +1,73 @@
-"""Smoke test of benchmarks/ablation.py: a 2-cell x 2-step grid through the real pipeline
-(Ray, vLLM, DeepSpeed, ZeroMQ) on a tiny model, in the script's supervised child process;
-the JSON schema, the Markdown and PNG outputs, and cell-by-cell resume (a rerun skips
-finished cells and starts no Ray)."""
+"""benchmarks/ablation.py end to end: a mini grid (2 staleness x 2 corrections x 2
+seeds, 2 steps per cell) through the real pipeline (Ray, vLLM, DeepSpeed, ZeroMQ) on a
+tiny model, its cells as Ray tasks on a real two-node Ray cluster on this machine, in
+the script's supervised child process; the JSON schema, the Markdown and PNG outputs,
+placement on both nodes, and cell-by-cell resume (a rerun skips finished cells and
+starts no Ray)."""
 
 from __future__ import annotations
 
-import math
-
-import importlib.util
 import json
-import sys
+import math
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks import ablation
+from ray_cluster import two_node_cluster
 
-CELL_KEYS = {"name", "dtype", "staleness", "correction", "status", "steps", "wall_s", "start_reward",
-             "final_reward", "peak_reward", "trough_reward", "steps_to_threshold", "time_to_threshold_s", "collapsed",
-             "mismatch_kl_k3_mean", "masked_token_frac_mean", "masked_seq_frac_mean", "lag_mean", "error",
-             "curves"}
+CELL_KEYS = {"name", "arm", "seed", "status", "steps", "wall_s", "node", "start_reward", "final_reward",
+             "reward_auc", "peak_reward", "trough_reward", "steps_to_threshold", "time_to_threshold_s",
+             "collapsed", "mismatch_kl_k3_mean", "ess_mean", "masked_token_frac_mean", "masked_seq_frac_mean",
+             "lag_mean", "error", "curves"}
 CURVE_KEYS = {"step", "time_s", "reward", "mismatch_kl_k1", "mismatch_kl_k3", "masked_token_frac",
-              "masked_seq_frac", "lag_mean", "loss"}
-
-
-def _load() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_ablation", ROOT / "benchmarks" / "ablation.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+              "masked_seq_frac", "lag_mean", "loss", "ess"}
+ARM_KEYS = {"arm", "seeds", "done", "collapsed", "reached", "final_reward", "reward_auc", "steps_to_threshold",
+            "mismatch_kl_k3_mean", "ess_mean", "masked_token_frac_mean", "masked_seq_frac_mean", "lag_mean"}
 
 
 def test_bad_grid_flag_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
-    ablation = _load()
     with pytest.raises(SystemExit) as e:
         ablation.main(["--corrections", "tis,bogus"])
     assert e.value.code == 2
     assert "--corrections: unknown value(s) bogus" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--alpha", "1.5"], "--alpha must be in (0, 1)"),
+    (["--", "--ray.trainer_resource", "gpu_node"], "give the cluster with --ray-address"),
+])
+def test_bad_seed_alpha_or_placement_flag_is_one_line_error(flags: list[str], message: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        ablation.main(flags)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
-def test_tiny_grid_end_to_end_and_resume(tiny_model_dir: str, tmp_path: Path,
-                                         capfd: pytest.CaptureFixture[str]) -> None:
-    ablation = _load()
+def test_mini_grid_on_a_two_node_cluster_and_resume(tiny_model_dir: str, tmp_path: Path,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "abl"
-    argv = ["--model", tiny_model_dir, "--staleness", "0,2", "--corrections", "tis", "--dtypes", "bf16",
-            "--steps", "2", "--out", str(out), "--json", str(tmp_path / "a.json"), "--",
-            "--rollout.n", "4", "--trainer.batch_size", "8", "--trainer.micro_batch_size", "8",
-            "--rollout.max_new_tokens", "8", "--rollout.max_num_seqs", "16", "--trainer.batch_timeout_s", "120"]
-    assert ablation.main(argv) == 0
+    with two_node_cluster(node_cpus=2) as cluster:
+        argv = ["--model", tiny_model_dir, "--staleness", "0,2", "--corrections", "none,tis",
+                "--dtypes", "bf16", "--seeds", "2", "--steps", "2", "--ray-address", cluster.address,
+                "--out", str(out), "--json", str(tmp_path / "a.json"), "--",
+                "--rollout.n", "4", "--trainer.batch_size", "8", "--trainer.micro_batch_size", "8",
+                "--rollout.max_new_tokens", "8", "--rollout.max_num_seqs", "16",
+                "--trainer.batch_timeout_s", "120"]
+        assert ablation.main(argv) == 0
+    printed = capfd.readouterr().out
+    assert "2 CPUs per cell, 2 cell(s) at once on 2 node(s)" in printed
     result = json.loads((tmp_path / "a.json").read_text())
-    assert {"hardware", "settings", "wall_s", "cells_wall_s", "cells"} <= result.keys()
-    assert {"steps", "seed", "threshold", "collapse_rule", "flags", "model_dir"} <= result["settings"].keys()
-    assert [c["name"] for c in result["cells"]] == ["bf16_s0_tis", "bf16_s2_tis"]
+    assert {"hardware", "settings", "wall_s", "cells_wall_s", "nodes", "arms", "cells"} <= result.keys()
+    assert {"steps", "seeds", "threshold", "alpha", "test", "interval", "flags", "model_dir"} \
+        <= result["settings"].keys()
+    names = [c["name"] for c in result["cells"]]
+    assert names == [f"bf16_s{k}_{c}_seed{s}" for k in (0, 2) for c in ("none", "tis") for s in (0, 1)]
+    assert len(result["nodes"]) == 2  # cells ran on both nodes
+    assert {c["node"] for c in result["cells"]} == set(result["nodes"])
     for c in result["cells"]:
         assert CELL_KEYS <= c.keys() and CURVE_KEYS <= c["curves"].keys()
         assert c["status"] == "done" and c["steps"] == 2 and c["curves"]["step"] == [1, 2]
@@ -64,17 +75,20 @@ def test_tiny_grid_end_to_end_and_resume(tiny_model_dir: str, tmp_path: Path,
         assert math.isfinite(c["mismatch_kl_k3_mean"]) and c["mismatch_kl_k3_mean"] > 0.0  # bf16 vs fp32
         assert (out / "cells" / c["name"] / "metrics.jsonl").is_file()
         assert not (out / "cells" / c["name"] / "checkpoints").exists()
-    assert result["cells"][0]["lag_mean"] == 0.0
+    assert sorted(result["arms"]) == ["bf16_s0_none", "bf16_s0_tis", "bf16_s2_none", "bf16_s2_tis"]
+    for name, arm in result["arms"].items():
+        assert ARM_KEYS <= arm.keys() and arm["done"] == 2 and arm["final_reward"]["n"] == 2
+        assert ("vs_none" in arm) == name.endswith("_tis")
+    assert result["arms"]["bf16_s0_none"]["lag_mean"]["mean"] == 0.0
     md = (out / "ablation.md").read_text()
-    assert "| staleness | correction | final reward |" in md and "Hardware:" in md
+    assert "| staleness | correction | final reward |" in md and "p (Holm)" in md and "Hardware:" in md
     for png in ("ablation_bf16.png", "ablation_final.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # Resume: both cells are finished, so a rerun reuses them (and starts no Ray).
-    first = (out / "cells" / "bf16_s0_tis" / "cell.json").stat().st_mtime_ns
-    capfd.readouterr()
+    # Resume: every cell is finished, so a rerun reuses them (and starts no Ray).
+    first = (out / "cells" / "bf16_s0_tis_seed0" / "cell.json").stat().st_mtime_ns
     assert ablation.main(argv) == 0
-    assert "2 already finished, 0 to run" in capfd.readouterr().out
-    assert (out / "cells" / "bf16_s0_tis" / "cell.json").stat().st_mtime_ns == first
+    assert "8 already finished, 0 to run" in capfd.readouterr().out
+    assert (out / "cells" / "bf16_s0_tis_seed0" / "cell.json").stat().st_mtime_ns == first
     again = json.loads((out / "ablation.json").read_text())
     assert [c["final_reward"] for c in again["cells"]] == [c["final_reward"] for c in result["cells"]]

@@ -12,9 +12,7 @@ never finds this cluster's address file and joins it by mistake.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -25,41 +23,25 @@ import pytest
 
 from pipeline_rl.config import Config
 from pipeline_rl.metrics import read_metrics
+from ray_cluster import two_node_cluster
 from tiny_run import tiny_run_config
 
 pytestmark = pytest.mark.slow
-
-_NODE_MEMORY = 100 * 2**20  # object store per node
-
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Any]:
     """A head node (1 CPU, ``trainer_node``) and a second node (1 CPU, ``rollout_node``),
     with this process connected as the driver (on the head node)."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from pipeline_rl.actors.process import ACTOR_ENV
 
-    scratch = tempfile.mkdtemp(prefix="prl-", dir="/tmp")  # short: Unix socket paths
-    old = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = scratch
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"trainer_node": 1}, "object_store_memory": _NODE_MEMORY,
-        "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=1, resources={"rollout_node": 1}, object_store_memory=_NODE_MEMORY)
-        cluster.wait_for_nodes()
+    with two_node_cluster(1, {"trainer_node": 1}, {"rollout_node": 1}) as cluster:
         ray.init(address=cluster.address, runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        if old is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old
-        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
 
 
 def _config(tiny_model_dir: str, out: Path, *extra: str) -> Config:

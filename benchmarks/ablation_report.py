@@ -1,0 +1,463 @@
+"""The figures, tables and plots of ``benchmarks/ablation.py``: per cell (one seed),
+per arm (over seeds, mean and 95% t interval), and each arm against ``none``.
+
+Per cell (all rewards are batch means; ``k = max(1, steps // 5)``,
+``w = max(1, steps // 10)``): start reward = mean of the first ``k`` steps;
+final reward = mean of the last ``k``; reward AUC = mean reward over all steps
+(the area under the reward-per-step curve over the number of steps); peak =
+highest ``w``-step trailing mean (full windows only); trough = lowest such mean;
+steps to threshold = first step whose ``w``-step trailing mean reaches the
+threshold (``--threshold``, default half-way from the grid's mean start reward to
+its best final reward; none when no cell gained 0.02 over the start);
+**collapse** = final < ``max(0.5 * peak, start - tol)`` or a non-finite loss;
+mismatch KL (k3), ESS (effective sample size of the correction weights, a
+fraction), masked token and sequence fractions, lag: means over steps.
+
+Per arm: for each figure, the mean over seeds with a two-sided 95% Student t
+interval (``benchmarks/stats.py``); steps to threshold over the seeds that
+reached it (``reached`` says how many); collapses counted.
+
+Against ``none``: for every arm with another correction, Welch's t-test of its
+final reward (and, separately, of its reward AUC) against the ``none`` arm of
+the same dtype and staleness, over seeds; the p-values of each family (final
+reward, AUC) are Holm-corrected over all its comparisons in the grid. A
+difference is marked significant (``+`` higher, ``-`` lower than ``none``) when
+its corrected p is below ``--alpha``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.common import hardware
+from benchmarks.stats import Interval, holm, mean_interval, welch_t_test
+
+if TYPE_CHECKING:
+    from benchmarks.ablation import Arm, CellResult, GridSettings
+
+#: Smallest gain of the best cell over the mean start reward for which an automatic threshold is set.
+MIN_GAIN = 0.02
+#: Curves stored per cell (metrics.jsonl key -> JSON key).
+CURVE_KEYS = {"step": "step", "time_s": "time_s", "reward_mean": "reward", "mismatch_kl": "mismatch_kl_k1",
+              "mismatch_kl_k3": "mismatch_kl_k3", "masked_frac": "masked_token_frac",
+              "masked_seq_frac": "masked_seq_frac", "lag_mean": "lag_mean", "loss": "loss", "ess": "ess"}
+#: Per-seed figures summarised over seeds per arm.
+ARM_FIGURES = ("final_reward", "reward_auc", "start_reward", "peak_reward", "steps_to_threshold",
+               "mismatch_kl_k3_mean", "ess_mean", "masked_token_frac_mean", "masked_seq_frac_mean", "lag_mean")
+TESTED = ("final_reward", "reward_auc")
+
+
+@dataclass(frozen=True, slots=True)
+class CellSummary:
+    """One cell's figures (see the module docstring); NaN where a failed cell has none."""
+
+    name: str
+    arm: str
+    seed: int
+    status: str
+    steps: int
+    wall_s: float
+    node: str | None
+    start_reward: float
+    final_reward: float
+    reward_auc: float
+    peak_reward: float
+    trough_reward: float
+    steps_to_threshold: int | None
+    time_to_threshold_s: float | None
+    collapsed: bool
+    mismatch_kl_k3_mean: float
+    ess_mean: float
+    masked_token_frac_mean: float
+    masked_seq_frac_mean: float
+    lag_mean: float
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """One arm against ``none`` on one figure: the Welch test and its Holm-corrected p."""
+
+    diff: float
+    p: float
+    p_holm: float
+    significant: bool
+
+    @property
+    def mark(self) -> str:
+        return ("+" if self.diff > 0 else "-") if self.significant else ""
+
+
+# ---------------------------------------------------------------------------- per cell
+
+def trailing_mean(values: list[float], k: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        window = values[max(0, i - k + 1): i + 1]
+        out.append(sum(window) / len(window))
+    return out
+
+
+def window(steps: int) -> int:
+    """k: steps averaged for the start and final reward."""
+    return max(1, steps // 5)
+
+
+def smooth_window(steps: int) -> int:
+    """w: the trailing-mean window of the peak, the threshold and the plotted reward."""
+    return max(1, steps // 10)
+
+
+def auto_threshold(results: list[CellResult]) -> float | None:
+    """Half-way from the grid's mean start reward to its best final reward (None: no finished
+    cell, or no cell gained :data:`MIN_GAIN` over the start, so no threshold means anything)."""
+    done = [r for r in results if r.status == "done" and r.rows]
+    if not done:
+        return None
+    starts, finals = [], []
+    for r in done:
+        rewards = [row["reward_mean"] for row in r.rows]
+        k = window(len(rewards))
+        starts.append(statistics.fmean(rewards[:k]))
+        finals.append(statistics.fmean(rewards[-k:]))
+    start = statistics.fmean(starts)
+    if max(finals) - start < MIN_GAIN:
+        return None
+    return start + 0.5 * (max(finals) - start)
+
+
+def summarize_cell(res: CellResult, threshold: float | None, collapse_tol: float) -> CellSummary:
+    rows, c = res.rows, res.cell
+    if not rows:
+        nan = float("nan")
+        return CellSummary(c.name, c.arm.name, c.seed, res.status, 0, res.wall_s, res.node, nan, nan, nan, nan,
+                           nan, None, None, False, nan, nan, nan, nan, nan, res.error)
+    rewards = [r["reward_mean"] for r in rows]
+    k, w = window(len(rewards)), smooth_window(len(rewards))
+    smooth = trailing_mean(rewards, w)[w - 1:]  # full windows only: smooth[j] ends at step index j + w - 1
+    start, final, peak = statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:]), max(smooth)
+    hit = next((j + w - 1 for j, v in enumerate(smooth) if threshold is not None and v >= threshold), None)
+    finite = all(math.isfinite(r["loss"]) for r in rows)
+    collapsed = (not finite) or final < max(0.5 * peak, start - collapse_tol)
+    return CellSummary(
+        c.name, c.arm.name, c.seed, res.status, len(rows), res.wall_s, res.node, start, final,
+        statistics.fmean(rewards), peak, min(smooth),
+        rows[hit]["step"] if hit is not None else None, rows[hit]["time_s"] if hit is not None else None,
+        collapsed, statistics.fmean(r.get("mismatch_kl_k3", 0.0) for r in rows),
+        statistics.fmean(r.get("ess", 1.0) for r in rows), statistics.fmean(r["masked_frac"] for r in rows),
+        statistics.fmean(r.get("masked_seq_frac", 0.0) for r in rows),
+        statistics.fmean(r["lag_mean"] for r in rows), res.error)
+
+
+def curves(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    return {out: [float(r.get(key, float("nan"))) for r in rows] for key, out in CURVE_KEYS.items()}
+
+
+# ---------------------------------------------------------------------------- per arm
+
+def summarize_arm(cells: list[CellSummary]) -> dict[str, Any]:
+    """Mean and 95% interval over seeds of every figure in :data:`ARM_FIGURES`."""
+    done = [c for c in cells if c.status == "done"]
+    out: dict[str, Any] = {"seeds": len(cells), "done": len(done),
+                           "collapsed": sum(c.collapsed for c in done),
+                           "reached": sum(c.steps_to_threshold is not None for c in done)}
+    for name in ARM_FIGURES:
+        values = [getattr(c, name) for c in done]
+        out[name] = asdict(mean_interval([float(v) for v in values if v is not None]))
+    return out
+
+
+def compare(arms: dict[str, dict[str, Any]], per_arm: dict[str, list[CellSummary]],
+            alpha: float) -> dict[str, dict[str, dict[str, Any]]]:
+    """arm name -> figure -> :class:`Comparison` (as a dict) against ``none`` at the same
+    dtype and staleness, Holm-corrected per figure over the grid."""
+    pairs = [(name, arms[name]["arm"]) for name in arms if arms[name]["arm"]["correction"] != "none"]
+    baseline = {(a["arm"]["dtype"], a["arm"]["staleness"]): n for n, a in arms.items()
+                if a["arm"]["correction"] == "none"}
+    out: dict[str, dict[str, dict[str, Any]]] = {name: {} for name, _ in pairs}
+    for figure in TESTED:
+        tests = []
+        for name, arm in pairs:
+            base = baseline.get((arm["dtype"], arm["staleness"]))
+            values = [[getattr(c, figure) for c in per_arm[n] if c.status == "done"] for n in (name, base)] \
+                if base else [[], []]
+            tests.append(welch_t_test(values[0], values[1]))
+        adjusted = holm([t.p for t in tests])
+        for (name, _), t, p_holm in zip(pairs, tests, adjusted):
+            out[name][figure] = asdict(Comparison(t.diff, t.p, p_holm, math.isfinite(p_holm) and p_holm < alpha))
+    return out
+
+
+def build_result(results: list[CellResult], settings: GridSettings, threshold: float | None,
+                 collapse_tol: float, alpha: float, wall_s: float) -> dict[str, Any]:
+    thr = threshold if threshold is not None else auto_threshold(results)
+    cells: list[dict[str, Any]] = []
+    per_arm: dict[str, list[CellSummary]] = {}
+    arm_of: dict[str, Arm] = {}
+    for res in results:
+        s = summarize_cell(res, thr, collapse_tol)
+        cells.append({**asdict(s), "curves": curves(res.rows)})
+        per_arm.setdefault(s.arm, []).append(s)
+        arm_of[s.arm] = res.cell.arm
+    arms = {name: {"arm": asdict(arm_of[name]), **summarize_arm(per_arm[name])} for name in per_arm}
+    comparisons = compare(arms, per_arm, alpha)
+    for name, figs in comparisons.items():
+        arms[name]["vs_none"] = figs
+    nodes = sorted({r.node for r in results if r.node})
+    seeds = sorted({r.cell.seed for r in results})
+    return _finite({
+        "hardware": hardware(),
+        "settings": {"steps": settings.steps, "seeds": seeds, "model_dir": settings.model_dir,
+                     "flags": list(settings.flags), "threshold": thr,
+                     "threshold_source": "flag" if threshold is not None else "auto", "alpha": alpha,
+                     "test": "Welch t-test against 'none' at the same dtype and staleness, two-sided, "
+                             "Holm-corrected per figure over the grid",
+                     "interval": "mean over seeds with a two-sided 95% Student t interval",
+                     "collapse_rule": f"final < max(0.5 * peak, start - {collapse_tol}) or non-finite loss",
+                     "window": "start/final: mean of the first/last max(1, steps // 5) steps; AUC: mean "
+                               "over all steps; peak and threshold: max(1, steps // 10)-step trailing mean"},
+        "wall_s": wall_s, "cells_wall_s": sum(r.wall_s for r in results), "nodes": nodes,
+        "arms": arms, "cells": cells})
+
+
+def _finite(x: Any) -> Any:
+    """NaN/inf -> None, so the JSON is standard (a failed cell has no figures)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------------------- Markdown
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, spec)
+
+
+def _ci(iv: dict[str, Any], spec: str = ".3f") -> str:
+    """``mean [lo, hi]``, or the mean alone for one seed."""
+    if iv["mean"] is None:
+        return "-"
+    if iv["n"] < 2:
+        return _fmt(iv["mean"], spec)
+    return f"{_fmt(iv['mean'], spec)} [{_fmt(iv['lo'], spec)}, {_fmt(iv['hi'], spec)}]"
+
+
+def _mark(arm: dict[str, Any], figure: str) -> str:
+    comp = arm.get("vs_none", {}).get(figure)
+    if not comp or not comp["significant"]:
+        return ""
+    return " **+**" if comp["diff"] > 0 else " **-**"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    hw, st = result["hardware"], result["settings"]
+    nodes = result.get("nodes", [])
+    lines = [f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU. "
+             f"{st['steps']} steps per cell, seeds {', '.join(map(str, st['seeds']))}; wall time of the cells "
+             f"{result['cells_wall_s'] / 60:.1f} min, this invocation {result['wall_s'] / 60:.1f} min, "
+             f"on {len(nodes)} Ray node(s).",
+             f"Per arm: {st['interval']}. Marks: **+**/**-** = significantly higher/lower than `none` at "
+             f"the same staleness ({st['test']}, family-wise alpha {st['alpha']}). Reward threshold "
+             f"{_threshold_text(st)}; collapse: {st['collapse_rule']}; {st['window']}.", ""]
+    arms = result["arms"]
+    for dtype in dict.fromkeys(a["arm"]["dtype"] for a in arms.values()):
+        mine = [a for a in arms.values() if a["arm"]["dtype"] == dtype]
+        lines += [f"### Generation dtype {dtype} (trainer float32)", "",
+                  "| staleness | correction | final reward | reward AUC | steps to thr. (reached) | collapsed | "
+                  "mismatch KL k3 | ESS | masked tok. | masked seq. | lag |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for a in mine:
+            arm = a["arm"]
+            if not a["done"]:
+                lines.append(f"| {arm['staleness']} | {arm['correction']} | no seed finished |" + " |" * 8)
+                continue
+            lines.append(
+                f"| {arm['staleness']} | {arm['correction']} | {_ci(a['final_reward'])}{_mark(a, 'final_reward')} | "
+                f"{_ci(a['reward_auc'])}{_mark(a, 'reward_auc')} | "
+                f"{_ci(a['steps_to_threshold'], '.0f')} ({a['reached']}/{a['done']}) | "
+                f"{a['collapsed']}/{a['done']} | {_fmt(a['mismatch_kl_k3_mean']['mean'], '.2e')} | "
+                f"{_fmt(a['ess_mean']['mean'])} | {_fmt(a['masked_token_frac_mean']['mean'])} | "
+                f"{_fmt(a['masked_seq_frac_mean']['mean'])} | {_fmt(a['lag_mean']['mean'], '.2f')} |")
+        lines += ["", *pivot(mine), "", *comparison_table(mine), ""]
+    return "\n".join(lines)
+
+
+def _threshold_text(st: dict[str, Any]) -> str:
+    if st["threshold"] is None:
+        return f"none (no cell gained {MIN_GAIN} over the mean start reward)"
+    return f"{st['threshold']:.3f} ({st['threshold_source']})"
+
+
+def pivot(arms: list[dict[str, Any]]) -> list[str]:
+    """Final reward (mean +- interval half-width), staleness (rows) x correction (columns)."""
+    ks = list(dict.fromkeys(a["arm"]["staleness"] for a in arms))
+    corrs = list(dict.fromkeys(a["arm"]["correction"] for a in arms))
+    by = {(a["arm"]["staleness"], a["arm"]["correction"]): a for a in arms}
+    lines = ["Final reward, mean ± 95% half-width over seeds (staleness x correction):", "",
+             "| staleness | " + " | ".join(corrs) + " |", "|---" * (len(corrs) + 1) + "|"]
+    for k in ks:
+        vals = []
+        for corr in corrs:
+            a = by.get((k, corr))
+            iv = a["final_reward"] if a else None
+            if iv is None or iv["mean"] is None:
+                vals.append("-")
+                continue
+            half = f" ± {_fmt((iv['hi'] - iv['lo']) / 2, '.3f')}" if iv["n"] > 1 else ""
+            vals.append(f"{_fmt(iv['mean'])}{half}{_mark(a, 'final_reward')}" if a else "-")
+        lines.append(f"| {k} | " + " | ".join(vals) + " |")
+    return lines
+
+
+def comparison_table(arms: list[dict[str, Any]]) -> list[str]:
+    """Every comparison against ``none``: difference, raw and Holm-corrected p."""
+    rows = [a for a in arms if "vs_none" in a]
+    if not rows:
+        return []
+    lines = ["Against `none` at the same staleness (difference of means; p raw / Holm):", "",
+             "| staleness | correction | final reward diff | p | p (Holm) | AUC diff | p | p (Holm) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for a in rows:
+        f, u = a["vs_none"]["final_reward"], a["vs_none"]["reward_auc"]
+        lines.append(f"| {a['arm']['staleness']} | {a['arm']['correction']} | {_fmt(f['diff'], '+.3f')} | "
+                     f"{_fmt(f['p'])} | {_fmt(f['p_holm'])}{' *' if f['significant'] else ''} | "
+                     f"{_fmt(u['diff'], '+.3f')} | {_fmt(u['p'])} | "
+                     f"{_fmt(u['p_holm'])}{' *' if u['significant'] else ''} |")
+    return lines
+
+
+# ---------------------------------------------------------------------------- plots
+
+def plot(result: dict[str, Any], out: Path) -> list[Path]:
+    """One curves figure per dtype (mean over seeds with a 95% band) and one final-reward
+    heat map figure; returns the files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    dtypes = list(dict.fromkeys(a["arm"]["dtype"] for a in result["arms"].values()))
+    from benchmarks.ablation import SHORT_DTYPE
+
+    for dtype in dtypes:
+        cells = [c for c in result["cells"] if c["arm"].startswith(SHORT_DTYPE[dtype] + "_") and c["curves"]["step"]]
+        if not cells:
+            continue
+        path = out / f"ablation_{SHORT_DTYPE[dtype]}.png"
+        _plot_curves(plt, result, cells, dtype, path)
+        written.append(path)
+    path = out / "ablation_final.png"
+    _plot_heatmaps(plt, result, dtypes, path)
+    written.append(path)
+    return written
+
+
+def _band(series: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    """Pointwise mean and 95% interval of equal-length series (NaN-safe)."""
+    n = min(len(s) for s in series)
+    ivs: list[Interval] = [mean_interval([s[i] for s in series]) for i in range(n)]
+    return [iv.mean for iv in ivs], [iv.lo for iv in ivs], [iv.hi for iv in ivs]
+
+
+def _plot_curves(plt: Any, result: dict[str, Any], cells: list[dict[str, Any]], dtype: str, path: Path) -> None:
+    arms = {n: a for n, a in result["arms"].items() if a["arm"]["dtype"] == dtype}
+    corrs = list(dict.fromkeys(a["arm"]["correction"] for a in arms.values()))
+    ks = sorted(dict.fromkeys(a["arm"]["staleness"] for a in arms.values()))
+    cmap = plt.get_cmap("viridis")
+    colors = {k: cmap(i / max(1, len(ks) - 1)) for i, k in enumerate(ks)}
+    panels = (("step", "reward", "reward (trailing mean)"), ("time_s", "reward", "reward vs wall time (s)"),
+              ("step", "mismatch_kl_k3", "mismatch KL (k3)"), ("step", "masked_token_frac", "masked token frac"))
+    fig, axes = plt.subplots(len(panels), len(corrs), figsize=(max(6, 4 * len(corrs)), 3 * len(panels)),
+                             squeeze=False, sharey="row")
+    for col, corr in enumerate(corrs):
+        for name, a in arms.items():
+            if a["arm"]["correction"] != corr:
+                continue
+            mine = [c["curves"] for c in cells if c["arm"] == name]
+            if not mine:
+                continue
+            w = smooth_window(min(len(cv["step"]) for cv in mine))
+            k = a["arm"]["staleness"]
+            for row, (x, y, _) in enumerate(panels):
+                ys = [trailing_mean([_num(v) for v in cv[y]], w) if y == "reward" else
+                      [max(_num(v), 1e-9) for v in cv[y]] if y == "mismatch_kl_k3" else
+                      [_num(v) for v in cv[y]] for cv in mine]
+                mean, lo, hi = _band(ys)
+                xs = _band([[_num(v) for v in cv[x]] for cv in mine])[0]
+                ax = axes[row][col]
+                ax.plot(xs, mean, color=colors[k], lw=1.3, label=f"staleness {k}")
+                if len(mine) > 1:
+                    ax.fill_between(xs, [max(v, 1e-9) if y == "mismatch_kl_k3" else v for v in lo], hi,
+                                    color=colors[k], alpha=0.2, lw=0)
+        for row, (x, _, label) in enumerate(panels):
+            ax = axes[row][col]
+            ax.set_xlabel("wall time (s)" if x == "time_s" else "step")
+            if col == 0:
+                ax.set_ylabel(label)
+            if panels[row][1] == "mismatch_kl_k3":
+                ax.set_yscale("log")
+        axes[0][col].set_title(f"correction: {corr}")
+    axes[0][0].legend(fontsize=7)
+    hw, st = result["hardware"], result["settings"]
+    fig.suptitle(f"{dtype} generation, float32 trainer\n{st['steps']} steps, {len(st['seeds'])} seed(s): "
+                 f"mean over seeds, band = 95% t interval; {hw['cores']} CPU cores", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _num(x: float | None) -> float:
+    return float("nan") if x is None else x
+
+
+def _plot_heatmaps(plt: Any, result: dict[str, Any], dtypes: list[str], path: Path) -> None:
+    fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(5 * max(1, len(dtypes)), 3.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        arms = [a for a in result["arms"].values() if a["arm"]["dtype"] == dtype]
+        ks = sorted(dict.fromkeys(a["arm"]["staleness"] for a in arms))
+        corrs = list(dict.fromkeys(a["arm"]["correction"] for a in arms))
+        by = {(a["arm"]["staleness"], a["arm"]["correction"]): a for a in arms}
+        grid_vals = [[_num(by[(k, c)]["final_reward"]["mean"]) if (k, c) in by else float("nan")
+                      for c in corrs] for k in ks]
+        top = max([v for row in grid_vals for v in row if not math.isnan(v)] + [0.05])
+        im = ax.imshow(grid_vals, cmap="magma", aspect="auto", vmin=0.0, vmax=top)
+        for i, k in enumerate(ks):
+            for j, c in enumerate(corrs):
+                a = by.get((k, c))
+                if a is not None and a["final_reward"]["mean"] is not None:
+                    v = a["final_reward"]["mean"]
+                    ax.text(j, i, f"{v:.2f}{_mark(a, 'final_reward').replace('*', '')}", ha="center",
+                            va="center", color="white" if v < 0.6 * top else "black", fontsize=8)
+        ax.set_xticks(range(len(corrs)), corrs)
+        ax.set_yticks(range(len(ks)), [str(k) for k in ks])
+        ax.set_xlabel("correction")
+        ax.set_ylabel("staleness")
+        ax.set_title(f"final reward (mean over seeds), {dtype}")
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(result: dict[str, Any], out: Path, json_path: Path | None) -> None:
+    text = json.dumps(result, indent=1, allow_nan=False)
+    (out / "ablation.json").write_text(text)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(text)
+    md = markdown(result)
+    (out / "ablation.md").write_text(md + "\n")
+    plot(result, out)
+    print(md, flush=True)
