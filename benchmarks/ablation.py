@@ -289,7 +289,7 @@ def run_cells(todo: list[Cell], settings: GridSettings, out: Path, keep_checkpoi
     at_once = sum(slots.values())
     print(f"ablation: {cpus_per_cell} CPUs per cell, {at_once} cell(s) at once on {len(slots)} node(s)",
           flush=True)
-    remote = ray.remote(num_cpus=0, max_calls=1, max_retries=0)(cell_task)
+    remote = ray.remote(num_cpus=0, max_retries=0)(cell_task)
     queue: deque[Cell] = deque(todo)
     running: dict[Any, tuple[Cell, Any, float]] = {}  # task ref -> (cell, placement group, start)
     while queue or running:

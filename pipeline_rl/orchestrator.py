@@ -599,7 +599,9 @@ class Orchestrator:
                    "masked_seq_frac": float(lm.masked_seq_frac), "clipped_frac": float(lm.clipped_frac),
                    "train_step_s": float(res[0].step_time_s), "groups_lost": float(buf.admission.lost),
                    "worker_restarts": float(sum(w.restarts for w in self._workers)),
-                   "generator_idle_frac": min(1.0, gen_idle)},
+                   "generator_idle_frac": min(1.0, gen_idle),
+                   # Wall clock, so a caller can measure from its own start (start-up included).
+                   "unix_time_s": time.time()},
         )
         self.history.append(m)
         self.steps_done += 1

