@@ -23,6 +23,10 @@ the same dtype and staleness, over seeds; the p-values of each family (final
 reward, AUC) are Holm-corrected over all its comparisons in the grid. A
 difference is marked significant (``+`` higher, ``-`` lower than ``none``) when
 its corrected p is below ``--alpha``.
+
+Against staleness 0: the same tests for every arm with staleness above 0 against the
+arm of the same dtype and correction at staleness 0 (what lag costs each correction),
+Holm-corrected per figure over those comparisons.
 """
 
 from __future__ import annotations
@@ -172,18 +176,24 @@ def summarize_arm(cells: list[CellSummary]) -> dict[str, Any]:
     return out
 
 
-def compare(arms: dict[str, dict[str, Any]], per_arm: dict[str, list[CellSummary]],
-            alpha: float) -> dict[str, dict[str, dict[str, Any]]]:
-    """arm name -> figure -> :class:`Comparison` (as a dict) against ``none`` at the same
-    dtype and staleness, Holm-corrected per figure over the grid."""
-    pairs = [(name, arms[name]["arm"]) for name in arms if arms[name]["arm"]["correction"] != "none"]
-    baseline = {(a["arm"]["dtype"], a["arm"]["staleness"]): n for n, a in arms.items()
-                if a["arm"]["correction"] == "none"}
+def compare(arms: dict[str, dict[str, Any]], per_arm: dict[str, list[CellSummary]], alpha: float,
+            against: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """arm name -> figure -> :class:`Comparison` (as a dict), Holm-corrected per figure over
+    the grid. ``against="none"``: each corrected arm against ``none`` at the same dtype and
+    staleness; ``against="sync"``: each arm at staleness > 0 against the same dtype and
+    correction at staleness 0."""
+    def base_key(arm: dict[str, Any]) -> tuple[str, int, str]:
+        if against == "none":
+            return arm["dtype"], arm["staleness"], "none"
+        return arm["dtype"], 0, arm["correction"]
+
+    by_key = {(a["arm"]["dtype"], a["arm"]["staleness"], a["arm"]["correction"]): n for n, a in arms.items()}
+    pairs = [(name, by_key.get(base_key(a["arm"]))) for name, a in arms.items()
+             if (a["arm"]["correction"] != "none" if against == "none" else a["arm"]["staleness"] > 0)]
     out: dict[str, dict[str, dict[str, Any]]] = {name: {} for name, _ in pairs}
     for figure in TESTED:
         tests = []
-        for name, arm in pairs:
-            base = baseline.get((arm["dtype"], arm["staleness"]))
+        for name, base in pairs:
             values = [[getattr(c, figure) for c in per_arm[n] if c.status == "done"] for n in (name, base)] \
                 if base else [[], []]
             tests.append(welch_t_test(values[0], values[1]))
@@ -205,9 +215,9 @@ def build_result(results: list[CellResult], settings: GridSettings, threshold: f
         per_arm.setdefault(s.arm, []).append(s)
         arm_of[s.arm] = res.cell.arm
     arms = {name: {"arm": asdict(arm_of[name]), **summarize_arm(per_arm[name])} for name in per_arm}
-    comparisons = compare(arms, per_arm, alpha)
-    for name, figs in comparisons.items():
-        arms[name]["vs_none"] = figs
+    for key, against in (("vs_none", "none"), ("vs_sync", "sync")):
+        for name, figs in compare(arms, per_arm, alpha, against).items():
+            arms[name][key] = figs
     nodes = sorted({r.node for r in results if r.node})
     seeds = sorted({r.cell.seed for r in results})
     return _finite({
@@ -217,6 +227,8 @@ def build_result(results: list[CellResult], settings: GridSettings, threshold: f
                      "threshold_source": "flag" if threshold is not None else "auto", "alpha": alpha,
                      "test": "Welch t-test against 'none' at the same dtype and staleness, two-sided, "
                              "Holm-corrected per figure over the grid",
+                     "test_sync": "Welch t-test against the same correction at staleness 0, two-sided, "
+                                  "Holm-corrected per figure over those comparisons",
                      "interval": "mean over seeds with a two-sided 95% Student t interval",
                      "collapse_rule": f"final < max(0.5 * peak, start - {collapse_tol}) or non-finite loss",
                      "window": "start/final: mean of the first/last max(1, steps // 5) steps; AUC: mean "
@@ -289,7 +301,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{a['collapsed']}/{a['done']} | {_fmt(a['mismatch_kl_k3_mean']['mean'], '.2e')} | "
                 f"{_fmt(a['ess_mean']['mean'])} | {_fmt(a['masked_token_frac_mean']['mean'])} | "
                 f"{_fmt(a['masked_seq_frac_mean']['mean'])} | {_fmt(a['lag_mean']['mean'], '.2f')} |")
-        lines += ["", *pivot(mine), "", *comparison_table(mine), ""]
+        lines += ["", *pivot(mine), "", *comparison_table(mine, "vs_none"), "",
+                  *comparison_table(mine, "vs_sync"), ""]
     return "\n".join(lines)
 
 
@@ -320,16 +333,18 @@ def pivot(arms: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def comparison_table(arms: list[dict[str, Any]]) -> list[str]:
-    """Every comparison against ``none``: difference, raw and Holm-corrected p."""
-    rows = [a for a in arms if "vs_none" in a]
+def comparison_table(arms: list[dict[str, Any]], key: str = "vs_none") -> list[str]:
+    """Every comparison of one family: difference, raw and Holm-corrected p (``*``: significant)."""
+    rows = [a for a in arms if key in a]
     if not rows:
         return []
-    lines = ["Against `none` at the same staleness (difference of means; p raw / Holm):", "",
+    title = ("Against `none` at the same staleness" if key == "vs_none"
+             else "Against the same correction at staleness 0 (what lag costs)")
+    lines = [f"{title} (difference of means; p raw / Holm):", "",
              "| staleness | correction | final reward diff | p | p (Holm) | AUC diff | p | p (Holm) |",
              "|---|---|---|---|---|---|---|---|"]
     for a in rows:
-        f, u = a["vs_none"]["final_reward"], a["vs_none"]["reward_auc"]
+        f, u = a[key]["final_reward"], a[key]["reward_auc"]
         lines.append(f"| {a['arm']['staleness']} | {a['arm']['correction']} | {_fmt(f['diff'], '+.3f')} | "
                      f"{_fmt(f['p'])} | {_fmt(f['p_holm'])}{' *' if f['significant'] else ''} | "
                      f"{_fmt(u['diff'], '+.3f')} | {_fmt(u['p'])} | "
@@ -398,8 +413,8 @@ def _plot_curves(plt: Any, result: dict[str, Any], cells: list[dict[str, Any]], 
                 xs = _band([[_num(v) for v in cv[x]] for cv in mine])[0]
                 ax = axes[row][col]
                 ax.plot(xs, mean, color=colors[k], lw=1.3, label=f"staleness {k}")
-                if len(mine) > 1:
-                    ax.fill_between(xs, [max(v, 1e-9) if y == "mismatch_kl_k3" else v for v in lo], hi,
+                if len(mine) > 1 and y != "mismatch_kl_k3":  # a t band is meaningless on a log axis
+                    ax.fill_between(xs, [min(1.0, max(0.0, v)) for v in lo], [min(1.0, max(0.0, v)) for v in hi],
                                     color=colors[k], alpha=0.2, lw=0)
         for row, (x, _, label) in enumerate(panels):
             ax = axes[row][col]
@@ -412,7 +427,8 @@ def _plot_curves(plt: Any, result: dict[str, Any], cells: list[dict[str, Any]], 
     axes[0][0].legend(fontsize=7)
     hw, st = result["hardware"], result["settings"]
     fig.suptitle(f"{dtype} generation, float32 trainer\n{st['steps']} steps, {len(st['seeds'])} seed(s): "
-                 f"mean over seeds, band = 95% t interval; {hw['cores']} CPU cores", fontsize=9)
+                 f"mean over seeds, band = 95% t interval of the mean (clipped to [0, 1]; none for the KL); "
+                 f"{hw['cores']} CPU cores", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

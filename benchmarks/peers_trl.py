@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     task, rows = task_and_prompts(args)
     by_id = {r["prompt_id"]: task.prompt(r["prompt_id"]) for r in rows}
 
-    def reward(prompts: list[str], completions: list[str], prompt_id: list[int], **_: Any) -> list[float]:
+    def reward(prompts: list[str], completions: list[str], prompt_id: list[int],
+               **_: Any) -> list[float | None]:
         return [float(task.reward(p, c, by_id[i])) for p, c, i in zip(prompts, completions, prompt_id)]
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     class StepLog(TrainerCallback):  # type: ignore[misc]
         start = last = time.time()
 
-        def on_log(self, _args: Any, state: Any, _control: Any, logs: dict[str, float] | None = None,
-                   **_: Any) -> None:
+        def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            logs = kwargs.get("logs")
             if not logs or "reward" not in logs:
                 return
             now = time.time()

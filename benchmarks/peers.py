@@ -1,0 +1,376 @@
+"""pipeline_rl against what a user would run instead: TRL's ``GRPOTrainer``, side by side
+on the same model folder, task, batch, group size, learning rate, sampling and machine.
+
+Systems (``--systems``, default all three): ``trl`` (``benchmarks/peers_trl.py``:
+synchronous, Hugging Face ``generate``, one process with ``--trl-threads`` torch
+threads), ``s0`` (``launch/async_grpo.py --staleness 0``: synchronous, vLLM and
+DeepSpeed in their own processes) and ``s2`` (``--staleness 2``, the default).
+Every run is a fresh process started by this script with the same settings:
+``--prompts`` x ``--n`` completions per step (default 4 x 8 = 32), lr 2e-4 constant,
+temperature 1, top-p 1, at most ``--max-new-tokens`` new tokens, group mean/std
+advantages, token-normalised loss, no KL, no evaluation, ``--steps`` steps, seeds
+``0 .. --seeds - 1``. Runs are interleaved (seed-major) so a drift of the machine
+touches every system alike.
+
+What differs, and why (the script cannot make these equal):
+
+- the generator: vLLM (pipeline_rl) against ``transformers.generate`` (TRL without
+  vLLM: TRL's vLLM path needs a CUDA server or colocated GPU engine);
+- the processes: pipeline_rl runs a rollout worker and a trainer on one core each;
+  TRL runs one process, given both cores' worth of threads (``--trl-threads 2``);
+- random streams: same seeds, but the two sample with different generators, so
+  runs are compared over seeds, not one to one.
+
+Per run: steps, training time and wall time (from the command, start-up included)
+until the trailing ``--window``-step mean reward first reaches ``--target`` (full
+windows only); start-up (command to the first step's start); the median step time;
+generated tokens per second of training time. Per system: medians and ranges over
+seeds; ratios pipeline_rl / TRL of the medians.
+
+Outputs (``--out``, default ``runs/bench_peers``): ``peers.json``, ``peers.md``,
+``peers.png`` (every run's trailing-mean reward against wall time since its
+command, both systems on one plot), and each run's log and metrics.
+
+Usage: ``python benchmarks/peers.py [--seeds 3] [--steps 400] [--systems trl,s0,s2]
+[--target 0.8] [--window 40] [--json PATH] [--md PATH] [--png PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, hardware  # noqa: E402
+
+SYSTEMS = ("trl", "s0", "s2")
+LABEL = {"trl": "TRL GRPOTrainer (sync, HF generate)", "s0": "pipeline_rl --staleness 0",
+         "s2": "pipeline_rl --staleness 2"}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What every run shares."""
+
+    steps: int
+    prompts: int
+    n: int
+    lr: float
+    max_new_tokens: int
+    temperature: float
+    task_flags: tuple[str, ...]
+    trl_threads: int
+    model_dir: str
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """One run's per-step record: wall clock at each step's end, seconds since its
+    training started, reward, completion tokens per sequence."""
+
+    unix_time_s: list[float]
+    time_s: list[float]
+    reward: list[float]
+    completion_len: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """One run's figures (None: the target was never reached, or the run failed)."""
+
+    system: str
+    seed: int
+    ok: bool
+    error: str | None
+    steps: int
+    startup_s: float | None
+    steps_to_target: int | None
+    train_s_to_target: float | None
+    wall_s_to_target: float | None
+    step_time_s: float | None
+    tokens_per_s: float | None
+    final_reward: float | None
+    wall_s: float
+
+
+def trailing(values: list[float], window: int) -> list[float | None]:
+    """Trailing ``window``-step means, None until the window is full."""
+    out: list[float | None] = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / window if i >= window - 1 else None)
+    return out
+
+
+def measure(system: str, seed: int, launched: float, curve: Curve | None, wall_s: float, s: Settings,
+            target: float, window: int, error: str | None) -> RunResult:
+    """The figures of one run from its curve (``launched``: wall clock at its command)."""
+    if curve is None or not curve.reward:
+        return RunResult(system, seed, False, error or "no steps", 0, None, None, None, None, None, None,
+                         None, wall_s)
+    means = trailing(curve.reward, window)
+    hit = next((i for i, m in enumerate(means) if m is not None and m >= target), None)
+    first_start = curve.unix_time_s[0] - curve.time_s[0]
+    steps_time = [b - a for a, b in zip(curve.time_s, curve.time_s[1:])]
+    tokens = sum(curve.completion_len) * s.prompts * s.n
+    k = max(1, len(curve.reward) // 10)
+    return RunResult(
+        system, seed, error is None and len(curve.reward) == s.steps, error, len(curve.reward),
+        first_start - launched, hit + 1 if hit is not None else None,
+        curve.time_s[hit] if hit is not None else None,
+        curve.unix_time_s[hit] - launched if hit is not None else None,
+        statistics.median(steps_time) if steps_time else None,
+        tokens / curve.time_s[-1] if curve.time_s[-1] > 0 else None,
+        statistics.fmean(curve.reward[-k:]), wall_s)
+
+
+# ---------------------------------------------------------------------------- runs
+
+def command(system: str, seed: int, s: Settings, run_dir: Path) -> list[str]:
+    py = sys.executable
+    if system == "trl":
+        return [py, str(ROOT / "benchmarks" / "peers_trl.py"), "--model", s.model_dir,
+                "--out", str(run_dir / "metrics.jsonl"), "--seed", str(seed), "--max-steps", str(s.steps),
+                "--prompts", str(s.prompts), "--n", str(s.n), "--lr", str(s.lr),
+                "--temperature", str(s.temperature), "--max-new-tokens", str(s.max_new_tokens),
+                "--threads", str(s.trl_threads), f"--task-flags={' '.join(s.task_flags)}"]
+    staleness = {"s0": "0", "s2": "2"}[system]
+    return [py, str(ROOT / "launch" / "async_grpo.py"), "--staleness", staleness, "--seed", str(seed),
+            "--max-steps", str(s.steps), "--out-dir", str(run_dir), "--model.path", s.model_dir,
+            "--rollout.n", str(s.n), "--trainer.batch_size", str(s.prompts * s.n),
+            "--trainer.lr", str(s.lr), "--rollout.temperature", str(s.temperature),
+            "--rollout.max_new_tokens", str(s.max_new_tokens), "--eval.every", "0",
+            "--trainer.checkpoint_every", "0", *s.task_flags]
+
+
+def read_curve(path: Path) -> Curve | None:
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "unix_time_s" in r]
+    if not rows:
+        return None
+    return Curve([float(r["unix_time_s"]) for r in rows], [float(r["time_s"]) for r in rows],
+                 [float(r["reward_mean"]) for r in rows], [float(r["completion_len_mean"]) for r in rows])
+
+
+def run_one(system: str, seed: int, s: Settings, out: Path, timeout_s: float) -> tuple[float, Curve | None,
+                                                                                      float, str | None]:
+    """Run one system at one seed in a fresh process; returns (launch wall clock, curve,
+    wall seconds, error line or None)."""
+    run_dir = out / f"{system}_seed{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if system == "trl":
+        env["OMP_NUM_THREADS"] = str(s.trl_threads)
+    launched = time.time()
+    with (run_dir / "console.log").open("w") as log:
+        try:
+            code = subprocess.run(command(system, seed, s, run_dir), stdout=log, stderr=subprocess.STDOUT,
+                                  env=env, cwd=ROOT, timeout=timeout_s, check=False).returncode
+            error = None if code == 0 else f"exit status {code} (see {run_dir / 'console.log'})"
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {timeout_s:.0f} s"
+    return launched, read_curve(run_dir / "metrics.jsonl"), time.time() - launched, error
+
+
+# ---------------------------------------------------------------------------- report
+
+def _median_range(values: list[float | None]) -> dict[str, Any]:
+    xs = [v for v in values if v is not None and math.isfinite(v)]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+FIGURES = ("steps_to_target", "train_s_to_target", "wall_s_to_target", "startup_s", "step_time_s",
+           "tokens_per_s", "final_reward")
+
+
+def summarize(runs: list[RunResult]) -> dict[str, Any]:
+    systems = list(dict.fromkeys(r.system for r in runs))
+    per: dict[str, dict[str, Any]] = {
+        sys_: {f: _median_range([getattr(r, f) for r in runs if r.system == sys_]) for f in FIGURES}
+        for sys_ in systems}
+    for sys_ in systems:
+        mine = [r for r in runs if r.system == sys_]
+        per[sys_]["runs"] = len(mine)
+        per[sys_]["reached"] = sum(r.steps_to_target is not None for r in mine)
+    ratios: dict[str, dict[str, float | None]] = {}
+    if "trl" in per:
+        for sys_ in (x for x in systems if x != "trl"):
+            ratios[sys_] = {}
+            for f in ("train_s_to_target", "wall_s_to_target", "startup_s", "step_time_s", "tokens_per_s"):
+                a, b = per[sys_][f]["median"], per["trl"][f]["median"]
+                ratios[sys_][f] = a / b if a is not None and b else None
+    return {"systems": per, "ratios_vs_trl": ratios}
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _mr(d: dict[str, Any], spec: str = ".1f") -> str:
+    if d["median"] is None:
+        return "never"
+    return f"{_f(d['median'], spec)} ({_f(d['min'], spec)}–{_f(d['max'], spec)})"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    hw, st, summ = result["hardware"], result["settings"], result["summary"]
+    lines = [f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU. "
+             f"{st['prompts']} prompts x {st['n']} completions per step, lr {st['lr']}, temperature "
+             f"{st['temperature']}, at most {st['max_new_tokens']} new tokens, {st['steps']} steps, seeds "
+             f"{', '.join(map(str, st['seeds']))}; target: trailing {st['window']}-step mean reward >= "
+             f"{st['target']}. Medians (range) over seeds.", "",
+             "| system | reached | steps to target | training time to target (s) | wall time to target, "
+             "start-up incl. (s) | start-up (s) | step time (s) | tokens/s | final reward |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for sys_, d in summ["systems"].items():
+        lines.append(f"| {LABEL.get(sys_, sys_)} | {d['reached']}/{d['runs']} | {_mr(d['steps_to_target'], '.0f')} | "
+                     f"{_mr(d['train_s_to_target'])} | {_mr(d['wall_s_to_target'])} | {_mr(d['startup_s'])} | "
+                     f"{_mr(d['step_time_s'], '.3f')} | {_mr(d['tokens_per_s'], '.0f')} | "
+                     f"{_mr(d['final_reward'], '.3f')} |")
+    if summ["ratios_vs_trl"]:
+        lines += ["", "Ratios of medians, pipeline_rl / TRL (below 1 = pipeline_rl takes less; tokens/s: "
+                  "above 1 = pipeline_rl generates faster):", "",
+                  "| system | training time to target | wall time to target | start-up | step time | tokens/s |",
+                  "|---|---|---|---|---|---|"]
+        for sys_, r in summ["ratios_vs_trl"].items():
+            lines.append(f"| {LABEL.get(sys_, sys_)} | {_f(r['train_s_to_target'])} | {_f(r['wall_s_to_target'])} | "
+                         f"{_f(r['startup_s'])} | {_f(r['step_time_s'])} | {_f(r['tokens_per_s'])} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"trl": "tab:red", "s0": "tab:blue", "s2": "tab:green"}
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    seen = set()
+    for run in result["curves"]:
+        means = trailing(run["reward"], result["settings"]["window"])
+        xs = [t - run["launched"] for t, m in zip(run["unix_time_s"], means) if m is not None]
+        ys = [m for m in means if m is not None]
+        label = LABEL.get(run["system"], run["system"]) if run["system"] not in seen else None
+        seen.add(run["system"])
+        ax.plot(xs, ys, color=colors.get(run["system"], "k"), lw=1.2, alpha=0.8, label=label)
+    ax.axhline(result["settings"]["target"], color="grey", ls=":", lw=1)
+    ax.set_xlabel("wall time since the command (s), start-up included")
+    ax.set_ylabel(f"reward, trailing {result['settings']['window']}-step mean")
+    ax.set_title(f"pipeline_rl vs TRL GRPOTrainer, {len(result['settings']['seeds'])} seeds each, "
+                 f"{result['hardware']['cores']} CPU cores", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="pipeline_rl against TRL's GRPOTrainer on the same work "
+                                "(see the module docstring for what is equal and what differs).")
+    p.add_argument("--seeds", type=int, default=3, help="Seeds per system (default 3).")
+    p.add_argument("--steps", type=int, default=400, help="Steps per run (default 400).")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="Comma list of trl, s0, s2 (default all).")
+    p.add_argument("--target", type=float, default=0.8, help="Reward target (default 0.8).")
+    p.add_argument("--window", type=int, default=40, help="Trailing window of the target (default 40 steps).")
+    p.add_argument("--prompts", type=int, default=4, help="Prompts per step (default 4).")
+    p.add_argument("--n", type=int, default=8, help="Completions per prompt (default 8).")
+    p.add_argument("--lr", type=float, default=2e-4, help="Learning rate (default 2e-4).")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="Completion limit (default 16).")
+    p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (default 1).")
+    p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2).")
+    p.add_argument("--model", default=None, help="Model folder (default: the built-in model).")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="Limit per run (default 1800 s).")
+    p.add_argument("--out", type=Path, default=Path("runs/bench_peers"), help="Run folders and outputs.")
+    p.add_argument("--json", type=Path, default=None, help="Also write the JSON here.")
+    p.add_argument("--md", type=Path, default=None, help="Also write the Markdown here.")
+    p.add_argument("--png", type=Path, default=None, help="Also write the plot here.")
+    p.add_argument("task_flags", nargs="*", help="Pipeline --task.* flags after '--' (default: the "
+                   "built-in sort task).")
+    return p
+
+
+def resolve(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[list[str], Settings]:
+    systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+    bad = [x for x in systems if x not in SYSTEMS]
+    if bad or not systems:
+        p.error(f"--systems: unknown value(s) {', '.join(bad) or '(none)'} (allowed: {', '.join(SYSTEMS)})")
+    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--window", args.window),
+                        ("--prompts", args.prompts), ("--trl-threads", args.trl_threads)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if args.n < 2:
+        p.error(f"--n must be >= 2 (GRPO needs a group), got {args.n}")
+    if any(not f.startswith("--task.") for f in args.task_flags[::2]):
+        p.error("only --task.* flags may follow '--' (the rest is fixed for both systems)")
+    from pipeline_rl.cli import UsageError, parse_config
+    from pipeline_rl.driver import resolve_model_dir
+
+    try:
+        cfg, _ = parse_config([*(["--model.path", args.model] if args.model else []), *args.task_flags])
+    except UsageError as e:
+        p.error(str(e))
+    model_dir = str(Path(resolve_model_dir(cfg)).resolve())
+    return systems, Settings(args.steps, args.prompts, args.n, args.lr, args.max_new_tokens, args.temperature,
+                             tuple(args.task_flags), args.trl_threads, model_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    systems, s = resolve(args, p)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[RunResult] = []
+    curves: list[dict[str, Any]] = []
+    for seed in range(args.seeds):
+        for system in systems:
+            print(f"peers: {system} seed {seed} ...", flush=True)
+            launched, curve, wall_s, error = run_one(system, seed, s, out, args.timeout_s)
+            res = measure(system, seed, launched, curve, wall_s, s, args.target, args.window, error)
+            runs.append(res)
+            if curve is not None:
+                curves.append({"system": system, "seed": seed, "launched": launched, **asdict(curve)})
+            print(f"peers: {system} seed {seed}: {res.steps} steps in {wall_s:.1f} s, start-up "
+                  f"{_f(res.startup_s, '.1f')} s, target at step {res.steps_to_target} "
+                  f"({_f(res.train_s_to_target, '.1f')} s training, {_f(res.wall_s_to_target, '.1f')} s wall)"
+                  + (f"; {res.error}" if res.error else ""), flush=True)
+    result = {"hardware": hardware(),
+              "settings": {**asdict(s), "seeds": list(range(args.seeds)), "target": args.target,
+                           "window": args.window, "systems": systems},
+              "runs": [asdict(r) for r in runs], "summary": summarize(runs), "curves": curves}
+    text = json.dumps(result, indent=1)
+    md = markdown(result)
+    for path, body in ((out / "peers.json", text), (args.json, text), (out / "peers.md", md), (args.md, md)):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body + "\n")
+    for path in (out / "peers.png", args.png):
+        if path is not None:
+            plot(result, path)
+    print(md, flush=True)
+    return 0 if all(r.ok for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""benchmarks/peers.py: the figures of a run from its curve, bad flags, and (slow) a real
+side-by-side on a tiny model -- TRL's GRPOTrainer and the project's pipeline (Ray, vLLM,
+DeepSpeed, ZeroMQ), each in its own process, with the JSON, Markdown and PNG outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import peers
+
+
+def test_trailing_mean_uses_full_windows_only() -> None:
+    assert peers.trailing([1.0, 0.0, 1.0, 1.0], 2) == [None, 0.5, 0.5, 1.0]
+
+
+def test_figures_of_a_run() -> None:
+    s = peers.Settings(4, 2, 4, 2e-4, 16, 1.0, (), 2, "/m")
+    curve = peers.Curve(unix_time_s=[110.0, 111.0, 112.0, 113.0], time_s=[1.0, 2.0, 3.0, 4.0],
+                        reward=[0.0, 1.0, 1.0, 1.0], completion_len=[5.0, 5.0, 5.0, 5.0])
+    r = peers.measure("s2", 0, 100.0, curve, 14.0, s, target=0.9, window=2, error=None)
+    assert r.ok and r.steps == 4 and r.steps_to_target == 3
+    assert r.train_s_to_target == 3.0 and r.wall_s_to_target == 12.0
+    assert r.startup_s == pytest.approx(9.0)  # training started at 109 s, the command at 100 s
+    assert r.step_time_s == 1.0 and r.tokens_per_s == pytest.approx(4 * 5 * 8 / 4.0)
+    never = peers.measure("trl", 0, 100.0, curve, 14.0, s, target=2.0, window=2, error=None)
+    assert never.steps_to_target is None and never.wall_s_to_target is None
+    failed = peers.measure("trl", 0, 100.0, None, 1.0, s, 0.8, 2, "exit status 1")
+    assert not failed.ok and failed.error == "exit status 1"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--systems", "trl,vllm"], "--systems: unknown value(s) vllm"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--n", "1"], "--n must be >= 2"),
+    (["--", "--trainer.lr", "1"], "only --task.* flags may follow '--'"),
+])
+def test_bad_flag_is_one_line_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        peers.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_trl_and_pipeline_side_by_side_on_a_tiny_model(tiny_model_dir: str, tmp_path: Path) -> None:
+    out = tmp_path / "peers"
+    code = peers.main(["--model", tiny_model_dir, "--systems", "trl,s2", "--seeds", "1", "--steps", "3",
+                       "--window", "2", "--target", "0", "--max-new-tokens", "8", "--prompts", "2", "--n", "4",
+                       "--timeout-s", "600", "--out", str(out)])
+    logs = {p.name: p.read_text()[-2000:] for p in out.glob("*/console.log")}
+    assert code == 0, logs
+    result = json.loads((out / "peers.json").read_text())
+    assert [(r["system"], r["steps"], r["steps_to_target"]) for r in result["runs"]] == [("trl", 3, 2), ("s2", 3, 2)]
+    for r in result["runs"]:
+        assert r["ok"] and r["startup_s"] > 0 and r["tokens_per_s"] > 0 and r["wall_s_to_target"] > r["train_s_to_target"]
+    assert set(result["summary"]["ratios_vs_trl"]) == {"s2"}
+    assert "TRL GRPOTrainer" in (out / "peers.md").read_text()
+    assert (out / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
