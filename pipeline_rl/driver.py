@@ -81,11 +81,9 @@ def check_task(cfg: Config, model_dir: str) -> None:
     Adjusts ``cfg.eval`` in place: a training dataset too small to give any row to the
     held-out split turns evaluation off (one warning line); ``num_prompts`` is capped at
     the held-out pool's size."""
-    from transformers import AutoTokenizer
+    from pipeline_rl.tasks import TaskError, build_task, check_tokenizer
 
-    from pipeline_rl.tasks import TaskError, build_task
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = check_tokenizer(cfg.task, model_dir)
     limit = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
     build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, max_prompt_tokens=limit, evaluation=cfg.eval)
     if not cfg.eval.every:

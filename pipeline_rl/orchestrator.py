@@ -72,6 +72,15 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _warm_tensorboard() -> None:
+    """Import TensorBoard's writer (and torch under it: seconds) while the actors start,
+    instead of between the last actor being ready and the first step."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except Exception:  # noqa: BLE001 - the logger imports it again and reports any error
+        pass
+
+
 class OrchestratorError(RuntimeError):
     """The run cannot go on (a trainer died, no batch came in time, start-up failed)."""
 
@@ -153,6 +162,7 @@ class Orchestrator:
 
         cfg = self.cfg
         self._init_ray()
+        threading.Thread(target=_warm_tensorboard, name="warm-imports", daemon=True).start()
         buffer_name = f"pipeline_rl_buffer_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         buffer_cls, rollout_cls, trainer_cls = remote_classes(
             cfg, ray.get_runtime_context().get_node_id(), buffer_name)

@@ -540,3 +540,33 @@ def test_dataset_split_and_eval_file(tmp_path: Path) -> None:
     with pytest.raises(TaskError, match="no rows for the eval split") as e:
         build_task(TaskConfig(dataset=str(tiny)), split="eval", evaluation=on)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_start_up_check_counts_tokens_like_the_models_tokenizer(tiny_model_dir: str, tmp_path: Path,
+                                                                add_bos: bool) -> None:
+    """The driver's start-up check reads a template-free tokenizer.json without transformers;
+    its token ids equal AutoTokenizer's (BOS added as tokenizer_config.json asks)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from pipeline_rl.config import TaskConfig
+    from pipeline_rl.tasks import _LightEncoder, check_tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    conf_path = folder / "tokenizer_config.json"
+    conf = json.loads(conf_path.read_text())
+    conf.update({"add_bos_token": add_bos, "bos_token": conf.get("bos_token") or "<bos>"})
+    conf_path.write_text(json.dumps(conf))
+    light = check_tokenizer(TaskConfig(), str(folder))
+    assert isinstance(light, _LightEncoder)
+    full = AutoTokenizer.from_pretrained(folder)
+    for text in ("sort 5193=", "12+34=", "", "x" * 40):
+        assert light.encode(text) == full.encode(text), text
+    # A chat template, or a dataset task, takes the model's own tokenizer.
+    assert not isinstance(check_tokenizer(TaskConfig(name="dataset", dataset="d.jsonl"), str(folder)), _LightEncoder)
+    conf["chat_template"] = "{{ messages[0]['content'] }}"
+    conf_path.write_text(json.dumps(conf))
+    assert not isinstance(check_tokenizer(TaskConfig(), str(folder)), _LightEncoder)

@@ -11,7 +11,9 @@ Importing this package imports no torch, ``datasets`` or transformers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.tasks.base import Prompt, RewardFn, Split, Task, TaskError
 from pipeline_rl.tasks.builtin import AdditionTask, SortTask
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AdditionTask", "ConfiguredTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
            "TaskError", "build_task", "build_task_for_model", "longest_prompt", "resolve_reward",
-           "task_tokenizer"]
+           "check_tokenizer", "task_tokenizer"]
 
 
 def longest_prompt(cfg: "TaskConfig") -> str | None:
@@ -117,6 +119,71 @@ def task_tokenizer(cfg: "TaskConfig", model_dir: str, *, max_prompt_tokens: int 
     (``chat_template=none`` and no limit: nothing is loaded)."""
     if cfg.chat_template == "none" and max_prompt_tokens is None:
         return None
+    from transformers import AutoTokenizer
+
+    tokenizer: Encoder = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer
+
+
+class _LightEncoder:
+    """``encode`` of a ``tokenizer.json`` through the ``tokenizers`` library (milliseconds
+    to load, where ``transformers.AutoTokenizer`` takes seconds to import): for counting
+    prompt tokens only. Adds BOS/EOS as ``tokenizer_config.json`` asks, as Hugging Face's
+    fast tokenizer does."""
+
+    def __init__(self, tokenizer: Any, bos_id: int | None, eos_id: int | None) -> None:
+        self._tok, self._bos, self._eos = tokenizer, bos_id, eos_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._bos is not None and ids[:1] != [self._bos]:
+            ids = [self._bos, *ids]
+        if add_special_tokens and self._eos is not None and ids[-1:] != [self._eos]:
+            ids = [*ids, self._eos]
+        return ids
+
+
+def _light_encoder(model_dir: str) -> Encoder | None:
+    """A :class:`_LightEncoder` for the folder's tokenizer, or None when it needs
+    transformers (no ``tokenizer.json``, a chat template, an unreadable config)."""
+    folder = Path(model_dir)
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    if any((folder / name).exists() for name in ("chat_template.jinja", "chat_template.json")):
+        return None
+    try:
+        conf = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(conf, dict) or conf.get("chat_template"):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 - any problem: let transformers load (and report) it
+        return None
+
+    def special(flag: str, key: str) -> int | None:
+        name = conf.get(key)
+        if not conf.get(flag) or not isinstance(name, str):
+            return None
+        token_id = tok.token_to_id(name)
+        return int(token_id) if token_id is not None else None
+
+    return _LightEncoder(tok, special("add_bos_token", "bos_token"), special("add_eos_token", "eos_token"))
+
+
+def check_tokenizer(cfg: "TaskConfig", model_dir: str) -> Encoder:
+    """The tokenizer the driver checks prompt lengths with before anything starts.
+
+    Built-in tasks on a tokenizer without a chat template need only token counts: the
+    ``tokenizers`` library reads ``tokenizer.json`` directly (saves the seconds of
+    importing transformers on every start). Otherwise the model's
+    ``transformers.AutoTokenizer`` (chat template, datasets: exactly what the workers use)."""
+    light = _light_encoder(model_dir) if cfg.name != "dataset" else None
+    if light is not None:
+        return light
     from transformers import AutoTokenizer
 
     tokenizer: Encoder = AutoTokenizer.from_pretrained(model_dir)
