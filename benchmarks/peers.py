@@ -71,6 +71,7 @@ class Settings:
     task_flags: tuple[str, ...]
     trl_threads: int
     model_dir: str
+    builtin: bool  # model_dir is the built-in model (no --model given)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +149,11 @@ def command(system: str, seed: int, s: Settings, run_dir: Path) -> list[str]:
                 "--temperature", str(s.temperature), "--max-new-tokens", str(s.max_new_tokens),
                 "--threads", str(s.trl_threads), f"--task-flags={' '.join(s.task_flags)}"]
     staleness = {"s0": "0", "s2": "2"}[system]
+    # The built-in model is what the plain command uses (no --model.path: the folder is the
+    # same, and the command a user runs skips the checks of a user's folder).
+    model = [] if s.builtin else ["--model.path", s.model_dir]
     return [py, str(ROOT / "launch" / "async_grpo.py"), "--staleness", staleness, "--seed", str(seed),
-            "--max-steps", str(s.steps), "--out-dir", str(run_dir), "--model.path", s.model_dir,
+            "--max-steps", str(s.steps), "--out-dir", str(run_dir), *model,
             "--rollout.n", str(s.n), "--trainer.batch_size", str(s.prompts * s.n),
             "--trainer.lr", str(s.lr), "--rollout.temperature", str(s.temperature),
             "--rollout.max_new_tokens", str(s.max_new_tokens), "--eval.every", "0",
@@ -332,7 +336,7 @@ def resolve(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[list[
         p.error(str(e))
     model_dir = str(Path(resolve_model_dir(cfg)).resolve())
     return systems, Settings(args.steps, args.prompts, args.n, args.lr, args.max_new_tokens, args.temperature,
-                             tuple(args.task_flags), args.trl_threads, model_dir)
+                             tuple(args.task_flags), args.trl_threads, model_dir, args.model is None)
 
 
 def main(argv: list[str] | None = None) -> int:
