@@ -35,8 +35,8 @@ Outputs, under ``--out`` (default ``runs/bench_ablation``):
 ``--quick`` (the smoke grid for a 2-core CPU machine): staleness {0, 2, 8} x
 all four corrections, bfloat16 generation only, 100 steps each of the
 pipeline's default configuration; ``--quick --seeds 3`` is 36 cells, about
-16 minutes on 2 cores. Without ``--quick`` the full grid (40 arms x 200 steps
-x seeds) runs unattended.
+14 minutes on 2 cores (``benchmarks/results/ablation.md``). Without ``--quick``
+the full grid (40 arms x 200 steps x seeds) runs unattended.
 
 The grid runs in a child process that the script restarts (``--max-restarts``,
 finished cells kept) if it dies: Ray ends its driver process when its node goes

@@ -54,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ROOT, hardware  # noqa: E402
 
 SYSTEMS = ("trl", "s0", "s2")
+_DIST_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                       "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"})
 LABEL = {"trl": "TRL GRPOTrainer (sync, HF generate)", "s0": "pipeline_rl --staleness 0",
          "s2": "pipeline_rl --staleness 2"}
 
@@ -178,7 +180,10 @@ def run_one(system: str, seed: int, s: Settings, out: Path, timeout_s: float) ->
     run_dir = out / f"{system}_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # A fresh process of its own: no torch.distributed rendezvous inherited from the caller
+    # (a caller that ran DeepSpeed in-process leaves MASTER_PORT & co. set, still bound).
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     if system == "trl":
         env["OMP_NUM_THREADS"] = str(s.trl_threads)
     launched = time.time()

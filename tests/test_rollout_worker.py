@@ -59,8 +59,10 @@ class _Rig:
     """A buffer + receiver + worker around the shared engine."""
 
     def __init__(self, engine: GenerationEngine, model_dir: Path, *, staleness: int = 1000,
+                 start_version: int = 0,
                  reward_fn: object = None, eval_task: AdditionTask | None = None) -> None:
-        self.buffer = ReplayBuffer(capacity_groups=64, staleness=staleness, groups_per_step=2)
+        self.buffer = ReplayBuffer(capacity_groups=64, staleness=staleness, groups_per_step=2,
+                                   start_version=start_version)
         self.server = BufferServer(self.buffer)
         self.task = AdditionTask(2, 1000, 0)
         cfg = _cfg()
@@ -164,10 +166,8 @@ def test_in_flight_update_through_worker(engine: GenerationEngine, model_dirs: t
 def test_admission_budget_and_min_version(engine: GenerationEngine, model_dirs: tuple) -> None:
     """staleness 0, 2 groups per step: 2 groups at version 0; after the trainer
     reaches v1 the next 2 need weights >= v1, so the worker waits for them."""
-    rig = _Rig(engine, model_dirs[0], staleness=0, reward_fn=_len_reward)
-    v0 = engine.version
-    rig.buffer.set_version(v0)
-    rig.buffer.acquire(99, 2 * v0)  # earlier tests moved the engine to v0: leave room for 2 groups
+    v0 = engine.version  # earlier tests moved the engine to v0: the buffer starts there
+    rig = _Rig(engine, model_dirs[0], staleness=0, reward_fn=_len_reward, start_version=v0)
     result: list[object] = []
     t = threading.Thread(target=lambda: result.append(rig.worker.run()))
     t.start()
