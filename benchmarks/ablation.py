@@ -65,7 +65,7 @@ from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, config, run_pipeline  # noqa: E402
+from benchmarks.common import ROOT, config, run_pipeline, start_ray, stop_ray  # noqa: E402
 
 STALENESS = (0, 1, 2, 4, 8)
 CORRECTIONS = ("none", "tis", "icepop", "seq-mask-tis")
@@ -231,35 +231,13 @@ def run_cell(cell: Cell, settings: GridSettings, out: Path, keep_checkpoints: bo
                       ray.get_runtime_context().get_node_id())
 
 
-def cell_task(cell: Cell, settings: GridSettings, out: str, keep_checkpoints: bool) -> CellResult:
-    """The body of a cell's Ray task (imported by name on the node that runs it)."""
-    from benchmarks.ablation import run_cell as run
-
-    return run(cell, settings, Path(out), keep_checkpoints)
-
-
 # ---------------------------------------------------------------------------- Ray
 
-def worker_env() -> dict[str, str]:
-    """Environment of every Ray worker of the grid: the actors' settings, and this
-    repository on the path (a cell task imports ``benchmarks.ablation``)."""
-    from pipeline_rl.actors.process import ACTOR_ENV
-
+def repo_on_path() -> dict[str, str]:
+    """Worker environment putting this repository on the path (a cell task imports
+    ``benchmarks.ablation`` on the node that runs it)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**ACTOR_ENV, "PYTHONPATH": path}
-
-
-def join_ray(address: str | None) -> None:
-    """Join the cluster at ``address``, or start a local Ray with one CPU per core."""
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    env = {"env_vars": worker_env()}
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
-    else:
-        ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, object_store_memory=200 * 2**20,
-                 runtime_env=env, log_to_driver=False)
+    return {"PYTHONPATH": path}
 
 
 def cell_slots(cpus_per_cell: int) -> dict[str, int]:
@@ -289,7 +267,7 @@ def run_cells(todo: list[Cell], settings: GridSettings, out: Path, keep_checkpoi
     at_once = sum(slots.values())
     print(f"ablation: {cpus_per_cell} CPUs per cell, {at_once} cell(s) at once on {len(slots)} node(s)",
           flush=True)
-    remote = ray.remote(num_cpus=0, max_retries=0)(cell_task)
+    remote = ray.remote(num_cpus=0, max_retries=0)(run_cell)
     queue: deque[Cell] = deque(todo)
     running: dict[Any, tuple[Cell, Any, float]] = {}  # task ref -> (cell, placement group, start)
     while queue or running:
@@ -297,8 +275,7 @@ def run_cells(todo: list[Cell], settings: GridSettings, out: Path, keep_checkpoi
             cell = queue.popleft()
             pg = placement_group([{"CPU": 1.0}] * cpus_per_cell, strategy="STRICT_PACK")
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
-            ref = remote.options(scheduling_strategy=strategy).remote(cell, settings, str(out),
-                                                                       keep_checkpoints)
+            ref = remote.options(scheduling_strategy=strategy).remote(cell, settings, out, keep_checkpoints)
             running[ref] = (cell, pg, time.perf_counter())
         ready, _ = ray.wait(list(running), num_returns=1)
         cell, pg, t0 = running.pop(ready[0])
@@ -458,13 +435,11 @@ def run_grid(args: argparse.Namespace, plan: Plan) -> int:
               + (f" ({res.error})" if res.error else ""), flush=True)
 
     if todo:
-        import ray
-
-        join_ray(args.ray_address)
+        start_ray(args.ray_address, repo_on_path())
         try:
             run_cells(todo, settings, out, args.keep_checkpoints, plan.cpus_per_cell, on_done)
         finally:
-            ray.shutdown()
+            stop_ray()
     results = [finished[c] or CellResult(c, key, "failed", 0.0, [], "not finished") for c in plan.cells]
     report(results, args, settings, time.perf_counter() - t0)
     return 0 if all(r.status == "done" for r in results) else CELLS_FAILED

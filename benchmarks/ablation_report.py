@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.common import hardware
-from benchmarks.stats import Interval, holm, mean_interval, welch_t_test
+from benchmarks.stats import Interval, holm, mean_interval, trailing_mean, welch_t_test
 
 if TYPE_CHECKING:
     from benchmarks.ablation import Arm, CellResult, GridSettings
@@ -98,14 +98,6 @@ class Comparison:
 
 
 # ---------------------------------------------------------------------------- per cell
-
-def trailing_mean(values: list[float], k: int) -> list[float]:
-    out = []
-    for i in range(len(values)):
-        window = values[max(0, i - k + 1): i + 1]
-        out.append(sum(window) / len(window))
-    return out
-
 
 def window(steps: int) -> int:
     """k: steps averaged for the start and final reward."""
@@ -324,11 +316,11 @@ def pivot(arms: list[dict[str, Any]]) -> list[str]:
         for corr in corrs:
             a = by.get((k, corr))
             iv = a["final_reward"] if a else None
-            if iv is None or iv["mean"] is None:
+            if a is None or iv is None or iv["mean"] is None:
                 vals.append("-")
                 continue
             half = f" ± {_fmt((iv['hi'] - iv['lo']) / 2, '.3f')}" if iv["n"] > 1 else ""
-            vals.append(f"{_fmt(iv['mean'])}{half}{_mark(a, 'final_reward')}" if a else "-")
+            vals.append(f"{_fmt(iv['mean'])}{half}{_mark(a, 'final_reward')}")
         lines.append(f"| {k} | " + " | ".join(vals) + " |")
     return lines
 

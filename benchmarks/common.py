@@ -43,15 +43,21 @@ def config(argv: list[str]) -> Config:
     return cfg
 
 
-def start_ray() -> None:
+def start_ray(address: str | None = None, env: dict[str, str] | None = None) -> None:
+    """Join the Ray cluster at ``address``, or start a local Ray with one CPU per core;
+    every worker gets the actors' environment plus ``env``."""
     import ray
 
     from pipeline_rl.actors.process import ACTOR_ENV
 
     os.environ.update({k: v for k, v in ACTOR_ENV.items() if k not in os.environ})
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    runtime_env = {"env_vars": {**ACTOR_ENV, **(env or {})}}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        return
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, object_store_memory=200 * 2**20,
-             runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
+             runtime_env=runtime_env, log_to_driver=False)
 
 
 def stop_ray() -> None:

@@ -52,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import ROOT, hardware  # noqa: E402
+from benchmarks.stats import trailing_mean  # noqa: E402
 
 SYSTEMS = ("trl", "s0", "s2")
 _DIST_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -108,14 +109,7 @@ class RunResult:
 
 def trailing(values: list[float], window: int) -> list[float | None]:
     """Trailing ``window``-step means, None until the window is full."""
-    out: list[float | None] = []
-    total = 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / window if i >= window - 1 else None)
-    return out
+    return [m if i >= window - 1 else None for i, m in enumerate(trailing_mean(values, window))]
 
 
 def measure(system: str, seed: int, launched: float, curve: Curve | None, wall_s: float, s: Settings,
@@ -163,10 +157,11 @@ def command(system: str, seed: int, s: Settings, run_dir: Path) -> list[str]:
 
 
 def read_curve(path: Path) -> Curve | None:
+    from pipeline_rl.metrics import read_metrics
+
     if not path.is_file():
         return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "unix_time_s" in r]
+    rows = [r for r in read_metrics(path) if "unix_time_s" in r]
     if not rows:
         return None
     return Curve([float(r["unix_time_s"]) for r in rows], [float(r["time_s"]) for r in rows],

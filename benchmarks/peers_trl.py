@@ -51,17 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def task_and_prompts(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
-    """The pipeline's task as its rollout workers build it, and the prompts of
-    ``max_steps`` steps in the order a single worker draws them."""
+def task_and_prompts(args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    """The pipeline's task as its rollout workers build it, and the prompts
+    (:class:`pipeline_rl.tasks.Prompt`) of ``max_steps`` steps in the order a single
+    worker draws them."""
     from pipeline_rl.cli import parse_config
     from pipeline_rl.tasks import build_task_for_model
 
     cfg, _ = parse_config(["--task.name", args.task, *args.task_flags.split(), "--seed", str(args.seed),
                            "--model.path", args.model])
     task = build_task_for_model(cfg.task, args.model, seed=args.seed)
-    prompts = [task.prompt(i) for i in range(args.max_steps * args.prompts)]
-    return task, [{"prompt": p.text, "prompt_id": p.prompt_id} for p in prompts]
+    return task, [task.prompt(i) for i in range(args.max_steps * args.prompts)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peers_trl: {e}; install the baseline with: pip install -e '.[peers]'", file=sys.stderr)
         return 2
 
-    task, rows = task_and_prompts(args)
-    by_id = {r["prompt_id"]: task.prompt(r["prompt_id"]) for r in rows}
+    task, prompts = task_and_prompts(args)
+    by_id = {p.prompt_id: p for p in prompts}
+    rows = [{"prompt": p.text, "prompt_id": p.prompt_id} for p in prompts]
 
     def reward(prompts: list[str], completions: list[str], prompt_id: list[int],
                **_: Any) -> list[float | None]:

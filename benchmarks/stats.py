@@ -1,6 +1,6 @@
 """Small-sample statistics for benchmarks that repeat a measurement over seeds.
 
-Student's t distribution (its CDF through the regularised incomplete beta
+Trailing means of a curve, Student's t distribution (its CDF through the regularised incomplete beta
 function, its quantile by bisection), the mean with a two-sided t interval,
 Welch's unequal-variance t-test, and Holm's step-down correction for several
 comparisons. Pure Python (no SciPy in the project's environment); checked
@@ -13,6 +13,18 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+
+def trailing_mean(values: Sequence[float], k: int) -> list[float]:
+    """Mean of the last ``k`` values at each position (fewer at the start: element ``i``
+    averages ``values[max(0, i - k + 1): i + 1]``); ``out[k - 1:]`` are the full windows."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= k:
+            total -= values[i - k]
+        out.append(total / min(i + 1, k))
+    return out
 
 
 def _betacf(a: float, b: float, x: float) -> float:

@@ -92,6 +92,10 @@ def eval_line(m: EvalMetrics) -> str:
             f"{m.num_prompts} held-out prompts | {m.eval_s:.1f}s")
 
 
+#: Record fields that are not curves: TensorBoard's x axis, and the wall clock.
+_NOT_SCALARS = frozenset({"step", "unix_time_s"})
+
+
 class MetricsLogger:
     """Appends step records to ``metrics.jsonl`` and TensorBoard, prints progress."""
 
@@ -120,7 +124,7 @@ class MetricsLogger:
         self._file.flush()
         if self._tb is not None:
             for key, value in rec.items():
-                if isinstance(value, (int, float)) and key != "step":
+                if isinstance(value, (int, float)) and key not in _NOT_SCALARS:
                     self._tb.add_scalar(key, value, m.step)
         if self._wandb is not None:
             self._wandb.log(rec, step=m.step)

@@ -41,4 +41,3 @@ def ray_local() -> Iterator[None]:
              runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
     yield
     ray.shutdown()
-

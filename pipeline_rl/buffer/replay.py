@@ -1,5 +1,5 @@
-"""The bounded replay buffer: storage of whole groups in arrival order,
-staleness eviction and most-urgent-first hand-out, the global admission budget, and multi-rank batch hand-out.
+"""The bounded replay buffer: storage of whole groups in arrival order, staleness
+eviction, the global admission budget, and most-urgent-first, multi-rank batch hand-out.
 
 Thread-safe and in-process: the ZeroMQ receiver thread (``server.py``) puts
 groups, trainer ranks take batches, rollout workers ask for admission (in the
@@ -42,8 +42,8 @@ Invariants (checked by the tests):
 Several trainer ranks (``num_ranks=R``): each rank calls
 ``get_batch(n, version, rank=r)`` once per optimizer step with the same
 ``version``. The first rank able to do so assembles the whole step's ``n * R``
-groups atomically (under the lock, after eviction, most urgent first) and the batch is split
-by rank: rank ``r`` gets groups ``[r*n, (r+1)*n)``. A rank that arrives later
+groups atomically (under the lock, after eviction, most urgent first) and the
+batch is split by rank: rank ``r`` gets groups ``[r*n, (r+1)*n)``. A rank that arrives later
 for the same version takes its slice at once. So either every rank of a step
 gets its groups or none does yet: ranks cannot drift apart by a batch, and the
 slices are disjoint. The ranks themselves stay in step through the trainer's
@@ -291,15 +291,12 @@ class ReplayBuffer:
                 return self._take_slice_locked(step, version, rank, num_groups)
             if self._closed:
                 return None
-            wait_until = deadline
             if len(self._queue) >= total:
                 if self._straggler_due_locked(version) and len(self._queue) < self.capacity:
-                    now = time.monotonic()
-                    if straggle_until is None:
-                        straggle_until = now + self.straggler_wait_s
-                    if now < straggle_until:
-                        wait_until = straggle_until if deadline is None else min(deadline, straggle_until)
-                        self._wait_straggler_locked(total, version, wait_until)
+                    straggle_until = straggle_until or time.monotonic() + self.straggler_wait_s
+                    if time.monotonic() < straggle_until:
+                        self._wait_straggler_locked(total, version, straggle_until if deadline is None
+                                                    else min(deadline, straggle_until))
                         if deadline is not None and time.monotonic() >= deadline:
                             return None
                         continue
@@ -350,8 +347,8 @@ class ReplayBuffer:
 
     def _assemble_locked(self, total: int, version: int) -> list[Group] | None:
         """Evict the stale groups, then take the ``total`` most urgent fresh ones
-        (lowest oldest token version; arrival order among equals). The batch and
-        the groups left queued keep arrival order. None (nothing taken) if too few fresh ones remain."""
+        (lowest oldest token version; arrival order among equals). The batch and the
+        groups left queued keep arrival order. None (nothing taken) if too few remain."""
         queue, limit = self._queue, self.staleness
         fresh = [e for e in queue if version - e.oldest <= limit]
         stale = len(queue) - len(fresh)

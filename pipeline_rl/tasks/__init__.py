@@ -119,6 +119,10 @@ def task_tokenizer(cfg: "TaskConfig", model_dir: str, *, max_prompt_tokens: int 
     (``chat_template=none`` and no limit: nothing is loaded)."""
     if cfg.chat_template == "none" and max_prompt_tokens is None:
         return None
+    return _auto_tokenizer(model_dir)
+
+
+def _auto_tokenizer(model_dir: str) -> Encoder:
     from transformers import AutoTokenizer
 
     tokenizer: Encoder = AutoTokenizer.from_pretrained(model_dir)
@@ -182,12 +186,7 @@ def check_tokenizer(cfg: "TaskConfig", model_dir: str) -> Encoder:
     importing transformers on every start). Otherwise the model's
     ``transformers.AutoTokenizer`` (chat template, datasets: exactly what the workers use)."""
     light = _light_encoder(model_dir) if cfg.name != "dataset" else None
-    if light is not None:
-        return light
-    from transformers import AutoTokenizer
-
-    tokenizer: Encoder = AutoTokenizer.from_pretrained(model_dir)
-    return tokenizer
+    return light if light is not None else _auto_tokenizer(model_dir)
 
 
 def build_task_for_model(cfg: "TaskConfig", model_dir: str, *, seed: int = 0,
