@@ -138,14 +138,25 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling (1 = off; "
                          "truncation biases the off-policy ratio).")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
-    dtype: DType = Field("float32", description="vLLM engine dtype (bfloat16 gives a realistic "
-                         "generator/trainer mismatch).")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="vLLM engine dtype. auto: float32 on CPU, bfloat16 on CUDA "
+        "(bfloat16 on CPU gives a realistic generator/trainer mismatch).")
+    engine: Literal["auto", "inprocess", "async"] = Field(
+        "auto", description="vLLM engine: inprocess (LLMEngine stepped in the worker, CPU "
+        "only: fast start, updates staged beside generation) or async (AsyncLLM with its "
+        "engine core in its own process, pause/resume around updates; any device). auto: "
+        "inprocess on CPU, async on CUDA.")
+    weight_transport: Literal["vllm", "object_store"] = Field(
+        "vllm", description="How weights reach the workers: vllm (vLLM's weight-transfer "
+        "API, a gloo channel per worker on CPU) or object_store (Ray's object store, for "
+        "workers that cannot open a connection to the trainer).")
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")
-    kv_cache_gib: int = Field(1, ge=1, le=1024, description="vLLM CPU KV-cache space (GiB, whole).")
+    kv_cache_gib: int = Field(1, ge=1, le=1024, description="vLLM KV-cache space per worker "
+                              "(GiB, whole; on CUDA given to vLLM in bytes, so a trainer on the "
+                              "same GPU keeps the rest).")
     max_model_len: int = Field(256, ge=16, le=1_048_576, description="Context length given to vLLM.")
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM GPU memory share.")
     max_restarts: int = Field(3, ge=0, le=1000, description="Times a rollout worker whose process "
                               "died is restarted before the run ends (an exception inside a worker "
                               "ends the run at once).")

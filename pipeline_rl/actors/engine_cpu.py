@@ -47,7 +47,7 @@ from pipeline_rl.actors.engine import (
     set_cpu_env,
     versions_from_spans,
 )
-from pipeline_rl.actors.weights import CheckedUpdate, read_weight_spec
+from pipeline_rl.actors.weights import CheckedUpdate, WeightUpdateError, as_checked, read_weight_spec
 from pipeline_rl.samples import F32, FINISH_REASONS, FinishReason
 
 if TYPE_CHECKING:
@@ -103,8 +103,12 @@ class CpuEngine(GenerationEngine):
         set_cpu_env(cfg.kv_cache_gib)
         _eager_in_this_thread()
         from vllm import EngineArgs
+        from vllm.config import WeightTransferConfig
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from pipeline_rl.actors.weight_transfer import BACKEND, register
+
+        register()
         self.cfg = cfg
         self.kv_policy = cfg.kv_policy
         args = EngineArgs(
@@ -113,6 +117,7 @@ class CpuEngine(GenerationEngine):
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=cfg.kv_policy == "recompute",
             enforce_eager=enforce_eager, disable_log_stats=True,
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND),
         )
         with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
             self._llm = LLMEngine.from_engine_args(args)
@@ -176,6 +181,31 @@ class CpuEngine(GenerationEngine):
             return AppliedUpdate(update.version, time.perf_counter() - start, in_flight, update.num_bytes)
         finally:
             self._stage_lock.release()
+
+    # -- vLLM's weight-transfer calls: the same backend as the async engine's, but the bytes
+    # are taken out of it and loaded into the shadow beside generation -----------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        receiver = self._receiver()
+        receiver.init_transfer_engine(receiver.parse_init_info(init_info))
+
+    def start_weight_update(self) -> None:
+        self._receiver().start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._receiver().update_weights(update_info)
+
+    def finish_weight_update(self, version: int) -> bool:
+        update = self._receiver().take_received()
+        if update.version != version:
+            raise WeightUpdateError(f"finish names version {version}, the bytes were version {update.version}")
+        return self.stage(as_checked(update))
+
+    def _receiver(self) -> Any:
+        worker = self._llm.model_executor.driver_worker
+        receiver = getattr(getattr(worker, "worker", worker), "weight_transfer_engine", None)
+        if receiver is None:
+            raise RuntimeError("vLLM worker has no weight-transfer engine")
+        return receiver
 
     @property
     def last_staging_path(self) -> str | None:

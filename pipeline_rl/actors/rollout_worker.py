@@ -41,7 +41,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -190,7 +190,7 @@ class RolloutWorker:
         self._task = task
         self._reward_fn: RewardFn = reward_fn if reward_fn is not None else task.reward
         self._engine = engine if engine is not None else build_engine(
-            engine_config(cfg.rollout, model_dir, seed=cfg.seed + worker_id), device=cfg.model.device)
+            cfg, model_dir, seed=cfg.seed + worker_id)
         self._sender = sender if sender is not None else _connect(buffer_address, worker_id, cfg)
         self._sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens,
                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -234,6 +234,38 @@ class RolloutWorker:
         else:
             log.info("worker %d: ignoring weights v%d (not newer than v%d)", self.worker_id,
                      update.version, self._engine.version)
+
+    # -- vLLM's weight-transfer calls, made by the trainer (any thread but the loop) ----------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's weight channel (a new one replaces the old)."""
+        self._engine.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self._engine.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one update's bytes; a payload that does not fit the model is refused
+        here (``WeightUpdateError``), the served weights untouched."""
+        try:
+            self._engine.update_weights(update_info)
+        except WeightUpdateError as e:
+            with self._lock:
+                self._c.updates_rejected += 1
+            log.error("worker %d: rejected weights: %s", self.worker_id, e)
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """The received update becomes the next weights, labelled ``weight_version``
+        (applied by the loop between two steps)."""
+        if weight_version is None:
+            raise WeightUpdateError("finish_weight_update needs the version of the weights")
+        version = int(weight_version)
+        inject("weight_update", version)
+        if self._engine.finish_weight_update(version):
+            self._wake.set()
+        else:
+            log.info("worker %d: ignoring weights v%d (not newer than v%d)", self.worker_id,
+                     version, self._engine.version)
 
     def evaluate(self, request: EvalRequest) -> Future[EvalResult]:
         """Evaluate held-out prompts (see ``pipeline_rl.actors.evaluation``) beside
@@ -519,20 +551,30 @@ class RolloutWorker:
             self._engine.close()
 
 
-def build_engine(cfg: EngineConfig, *, device: Literal["auto", "cpu", "cuda"] = "auto") -> GenerationEngine:
-    """Start the engine for this machine: the GPU path when CUDA is present (or asked
-    for), else the CPU path."""
-    if device == "auto":
-        import torch
+def build_engine(cfg: Config, model_dir: str, *, seed: int = 0) -> GenerationEngine:
+    """Start the engine ``cfg.rollout.engine`` names on this machine's device: the
+    ``AsyncLLM`` engine on CUDA (present, or asked for), the in-process one on CPU
+    unless the async one is asked for."""
+    device = resolve_device(cfg.model.device)
+    ecfg = engine_config(cfg.rollout, model_dir, seed=seed, device=device)
+    if device == "cuda" and cfg.rollout.engine == "inprocess":
+        raise ValueError("--rollout.engine inprocess runs on CPU only; use async (or auto) on CUDA")
+    if device == "cuda" or cfg.rollout.engine == "async":
+        from pipeline_rl.actors.engine_async import AsyncEngine
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        from pipeline_rl.actors.engine_gpu import GpuEngine
-
-        return GpuEngine(cfg)
+        return AsyncEngine(ecfg)
     from pipeline_rl.actors.engine_cpu import CpuEngine
 
-    return CpuEngine(cfg)
+    return CpuEngine(ecfg)
+
+
+def resolve_device(device: Literal["auto", "cpu", "cuda"]) -> Literal["cpu", "cuda"]:
+    """``auto``: CUDA when this process sees a GPU, else CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _connect(address: str, worker_id: int, cfg: Config) -> SenderLike:

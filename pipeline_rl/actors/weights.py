@@ -173,6 +173,11 @@ def check_update(update: WeightUpdate, spec: WeightSpec, *,
     name so each layer's parameters arrive together (vLLM's layerwise reload then
     processes a layer as soon as it is complete, buffering at most one layer)."""
     validate_update(update, spec, current_version=current_version)
+    return as_checked(update)
+
+
+def as_checked(update: WeightUpdate) -> CheckedUpdate:
+    """Wrap an update that :func:`validate_update` already passed (ordered by name)."""
     order = sorted(range(len(update.names)), key=lambda i: update.names[i])
     tensors = tuple((update.names[i], _as_tensor(update.arrays[i])) for i in order)
     return CheckedUpdate(update.version, tensors, update.num_bytes)

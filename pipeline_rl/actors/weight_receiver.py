@@ -1,0 +1,112 @@
+"""The worker half of the ``pipeline_rl_gloo`` weight-transfer backend: the class
+vLLM's ``WeightTransferEngineFactory`` builds inside its worker (registered by
+``pipeline_rl.actors.weight_transfer.register``). Wire format, channel and trainer
+half: ``pipeline_rl.actors.weight_transfer``."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from pipeline_rl.actors.weight_transfer import (
+    BACKEND,
+    DEFAULT_BUCKET_BYTES,
+    Channel,
+    GlooInitInfo,
+    GlooUpdateInfo,
+    receive_update,
+)
+from pipeline_rl.actors.weights import (
+    CheckedUpdate,
+    WeightUpdate,
+    WeightUpdateError,
+    check_update,
+    read_weight_spec,
+    validate_update,
+)
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
+    """vLLM worker backend for ``pipeline_rl_gloo``.
+
+    Lifecycle (vLLM's): ``init_transfer_engine`` joins the trainer's channel;
+    ``start_weight_update`` forgets any unapplied update; ``update_weights``
+    receives one update and validates it against the served model (a bad one is
+    drained from the channel, then refused with ``WeightUpdateError``; nothing is
+    loaded); ``finish_weight_update`` loads it into ``self.model`` -- vLLM calls it
+    only while generation is paused. :meth:`take_received` hands the validated
+    update to a caller that loads it elsewhere (the in-process engine's shadow).
+    Invariant: the model is touched only by ``finish_weight_update``, and only with
+    a complete, validated update."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._channel: Channel | None = None
+        self._bucket_bytes = DEFAULT_BUCKET_BYTES
+        self._spec = read_weight_spec(vllm_config.model_config.model)
+        self._received: WeightUpdate | None = None
+        self._lock = threading.Lock()  # one receive at a time on the channel
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> GlooInitInfo:
+        try:
+            return GlooInitInfo(**init_dict)
+        except TypeError as e:
+            raise ValueError(f"invalid init_info for {BACKEND}: {e}") from e
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> GlooUpdateInfo:
+        try:
+            return GlooUpdateInfo(**update_dict)
+        except TypeError as e:
+            raise WeightUpdateError(f"invalid update_info for {BACKEND}: {e}") from e
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.shutdown()
+        self._bucket_bytes = init_info.bucket_bytes
+        self._channel = Channel.connect(init_info)
+
+    def start_weight_update(self) -> None:
+        self._received = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's base would also synchronise an accelerator; a CPU receive is done when it returns.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self._channel is None:
+            raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
+        with self._lock:
+            update = receive_update(self._channel, update_info, self._bucket_bytes)
+        validate_update(update, self._spec)  # after draining, so the channel stays aligned
+        self._received = update
+
+    def take_received(self) -> WeightUpdate:
+        """The validated update received since ``start_weight_update`` (handed out once)."""
+        update, self._received = self._received, None
+        if update is None:
+            raise RuntimeError(f"{BACKEND}: finish_weight_update without a received update")
+        return update
+
+    def finish_weight_update(self) -> None:
+        load_into(self.model, check_update(self.take_received(), self._spec), self.vllm_config)
+
+    def shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+
+def load_into(model: Any, checked: CheckedUpdate, vllm_config: Any) -> None:
+    """Load a checked update into a vLLM model that no step is running on: the
+    direct CPU path when it covers the model, else vLLM's layerwise reload."""
+    from pipeline_rl.actors.engine_cpu import _DirectLoader, _reload
+
+    on_cpu = str(vllm_config.device_config.device_type) == "cpu"
+    direct = _DirectLoader.build(model) if on_cpu else None
+    if direct is None or not direct.load(checked, vllm_config):
+        _reload(model, checked, vllm_config)

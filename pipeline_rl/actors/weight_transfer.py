@@ -1,0 +1,339 @@
+"""Weights trainer -> rollout workers through vLLM's weight-transfer API.
+
+vLLM drives an update with four calls on the engine (``init_weight_transfer_engine``
+once, then per update ``start_weight_update`` -> ``update_weights`` ->
+``finish_weight_update``), each forwarded to a backend object in the vLLM worker
+(a :class:`~vllm.distributed.weight_transfer.base.WeightTransferEngine` named by
+``WeightTransferConfig(backend=...)``; ours is in ``pipeline_rl.actors.weight_receiver``). The trainer side holds the matching
+:class:`~vllm.distributed.weight_transfer.base.TrainerWeightTransferEngine`, which
+drives those calls through a client and sends the bytes itself.
+
+On GPU the backends are vLLM's own (``nccl`` between GPUs, ``ipc`` on a shared one).
+vLLM's are CUDA-only, so for CPU this module registers one more, :data:`BACKEND`
+(``pipeline_rl_gloo``), with vLLM's factory (through the ``vllm.general_plugins``
+entry point, so vLLM's own processes register it too):
+
+- **Channel**: one stateless two-member gloo group per (trainer, worker) pair: a
+  ``TCPStore`` served by the trainer on a free port, the worker joins it. Per-worker
+  channels keep a dead or restarted worker from blocking the others; a restarted
+  worker gets a new channel and is sent the newest version (never a backlog).
+- **Wire format** (:class:`GlooUpdateInfo`): version, names, dtypes and shapes travel
+  in the ``update_weights`` call; the bytes follow as broadcasts from the trainer
+  (rank 0) of contiguous *buckets* of at most ``bucket_bytes`` (a larger tensor is a
+  bucket of its own), cut the same way on both sides by :func:`bucket_plan`. The
+  sender packs bucket ``i + 1`` while bucket ``i`` is on the wire (double buffering).
+- **Checked before applied**: the worker assembles the received tensors into a
+  :class:`~pipeline_rl.actors.weights.WeightUpdate` and validates it against the
+  served model's :class:`~pipeline_rl.actors.weights.WeightSpec`; a bad update is
+  still drained from the channel (the group stays aligned) and then refused with
+  one-line ``WeightUpdateError``, the served weights untouched. Loading happens only
+  in ``finish_weight_update``, after everything arrived and was checked, so a
+  failure half-way never leaves a half-loaded model that generation resumes on.
+
+Where the bytes land differs by engine (``pipeline_rl.actors.engine``): the
+``AsyncLLM`` engine loads them into the live model while generation is paused
+(``finish_weight_update``); the in-process CPU engine takes them out of the backend
+(``GlooWeightTransferEngine.take_received``) and loads them into its shadow
+model while generation goes on, so its stall is a pointer swap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import numpy as np
+
+from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+#: The name this project's CPU backend is registered under with vLLM's factory.
+BACKEND = "pipeline_rl_gloo"
+#: Bucket size on the wire: large enough that per-message overhead vanishes, small
+#: enough that packing the next bucket overlaps sending this one.
+DEFAULT_BUCKET_BYTES = 16 << 20
+#: A transfer whose peer stops answering fails after this long (never hangs).
+DEFAULT_TIMEOUT_S = 60.0
+
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def register() -> None:
+    """Register :data:`BACKEND` with vLLM's weight-transfer factory (idempotent).
+    vLLM calls it in each of its processes (``vllm.general_plugins`` entry point)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, "pipeline_rl.actors.weight_receiver",
+                                                    "GlooWeightTransferEngine")
+
+
+# -- wire format -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GlooInitInfo:
+    """Worker side of the handshake: where the trainer's store listens and which
+    rank of the two-member group the worker is (always 1; the trainer is 0)."""
+
+    master_address: str
+    master_port: int
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    rank: int = 1
+    world_size: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class GlooUpdateInfo:
+    """One update's metadata; lists line up. ``dtype_names`` are numpy names
+    (``float32``/``float16``); bytes follow in :func:`bucket_plan` order."""
+
+    version: int
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
+            raise WeightUpdateError(f"update info lists differ in length: {len(self.names)} names, "
+                                    f"{len(self.dtype_names)} dtypes, {len(self.shapes)} shapes")
+        bad = next((d for d in self.dtype_names if d not in _DTYPES), None)
+        if bad is not None:
+            raise WeightUpdateError(f"dtype {bad!r} not accepted on the wire (float32 or float16)")
+
+    @classmethod
+    def of(cls, update: WeightUpdate) -> "GlooUpdateInfo":
+        return cls(update.version, list(update.names), [str(a.dtype) for a in update.arrays],
+                   [list(a.shape) for a in update.arrays])
+
+    def nbytes(self) -> list[int]:
+        """Bytes of each tensor, in order."""
+        return [int(np.prod(s, dtype=np.int64)) * np.dtype(_DTYPES[d]).itemsize
+                for d, s in zip(self.dtype_names, self.shapes)]
+
+
+def payload_bytes(update_info: dict[str, Any]) -> int:
+    """Bytes an update's info announces (0 when it is not this backend's format)."""
+    try:
+        return sum(GlooUpdateInfo(**update_info).nbytes())
+    except (TypeError, WeightUpdateError):
+        return 0
+
+
+def bucket_plan(nbytes: Sequence[int], bucket_bytes: int) -> list[range]:
+    """Consecutive index ranges whose byte totals stay within ``bucket_bytes`` (a
+    tensor larger than that is a bucket alone). Sender and receiver cut alike."""
+    buckets: list[range] = []
+    start, size = 0, 0
+    for i, n in enumerate(nbytes):
+        if i > start and size + n > bucket_bytes:
+            buckets.append(range(start, i))
+            start, size = i, 0
+        size += n
+    if start < len(nbytes):
+        buckets.append(range(start, len(nbytes)))
+    return buckets
+
+
+# -- the channel -------------------------------------------------------------------------
+class Channel:
+    """A two-member gloo group (trainer rank 0, worker rank 1) outside
+    ``torch.distributed``'s global state (the trainer's DeepSpeed group is untouched)."""
+
+    def __init__(self, store: Any, rank: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self._store = store  # the trainer's server store must outlive the group
+        timeout = timedelta(seconds=timeout_s)
+        prefix = dist.PrefixStore("pipeline_rl_weights", store)
+        self._pg: Any = dist.ProcessGroupGloo(prefix, rank, 2, timeout)
+        self.rank = rank
+
+    @classmethod
+    def serve(cls, address: str, timeout_s: float) -> tuple["Channel.Pending", int]:
+        """Trainer side: listen on a free port of ``address``; returns a pending channel
+        (joined by :meth:`Pending.join` once the worker connects) and the port."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(address, 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        return cls.Pending(store, timeout_s), int(store.port)
+
+    @classmethod
+    def connect(cls, info: GlooInitInfo) -> "Channel":
+        """Worker side: join the trainer's store."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(info.master_address, info.master_port, 2, is_master=False,
+                              timeout=timedelta(seconds=info.timeout_s))
+        return cls(store, info.rank, info.timeout_s)
+
+    @dataclass
+    class Pending:
+        store: Any
+        timeout_s: float
+
+        def join(self) -> "Channel":
+            return Channel(self.store, 0, self.timeout_s)
+
+    def broadcast(self, buffer: "torch.Tensor") -> Any:
+        """Start broadcasting ``buffer`` from rank 0 (in place on rank 1); returns the work."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return self._pg.broadcast([buffer], opts)
+
+    def close(self) -> None:
+        try:
+            self._pg.shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the peer may be gone
+            pass
+
+
+def send_update(channel: Channel, info: GlooUpdateInfo, arrays: Sequence[np.ndarray],
+                bucket_bytes: int) -> None:
+    """Trainer side: broadcast the arrays bucket by bucket, packing the next bucket
+    while the previous one is on the wire (two buffers alive at most)."""
+    import torch
+
+    in_flight: Any = None
+    for bucket in bucket_plan(info.nbytes(), bucket_bytes):
+        parts = [np.ascontiguousarray(arrays[i]).reshape(-1).view(np.uint8) for i in bucket]
+        buffer = torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        work = channel.broadcast(buffer)
+        if in_flight is not None:
+            in_flight.wait()
+        in_flight = work
+    if in_flight is not None:
+        in_flight.wait()
+
+
+def receive_update(channel: Channel, info: GlooUpdateInfo, bucket_bytes: int) -> WeightUpdate:
+    """Worker side: receive every bucket and cut it into the update's arrays (views
+    of the received buffers, no further copy)."""
+    import torch
+
+    nbytes = info.nbytes()
+    arrays: list[np.ndarray] = [np.empty(0)] * len(nbytes)
+    for bucket in bucket_plan(nbytes, bucket_bytes):
+        buffer = torch.empty(sum(nbytes[i] for i in bucket), dtype=torch.uint8)
+        channel.broadcast(buffer).wait()
+        flat = buffer.numpy()
+        offset = 0
+        for i in bucket:
+            dtype = _DTYPES[info.dtype_names[i]]
+            arrays[i] = flat[offset:offset + nbytes[i]].view(dtype).reshape(info.shapes[i])
+            offset += nbytes[i]
+    return WeightUpdate(info.version, tuple(info.names), tuple(arrays))
+
+
+# -- trainer side ----------------------------------------------------------------------------
+class SyncClient(Protocol):
+    """The four control calls of vLLM's ``VLLMWeightSyncClient``, as the trainer makes
+    them to one rollout worker (directly, or through its Ray actor)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+class UpdateSource:
+    """vLLM ``WeightSource`` shape over one snapshot (:class:`WeightUpdate`):
+    metadata and iteration agree by construction (one tuple of arrays)."""
+
+    def __init__(self, update: WeightUpdate) -> None:
+        self.update = update
+
+    def metadata(self) -> GlooUpdateInfo:
+        return GlooUpdateInfo.of(self.update)
+
+    def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
+        return iter(zip(self.update.names, self.update.arrays))
+
+
+@dataclass(frozen=True, slots=True)
+class SendTiming:
+    """Where one send's time went (seconds): the four phases as the trainer saw them."""
+
+    version: int
+    start_s: float
+    transfer_s: float
+    finish_s: float
+    num_bytes: int
+
+    @property
+    def total_s(self) -> float:
+        return self.start_s + self.transfer_s + self.finish_s
+
+
+class GlooTrainerWeightTransfer:
+    """Trainer side of :data:`BACKEND` for one worker: vLLM's ``trainer_init`` /
+    ``send_weights`` contract (rank 0 is the only sender; it drives the worker's
+    four calls through ``client`` and broadcasts the bytes).
+
+    ``send`` runs the worker's ``update_weights`` (which blocks in the receive) on a
+    helper thread while this thread broadcasts; an error on either side ends the
+    send with that error, and the channel is then unusable (close it; a new
+    ``trainer_init`` makes a fresh one)."""
+
+    backend: ClassVar[str] = BACKEND
+
+    def __init__(self, client: SyncClient, channel: Channel, bucket_bytes: int) -> None:
+        self.client = client
+        self._channel = channel
+        self._bucket_bytes = bucket_bytes
+        self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-rpc")
+
+    @classmethod
+    def trainer_init(cls, client: SyncClient, *, address: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> "GlooTrainerWeightTransfer":
+        """Open the channel: serve a store, have the worker join it (its
+        ``init_weight_transfer_engine`` blocks until both sides are in), join it here."""
+        pending, port = Channel.serve(address, timeout_s)
+        info = GlooInitInfo(address, port, bucket_bytes, timeout_s)
+        with ThreadPoolExecutor(max_workers=1) as exe:
+            future = exe.submit(client.init_weight_transfer_engine, asdict(info))
+            try:
+                channel = pending.join()
+            except BaseException:
+                future.cancel()
+                raise
+            future.result()
+        return cls(client, channel, bucket_bytes)
+
+    def send(self, update: WeightUpdate) -> SendTiming:
+        """One full round: start, update (receive || broadcast), finish(version)."""
+        source = UpdateSource(update)
+        info = source.metadata()
+        t0 = time.perf_counter()
+        self.client.start_weight_update()
+        t1 = time.perf_counter()
+        future = self._rpc.submit(self.client.update_weights, asdict(info))
+        try:
+            send_update(self._channel, info, [a for _, a in source], self._bucket_bytes)
+        except BaseException:
+            if future.done():
+                future.result()  # the worker's error explains the broken channel
+            raise
+        future.result()
+        t2 = time.perf_counter()
+        self.client.finish_weight_update(str(update.version))
+        t3 = time.perf_counter()
+        return SendTiming(update.version, t1 - t0, t2 - t1, t3 - t2, update.num_bytes)
+
+    def close(self) -> None:
+        self._channel.close()
+        self._rpc.shutdown(wait=False, cancel_futures=True)
