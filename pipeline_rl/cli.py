@@ -165,8 +165,11 @@ def parse_config(argv: list[str] | None = None, *, check_cpu: bool | None = None
             data = load_toml(config_file)
         data = _merge(data, _nest(ns))
         cfg = Config.model_validate(data)
-        if check_cpu if check_cpu is not None else not _cuda_visible():
+        cpu_only = check_cpu if check_cpu is not None else not _cuda_visible()
+        if cpu_only:
             check_cpu_head_dim(cfg.model)
+            if cfg.model.device == "cuda":
+                raise UsageError("--model.device: cuda asked for, but this machine has no CUDA GPU")
     except ValidationError as e:
         raise UsageError(format_validation_error(e)) from None
     except ValueError as e:

@@ -190,15 +190,18 @@ class AsyncEngine(GenerationEngine):
 
     def finish_weight_update(self, version: int) -> bool:
         self._require_update()
+        newer = version > self._version
         try:
-            if version <= self._version:
-                self._fail_update(WeightUpdateError(f"version {version} is not newer than {self._version}"),
-                                  loaded=False)
-                return False
-            self._run(self._finish(version))
+            # vLLM's session must end either way; an update that is not newer (the same
+            # weights offered again) loads the same values and keeps the version label.
+            self._run(self._finish(version if newer else None))
         except BaseException as e:
             self._fail_update(e, loaded=True)
             raise
+        if not newer:
+            self._paused_at = None
+            self._update_lock.release()
+            return False
         stall = time.perf_counter() - (self._paused_at or time.perf_counter())
         self._applied.append(AppliedUpdate(version, stall, self._in_flight, self._update_bytes))
         self._version = version
@@ -206,9 +209,9 @@ class AsyncEngine(GenerationEngine):
         self._update_lock.release()
         return True
 
-    async def _finish(self, version: int) -> None:
-        await self._llm.finish_weight_update(weight_version=str(version))
-        if self.kv_policy == "recompute":
+    async def _finish(self, version: int | None) -> None:
+        await self._llm.finish_weight_update(weight_version=None if version is None else str(version))
+        if version is not None and self.kv_policy == "recompute":
             await self._llm.reset_prefix_cache(reset_running_requests=True)
         await self._llm.resume_generation()
 

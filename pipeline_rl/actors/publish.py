@@ -6,11 +6,14 @@ Two halves with different costs:
    changes the parameters): copies the full parameters into contiguous float32 numpy arrays.
    Under ZeRO-3 it gathers the partitioned parameters first, which is a collective: every rank
    must call it. This copy is the only part of publishing on the critical path.
-2. :class:`WeightPublisher` (off the critical path): a background thread puts the update into
-   Ray's object store once per version and offers the single ``ObjectRef`` to every worker
+2. :class:`WeightPublisher` (off the critical path): a background thread sends the update to
+   every worker. Transport ``vllm`` (the default): through vLLM's weight-transfer API, one
+   channel per worker (``pipeline_rl.actors.weight_transfer``), opened on first use and sent
+   to in parallel; a worker's four calls go to its Ray actor (or to the object itself in one
+   process). Transport ``object_store``: the update is put into Ray's object store once per
+   version and the single ``ObjectRef`` offered to every worker
    (``worker.offer_weights.remote([ref])``: the ref is nested in a list so Ray does not resolve
-   it before the call, and each worker fetches the bytes only when it applies the update).
-   Workers that are plain Python objects (tests, one process) get ``offer_weights(update)``.
+   it before the call), for workers that cannot open a connection to the trainer.
 
 Only the newest version matters: a worker applies the newest update it holds, so when the
 publisher falls behind (publishing slower than training) it skips superseded versions instead
@@ -26,10 +29,17 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
 
 import numpy as np
 
+from pipeline_rl.actors.weight_transfer import (
+    DEFAULT_TIMEOUT_S,
+    GlooTrainerWeightTransfer,
+    SendTiming,
+    SyncClient,
+)
 from pipeline_rl.actors.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -75,8 +85,10 @@ class PublishStats:
     ``published``: versions offered to the workers; ``superseded``: versions skipped because a
     newer one arrived before they were sent; ``offer_failures``: offers that raised (dead worker);
     ``put_s``: seconds in ``ray.put`` (serialisation into the object store); ``offer_s``: seconds
-    issuing the offers; ``caller_block_s``: seconds :meth:`WeightPublisher.publish` blocked its
-    caller (the training thread).
+    issuing the offers (with the ``vllm`` transport: sending, until every worker finished);
+    ``caller_block_s``: seconds :meth:`WeightPublisher.publish` blocked its caller (the
+    training thread); ``published_at``: wall-clock time (``time.time()``) each of the last
+    versions was handed to :meth:`WeightPublisher.publish`, as (version, time) pairs.
     """
 
     published: int
@@ -87,6 +99,7 @@ class PublishStats:
     offer_s: float
     caller_block_s: float
     bytes_published: int
+    published_at: tuple[tuple[int, float], ...] = ()
 
 
 def _is_ray_actor(worker: object) -> bool:
@@ -97,16 +110,71 @@ def _is_ray_actor(worker: object) -> bool:
     return isinstance(worker, ActorHandle)
 
 
+class ActorClient:
+    """A rollout worker's Ray actor as vLLM's weight-sync client (``SyncClient``): each
+    call waits for the actor, at most ``timeout_s`` (a dead worker never hangs a send)."""
+
+    def __init__(self, actor: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self._actor, self._timeout_s = actor, timeout_s
+
+    def _call(self, method: str, *args: Any) -> None:
+        import ray
+
+        ray.get(getattr(self._actor, method).remote(*args), timeout=self._timeout_s)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+
+def _key(worker: object) -> str:
+    """A worker's identity across calls (a restarted Ray actor keeps its id)."""
+    actor_id = getattr(worker, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else f"local-{id(worker)}"
+
+
+def _trainer_address() -> str:
+    """The address workers reach this process at: the Ray node's IP, else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    return "127.0.0.1"
+
+
+Transport = Literal["vllm", "object_store"]
+PUBLISHED_AT_KEPT = 1024  # versions whose publish time the stats keep
+
+
 class WeightPublisher:
     """Sends each new :class:`WeightUpdate` to every rollout worker, newest version first.
 
     ``background=True`` (the default) does the transport on a daemon thread, so
     :meth:`publish` only hands over a reference and returns; ``background=False`` publishes
-    inline (deterministic, for tests and one-process tools). Thread-safe.
+    inline (deterministic, for tests and one-process tools). Thread-safe. With the ``vllm``
+    transport a worker whose send failed loses its channel and gets a new one, and the
+    newest weights, at the next publish (a worker that missed versions re-syncs to the
+    latest, never to a backlog).
     """
 
     def __init__(self, workers: Iterable[object] = (), *, background: bool = True,
-                 max_pending_acks: int = 64) -> None:
+                 max_pending_acks: int = 64, transport: Transport = "vllm") -> None:
+        self.transport: Transport = transport
+        self._channels: dict[str, GlooTrainerWeightTransfer] = {}
+        self._senders: ThreadPoolExecutor | None = None
+        self._published_at: list[tuple[int, float]] = []
+        self.send_timings: list[SendTiming] = []   # vllm transport: per worker and version
         self._workers: list[object] = list(workers)
         self._background = background
         self._max_pending_acks = max_pending_acks
@@ -134,6 +202,7 @@ class WeightPublisher:
         caller was blocked. Idempotent for the newest version (a repeat is ignored); an older
         version raises ValueError."""
         t0 = time.perf_counter()
+        wall = time.time()
         with self._wake:
             if self._closed:
                 raise RuntimeError("WeightPublisher: publish() after close()")
@@ -144,6 +213,8 @@ class WeightPublisher:
             if update.version < newest:
                 raise ValueError(f"WeightPublisher: version {update.version} is older than "
                                  f"{newest}, the newest one published")
+            self._published_at.append((update.version, wall))
+            del self._published_at[:-PUBLISHED_AT_KEPT]
             if self._background:
                 if self._next is not None:
                     self._superseded += 1
@@ -173,23 +244,28 @@ class WeightPublisher:
             new = [w for w in workers if all(w is not old for old in self._workers)]
             self._workers = list(workers)
             latest, ref = self._latest, self._latest_ref
+            keep = {_key(w) for w in workers}
+            gone = [self._channels.pop(k) for k in list(self._channels) if k not in keep]
+        for channel in gone:
+            channel.close()
         if latest is not None:
             self._offer(new, latest, ref)
 
     def offer_latest(self, workers: Sequence[object]) -> None:
         """Offer the newest published weights to ``workers`` now (e.g. a restarted worker
-        behind an unchanged handle)."""
+        behind an unchanged handle: its channel is opened anew)."""
         with self._lock:
             latest, ref = self._latest, self._latest_ref
         if latest is not None:
-            self._offer(list(workers), latest, ref)
+            self._offer(list(workers), latest, ref, reconnect=True)
 
     def stats(self) -> PublishStats:
         with self._lock:
             return PublishStats(published=self._published, superseded=self._superseded,
                                 offer_failures=self._failures, last_version=self._last_version,
                                 put_s=self._put_s, offer_s=self._offer_s,
-                                caller_block_s=self._block_s, bytes_published=self._bytes)
+                                caller_block_s=self._block_s, bytes_published=self._bytes,
+                                published_at=tuple(self._published_at))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Send what is pending, then stop the background thread."""
@@ -201,6 +277,11 @@ class WeightPublisher:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._check_acks(block=False)
+        for channel in list(self._channels.values()):
+            channel.close()
+        self._channels.clear()
+        if self._senders is not None:
+            self._senders.shutdown(wait=False, cancel_futures=True)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -227,7 +308,7 @@ class WeightPublisher:
         with self._lock:
             workers = list(self._workers)
         ref: Any = None
-        if any(_is_ray_actor(w) for w in workers):
+        if self.transport == "object_store" and any(_is_ray_actor(w) for w in workers):
             import ray
 
             t0 = time.perf_counter()
@@ -241,7 +322,11 @@ class WeightPublisher:
             self._last_version = update.version
             self._latest, self._latest_ref = update, ref
 
-    def _offer(self, workers: Sequence[object], update: WeightUpdate, ref: Any) -> None:
+    def _offer(self, workers: Sequence[object], update: WeightUpdate, ref: Any,
+               reconnect: bool = False) -> None:
+        if self.transport == "vllm":
+            self._send_vllm(workers, update, reconnect)
+            return
         t0 = time.perf_counter()
         acks = []
         for w in workers:
@@ -262,6 +347,44 @@ class WeightPublisher:
             self._offer_s += time.perf_counter() - t0
             self._pending_acks.extend(acks)
         self._check_acks(block=False)
+
+    def _send_vllm(self, workers: Sequence[object], update: WeightUpdate, reconnect: bool) -> None:
+        """Send ``update`` to every worker through its channel, in parallel; a failed
+        worker's channel is closed (the next send opens a new one) and counted."""
+        if not workers:
+            return
+        t0 = time.perf_counter()
+        if self._senders is None:
+            self._senders = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weights-send")
+        futures = [self._senders.submit(self._send_one, w, update, reconnect) for w in workers]
+        timings = [f.result() for f in futures]
+        with self._lock:
+            self._offer_s += time.perf_counter() - t0
+            self.send_timings.extend(t for t in timings if t is not None)
+            del self.send_timings[:-PUBLISHED_AT_KEPT]
+
+    def _send_one(self, worker: object, update: WeightUpdate, reconnect: bool) -> SendTiming | None:
+        key = _key(worker)
+        channel = self._channels.pop(key, None)
+        try:
+            if channel is not None and reconnect:
+                channel.close()
+                channel = None
+            if channel is None:
+                client: SyncClient = ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[assignment]
+                channel = GlooTrainerWeightTransfer.trainer_init(client, address=_trainer_address())
+            timing = channel.send(update)
+            self._channels[key] = channel
+            return timing
+        except Exception as e:
+            from pipeline_rl.supervision import first_line
+
+            log.warning("weight publisher: sending version %d failed: %s", update.version, first_line(e))
+            if channel is not None:
+                channel.close()
+            with self._lock:
+                self._failures += 1
+            return None
 
     def _check_acks(self, *, block: bool) -> None:
         """Count failed remote offers (dead actors) without waiting on live ones; bounds memory."""

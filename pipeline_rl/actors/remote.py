@@ -162,11 +162,28 @@ class RolloutActor:
         """Take new weights. Failing to take them is fatal to this worker: it could never
         reach a newer version, so the admission budget would hold it idle forever. The
         error ends :meth:`run` (the driver then ends the run naming it) and is re-raised."""
+        # Always on the one staging thread: Ray serves concurrent calls on a pool of
+        # threads, and every thread that frees an update's arrays grows its own malloc
+        # arena (measured: resident memory grew ~20 MB per 1,000 updates that way).
+        self._take(self._worker.offer_weights, refs)
+
+    # vLLM's weight-transfer calls (the trainer's publisher drives them). All on the one
+    # staging thread, like offers; a failure is fatal to this worker, as for an offer.
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._take(self._worker.init_weight_transfer_engine, init_info)
+
+    def start_weight_update(self) -> None:
+        self._take(self._worker.start_weight_update)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._take(self._worker.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._take(self._worker.finish_weight_update, weight_version)
+
+    def _take(self, call: Callable[..., None], *args: Any) -> None:
         try:
-            # Always on the one staging thread: Ray serves concurrent calls on a pool of
-            # threads, and every thread that frees an update's arrays grows its own malloc
-            # arena (measured: resident memory grew ~20 MB per 1,000 updates that way).
-            self._stager.submit(self._worker.offer_weights, refs).result()
+            self._stager.submit(call, *args).result()
         except Exception as e:
             from pipeline_rl.supervision import first_line
 
@@ -257,7 +274,8 @@ class TrainerActor:
         self._trainer_or_none = Trainer(self._cfg, self._model_dir, rank=self._rank,
                                 world_size=self._world_size, master_addr=master_addr,
                                 master_port=master_port)
-        self._publisher = WeightPublisher() if self._rank == 0 else None
+        self._publisher = (WeightPublisher(transport=self._cfg.rollout.weight_transport)
+                           if self._rank == 0 else None)
         self._rank_step = RankStep(self._trainer, _BufferSource(self._buffer), self._publisher)
         return int(self._trainer.version)
 
@@ -311,14 +329,34 @@ def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str) -> tuple[
     # A fault to inject (tests) reaches the actors of a Ray the driver did not start too.
     env = {"runtime_env": {"env_vars": {FAULT_ENV: os.environ[FAULT_ENV]}}} if os.environ.get(FAULT_ENV) else {}
     here = NodeAffinitySchedulingStrategy(buffer_node_id, soft=False)
+    gpus = 1 if uses_gpus(cfg) else 0   # without a GPU request Ray hides every GPU from the actor
     buffer_cls = _actor(BufferActor).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here,
                                              name=buffer_name, **env)
     rollout_cls = _actor(RolloutActor).options(
-        num_cpus=1, max_concurrency=8, max_restarts=-1, max_task_retries=0,
+        num_cpus=1, num_gpus=gpus, max_concurrency=8, max_restarts=-1, max_task_retries=0,
         resources=needs(cfg.ray.rollout_resource), **env)
-    trainer_cls = _actor(TrainerActor).options(num_cpus=1, max_concurrency=2,
+    trainer_cls = _actor(TrainerActor).options(num_cpus=1, num_gpus=gpus, max_concurrency=2,
                                                resources=needs(cfg.ray.trainer_resource), **env)
     return buffer_cls, rollout_cls, trainer_cls
+
+
+def uses_gpus(cfg: Config) -> bool:
+    """Whether the actors run on CUDA: asked for, or ``auto`` on a cluster with GPUs. On
+    CUDA each rollout worker and trainer rank takes one GPU of its own (vLLM's ``nccl``
+    weight transfer between them); too few GPUs is a one-line error, never a wait."""
+    import ray
+
+    if cfg.model.device == "cpu":
+        return False
+    have = int(ray.cluster_resources().get("GPU", 0))
+    if cfg.model.device == "auto" and have == 0:
+        return False
+    need = cfg.rollout.num_workers + cfg.trainer.num_ranks
+    if have < need:
+        raise RuntimeError(f"--model.device {cfg.model.device}: {cfg.rollout.num_workers} rollout "
+                           f"worker(s) + {cfg.trainer.num_ranks} trainer rank(s) need {need} GPUs, "
+                           f"the Ray cluster has {have}")
+    return True
 
 
 def _actor(cls: type) -> Any:
