@@ -147,7 +147,7 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
             actor = ray.remote(num_cpus=0.01)(Receiver)
             receivers = [actor.remote() for _ in range(workers)]
             ray.get([r.received.remote() for r in receivers])
-        publisher = WeightPublisher(receivers)
+        publisher = WeightPublisher(receivers, transport="object_store")
         buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step)
         producer = Producer(buffer, cfg, gen_groups_per_s)
         rank_step = RankStep(trainer, buffer, publisher)

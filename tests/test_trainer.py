@@ -268,7 +268,7 @@ def test_rank_step_consumes_from_replay_buffer(trainer_factory: Any) -> None:
 
     th = threading.Thread(target=produce, daemon=True)
     th.start()
-    pub = WeightPublisher([Sink()], background=False)
+    pub = WeightPublisher([Sink()], background=False, transport="object_store")
     step = RankStep(trainer, buf, pub)
     reports = [step(30.0) for _ in range(3)]
     pub.close()

@@ -42,7 +42,7 @@ class SlowSink:
 
 def test_publisher_sends_newest_and_counts_superseded() -> None:
     sink = SlowSink()
-    pub = WeightPublisher([sink])
+    pub = WeightPublisher([sink], transport="object_store")
     blocked = [pub.publish(_update(1))]
     assert sink.entered.wait(10)                                     # v1 is being sent (slowly)
     blocked += [pub.publish(_update(v)) for v in (2, 3, 4)]
@@ -53,7 +53,7 @@ def test_publisher_sends_newest_and_counts_superseded() -> None:
     assert sink.versions == [1, 4]                                   # 2 and 3 were superseded
     assert s.published == 2 and s.superseded == 2 and s.last_version == 4
     assert max(blocked) < 0.05                                       # the caller never waits on the sink
-    p = WeightPublisher([sink])
+    p = WeightPublisher([sink], transport="object_store")
     p.publish(_update(5))
     p.publish(_update(5))                                            # a repeat is ignored
     with pytest.raises(ValueError, match="older than 5"):
@@ -66,7 +66,7 @@ def test_new_worker_gets_latest_at_once() -> None:
     a, b = SlowSink(), SlowSink()
     a.release.set()
     b.release.set()
-    pub = WeightPublisher([a], background=False)
+    pub = WeightPublisher([a], background=False, transport="object_store")
     pub.publish(_update(1))
     pub.set_workers([a, b])
     assert a.versions == [1] and b.versions == [1]
@@ -114,7 +114,7 @@ def test_publish_through_ray_object_store(ray_local: Any) -> None:
     ray = ray_local
     actor = ray.remote(num_cpus=0.1)(Receiver)
     workers = [actor.remote(), actor.remote()]
-    pub = WeightPublisher(workers)
+    pub = WeightPublisher(workers, transport="object_store")
     for v in (1, 2, 3):
         pub.publish(_update(v))
         assert pub.flush(30)

@@ -40,12 +40,13 @@ model while generation goes on, so its stall is a pointer swap.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: The name this project's CPU backend is registered under with vLLM's factory.
 BACKEND = "pipeline_rl_gloo"
@@ -279,6 +281,21 @@ class SendTiming:
         return self.start_s + self.transfer_s + self.finish_s
 
 
+def in_daemon_thread(fn: Callable[..., _T], *args: Any) -> "Future[_T]":
+    """Run ``fn`` on a daemon thread (one a blocked peer can never keep the process
+    alive with, unlike an executor's); its result or error lands in the future."""
+    future: Future[_T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=f"weights-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
+
+
 class GlooTrainerWeightTransfer:
     """Trainer side of :data:`BACKEND` for one worker: vLLM's ``trainer_init`` /
     ``send_weights`` contract (rank 0 is the only sender; it drives the worker's
@@ -295,7 +312,6 @@ class GlooTrainerWeightTransfer:
         self.client = client
         self._channel = channel
         self._bucket_bytes = bucket_bytes
-        self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-rpc")
 
     @classmethod
     def trainer_init(cls, client: SyncClient, *, address: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -304,15 +320,13 @@ class GlooTrainerWeightTransfer:
         ``init_weight_transfer_engine`` blocks until both sides are in), join it here."""
         pending, port = Channel.serve(address, timeout_s)
         info = GlooInitInfo(address, port, bucket_bytes, timeout_s)
-        with ThreadPoolExecutor(max_workers=1) as exe:
-            future = exe.submit(client.init_weight_transfer_engine, asdict(info))
-            try:
-                channel = pending.join()
-            except BaseException:
-                future.cancel()
-                raise
-            future.result()
-        return cls(client, channel, bucket_bytes)
+        worker = in_daemon_thread(client.init_weight_transfer_engine, asdict(info))
+        joined = in_daemon_thread(pending.join)
+        # A worker that fails to join (dead, refused) ends this at once instead of leaving
+        # the trainer's side waiting out the store's timeout (its thread then times out alone).
+        wait([worker, joined], return_when=FIRST_EXCEPTION)  # type: ignore[misc]
+        worker.result()
+        return cls(client, joined.result(), bucket_bytes)
 
     def send(self, update: WeightUpdate) -> SendTiming:
         """One full round: start, update (receive || broadcast), finish(version)."""
@@ -321,7 +335,7 @@ class GlooTrainerWeightTransfer:
         t0 = time.perf_counter()
         self.client.start_weight_update()
         t1 = time.perf_counter()
-        future = self._rpc.submit(self.client.update_weights, asdict(info))
+        future = in_daemon_thread(self.client.update_weights, asdict(info))
         try:
             send_update(self._channel, info, [a for _, a in source], self._bucket_bytes)
         except BaseException:
@@ -336,4 +350,3 @@ class GlooTrainerWeightTransfer:
 
     def close(self) -> None:
         self._channel.close()
-        self._rpc.shutdown(wait=False, cancel_futures=True)
