@@ -324,7 +324,8 @@ class GlooTrainerWeightTransfer:
         joined = in_daemon_thread(pending.join)
         # A worker that fails to join (dead, refused) ends this at once instead of leaving
         # the trainer's side waiting out the store's timeout (its thread then times out alone).
-        wait([worker, joined], return_when=FIRST_EXCEPTION)  # type: ignore[misc]
+        both: list[Future[Any]] = [worker, joined]
+        wait(both, return_when=FIRST_EXCEPTION)
         worker.result()
         return cls(client, joined.result(), bucket_bytes)
 
