@@ -44,7 +44,7 @@ from pipeline_rl.actors.engine import (
     GenRequest,
     set_cpu_env,
 )
-from pipeline_rl.actors.engine_cpu import sampling_params, to_finished
+from pipeline_rl.actors.engine_cpu import hidden_from_vllm_kernel_scan, sampling_params, to_finished
 from pipeline_rl.actors.weight_transfer import BACKEND, GlooTrainerWeightTransfer, payload_bytes, register
 from pipeline_rl.actors.weights import CheckedUpdate, WeightUpdate, WeightUpdateError, read_weight_spec
 
@@ -105,7 +105,8 @@ class AsyncEngine(GenerationEngine):
             enforce_eager=not cuda, distributed_executor_backend="uni",
             weight_transfer_config=WeightTransferConfig(backend=self.backend),
         )
-        self._llm: Any = self._run(self._start(args))
+        with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
+            self._llm: Any = self._run(self._start(args))
         self._tokenizer = self._llm.tokenizer
 
     async def _start(self, args: Any) -> Any:

