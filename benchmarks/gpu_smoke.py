@@ -91,7 +91,7 @@ def updates_in_flight(report: Report, root: Path) -> None:
     report.check("versions advance mid-sequence", monotone and bool(switched),
                  f"{len(switched)} of {len(seqs)} requests switched 1 -> 2, non-decreasing: {monotone}")
     torch_dtype = getattr(torch, dtype)
-    hf = AutoModelForCausalLM.from_pretrained(a, dtype=torch_dtype).to(report.device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(a, dtype=torch_dtype).to(report.device).eval()  # type: ignore[arg-type]
     before_err, after_gap = 0.0, []
     for f, p in zip(seqs, prompts):
         k = int(np.argmax(f.versions == 2)) if (f.versions == 2).any() else len(f.versions)
