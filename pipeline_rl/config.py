@@ -302,6 +302,9 @@ class Config(Section):
         if (self.trainer.batch_size // self.rollout.n) % self.trainer.num_ranks:
             raise ValueError(f"trainer.batch_size: groups per step ({self.trainer.batch_size // self.rollout.n}) "
                              f"must divide evenly over trainer.num_ranks={self.trainer.num_ranks}")
+        if self.rollout.engine == "inprocess" and self.model.device == "cuda":
+            raise ValueError("rollout.engine: inprocess runs on CPU only; use async (or auto) "
+                             "with model.device cuda")
         return self
 
     @property

@@ -115,3 +115,24 @@ def test_constant_normalisation_far_above_the_length_warns() -> None:
     cfg, _ = parse_config(["--algorithm.normalization", "constant", "--algorithm.constant_length", "32",
                            "--rollout.max_new_tokens", "16"], check_cpu=False)
     assert cfg.warnings() == []
+
+
+def test_cuda_without_a_gpu_is_one_line() -> None:
+    with pytest.raises(UsageError) as e:
+        parse_config(["--model.device", "cuda"], check_cpu=True)
+    assert str(e.value) == "--model.device: cuda asked for, but this machine has no CUDA GPU"
+
+
+def test_engine_dtype_auto_is_float32_on_cpu_and_bfloat16_on_cuda() -> None:
+    from pipeline_rl.actors.engine import engine_config
+
+    cfg, _ = parse_config([], check_cpu=True)
+    assert engine_config(cfg.rollout, "m", device="cpu").dtype == "float32"
+    assert engine_config(cfg.rollout, "m", device="cuda").dtype == "bfloat16"
+    cfg, _ = parse_config(["--rollout.dtype", "bfloat16"], check_cpu=True)
+    assert engine_config(cfg.rollout, "m", device="cpu").dtype == "bfloat16"
+
+
+def test_inprocess_engine_on_cuda_is_refused() -> None:
+    with pytest.raises(UsageError, match="^--rollout.engine: inprocess runs on CPU only"):
+        parse_config(["--rollout.engine", "inprocess", "--model.device", "cuda"], check_cpu=False)
