@@ -20,29 +20,21 @@ import torch
 
 pytest.importorskip("vllm")
 
-from test_engine_cpu import SHAPE, TEMPERATURE, TOL, _hf_keep_logprobs, _hf_logprobs  # noqa: E402
+from test_engine_cpu import (  # noqa: E402,F401 - the fixtures are shared with the in-process engine's tests
+    TEMPERATURE,
+    TOL,
+    _hf_keep_logprobs,
+    _hf_logprobs,
+    hf_models,
+    model_dirs,
+)
 
 from pipeline_rl.actors.engine import FinishedSequence, GenRequest, SamplingConfig  # noqa: E402
 from pipeline_rl.actors.engine_async import AsyncEngine, transfer_backend  # noqa: E402
 from pipeline_rl.actors.weight_transfer import BACKEND  # noqa: E402
 from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError, as_checked, load_update  # noqa: E402
-from pipeline_rl.models.builtin import build_tiny_model  # noqa: E402
 
 PROMPTS = ("12+34=", "sort 5193=", "hello", "7+8=")
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("async_models")
-    return build_tiny_model(root / "a", seed=0, **SHAPE), build_tiny_model(root / "b", seed=1, **SHAPE)
-
-
-@pytest.fixture(scope="module")
-def hf_models(model_dirs: tuple[Path, Path]) -> tuple[torch.nn.Module, torch.nn.Module]:
-    from transformers import AutoModelForCausalLM
-
-    return tuple(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
-                 for d in model_dirs)  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="module")
