@@ -18,11 +18,15 @@ Invariants:
 - Weight updates never stop or drain a sequence: sequences in flight continue
   under the new weights (KV policy from ``rollout.kv_policy``) and their tokens'
   versions change at the step where the update took effect.
-- Offers (:meth:`RolloutWorker.offer_weights`, callable from any thread, e.g. a
-  Ray actor's concurrent method) are fetched, validated and staged (the costly
-  part of a reload) in the caller's thread while the engine keeps stepping; a
-  bad payload raises ``WeightUpdateError`` there and is never applied. Only the
-  newest staged update is kept; the loop makes it live between two steps.
+- New weights arrive through vLLM's weight-transfer calls, which the trainer
+  makes (``init_weight_transfer_engine`` / ``start_weight_update`` /
+  ``update_weights`` / ``finish_weight_update``, forwarded to the engine), or as
+  an offer through Ray's object store (:meth:`RolloutWorker.offer_weights`).
+  Either way they are received, validated and staged (the costly part of a
+  reload) in the caller's thread -- any thread but the loop's, e.g. a Ray
+  actor's concurrent method -- while the engine keeps stepping; a bad payload
+  raises ``WeightUpdateError`` there and is never applied. Only the newest
+  staged update is kept; the loop makes it live between two steps.
 - Rewards run in a thread pool, off the engine's critical path. A reward
   function that raises (or returns a non-finite value) is logged with the
   prompt id and scores 0; it stops the worker only if it has failed on its
