@@ -178,8 +178,8 @@ class AsyncEngine(GenerationEngine):
         self._update_lock.acquire()
         try:
             self._in_flight = self._unfinished
+            self._paused_at = time.perf_counter()    # the stall counts the pause itself
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False))
-            self._paused_at = time.perf_counter()
             self._run(self._llm.start_weight_update())
         except BaseException as e:
             self._fail_update(e, loaded=False)
