@@ -8,8 +8,9 @@ once, then per update ``start_weight_update`` -> ``update_weights`` ->
 :class:`~vllm.distributed.weight_transfer.base.TrainerWeightTransferEngine`, which
 drives those calls through a client and sends the bytes itself.
 
-On GPU the backends are vLLM's own (``nccl`` between GPUs, ``ipc`` on a shared one).
-vLLM's are CUDA-only, so for CPU this module registers one more, :data:`BACKEND`
+vLLM's own backends (``nccl`` between GPUs, ``ipc`` on a shared one) are CUDA-only
+and their trainer half is not wired here yet, so this module registers one more,
+:data:`BACKEND`
 (``pipeline_rl_gloo``), with vLLM's factory (through the ``vllm.general_plugins``
 entry point, so vLLM's own processes register it too):
 
@@ -58,7 +59,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-#: The name this project's CPU backend is registered under with vLLM's factory.
+#: The name this project's backend is registered under with vLLM's factory (vLLM's own
+#: backends need CUDA; this one is used on every device for now, see ``engine_async``).
 BACKEND = "pipeline_rl_gloo"
 #: Bucket size on the wire: large enough that per-message overhead vanishes, small
 #: enough that packing the next bucket overlaps sending this one.
