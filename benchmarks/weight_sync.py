@@ -247,22 +247,18 @@ class SyncWorker:
     # -- driver ----------------------------------------------------------------------------
     def wait_generating(self, min_tokens: int, timeout_s: float) -> bool:
         """Block until the loop generated ``min_tokens`` tokens (steady state)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._tokens < min_tokens and self._error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            if self._error is not None:
-                raise RuntimeError(self._error)
-        return True
+        return self._wait_for(lambda: self._tokens >= min_tokens, timeout_s)
 
     def wait_version(self, version: int, timeout_s: float) -> bool:
         """Block until an update of ``version`` or newer was applied by the loop."""
+        return self._wait_for(lambda: any(v >= version for v, *_ in self._applied), timeout_s)
+
+    def _wait_for(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (under the loop's condition) until ``done()``; False on timeout; the
+        loop's error, if it failed, is raised."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not any(v >= version for v, *_ in self._applied) and self._error is None:
+            while not done() and self._error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

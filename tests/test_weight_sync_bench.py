@@ -4,10 +4,8 @@ published version reached generation; no timing is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,15 +13,10 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("ray")
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "weight_sync.py"
-
 
 def test_weight_sync_benchmark_tiny(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_weight_sync", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
+    from benchmarks import weight_sync as module
+
     out, md = tmp_path / "weight_sync.json", tmp_path / "weight_sync.md"
     argv = ["--models", "tiny", "--engines", "inprocess", "--updates", "3", "--warmup", "1", "--interval-s", "0.2",
             "--max-num-seqs", "8", "--max-new-tokens", "16", "--timeout-s", "60",

@@ -63,7 +63,10 @@ class ThreadClient:
         pass
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        update = receive_update(self.channel, GlooUpdateInfo(**update_info), self.bucket_bytes)
+        got = receive_update(self.channel, GlooUpdateInfo(**update_info), self.bucket_bytes)
+        update = got.update
+        if got.non_finite is not None:
+            raise WeightUpdateError(f"{got.non_finite}: non-finite values")
         if self.fail_once:
             self.fail_once = False
             raise WeightUpdateError("refused once")
@@ -97,6 +100,20 @@ def test_a_refused_update_surfaces_and_the_channel_stays_aligned() -> None:
         sender.send(_update(2))       # the refused update was drained: the next one arrives whole
         assert [u.version for u in client.got] == [2] and client.finished == ["2"]
         assert np.array_equal(client.got[0].arrays[3], _update(2).arrays[3])
+    finally:
+        sender.close()
+
+
+def test_non_finite_values_are_named_after_the_whole_update_drained() -> None:
+    client = ThreadClient()
+    sender = GlooTrainerWeightTransfer.trainer_init(client, address="127.0.0.1", bucket_bytes=64 << 10)
+    try:
+        bad = _update(1)
+        bad.arrays[3][7, 7] = np.nan                  # in a middle bucket: later buckets still follow
+        with pytest.raises(WeightUpdateError, match="^p3: non-finite values$"):
+            sender.send(bad)
+        sender.send(_update(2))
+        assert [u.version for u in client.got] == [2]
     finally:
         sender.close()
 

@@ -81,9 +81,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         if self._channel is None:
             raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
         with self._lock:
-            update = receive_update(self._channel, update_info, self._bucket_bytes)
-        validate_update(update, self._spec)  # after draining, so the channel stays aligned
-        self._received = update
+            got = receive_update(self._channel, update_info, self._bucket_bytes)
+        # After draining, so the channel stays aligned; values were checked as they arrived.
+        if got.non_finite is not None:
+            raise WeightUpdateError(f"{got.non_finite}: non-finite values")
+        validate_update(got.update, self._spec, check_values=False)
+        self._received = got.update
 
     def take_received(self) -> WeightUpdate:
         """The validated update received since ``start_weight_update`` (handed out once)."""

@@ -120,14 +120,16 @@ def load_update(model_dir: str | Path, version: int) -> WeightUpdate:
     return WeightUpdate(version, names, tuple(tensors[n] for n in names))
 
 
-def validate_update(update: WeightUpdate, spec: WeightSpec, *, current_version: int | None = None) -> None:
+def validate_update(update: WeightUpdate, spec: WeightSpec, *, current_version: int | None = None,
+                    check_values: bool = True) -> None:
     """Raise :class:`WeightUpdateError` (one line naming the first problem) unless
     ``update`` is a complete, well-formed set of weights for the model of ``spec``.
 
     Checked: version is an int (and newer than ``current_version`` when given);
     names and arrays line up; no duplicate, unknown or missing name; every array
     is a contiguous float32/float16 numpy array of the expected shape with only
-    finite values. A partial update is refused: vLLM's layerwise reload would
+    finite values (``check_values=False``: the caller checked the values already).
+    A partial update is refused: vLLM's layerwise reload would
     leave a layer with some parameters uninitialised.
     """
     if not isinstance(update, WeightUpdate):
@@ -141,7 +143,7 @@ def validate_update(update: WeightUpdate, spec: WeightSpec, *, current_version: 
         raise WeightUpdateError(f"{len(update.names)} names but {len(update.arrays)} arrays")
     seen: set[str] = set()
     for name, arr in zip(update.names, update.arrays):
-        _check_one(name, arr, spec, seen)
+        _check_one(name, arr, spec, seen, check_values)
         seen.add(name)
     missing = sorted(set(spec.shapes) - seen)
     if missing:
@@ -149,7 +151,7 @@ def validate_update(update: WeightUpdate, spec: WeightSpec, *, current_version: 
         raise WeightUpdateError(f"missing parameter {missing[0]!r}{more}: updates must be complete")
 
 
-def _check_one(name: str, arr: np.ndarray, spec: WeightSpec, seen: set[str]) -> None:
+def _check_one(name: str, arr: np.ndarray, spec: WeightSpec, seen: set[str], check_values: bool) -> None:
     if name in seen:
         raise WeightUpdateError(f"duplicate parameter {name!r}")
     expected = spec.shapes.get(name)
@@ -163,7 +165,7 @@ def _check_one(name: str, arr: np.ndarray, spec: WeightSpec, seen: set[str]) -> 
         raise WeightUpdateError(f"{name}: shape {tuple(arr.shape)} != expected {expected}")
     if not arr.flags.c_contiguous:
         raise WeightUpdateError(f"{name}: array is not C-contiguous")
-    if not np.isfinite(arr).all():
+    if check_values and not np.isfinite(arr).all():
         raise WeightUpdateError(f"{name}: non-finite values")
 
 
