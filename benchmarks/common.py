@@ -43,9 +43,11 @@ def config(argv: list[str]) -> Config:
     return cfg
 
 
-def start_ray(address: str | None = None, env: dict[str, str] | None = None) -> None:
-    """Join the Ray cluster at ``address``, or start a local Ray with one CPU per core;
-    every worker gets the actors' environment plus ``env``."""
+def start_ray(address: str | None = None, env: dict[str, str] | None = None, *,
+              object_store_bytes: int = 200 * 2**20, log_to_driver: bool = False) -> None:
+    """Join the Ray cluster at ``address``, or start a local Ray with one CPU per core
+    and ``object_store_bytes`` of object store; every worker gets the actors'
+    environment plus ``env``."""
     import ray
 
     from pipeline_rl.actors.process import ACTOR_ENV
@@ -54,10 +56,10 @@ def start_ray(address: str | None = None, env: dict[str, str] | None = None) -> 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     runtime_env = {"env_vars": {**ACTOR_ENV, **(env or {})}}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
         return
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, object_store_memory=200 * 2**20,
-             runtime_env=runtime_env, log_to_driver=False)
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, object_store_memory=object_store_bytes,
+             runtime_env=runtime_env, log_to_driver=log_to_driver)
 
 
 def stop_ray() -> None:

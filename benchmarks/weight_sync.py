@@ -10,7 +10,7 @@ Usage::
         [--quick] [--json PATH] [--md PATH]
 
 Set-up (one process run, one cell after the other, never two engines at once):
-a local Ray (``num_cpus=2``); per (model, engine, transport) cell ``--workers`` fresh
+a local Ray (one CPU per core); per (model, engine, transport) cell ``--workers`` fresh
 rollout-worker actors of this module (:class:`SyncWorker`), each owning one engine
 (``inprocess``: :class:`~pipeline_rl.actors.engine_cpu.CpuEngine`; ``async``:
 :class:`~pipeline_rl.actors.engine_async.AsyncEngine`, engine core in its own process)
@@ -94,6 +94,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import hardware  # noqa: E402
+from benchmarks.common import start_ray as common_start_ray  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 ENGINES = ("inprocess", "async")
@@ -533,20 +534,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def start_ray(show_logs: bool) -> bool:
-    """A local Ray (2 CPUs) unless one is up; True when started here."""
+    """A local Ray (one CPU per core, 1 GiB of object store: a few 110 MB updates stay in
+    memory instead of spilling) unless one is up; True when started here."""
     import ray
     from ray import cloudpickle
-
-    from pipeline_rl.actors.process import ACTOR_ENV
 
     if __name__ != "__main__":   # imported (tests): the actor class travels by value
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=1 << 30,
-             runtime_env={"env_vars": {**ACTOR_ENV, "PYTHONPATH": path}}, log_to_driver=show_logs)
+    common_start_ray(env={"PYTHONPATH": path}, object_store_bytes=1 << 30, log_to_driver=show_logs)
     return True
 
 

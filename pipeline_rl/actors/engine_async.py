@@ -207,16 +207,13 @@ class AsyncEngine(GenerationEngine):
         except BaseException as e:
             self._fail_update(e, loaded=True)
             raise
-        if not newer:
-            self._paused_at = None
-            self._update_lock.release()
-            return False
-        stall = time.perf_counter() - (self._paused_at or time.perf_counter())
-        self._applied.append(AppliedUpdate(version, stall, self._in_flight, self._update_bytes))
-        self._version = version
+        if newer:
+            stall = time.perf_counter() - (self._paused_at or time.perf_counter())
+            self._applied.append(AppliedUpdate(version, stall, self._in_flight, self._update_bytes))
+            self._version = version
         self._paused_at = None
         self._update_lock.release()
-        return True
+        return newer
 
     async def _finish(self, version: int | None) -> None:
         await self._llm.finish_weight_update(weight_version=None if version is None else str(version))

@@ -43,11 +43,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -84,15 +84,13 @@ def register() -> None:
 # -- wire format -------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class GlooInitInfo:
-    """Worker side of the handshake: where the trainer's store listens and which
-    rank of the two-member group the worker is (always 1; the trainer is 0)."""
+    """Worker side of the handshake: where the trainer's store listens (the worker is
+    rank 1 of the two-member group, the trainer rank 0)."""
 
     master_address: str
     master_port: int
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
-    rank: int = 1
-    world_size: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +176,7 @@ class Channel:
 
         store = dist.TCPStore(info.master_address, info.master_port, 2, is_master=False,
                               timeout=timedelta(seconds=info.timeout_s))
-        return cls(store, info.rank, info.timeout_s)
+        return cls(store, 1, info.timeout_s)
 
     @dataclass
     class Pending:
@@ -277,23 +275,10 @@ class SyncClient(Protocol):
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
-class UpdateSource:
-    """vLLM ``WeightSource`` shape over one snapshot (:class:`WeightUpdate`):
-    metadata and iteration agree by construction (one tuple of arrays)."""
-
-    def __init__(self, update: WeightUpdate) -> None:
-        self.update = update
-
-    def metadata(self) -> GlooUpdateInfo:
-        return GlooUpdateInfo.of(self.update)
-
-    def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
-        return iter(zip(self.update.names, self.update.arrays))
-
-
 @dataclass(frozen=True, slots=True)
 class SendTiming:
-    """Where one send's time went (seconds): the four phases as the trainer saw them."""
+    """Where one send's time went (seconds): start, transfer (receive || broadcast) and
+    finish, as the trainer saw them."""
 
     version: int
     start_s: float
@@ -331,8 +316,6 @@ class GlooTrainerWeightTransfer:
     send with that error, and the channel is then unusable (close it; a new
     ``trainer_init`` makes a fresh one)."""
 
-    backend: ClassVar[str] = BACKEND
-
     def __init__(self, client: SyncClient, channel: Channel, bucket_bytes: int) -> None:
         self.client = client
         self._channel = channel
@@ -356,14 +339,13 @@ class GlooTrainerWeightTransfer:
 
     def send(self, update: WeightUpdate) -> SendTiming:
         """One full round: start, update (receive || broadcast), finish(version)."""
-        source = UpdateSource(update)
-        info = source.metadata()
+        info = GlooUpdateInfo.of(update)
         t0 = time.perf_counter()
         self.client.start_weight_update()
         t1 = time.perf_counter()
         future = in_daemon_thread(self.client.update_weights, asdict(info))
         try:
-            send_update(self._channel, info, [a for _, a in source], self._bucket_bytes)
+            send_update(self._channel, info, update.arrays, self._bucket_bytes)
         except BaseException:
             if future.done():
                 future.result()  # the worker's error explains the broken channel
