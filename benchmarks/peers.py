@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -54,11 +55,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ROOT, hardware  # noqa: E402
 from benchmarks.stats import trailing_mean  # noqa: E402
 
-SYSTEMS = ("trl", "s0", "s2")
+SYSTEMS = ("trl", "s0", "s2")   # the default set; any sN (pipeline_rl --staleness N) is accepted
 _DIST_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                        "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"})
-LABEL = {"trl": "TRL GRPOTrainer (sync, HF generate)", "s0": "pipeline_rl --staleness 0",
-         "s2": "pipeline_rl --staleness 2"}
+LABEL = {"trl": "TRL GRPOTrainer (sync, HF generate)"}
+
+
+def label(system: str) -> str:
+    """``trl`` or ``sN`` (pipeline_rl at staleness N), as the report names it."""
+    return LABEL.get(system, f"pipeline_rl --staleness {system[1:]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,7 @@ class Settings:
     n: int
     lr: float
     max_new_tokens: int
+    max_model_len: int  # vLLM's context (pipeline_rl only: HF generate has no such setting)
     temperature: float
     task_flags: tuple[str, ...]
     trl_threads: int
@@ -144,7 +150,7 @@ def command(system: str, seed: int, s: Settings, run_dir: Path) -> list[str]:
                 "--prompts", str(s.prompts), "--n", str(s.n), "--lr", str(s.lr),
                 "--temperature", str(s.temperature), "--max-new-tokens", str(s.max_new_tokens),
                 "--threads", str(s.trl_threads), f"--task-flags={' '.join(s.task_flags)}"]
-    staleness = {"s0": "0", "s2": "2"}[system]
+    staleness = system[1:]
     # The built-in model is what the plain command uses (no --model.path: the folder is the
     # same, and the command a user runs skips the checks of a user's folder).
     model = [] if s.builtin else ["--model.path", s.model_dir]
@@ -152,7 +158,8 @@ def command(system: str, seed: int, s: Settings, run_dir: Path) -> list[str]:
             "--max-steps", str(s.steps), "--out-dir", str(run_dir), *model,
             "--rollout.n", str(s.n), "--trainer.batch_size", str(s.prompts * s.n),
             "--trainer.lr", str(s.lr), "--rollout.temperature", str(s.temperature),
-            "--rollout.max_new_tokens", str(s.max_new_tokens), "--eval.every", "0",
+            "--rollout.max_new_tokens", str(s.max_new_tokens),
+            "--rollout.max_model_len", str(s.max_model_len), "--eval.every", "0",
             "--trainer.checkpoint_every", "0", *s.task_flags]
 
 
@@ -245,7 +252,7 @@ def markdown(result: dict[str, Any]) -> str:
              "start-up incl. (s) | start-up (s) | step time (s) | tokens/s | final reward |",
              "|---|---|---|---|---|---|---|---|---|"]
     for sys_, d in summ["systems"].items():
-        lines.append(f"| {LABEL.get(sys_, sys_)} | {d['reached']}/{d['runs']} | {_mr(d['steps_to_target'], '.0f')} | "
+        lines.append(f"| {label(sys_)} | {d['reached']}/{d['runs']} | {_mr(d['steps_to_target'], '.0f')} | "
                      f"{_mr(d['train_s_to_target'])} | {_mr(d['wall_s_to_target'])} | {_mr(d['startup_s'])} | "
                      f"{_mr(d['step_time_s'], '.3f')} | {_mr(d['tokens_per_s'], '.0f')} | "
                      f"{_mr(d['final_reward'], '.3f')} |")
@@ -255,7 +262,7 @@ def markdown(result: dict[str, Any]) -> str:
                   "| system | training time to target | wall time to target | start-up | step time | tokens/s |",
                   "|---|---|---|---|---|---|"]
         for sys_, r in summ["ratios_vs_trl"].items():
-            lines.append(f"| {LABEL.get(sys_, sys_)} | {_f(r['train_s_to_target'])} | {_f(r['wall_s_to_target'])} | "
+            lines.append(f"| {label(sys_)} | {_f(r['train_s_to_target'])} | {_f(r['wall_s_to_target'])} | "
                          f"{_f(r['startup_s'])} | {_f(r['step_time_s'])} | {_f(r['tokens_per_s'])} |")
     return "\n".join(lines)
 
@@ -266,16 +273,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"trl": "tab:red", "s0": "tab:blue", "s2": "tab:green"}
+    colors = {"trl": "tab:red", "s0": "tab:blue", "s2": "tab:green", "s8": "tab:purple"}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     seen = set()
     for run in result["curves"]:
         means = trailing(run["reward"], result["settings"]["window"])
         xs = [t - run["launched"] for t, m in zip(run["unix_time_s"], means) if m is not None]
         ys = [m for m in means if m is not None]
-        label = LABEL.get(run["system"], run["system"]) if run["system"] not in seen else None
+        name = label(run["system"]) if run["system"] not in seen else None
         seen.add(run["system"])
-        ax.plot(xs, ys, color=colors.get(run["system"], "k"), lw=1.2, alpha=0.8, label=label)
+        ax.plot(xs, ys, color=colors.get(run["system"], "k"), lw=1.2, alpha=0.8, label=name)
     ax.axhline(result["settings"]["target"], color="grey", ls=":", lw=1)
     ax.set_xlabel("wall time since the command (s), start-up included")
     ax.set_ylabel(f"reward, trailing {result['settings']['window']}-step mean")
@@ -294,13 +301,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(see the module docstring for what is equal and what differs).")
     p.add_argument("--seeds", type=int, default=3, help="Seeds per system (default 3).")
     p.add_argument("--steps", type=int, default=400, help="Steps per run (default 400).")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="Comma list of trl, s0, s2 (default all).")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="Comma list of trl and sN (pipeline_rl "
+                   "at --staleness N); default trl,s0,s2.")
     p.add_argument("--target", type=float, default=0.8, help="Reward target (default 0.8).")
     p.add_argument("--window", type=int, default=40, help="Trailing window of the target (default 40 steps).")
     p.add_argument("--prompts", type=int, default=4, help="Prompts per step (default 4).")
     p.add_argument("--n", type=int, default=8, help="Completions per prompt (default 8).")
     p.add_argument("--lr", type=float, default=2e-4, help="Learning rate (default 2e-4).")
     p.add_argument("--max-new-tokens", type=int, default=16, help="Completion limit (default 16).")
+    p.add_argument("--max-model-len", type=int, default=256, help="pipeline_rl's vLLM context length "
+                   "(default 256; HF generate has no such limit): at least prompt + --max-new-tokens.")
     p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (default 1).")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2).")
     p.add_argument("--model", default=None, help="Model folder (default: the built-in model).")
@@ -316,9 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[list[str], Settings]:
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
-    bad = [x for x in systems if x not in SYSTEMS]
+    bad = [x for x in systems if not (x == "trl" or re.fullmatch(r"s\d+", x))]
     if bad or not systems:
-        p.error(f"--systems: unknown value(s) {', '.join(bad) or '(none)'} (allowed: {', '.join(SYSTEMS)})")
+        p.error(f"--systems: unknown value(s) {', '.join(bad) or '(none)'} (allowed: trl, sN for a staleness N)")
     for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--window", args.window),
                         ("--prompts", args.prompts), ("--trl-threads", args.trl_threads)):
         if value < 1:
@@ -335,7 +345,8 @@ def resolve(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[list[
     except UsageError as e:
         p.error(str(e))
     model_dir = str(Path(resolve_model_dir(cfg)).resolve())
-    return systems, Settings(args.steps, args.prompts, args.n, args.lr, args.max_new_tokens, args.temperature,
+    return systems, Settings(args.steps, args.prompts, args.n, args.lr, args.max_new_tokens,
+                             args.max_model_len, args.temperature,
                              tuple(args.task_flags), args.trl_threads, model_dir, args.model is None)
 
 

@@ -219,7 +219,7 @@ def run_pipeline(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[Rs
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.orchestrator import Orchestrator
 
-    env = {**ACTOR_ENV, "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gib), **actor_env}
+    env = {**ACTOR_ENV, **actor_env}
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count() or 2, include_dashboard=False,
              object_store_memory=cfg.ray.object_store_mb * 2**20, runtime_env={"env_vars": env},

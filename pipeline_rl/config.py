@@ -76,9 +76,11 @@ class ModelConfig(Section):
 class TaskConfig(Section):
     """What the policy is trained on."""
 
-    name: Literal["addition", "sort", "dataset"] = Field(
+    name: Literal["addition", "sort", "countdown", "dataset"] = Field(
         "sort", description="Built-in verifiable task (sort: 'sort 5193=' -> '1359'; addition: "
-        "'12+34=' -> '46'), or 'dataset' for --task.dataset.")
+        "'12+34=' -> '46'; countdown: 'countdown 003=' -> '003 002 001 000', heavy-tailed lengths "
+        "of 4-492 tokens with --task.digits 3, so give it --rollout.max_new_tokens 492 "
+        "--rollout.max_model_len 512), or 'dataset' for --task.dataset.")
     dataset: str | None = Field(None, description="Local data file: .jsonl, .json, .parquet, .arrow, "
                                 ".csv, or a datasets save_to_disk folder (nothing is downloaded), with "
                                 "the --task.prompt_field and --task.answer_field columns; math "
@@ -112,6 +114,12 @@ class TaskConfig(Section):
     def _dataset_given(self) -> "TaskConfig":
         if (self.name == "dataset") != (self.dataset is not None):
             raise ValueError("task.dataset: give a data file exactly when task.name is 'dataset'")
+        return self
+
+    @model_validator(mode="after")
+    def _countdown_digits(self) -> "TaskConfig":
+        if self.name == "countdown" and self.digits < 3:
+            raise ValueError(f"task.digits: countdown needs numbers of 3 or more digits (got {self.digits})")
         return self
 
     @model_validator(mode="after")
@@ -153,9 +161,12 @@ class RolloutConfig(Section):
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")
-    kv_cache_gib: int = Field(1, ge=1, le=1024, description="vLLM KV-cache space per worker "
-                              "(GiB, whole; on CUDA given to vLLM in bytes, so a trainer on the "
-                              "same GPU keeps the rest).")
+    kv_cache_gib: float | None = Field(None, gt=0, le=1024, description="vLLM KV-cache space per "
+                                       "worker in GiB (given to vLLM in bytes: on CUDA a trainer "
+                                       "on the same GPU keeps the rest). Default: what "
+                                       "--rollout.max_num_seqs sequences of --rollout.max_model_len "
+                                       "tokens of the model need, at least 1/64 GiB (vLLM zeroes "
+                                       "the whole cache at start, about 1 s per GiB on a CPU core).")
     max_model_len: int = Field(256, ge=16, le=1_048_576, description="Context length given to vLLM.")
     max_restarts: int = Field(3, ge=0, le=1000, description="Times a rollout worker whose process "
                               "died is restarted before the run ends (an exception inside a worker "
@@ -227,7 +238,12 @@ class TrainerConfig(Section):
     num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel trainer ranks.")
     batch_size: int = Field(32, ge=2, description="Sequences per optimizer step (multiple of "
                             "rollout.n).")
-    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward pass.")
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward pass (at most).")
+    micro_batch_tokens: int = Field(4096, ge=0, description="Padded tokens per forward/backward "
+                                    "pass (at most; rows x longest row, sequences sorted by "
+                                    "length): with heavy-tailed lengths the few long sequences "
+                                    "share a narrow pass instead of padding every row to their "
+                                    "length. 0 = rows only (always so under ZeRO-3).")
     lr: float = Field(2e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 = off).")
@@ -321,6 +337,13 @@ class Config(Section):
                        f"{algo.constant_length / self.rollout.max_new_tokens:.0f}x "
                        f"--rollout.max_new_tokens {self.rollout.max_new_tokens}: with constant "
                        f"normalisation the gradient shrinks by about that factor")
+        if self.task.name == "countdown":
+            from pipeline_rl.tasks.builtin import countdown_answer_tokens
+
+            longest = countdown_answer_tokens(self.task.digits)
+            if self.rollout.max_new_tokens < longest:
+                out.append(f"--rollout.max_new_tokens {self.rollout.max_new_tokens} cuts countdown answers "
+                           f"of up to {longest} tokens (a cut answer scores 0)")
         return out
 
 

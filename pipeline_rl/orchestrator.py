@@ -169,14 +169,16 @@ class Orchestrator:
         multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
         host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
         self._buffer = buffer_cls.remote(cfg, host, self._resume_version())
+        # The buffer, the workers (vLLM) and the trainers (DeepSpeed) start at once: the workers
+        # ask the buffer for its address themselves, so no phase waits for another to begin.
+        self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, buffer_name))
+                         for i in range(cfg.rollout.num_workers)]
+        self._trainers = self._create_trainers(trainer_cls)
         address = self._wait([self._buffer.address.remote()], "the replay buffer to bind its socket",
                              "replay buffer")[0]
         say(f"buffer: listening on {address}")
         self._buffer_watch = self._buffer.watch.remote()
-        # Workers start (vLLM) while the trainers start (DeepSpeed): the phases overlap.
-        self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, address, buffer_name))
-                         for i in range(cfg.rollout.num_workers)]
-        self._start_trainers(trainer_cls, multi_node)
+        self._start_trainers(multi_node)
         self._wait([w.handle.ready.remote() for w in self._workers],
                    f"{len(self._workers)} rollout worker(s) to start vLLM", "rollout worker")
         say(f"rollout: {len(self._workers)} vLLM worker(s) ready ({cfg.rollout.dtype})")
@@ -195,7 +197,7 @@ class Orchestrator:
     def _runtime_env(self) -> dict[str, Any]:
         from pipeline_rl.actors.process import ACTOR_ENV
 
-        env = {**ACTOR_ENV, "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.rollout.kv_cache_gib)}
+        env = dict(ACTOR_ENV)
         if os.environ.get(FAULT_ENV):
             env[FAULT_ENV] = os.environ[FAULT_ENV]
         return {"env_vars": env}
@@ -281,12 +283,12 @@ class Orchestrator:
         except CheckpointError as e:
             raise OrchestratorError(f"--resume: {e}") from None
 
-    def _start_trainers(self, trainer_cls: ActorHandle, multi_node: bool) -> None:
-        import ray
-
+    def _create_trainers(self, trainer_cls: ActorHandle) -> list[ActorHandle]:
         n = self.cfg.trainer.num_ranks
-        self._trainers = [trainer_cls.remote(self.cfg, self.model_dir, r, n, self._buffer)
-                          for r in range(n)]
+        return [trainer_cls.remote(self.cfg, self.model_dir, r, n, self._buffer) for r in range(n)]
+
+    def _start_trainers(self, multi_node: bool) -> None:
+        n = self.cfg.trainer.num_ranks
         master = (self._wait([self._trainers[0].node_ip.remote()], "the trainer to start", "trainer")[0]
                   if multi_node else "127.0.0.1")
         port = free_port()

@@ -12,7 +12,7 @@ import pytest
 # Tests run on 2-core machines: one thread per process (docs/design.md, platform notes).
 for _key, _value in {
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-    "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "1", "DS_ACCELERATOR": "cpu",
+    "RAY_AUTH_MODE": "disabled", "DS_ACCELERATOR": "cpu",
     "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 }.items():
     os.environ.setdefault(_key, _value)

@@ -133,6 +133,29 @@ def test_engine_dtype_auto_is_float32_on_cpu_and_bfloat16_on_cuda() -> None:
     assert engine_config(cfg.rollout, "m", device="cpu").dtype == "bfloat16"
 
 
+def test_kv_cache_is_sized_for_the_run_unless_given(tiny_model_dir: str) -> None:
+    """Default: max_num_seqs full-length sequences of the model's K and V (fp32 on CPU), at
+    least 1/64 GiB; a given size (fractions allowed) is used as is; an unreadable folder
+    gets 1 GiB."""
+    import json
+    from pathlib import Path
+
+    from pipeline_rl.actors.engine import MIN_AUTO_KV_GIB, engine_config
+
+    spec = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    per_token = 2 * spec["num_hidden_layers"] * spec.get("num_key_value_heads", spec["num_attention_heads"]) * (
+        spec.get("head_dim") or spec["hidden_size"] // spec["num_attention_heads"]) * 4
+    cfg, _ = parse_config(["--rollout.max_num_seqs", "256", "--rollout.max_model_len", "4096"], check_cpu=True)
+    got = engine_config(cfg.rollout, tiny_model_dir, device="cpu").kv_cache_gib
+    assert got == pytest.approx(max(MIN_AUTO_KV_GIB, 256 * 4096 * per_token / 2**30))
+    cfg, _ = parse_config(["--rollout.kv_cache_gib", "0.25"], check_cpu=True)
+    assert engine_config(cfg.rollout, tiny_model_dir, device="cpu").kv_cache_gib == 0.25
+    assert engine_config(cfg.rollout.model_copy(update={"kv_cache_gib": None}), "no/such/folder",
+                         device="cpu").kv_cache_gib == 1.0
+    with pytest.raises(UsageError, match="^--rollout.kv_cache_gib"):
+        parse_config(["--rollout.kv_cache_gib", "0"], check_cpu=True)
+
+
 def test_inprocess_engine_on_cuda_is_refused() -> None:
     with pytest.raises(UsageError, match="^--rollout.engine: inprocess runs on CPU only"):
         parse_config(["--rollout.engine", "inprocess", "--model.device", "cuda"], check_cpu=False)

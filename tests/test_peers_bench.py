@@ -17,7 +17,7 @@ def test_trailing_mean_uses_full_windows_only() -> None:
 
 
 def test_figures_of_a_run() -> None:
-    s = peers.Settings(4, 2, 4, 2e-4, 16, 1.0, (), 2, "/m", False)
+    s = peers.Settings(4, 2, 4, 2e-4, 16, 256, 1.0, (), 2, "/m", False)
     curve = peers.Curve(unix_time_s=[110.0, 111.0, 112.0, 113.0], time_s=[1.0, 2.0, 3.0, 4.0],
                         reward=[0.0, 1.0, 1.0, 1.0], completion_len=[5.0, 5.0, 5.0, 5.0])
     r = peers.measure("s2", 0, 100.0, curve, 14.0, s, target=0.9, window=2, error=None)

@@ -17,6 +17,7 @@ from pipeline_rl.config import TaskConfig
 from pipeline_rl.tasks import (
     AdditionTask,
     ConfiguredTask,
+    CountdownTask,
     DatasetTask,
     Prompt,
     SortTask,
@@ -69,6 +70,44 @@ def test_sort_answers_are_sorted_digits() -> None:
         assert p.text.startswith("sort ") and p.text.endswith("=")
         digits = p.text[len("sort "):-1]
         assert len(digits) == 5 and p.answer == "".join(sorted(digits))
+
+
+def test_countdown_answers_and_their_lengths_are_heavy_tailed() -> None:
+    """Every number from the start down to zero, width kept; answer lengths (tokens, EOS
+    included) span two orders of magnitude with a median at most 1/8 of the longest; the
+    decoy (stopping before the zero) is never right; prompt + decoy fit 512 positions."""
+    import statistics
+
+    from pipeline_rl.models.warmstart import decoy_answer
+    from pipeline_rl.tasks.builtin import COUNTDOWN_MAX_START, countdown_answer_tokens
+
+    task, other = CountdownTask(digits=3, num_prompts=100_000), CountdownTask(3, 100_000, seed=1)
+    assert [task.prompt(i) for i in range(20)] == [CountdownTask(3, 100_000).prompt(i) for i in range(20)]
+    assert [task.prompt(i).text for i in range(20)] != [other.prompt(i).text for i in range(20)]
+    lengths = []
+    for i in range(3000):
+        p = task.prompt(i)
+        start = int(p.text.removeprefix("countdown ").removesuffix("="))
+        assert 0 <= start <= COUNTDOWN_MAX_START
+        assert p.answer.split(" ") == [f"{n:03d}" for n in range(start, -1, -1)]
+        decoy = decoy_answer("countdown", p)
+        assert task.reward(p.text, decoy, p) == 0.0 and task.reward(p.text, p.answer, p) == 1.0
+        assert len(p.text) + len(p.answer) + 1 <= 512
+        lengths.append(len(p.answer) + 1)
+    assert min(lengths) == 4 and max(lengths) == countdown_answer_tokens(3) == 492
+    assert statistics.median(lengths) <= 492 / 8
+    with pytest.raises(TaskError, match="task.digits"):
+        CountdownTask(digits=2, num_prompts=10)
+
+
+def test_countdown_config_checks_digits_and_warns_about_cut_answers() -> None:
+    with pytest.raises(UsageError, match="^--task.digits: countdown needs"):
+        parse_config(["--task.name", "countdown", "--task.digits", "2"], check_cpu=False)
+    cfg, _ = parse_config(["--task.name", "countdown", "--task.digits", "3"], check_cpu=False)
+    assert any("cuts countdown answers of up to 492 tokens" in w for w in cfg.warnings())
+    cfg, _ = parse_config(["--task.name", "countdown", "--task.digits", "3", "--rollout.max_new_tokens",
+                           "492", "--rollout.max_model_len", "512"], check_cpu=False)
+    assert cfg.warnings() == []
 
 
 @pytest.mark.parametrize("completion, expected", [

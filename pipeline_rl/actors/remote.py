@@ -105,10 +105,20 @@ class RayAdmission:
     by its Ray name: an actor handle among a restartable actor's constructor arguments
     makes Ray log an error at every start)."""
 
-    def __init__(self, buffer_name: str) -> None:
+    def __init__(self, buffer_name: str, wait_s: float = 30.0) -> None:
+        """Finds the buffer by name, waiting up to ``wait_s`` for the name to be registered
+        (the driver starts this worker right after asking for the buffer)."""
         import ray
 
-        self._buffer: ActorHandle = ray.get_actor(buffer_name)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._buffer: ActorHandle = ray.get_actor(buffer_name)
+                return
+            except ValueError:   # not registered (yet)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Admission:
         import ray
@@ -120,6 +130,12 @@ class RayAdmission:
         import ray
 
         return int(ray.get(self._buffer.release.remote(worker_id, count)))
+
+    def buffer_address(self) -> str:
+        """The ZeroMQ address the buffer's socket is bound to (waits for the buffer to bind)."""
+        import ray
+
+        return str(ray.get(self._buffer.address.remote()))
 
 
 # --------------------------------------------------------------------------- rollout
@@ -133,8 +149,9 @@ class RolloutActor:
     """One vLLM rollout worker. Threaded actor: ``run`` holds one thread for the
     generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
 
-    def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_address: str,
-                 buffer_name: str) -> None:
+    def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str) -> None:
+        """``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
+        so the driver starts this actor while the buffer is still starting."""
         setup_actor_process(cfg, f"rollout-{worker_id}")
         from pipeline_rl.actors.rollout_worker import RolloutWorker
         from pipeline_rl.tasks import build_task_for_model, task_tokenizer
@@ -145,8 +162,9 @@ class RolloutActor:
         eval_task = (build_task_for_model(cfg.task, model_dir, seed=cfg.seed, split="eval",
                                           evaluation=cfg.eval, tokenizer=tokenizer) if cfg.eval.every else None)
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager")
+        admission = RayAdmission(buffer_name)
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
-                                     buffer_address=buffer_address, admission=RayAdmission(buffer_name),
+                                     buffer_address=admission.buffer_address(), admission=admission,
                                      task=task, eval_task=eval_task)
 
     def ready(self) -> bool:

@@ -287,7 +287,7 @@ class Trainer:
         lag = lag_stats(groups, self._version)
         mbs = [mb.to(self.device) for mb in build_micro_batches(
             groups, self._advantages(groups), micro_batch_size=self.cfg.trainer.micro_batch_size,
-            pad_id=self.pad_id)]
+            max_tokens=self._micro_batch_tokens, pad_id=self.pad_id)]
         norm = self._global_normalizer(mbs) / self.world_size
         ref = [self._ref_logp(mb) for mb in mbs] if self.ref_model is not None else None
         epochs = algo.ppo_epochs if algo.loss == "ppo" else 1
@@ -321,6 +321,13 @@ class Trainer:
             reward_mean=float(np.mean(rewards)) if rewards else 0.0,
             pad_frac=1.0 - real / max(1, sum(mb.input_ids.numel() for mb in mbs)),
             grad_norm=None if grad_norm is None else float(grad_norm), entropy=entropy)
+
+    @property
+    def _micro_batch_tokens(self) -> int:
+        """The token budget of a micro-batch; none under ZeRO-3, where every rank must run
+        the same number of forward passes (each gathers the parameters collectively), which
+        row-only chunking of equal shares guarantees."""
+        return self.cfg.trainer.micro_batch_tokens if self.cfg.trainer.zero_stage < 3 else 0
 
     def _accumulate(self, mbs: Sequence[MicroBatch], norm: float, prox: Sequence[torch.Tensor] | None,
                     ref: Sequence[torch.Tensor] | None) -> tuple[float, list[torch.Tensor], list[LossMetrics]]:
@@ -393,7 +400,7 @@ class Trainer:
         zeros = [np.zeros(len(g.completions), dtype=np.float32) for g in groups]
         flat: dict[int, np.ndarray] = {}
         for mb in build_micro_batches(groups, zeros, micro_batch_size=self.cfg.trainer.micro_batch_size,
-                                      pad_id=self.pad_id):
+                                      max_tokens=self._micro_batch_tokens, pad_id=self.pad_id):
             mb = mb.to(self.device)
             logp = self._token_logp(mb, grad=False).float().cpu().numpy()
             mask = mb.mask.cpu().numpy() > 0

@@ -49,9 +49,12 @@ def cache_root() -> Path:
 
 
 def _key(cfg: "ModelConfig", task_name: str, digits: int, recipe: WarmStartRecipe | None) -> str:
+    recipe_spec = asdict(recipe) if recipe is not None else None
+    if recipe_spec is not None and recipe_spec["micro_batches"] == 1:
+        del recipe_spec["micro_batches"]   # same weights, same key as before the field existed
     spec = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
             "mlp": cfg.intermediate_size, "vocab": VOCAB_SIZE, "task": task_name, "digits": digits,
-            "recipe": asdict(recipe) if recipe is not None else None}
+            "recipe": recipe_spec}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -72,7 +75,7 @@ def default_model_dir(cfg: "ModelConfig", task: "TaskConfig | None" = None, *,
         raise ValueError(f"model.path is set ({cfg.path}); default_model_dir builds only the built-in model")
     task_cfg = task if task is not None else TaskConfig()
     label: str
-    if task_cfg.name in ("addition", "sort"):
+    if task_cfg.name in ("addition", "sort", "countdown"):
         recipe = recipe if recipe is not None else recipe_for(task_cfg.name, task_cfg.digits, seed=seed)
         label, digits = task_cfg.name, task_cfg.digits
     else:  # a dataset: nothing to warm-start on, the built-in model stays at its random init
@@ -127,14 +130,16 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
     from transformers import LlamaForCausalLM
 
     from pipeline_rl.tasks import TaskError, build_task
+    from pipeline_rl.tasks.builtin import countdown_answer_tokens
 
     model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     task = build_task(task_cfg, seed=0)
     losses = warm_start(model, task, recipe)
+    budget = countdown_answer_tokens(task_cfg.digits) if task_cfg.name == "countdown" else 16
     try:   # measured on held-out prompts (a 1-digit task may have none)
-        result = probe(model, build_task(task_cfg, seed=0, split="eval"))
+        result = probe(model, build_task(task_cfg, seed=0, split="eval"), max_new_tokens=budget)
     except TaskError:
-        result = probe(model, task)
+        result = probe(model, task, max_new_tokens=budget)
     model.save_pretrained(out)
     info.update(recipe=asdict(recipe), final_loss=sum(losses[-20:]) / min(20, len(losses)),
                 probe=asdict(result))

@@ -165,15 +165,19 @@ class WarmStartRecipe:
     smoothing: float = 0.368
     seed: int = 0
     decoy_frac: float = 0.0
+    micro_batches: int = 1  # > 1: the batch is sorted by length and run in that many chunks
     version: int = 3  # bump when the training code changes what it produces
 
 
 def decoy_answer(task_name: str, prompt: Prompt) -> str:
     """A plausible wrong answer: ``sort`` -> the digits as given; ``addition`` -> the sum's
-    digits reversed. (Equal to the right answer when the input is already sorted, or
-    the sum a palindrome.)"""
+    digits reversed (equal to the right answer when the input is already sorted, or the
+    sum a palindrome); ``countdown`` -> stopping one number early, before the zero (an
+    off-by-one end: never right)."""
     if task_name == "sort":
         return prompt.text[len("sort "):-1]
+    if task_name == "countdown":
+        return prompt.answer.rpartition(" ")[0]
     return prompt.answer[::-1]
 
 
@@ -232,15 +236,31 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
                 p = task.prompt(i)
                 decoy = recipe.decoy_frac > 0 and rng.random() < recipe.decoy_frac
                 examples.append((p.text, decoy_answer(task.name, p) if decoy else p.answer))
-            ids, targets, mask = _soft_targets(examples, recipe.smoothing, vocab)
-            logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)   # [B, L, V]
-            loss = -((targets * logp).sum(-1) * mask).sum() / mask.sum()
             opt.zero_grad()
-            loss.backward()
+            losses.append(_accumulate(model, examples, recipe, vocab))
             opt.step()
-            losses.append(float(loss.detach()))
         model.eval()
     return losses
+
+
+def _accumulate(model: "PreTrainedModel", examples: list[tuple[str, str]], recipe: WarmStartRecipe,
+                vocab: int) -> float:
+    """Backward of the batch's loss (mean over all its answer tokens) in ``recipe.micro_batches``
+    chunks of examples of similar length (sorted by length, so little is padded); returns the loss."""
+    import torch
+
+    order = sorted(examples, key=lambda e: len(e[0]) + len(e[1])) if recipe.micro_batches > 1 else examples
+    size = -(-len(order) // recipe.micro_batches)
+    chunks = [order[i:i + size] for i in range(0, len(order), size)]
+    built = [_soft_targets(chunk, recipe.smoothing, vocab) for chunk in chunks]
+    total = sum(float(mask.sum()) for _, _, mask in built)
+    loss_sum = 0.0
+    for ids, targets, mask in built:
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)   # [b, L, V]
+        loss = -((targets * logp).sum(-1) * mask).sum() / total
+        loss.backward()
+        loss_sum += float(loss.detach())
+    return loss_sum
 
 
 def recipe_for(task_name: str, digits: int, *, target_reward: float = 0.25,
@@ -257,6 +277,14 @@ def recipe_for(task_name: str, digits: int, *, target_reward: float = 0.25,
     """
     if not 0.0 < target_reward < 1.0:
         raise ValueError(f"target_reward must be in (0, 1) (got {target_reward})")
+    if task_name == "countdown":
+        # Answers of 4-492 tokens: 32 examples a step in 4 length-sorted chunks (a quarter of
+        # the padding), at 1e-3. Measured (128 held-out prompts, transformers): loss 0.0098
+        # (the decoy's coin flip alone costs ~0.006), sampled accuracy 0.23, greedy 0.0 (the
+        # decoy); 156 s on one core.
+        return WarmStartRecipe(steps=steps if steps is not None else 600, batch_size=32, lr=1e-3,
+                               smoothing=0.0, decoy_frac=round(1.0 - target_reward, 3), seed=seed,
+                               micro_batches=4)
     default_steps = 1000 + 100 * max(0, digits - 4)
     return WarmStartRecipe(steps=steps if steps is not None else default_steps, smoothing=0.0,
                            decoy_frac=round(1.0 - target_reward, 3), seed=seed)

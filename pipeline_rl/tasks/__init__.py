@@ -1,6 +1,6 @@
 """Verifiable tasks: deterministic prompt pools with programmatic rewards.
 
-Built-in (CPU default): ``addition`` and ``sort`` (:mod:`pipeline_rl.tasks.builtin`).
+Built-in (CPU default): ``addition``, ``sort`` and ``countdown`` (:mod:`pipeline_rl.tasks.builtin`).
 User data: ``dataset``, a local JSONL / JSON / Parquet / Arrow / CSV file (or a
 ``save_to_disk`` folder) scored by math answer matching
 (:mod:`pipeline_rl.tasks.dataset`, :mod:`pipeline_rl.tasks.math_reward`).
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.tasks.base import Prompt, RewardFn, Split, Task, TaskError
-from pipeline_rl.tasks.builtin import AdditionTask, SortTask
+from pipeline_rl.tasks.builtin import AdditionTask, CountdownTask, SortTask
 from pipeline_rl.tasks.chat import ConfiguredTask, Renderer, chat_renderer, has_chat_template
 from pipeline_rl.tasks.dataset import DatasetTask, Encoder, load_dataset_task, prompt_tokens
 from pipeline_rl.tasks.plugin import resolve_reward
@@ -24,7 +24,7 @@ from pipeline_rl.tasks.plugin import resolve_reward
 if TYPE_CHECKING:
     from pipeline_rl.config import EvalConfig, TaskConfig
 
-__all__ = ["AdditionTask", "ConfiguredTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
+__all__ = ["AdditionTask", "ConfiguredTask", "CountdownTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
            "TaskError", "build_task", "build_task_for_model", "longest_prompt", "resolve_reward",
            "check_tokenizer", "task_tokenizer"]
 
@@ -36,6 +36,8 @@ def longest_prompt(cfg: "TaskConfig") -> str | None:
         return f"{nines}+{nines}="
     if cfg.name == "sort":
         return f"sort {nines}="
+    if cfg.name == "countdown":
+        return f"countdown {nines}="
     return None
 
 
@@ -103,7 +105,8 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
                                  max_prompt_tokens=max_prompt_tokens, render=render,
                                  split=split if split_rows else None)
     else:
-        base = (AdditionTask if cfg.name == "addition" else SortTask)(cfg.digits, cfg.num_prompts, seed, split)
+        builtin = AdditionTask if cfg.name == "addition" else SortTask if cfg.name == "sort" else CountdownTask
+        base = builtin(cfg.digits, cfg.num_prompts, seed, split)
         if tokenizer is not None and max_prompt_tokens is not None:
             _check_builtin_fits(cfg, tokenizer, max_prompt_tokens, render)
     if render is None and reward_fn is None:

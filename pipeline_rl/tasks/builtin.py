@@ -1,4 +1,5 @@
-"""Built-in verifiable tasks for the CPU default: multi-digit addition and digit sorting.
+"""Built-in verifiable tasks for the CPU default: multi-digit addition, digit sorting, and
+counting down (a heavy-tailed completion length).
 
 Formats (character-level, what the built-in tokenizer sees one char per token):
 
@@ -7,6 +8,12 @@ Formats (character-level, what the built-in tokenizer sees one char per token):
 - ``sort``: prompt ``"sort {d1 d2 ...}="`` with ``digits`` random digits written
   without separators, answer the digits in ascending order, e.g.
   ``"sort 5193="`` -> ``"1359"``.
+- ``countdown``: prompt ``"countdown {a}="`` with ``a`` written with ``digits`` digits,
+  answer every number from ``a`` down to zero, separated by spaces, e.g.
+  ``"countdown 004="`` -> ``"004 003 002 001 000"``. The start is log-uniform on
+  ``[0, 122]`` (:data:`COUNTDOWN_MAX_START`), so answers take ``digits + 1`` to
+  ``123 * (digits + 1)`` tokens with EOS (4 to 492 for 3 digits; median about 40):
+  most completions are short and a few very long, as reasoning traces are.
 
 Reward: binary exact match, 1.0 when the completion (up to the end-of-sequence
 token, surrounding whitespace ignored) equals the answer, else 0.0. A model that
@@ -18,9 +25,14 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+import math
 from dataclasses import dataclass, field
 
 from pipeline_rl.tasks.base import Prompt, Split, TaskError, is_held_out, pool_index, strip_eos
+
+#: Largest start of a ``countdown`` prompt: 123 three-digit numbers and their separators
+#: (492 tokens with EOS) plus the prompt (14) fit the built-in model's 512 positions.
+COUNTDOWN_MAX_START = 122
 
 #: Draws a prompt may take to land on its split before the task is declared too small.
 _MAX_DRAWS = 10_000
@@ -94,3 +106,30 @@ class SortTask(_SeededTask):
     def _draw(self, rng: random.Random) -> tuple[str, str]:
         ds = [rng.randrange(10) for _ in range(self.digits)]
         return f"sort {''.join(map(str, ds))}=", "".join(map(str, sorted(ds)))
+
+
+def countdown_answer_tokens(digits: int, start: int = COUNTDOWN_MAX_START) -> int:
+    """Tokens of a ``countdown`` answer from ``start`` with ``digits``-digit numbers, EOS included."""
+    return (start + 1) * (digits + 1)
+
+
+@dataclass(frozen=True)
+class CountdownTask(_SeededTask):
+    """``countdown 004=`` -> ``004 003 002 001 000``: every number from the start down to
+    zero, written with ``digits`` digits. The start is ``floor(exp(U(0, ln(M + 2)))) - 1``
+    for ``M = COUNTDOWN_MAX_START``, so starts of 0-3 are as common as starts of 31-122:
+    the completion length is heavy-tailed."""
+
+    name: str = field(default="countdown", init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.digits < 3:
+            raise TaskError(f"task.digits must be >= 3 for countdown (got {self.digits}): the start "
+                            f"goes up to {COUNTDOWN_MAX_START}")
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        top = math.log(COUNTDOWN_MAX_START + 2)
+        start = min(COUNTDOWN_MAX_START, int(math.exp(rng.uniform(0.0, top))) - 1)
+        numbers = [f"{n:0{self.digits}d}" for n in range(start, -1, -1)]
+        return f"countdown {numbers[0]}=", " ".join(numbers)
