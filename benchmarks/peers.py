@@ -1,10 +1,11 @@
 """pipeline_rl against what a user would run instead: TRL's ``GRPOTrainer``, side by side
 on the same model folder, task, batch, group size, learning rate, sampling and machine.
 
-Systems (``--systems``, default all three): ``trl`` (``benchmarks/peers_trl.py``:
+Systems (``--systems``, default ``trl,s0,s2``): ``trl`` (``benchmarks/peers_trl.py``:
 synchronous, Hugging Face ``generate``, one process with ``--trl-threads`` torch
 threads), ``s0`` (``launch/async_grpo.py --staleness 0``: synchronous, vLLM and
-DeepSpeed in their own processes) and ``s2`` (``--staleness 2``, the default).
+DeepSpeed in their own processes), ``s2`` (``--staleness 2``, the default) and any
+other ``sN`` (``--staleness N``).
 Every run is a fresh process started by this script with the same settings:
 ``--prompts`` x ``--n`` completions per step (default 4 x 8 = 32), lr 2e-4 constant,
 temperature 1, top-p 1, at most ``--max-new-tokens`` new tokens, group mean/std
@@ -32,7 +33,11 @@ Outputs (``--out``, default ``runs/bench_peers``): ``peers.json``, ``peers.md``,
 command, both systems on one plot), and each run's log and metrics.
 
 Usage: ``python benchmarks/peers.py [--seeds 3] [--steps 400] [--systems trl,s0,s2]
-[--target 0.8] [--window 40] [--json PATH] [--md PATH] [--png PATH]``.
+[--target 0.8] [--window 40] [--json PATH] [--md PATH] [--png PATH] [-- --task.* flags]``.
+The heavy-tailed task: ``python benchmarks/peers.py --steps 120 --systems trl,s0,s2,s8
+--lr 5e-5 --max-new-tokens 492 --max-model-len 512 -- --task.name countdown
+--task.digits 3`` (lr 5e-5 for both systems: at 2e-4 the project's run lost the counting
+the long answers need within 20 steps).
 """
 
 from __future__ import annotations
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {**asdict(s), "seeds": list(range(args.seeds)), "target": args.target,
                            "window": args.window, "systems": systems},
               "runs": [asdict(r) for r in runs], "summary": summarize(runs), "curves": curves}
-    text = json.dumps(result, indent=1)
+    text = json.dumps(result)
     md = markdown(result)
     for path, body in ((out / "peers.json", text), (args.json, text), (out / "peers.md", md), (args.md, md)):
         if path is not None:

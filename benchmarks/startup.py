@@ -1,0 +1,148 @@
+"""Where the time from the command to the first step goes, and what bounds it.
+
+Two measurements, each in fresh processes on an otherwise idle machine:
+
+1. **The real command** (``launch/async_grpo.py --max-steps 3 --eval.every 0`` on the
+   built-in model, ``--repeats`` times): the wall clock of each start-up phase line the
+   driver prints (Ray, buffer, trainer, workers, training) and of the first step's line,
+   from the command.
+2. **The pieces alone**, one process at a time on an idle core: ``import ray`` plus
+   ``ray.init`` of a local Ray; ``import deepspeed``; ``import vllm``; building the rollout
+   worker's vLLM engine (``CpuEngine``: the rest of vLLM's imports, the model, the KV cache)
+   after ``import vllm``.
+
+The rollout worker is the critical path: it cannot start before Ray is up, and its
+vLLM import and engine build are one process's serial work. ``bound_s`` = Ray alone +
+vLLM import + engine build is what the command cannot beat on this machine (the buffer and
+the trainer start beside the worker, on the other core).
+
+Usage: ``python benchmarks/startup.py [--repeats 3] [--json PATH] [--md PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, hardware  # noqa: E402
+
+#: The console line that marks each phase (its first words), in the order printed.
+PHASES = (("ray", "Ray:"), ("buffer", "buffer:"), ("trainer", "trainer:"), ("workers", "rollout:"),
+          ("training", "training:"), ("first_step", "step    1 "))
+
+_PIECES = {
+    "ray_init": "import os; os.environ['RAY_AUTH_MODE']='disabled'; import ray; "
+                "ray.init(num_cpus=2, include_dashboard=False, logging_level=30)",
+    "import_deepspeed": "import deepspeed",
+    "import_vllm": "import vllm",
+    "vllm_engine": None,   # built by _engine_code (needs the model folder)
+}
+
+
+def _engine_code(model_dir: str) -> str:
+    return ("import time, vllm; t = time.perf_counter(); "
+            "from pipeline_rl.actors.engine import EngineConfig; "
+            "from pipeline_rl.actors.engine_cpu import CpuEngine; "
+            f"CpuEngine(EngineConfig(model_dir={model_dir!r})); "
+            "print('ENGINE_S', time.perf_counter() - t)")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def time_command(out_dir: Path) -> dict[str, float]:
+    """Seconds from the command to each phase line of one real run."""
+    cmd = [sys.executable, str(ROOT / "launch" / "async_grpo.py"), "--max-steps", "3", "--eval.every", "0",
+           "--trainer.checkpoint_every", "0", "--out-dir", str(out_dir)]
+    start = time.perf_counter()
+    seen: dict[str, float] = {}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                          env=_env()) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            now = time.perf_counter() - start
+            for name, head in PHASES:
+                if name not in seen and line.startswith(head):
+                    seen[name] = now
+        code = proc.wait()
+    if code != 0 or len(seen) != len(PHASES):
+        raise RuntimeError(f"the run exited with {code} after phases {sorted(seen)} (see {out_dir}/logs)")
+    return seen
+
+
+def time_piece(name: str, model_dir: str) -> float:
+    """Seconds of one piece in a fresh process (the engine: its build after ``import vllm``)."""
+    code = _PIECES[name] or _engine_code(model_dir)
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=_env(),
+                          check=False)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    if name == "vllm_engine":
+        return float(next(ln.split()[1] for ln in done.stdout.splitlines() if ln.startswith("ENGINE_S")))
+    return wall
+
+
+def _median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 2)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    hw, cmd, pieces = result["hardware"], result["command"], result["pieces"]
+    lines = [f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU. "
+             f"Medians of {result['repeats']} runs; seconds from the command.", "",
+             "| phase line | at (s) | range |", "|---|---:|---|"]
+    for name, _ in PHASES:
+        xs = [r[name] for r in cmd]
+        lines.append(f"| {name} | {_median(xs)} | {min(xs):.2f}–{max(xs):.2f} |")
+    lines += ["", "Pieces alone (fresh process, idle machine; seconds):", "", "| piece | s |", "|---|---:|"]
+    for name, xs in pieces.items():
+        lines.append(f"| {name} | {_median(xs)} |")
+    lines += ["", f"Bound (Ray + vLLM import + engine build, one serial chain): **{result['bound_s']} s**; "
+              f"command to first step: **{result['first_step_s']} s** "
+              f"({result['first_step_s'] / result['bound_s']:.2f}x the bound)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Start-up phases of the default run and the bound on them.")
+    p.add_argument("--repeats", type=int, default=3, help="Runs of each measurement (default 3).")
+    p.add_argument("--out", type=Path, default=Path("runs/bench_startup"), help="Run folders and outputs.")
+    p.add_argument("--json", type=Path, default=None, help="Also write the JSON here.")
+    p.add_argument("--md", type=Path, default=None, help="Also write the Markdown here.")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    from pipeline_rl.cli import parse_config
+    from pipeline_rl.driver import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(parse_config([])[0]))
+    command = [time_command(args.out / f"run{i}") for i in range(args.repeats)]
+    pieces = {name: [time_piece(name, model_dir) for _ in range(args.repeats)] for name in _PIECES}
+    bound = _median(pieces["ray_init"]) + _median(pieces["import_vllm"]) + _median(pieces["vllm_engine"])
+    result = {"hardware": hardware(), "repeats": args.repeats, "command": command, "pieces": pieces,
+              "bound_s": round(bound, 2), "first_step_s": _median([r["first_step"] for r in command])}
+    md = markdown(result)
+    for path, body in ((args.out / "startup.json", json.dumps(result, indent=1)), (args.json, json.dumps(result, indent=1)),
+                       (args.out / "startup.md", md), (args.md, md)):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
