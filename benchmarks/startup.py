@@ -12,8 +12,8 @@ Two measurements, each in fresh processes on an otherwise idle machine:
    after ``import vllm``.
 
 The rollout worker is the critical path: it cannot start before Ray is up, and its
-vLLM import and engine build are one process's serial work. ``bound_s`` = Ray alone +
-vLLM import + engine build is what the command cannot beat on this machine (the buffer and
+vLLM import and engine build are one process's serial work. ``bound_s`` = the command's
+Ray line + vLLM import + engine build is what the command cannot beat on this machine (the buffer and
 the trainer start beside the worker, on the other core).
 
 Usage: ``python benchmarks/startup.py [--repeats 3] [--json PATH] [--md PATH]``.
@@ -44,16 +44,18 @@ _PIECES = {
                 "ray.init(num_cpus=2, include_dashboard=False, logging_level=30)",
     "import_deepspeed": "import deepspeed",
     "import_vllm": "import vllm",
-    "vllm_engine": None,   # built by _engine_code (needs the model folder)
+    "vllm_engine": "import vllm; t = time.perf_counter(); "   # its build after ``import vllm``
+                   "from pipeline_rl.actors.engine import EngineConfig; "
+                   "from pipeline_rl.actors.engine_cpu import CpuEngine; "
+                   "CpuEngine(EngineConfig(model_dir={model_dir!r}))",
 }
 
 
-def _engine_code(model_dir: str) -> str:
-    return ("import time, vllm; t = time.perf_counter(); "
-            "from pipeline_rl.actors.engine import EngineConfig; "
-            "from pipeline_rl.actors.engine_cpu import CpuEngine; "
-            f"CpuEngine(EngineConfig(model_dir={model_dir!r})); "
-            "print('ENGINE_S', time.perf_counter() - t)")
+def _piece_code(name: str, model_dir: str) -> str:
+    """The piece, timed inside its process: a process's exit (Ray's shutdown, vLLM's
+    atexit hooks) is not part of a run's start-up."""
+    return ("import time; t = time.perf_counter(); " + _PIECES[name].format(model_dir=model_dir)
+            + "; print('PIECE_S', time.perf_counter() - t, flush=True)")
 
 
 def _env() -> dict[str, str]:
@@ -83,16 +85,11 @@ def time_command(out_dir: Path) -> dict[str, float]:
 
 def time_piece(name: str, model_dir: str) -> float:
     """Seconds of one piece in a fresh process (the engine: its build after ``import vllm``)."""
-    code = _PIECES[name] or _engine_code(model_dir)
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=_env(),
-                          check=False)
-    wall = time.perf_counter() - start
+    done = subprocess.run([sys.executable, "-c", _piece_code(name, model_dir)], capture_output=True, text=True,
+                          cwd=ROOT, env=_env(), check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
-    if name == "vllm_engine":
-        return float(next(ln.split()[1] for ln in done.stdout.splitlines() if ln.startswith("ENGINE_S")))
-    return wall
+    return float(next(ln.split()[1] for ln in done.stdout.splitlines() if ln.startswith("PIECE_S")))
 
 
 def _median(xs: list[float]) -> float:
@@ -110,7 +107,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "Pieces alone (fresh process, idle machine; seconds):", "", "| piece | s |", "|---|---:|"]
     for name, xs in pieces.items():
         lines.append(f"| {name} | {_median(xs)} |")
-    lines += ["", f"Bound (Ray + vLLM import + engine build, one serial chain): **{result['bound_s']} s**; "
+    lines += ["", f"Bound (the command's Ray line, then vLLM import + engine build, one serial chain): **{result['bound_s']} s**; "
               f"command to first step: **{result['first_step_s']} s** "
               f"({result['first_step_s'] / result['bound_s']:.2f}x the bound)."]
     return "\n".join(lines)
@@ -131,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(resolve_model_dir(parse_config([])[0]))
     command = [time_command(args.out / f"run{i}") for i in range(args.repeats)]
     pieces = {name: [time_piece(name, model_dir) for _ in range(args.repeats)] for name in _PIECES}
-    bound = _median(pieces["ray_init"]) + _median(pieces["import_vllm"]) + _median(pieces["vllm_engine"])
+    # Ray as the command starts it (its own settings), then the worker's serial chain.
+    bound = _median([r["ray"] for r in command]) + _median(pieces["import_vllm"]) + _median(pieces["vllm_engine"])
     result = {"hardware": hardware(), "repeats": args.repeats, "command": command, "pieces": pieces,
               "bound_s": round(bound, 2), "first_step_s": _median([r["first_step"] for r in command])}
     md = markdown(result)
