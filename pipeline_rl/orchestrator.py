@@ -337,14 +337,22 @@ class Orchestrator:
         if evals.enabled and self.version < self.cfg.max_steps:
             evals.launch(self.version, self.version, self._live_workers())   # the starting point
         self._watchdog.touch()  # start-up has its own bounds (``_wait``): not a stall
-        while self.version < self.cfg.max_steps and not self.stop.is_set():
-            reports = self._one_step()
+        refs = self._submit_step() if self._more_steps() else None
+        while refs is not None:
+            reports = self._await_step(refs)
             if reports is None:
                 break
+            # The next step goes out before this one is logged: the driver's bookkeeping
+            # (worker and buffer stats, the metrics sinks) overlaps the trainer's work instead
+            # of leaving it idle. Not when a checkpoint or an evaluation must see these weights.
+            between = self._checkpoint_due() or evals.due(self.version)
+            refs = self._submit_step() if self._more_steps() and not between else None
             self._log_step(reports, clock)
             self._evaluate(evals, final=False)
-            if self._checkpoint_due() and self.version < self.cfg.max_steps:
-                self.checkpoint()
+            if between:
+                if self._checkpoint_due() and self.version < self.cfg.max_steps:
+                    self.checkpoint()
+                refs = self._submit_step() if self._more_steps() else None
         if self._abandoned_step:
             log.warning("stopped during a training step: no final checkpoint (the step's weights "
                         "would not match its version); the last periodic checkpoint is resumable")
@@ -391,10 +399,18 @@ class Orchestrator:
         return bool((every and self.version % every == 0)
                     or (every_s and time.monotonic() - self._last_checkpoint_t >= every_s))
 
-    def _one_step(self) -> "list[RankStepReport] | None":
+    def _more_steps(self) -> bool:
+        return self.version < self.cfg.max_steps and not self.stop.is_set()
+
+    def _submit_step(self) -> "list[ObjectRef[RankStepReport | None]]":
+        """Start one pipeline step on every trainer rank (:meth:`_await_step` collects it)."""
+        return [t.train_step.remote(self.cfg.trainer.batch_timeout_s) for t in self._trainers]
+
+    def _await_step(self, refs: "list[ObjectRef[RankStepReport | None]]") -> "list[RankStepReport] | None":
+        """The step's reports; None when a stop request abandoned it. Supervises the buffer
+        and the workers, and the progress watchdog, while it waits."""
         import ray
 
-        refs = [t.train_step.remote(self.cfg.trainer.batch_timeout_s) for t in self._trainers]
         pending = list(refs)
         while pending:
             if self.stop.is_set():
