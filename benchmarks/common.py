@@ -36,6 +36,14 @@ def hardware() -> dict[str, Any]:
             "gpu": None, "python": platform.python_version()}
 
 
+def write_files(outputs: list[tuple[Path | None, str]]) -> None:
+    """Write each ``(path, text)`` whose path is given (parents made, a final newline)."""
+    for path, body in outputs:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body + "\n")
+
+
 def config(argv: list[str]) -> Config:
     """The run configuration of ``argv``, with held-out evaluation off unless ``argv``
     turns it on (run-level benchmarks compare training speed and reward)."""

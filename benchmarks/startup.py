@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, hardware  # noqa: E402
+from benchmarks.common import ROOT, hardware, write_files  # noqa: E402
 
 #: The console line that marks each phase (its first words), in the order printed.
 PHASES = (("ray", "Ray:"), ("buffer", "buffer:"), ("trainer", "trainer:"), ("workers", "rollout:"),
@@ -133,11 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"hardware": hardware(), "repeats": args.repeats, "command": command, "pieces": pieces,
               "bound_s": round(bound, 2), "first_step_s": _median([r["first_step"] for r in command])}
     md = markdown(result)
-    for path, body in ((args.out / "startup.json", json.dumps(result, indent=1)), (args.json, json.dumps(result, indent=1)),
-                       (args.out / "startup.md", md), (args.md, md)):
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(body + "\n")
+    body = json.dumps(result, indent=1)
+    write_files([(args.out / "startup.json", body), (args.json, body), (args.out / "startup.md", md), (args.md, md)])
     print(md)
     return 0
 
