@@ -157,7 +157,7 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
     with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):  # see engine_cpu
         llm = LLM(model=dir_a, dtype="float32", max_model_len=128, max_num_seqs=w.max_num_seqs, seed=0,
                   logprobs_mode="processed_logprobs", enable_prefix_caching=False, enforce_eager=True,
-                  disable_log_stats=True)
+                  disable_log_stats=True, kv_cache_memory_bytes=int(engine.cfg.kv_cache_gib * 2**30))
     task = AdditionTask(2, 100_000, 0)
     token_prompts = [engine.encode(task.prompt(i).text) for i in range(w.groups)]
 

@@ -68,10 +68,19 @@ def test_every_device_uses_the_backend_the_publisher_speaks() -> None:
 def test_update_lands_mid_sequence_through_vllms_api(engine: AsyncEngine, model_dirs: tuple,
                                                      hf_models: tuple) -> None:
     v0 = engine.version
-    reqs = _requests(engine, "mid", 160)
-    for r in reqs:
+    reqs = _requests(engine, "mid", 200)
+    # A short probe batched with them: once it is done, every long request has tokens
+    # from the old weights (on any machine's speed) and most of its tokens still to come.
+    probe = GenRequest("mid-probe", reqs[0].prompt_ids,
+                       SamplingConfig(max_new_tokens=8, temperature=TEMPERATURE, ignore_eos=True))
+    for r in (*reqs, probe):
         engine.add(r)
-    time.sleep(0.3)                                         # some tokens under the old weights
+    early: dict[str, FinishedSequence] = {}
+    deadline = time.monotonic() + 60.0
+    while probe.request_id not in early:
+        assert time.monotonic() < deadline, "the probe did not finish"
+        early.update((f.request_id, f) for f in engine.step())
+    assert set(early) == {probe.request_id}, "long requests finished before the update"
     applied = engine.load_update(load_update(model_dirs[1], v0 + 1))
     assert applied.version == v0 + 1 and engine.version == v0 + 1
     assert applied.in_flight == len(reqs) and applied.stall_s < 5.0
@@ -80,7 +89,7 @@ def test_update_lands_mid_sequence_through_vllms_api(engine: AsyncEngine, model_
     switched = 0
     for r in reqs:
         f = done[r.request_id]
-        assert f.finish_reason == "length" and len(f.token_ids) == 160   # nothing aborted
+        assert f.finish_reason == "length" and len(f.token_ids) == 200   # nothing aborted
         assert (np.diff(f.versions) >= 0).all() and set(f.versions.tolist()) <= {v0, v0 + 1}
         k = int(np.argmax(f.versions == v0 + 1)) if (f.versions == v0 + 1).any() else len(f.versions)
         before = _hf_logprobs(hf_models[0], r.prompt_ids, f.token_ids[:k], TEMPERATURE) if k else []
