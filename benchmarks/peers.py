@@ -57,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, hardware  # noqa: E402
+from benchmarks.common import ROOT, hardware, write_files  # noqa: E402
 from benchmarks.stats import trailing_mean  # noqa: E402
 
 SYSTEMS = ("trl", "s0", "s2")   # the default set; any sN (pipeline_rl --staleness N) is accepted
@@ -381,10 +381,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs": [asdict(r) for r in runs], "summary": summarize(runs), "curves": curves}
     text = json.dumps(result)
     md = markdown(result)
-    for path, body in ((out / "peers.json", text), (args.json, text), (out / "peers.md", md), (args.md, md)):
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(body + "\n")
+    write_files([(out / "peers.json", text), (args.json, text), (out / "peers.md", md), (args.md, md)])
     for path in (out / "peers.png", args.png):
         if path is not None:
             plot(result, path)

@@ -13,8 +13,8 @@ Two measurements, each in fresh processes on an otherwise idle machine:
 
 The rollout worker is the critical path: it cannot start before Ray is up, and its
 vLLM import and engine build are one process's serial work. ``bound_s`` = the command's
-Ray line + vLLM import + engine build is what the command cannot beat on this machine (the buffer and
-the trainer start beside the worker, on the other core).
+Ray line + vLLM import + engine build is what the command cannot beat on this machine
+(the buffer and the trainer start beside the worker, on the other core).
 
 Usage: ``python benchmarks/startup.py [--repeats 3] [--json PATH] [--md PATH]``.
 """
@@ -107,8 +107,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "Pieces alone (fresh process, idle machine; seconds):", "", "| piece | s |", "|---|---:|"]
     for name, xs in pieces.items():
         lines.append(f"| {name} | {_median(xs)} |")
-    lines += ["", f"Bound (the command's Ray line, then vLLM import + engine build, one serial chain): **{result['bound_s']} s**; "
-              f"command to first step: **{result['first_step_s']} s** "
+    lines += ["", "Bound (the command's Ray line, then vLLM import + engine build, one serial chain): "
+              f"**{result['bound_s']} s**; command to first step: **{result['first_step_s']} s** "
               f"({result['first_step_s'] / result['bound_s']:.2f}x the bound)."]
     return "\n".join(lines)
 

@@ -50,7 +50,7 @@ def generate(cfg: Any, model_dir: str, batches: int, in_flight: int) -> dict[str
     engine = CpuEngine(engine_config(cfg.rollout, model_dir, seed=cfg.seed))
     task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)
     sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
-    per_batch, per_step, lengths, prompt_lens, longest = [], [], [], [], []
+    per_batch, per_step, round_steps, lengths, prompt_lens, longest = [], [], [], [], [], []
     prompt_id = 0
     for rnd in range(-1, batches // in_flight):       # round -1 warms the engine up
         for _ in range(in_flight * cfg.groups_per_step):
@@ -69,10 +69,10 @@ def generate(cfg: Any, model_dir: str, batches: int, in_flight: int) -> dict[str
             longest.append(max(done))
             per_batch.append(dt / in_flight)
             per_step.append(dt / steps)
+            round_steps.append(steps)
     engine.close()
     return {"batch_ms": _ms(per_batch), "engine_step_ms": _ms(per_step),
-            "engine_steps_per_round": round(statistics.median(per_batch) / statistics.median(per_step)
-                                            * in_flight, 1),
+            "engine_steps_per_round": statistics.median(round_steps),
             # a batch's shape: micro-batches are padded to their longest row
             "prompt_tokens": max(prompt_lens), "completion_tokens_max": int(statistics.median(longest)),
             "completion_tokens_mean": round(statistics.fmean(lengths), 2)}
@@ -136,11 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{flag} must be >= {low}, got {value}")
     if args.peers is not None and not args.peers.is_file():
         p.error(f"--peers: no such file: {args.peers}")
-    from pipeline_rl.actors.engine import set_cpu_env
     from pipeline_rl.cli import parse_config
     from pipeline_rl.driver import resolve_model_dir
 
-    set_cpu_env()
     cfg = parse_config(list(args.run_flags))[0]
     model_dir = str(resolve_model_dir(cfg))
     in_flight = args.staleness + 1

@@ -345,14 +345,15 @@ class Orchestrator:
             # The next step goes out before this one is logged: the driver's bookkeeping
             # (worker and buffer stats, the metrics sinks) overlaps the trainer's work instead
             # of leaving it idle. Not when a checkpoint or an evaluation must see these weights.
-            between = self._checkpoint_due() or evals.due(self.version)
+            save = self._checkpoint_due() and self.version < self.cfg.max_steps
+            between = save or evals.due(self.version)
             refs = self._submit_step() if self._more_steps() and not between else None
             self._log_step(reports, clock)
             self._evaluate(evals, final=False)
-            if between:
-                if self._checkpoint_due() and self.version < self.cfg.max_steps:
-                    self.checkpoint()
-                refs = self._submit_step() if self._more_steps() else None
+            if save:
+                self.checkpoint()
+            if between and self._more_steps():
+                refs = self._submit_step()
         if self._abandoned_step:
             log.warning("stopped during a training step: no final checkpoint (the step's weights "
                         "would not match its version); the last periodic checkpoint is resumable")
