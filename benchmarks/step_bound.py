@@ -81,13 +81,10 @@ def generate(cfg: Any, model_dir: str, batches: int, in_flight: int) -> dict[str
 def train(cfg: Any, model_dir: str, batches: int, prompt_len: int, completion_len: int,
           threads: int) -> float:
     """Median milliseconds of ``Trainer.step`` on run-shaped batches at ``threads`` threads."""
-    import torch
-
     from benchmarks.synthetic import synthetic_groups
     from pipeline_rl.actors.trainer import Trainer
 
-    torch.set_num_threads(threads)
-    trainer = Trainer(cfg, model_dir)
+    trainer = Trainer(cfg, model_dir, num_threads=threads)   # the Trainer sets the thread count
     times = []
     for i in range(batches + 5):                       # the first 5: allocator and kernel warm-up
         groups = synthetic_groups(cfg.groups_per_step, cfg.rollout.n, prompt_len=prompt_len,

@@ -57,7 +57,7 @@ from pipeline_rl.actors.weights import WeightUpdate
 from pipeline_rl.config import Config
 from pipeline_rl.net import free_port
 from pipeline_rl.correction.advantages import compute_advantages
-from pipeline_rl.correction.loss import LossMetrics, PolicyBatch, loss_normalizer, policy_loss
+from pipeline_rl.correction.loss import LossMetrics, PolicyBatch, loss_normalizer, policy_loss, warm_up
 from pipeline_rl.samples import Group
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,9 @@ class Trainer:
         self._steps_taken = 0
         self._grad_norm: float | None = None
         self._record_grad_norm_zero0()
+        # the loss kernel's one-time load (~0.4 s) happens here, while the workers start,
+        # instead of in the run's first step
+        warm_up(cfg.algorithm, cfg.correction, self.device.type)
 
     # -- properties ----------------------------------------------------------------------------
 

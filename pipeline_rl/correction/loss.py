@@ -157,6 +157,19 @@ def loss_normalizer(mask: Tensor, algo: AlgorithmConfig) -> float:
     return float(mask.shape[0] * algo.constant_length)
 
 
+def fusable(algo: AlgorithmConfig, corr: CorrectionConfig, device_type: str) -> bool:
+    """Whether :func:`policy_loss` can take the fused CPU kernel (numba aside)."""
+    return (algo.loss == "reinforce" and algo.kl_coef == 0.0 and corr.type in fused.MODES
+            and device_type == "cpu")
+
+
+def warm_up(algo: AlgorithmConfig, corr: CorrectionConfig, device_type: str) -> None:
+    """Pay the loss's one-time costs now (the fused kernel's load) when the loss will
+    take that path: a trainer calls it while it waits for its first batch."""
+    if fusable(algo, corr, device_type):
+        fused.warm_up()
+
+
 def policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfig, *,
                 normalizer: float | None = None, use_fused: bool | None = None
                 ) -> tuple[Tensor, LossMetrics]:
@@ -171,11 +184,10 @@ def policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfi
     n = loss_normalizer(batch.mask, algo) if normalizer is None else float(normalizer)
     if not math.isfinite(n) or n < 0:
         raise ValueError(f"policy_loss: normalizer must be finite and >= 0, got {n}")
-    fusable = (algo.loss == "reinforce" and algo.kl_coef == 0.0 and corr.type in fused.MODES
-               and batch.logp.device.type == "cpu")
+    can_fuse = fusable(algo, corr, batch.logp.device.type)
     if use_fused is None:
-        use_fused = fusable and fused.available()
-    elif use_fused and not (fusable and fused.available()):
+        use_fused = can_fuse and fused.available()
+    elif use_fused and not (can_fuse and fused.available()):
         raise ValueError("policy_loss: the fused kernel needs numba, CPU tensors, "
                          "algorithm.loss=reinforce and algorithm.kl_coef=0")
     if use_fused:
