@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.synthetic import synthetic_groups
-from pipeline_rl.actors.batch import build_micro_batches, lag_stats
+from pipeline_rl.actors.batch import build_micro_batches, build_shared_prompt_batches, lag_stats
 from pipeline_rl.config import Config
 
 
@@ -158,6 +158,79 @@ def test_micro_batching_equals_full_batch(trainer_factory: Any) -> None:
         assert after[0][1] == pytest.approx(other[1], rel=1e-5)
         for name, full in after[0][2].items():
             np.testing.assert_allclose(other[2][name], full, atol=1e-4, err_msg=name)
+
+
+def _mixed_prompt_groups() -> list[Any]:
+    """4 groups x 4 completions, prompts of 3, 9, 5 and 12 tokens (distinct group ids)."""
+    return [g for i, p in enumerate((3, 9, 5, 12))
+            for g in synthetic_groups(1, 4, prompt_len=p, max_completion_len=7, seed=30 + i, first_group_id=i)]
+
+
+def test_shared_prompt_batches_hold_each_prompt_once() -> None:
+    groups = _mixed_prompt_groups()
+    adv = [np.arange(4, dtype=np.float32) + 10 * i for i in range(4)]
+    padded = build_micro_batches(groups, adv, micro_batch_size=6)
+    shared = build_shared_prompt_batches(groups, adv, micro_batch_size=6)
+    assert len(shared) == len(padded) == 3
+    flat = [(g, c) for g in groups for c in g.completions]
+    for p, s in zip(padded, shared, strict=True):
+        assert torch.equal(p.index, s.index) and torch.equal(p.advantages, s.advantages)
+        assert s.prompt_ids.shape[0] == len(set(s.row_prompt.tolist()))    # each prompt once
+        assert s.num_slots < p.num_slots
+        for row, idx in enumerate(s.index.tolist()):
+            g, c = flat[idx]
+            k = int(s.row_prompt[row])
+            n_p, t = int(s.prompt_lens[k]), c.num_tokens
+            np.testing.assert_array_equal(s.prompt_ids[k, :n_p].numpy(), g.prompt_ids)
+            np.testing.assert_array_equal(s.completion_ids[row, :t].numpy(), c.token_ids)
+            np.testing.assert_array_equal(s.behav_logp[row, :t].numpy(), c.logprobs)
+            assert s.mask[row].sum() == t == s.mask[row, :t].sum()
+        # the same completion tokens, in the same order, as the padded layout's targets
+        assert torch.equal(p.behav_logp[p.mask > 0], s.behav_logp[s.mask > 0])
+    distinct = sum(len(set(s.row_prompt.tolist())) for s in shared)
+    assert sum(s.num_real_tokens for s in shared) == (
+        sum(c.num_tokens for _, c in flat) + sum(int(s.prompt_lens.sum()) for s in shared)) and distinct >= 4
+
+
+def test_shared_prompts_equal_padded_rows(trainer_factory: Any) -> None:
+    """Same batch (prompts of 3-12 tokens, split over micro-batches), shared prompts against
+    padded rows: the same log-probs, loss, gradient norm and step."""
+    groups = _mixed_prompt_groups()
+    out = []
+    for share in (True, False):
+        cfg = make_cfg(micro_batch_size=6, share_prompts=share)
+        cfg.correction.type = "tis"
+        t = trainer_factory(cfg)
+        assert t.share_prompts is share
+        logprobs = t.logprobs(groups)
+        out.append((logprobs, t.step(groups), params_of(t)))
+    (lp_s, r_s, p_s), (lp_p, r_p, p_p) = out
+    for a, b in zip(lp_s, lp_p, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+    assert r_s.loss == pytest.approx(r_p.loss, abs=1e-6)
+    assert r_s.grad_norm == pytest.approx(r_p.grad_norm, rel=1e-5)
+    assert r_s.num_tokens == r_p.num_tokens and r_s.num_micro_batches == r_p.num_micro_batches
+    assert 0.0 <= r_s.pad_frac < 1.0       # of fewer slots (the layout test counts them)
+    for name, a in p_p.items():   # Adam amplifies float noise on near-zero gradients: 1% of lr
+        np.testing.assert_allclose(p_s[name], a, atol=1e-4, err_msg=name)
+
+
+def test_prompt_sharing_falls_back_to_padded_rows(trainer_factory: Any, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A model the shared-prompt continuation does not fit trains on padded rows, said in one
+    warning line."""
+    import pipeline_rl.actors.trainer as trainer_mod
+
+    def unsupported(*_: Any) -> torch.Tensor:
+        raise TypeError("cache layers ['DynamicSlidingWindowLayer'] are not plain key/value layers")
+
+    monkeypatch.setattr(trainer_mod, "shared_prompt_logp", unsupported)
+    with caplog.at_level("WARNING", logger="pipeline_rl.actors.trainer"):
+        t = trainer_factory(make_cfg())
+    assert not t.share_prompts
+    assert any("prompts not shared (padded rows instead): TypeError" in r.getMessage() for r in caplog.records)
+    assert t.step(synthetic_groups(4, 4, seed=3)).num_seqs == 16
 
 
 # ------------------------------------------------------------------------------ two ranks
@@ -334,7 +407,9 @@ def test_zero3_gathers_full_weights_and_matches_zero0(trainer_factory: Any, tiny
 
     out = []
     for stage in (0, 3):
-        trainer = trainer_factory(make_cfg(zero_stage=stage, micro_batch_size=8))
+        # padded rows at both stages (ZeRO-3 never shares prompts): the same arithmetic
+        trainer = trainer_factory(make_cfg(zero_stage=stage, micro_batch_size=8, share_prompts=False))
+        assert not trainer.share_prompts
         for i in range(2):
             trainer.step(synthetic_groups(4, 4, seed=20 + i))
         out.append(params_of(trainer))

@@ -15,6 +15,16 @@ micro-batch closes when its padded size (rows x its longest) would pass a token 
   attention mask is needed and positions of real tokens are ``0..len-1`` as at generation.
 Length-sorting changes only the order of the terms of the (token-summed) loss.
 
+**Shared prompts** (:class:`SharedPromptBatch`, the default layout of the trainer): a group's
+``n`` completions continue one prompt, so the padded layout runs that prompt through the model
+``n`` times. The shared layout holds each of a micro-batch's prompts once (``prompt_ids``,
+right-padded) and its completions apart (``completion_ids``); the trainer runs the prompts,
+then the completions on top of the prompts' KV cache (``pipeline_rl.actors.trainer``). Rows
+are chosen exactly as in the padded layout (sorted, chunked by the same budget), so a group
+split over two micro-batches has its prompt in both. Its per-token tensors are
+completion-aligned: ``mask``/``behav_logp``/the trainer's log-probs are ``[B, T]`` with
+completion token ``t`` at column ``t``.
+
 Alignment (the one place off-by-ones hide): a sequence is ``prompt_ids + token_ids`` of length
 ``L = P + T``. The model's logits at position ``i`` predict token ``i + 1``, so the trainer's
 per-token tensors have length ``L - 1`` ("target" positions ``j = i``, predicting
@@ -68,6 +78,61 @@ class MicroBatch:
         return MicroBatch(self.input_ids.to(device), self.mask.to(device), self.behav_logp.to(device),
                           self.advantages.to(device), self.index, self.num_real_tokens)
 
+    @property
+    def num_slots(self) -> int:
+        """Token slots the forward pass runs (real and padding)."""
+        return int(self.input_ids.numel())
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPromptBatch:
+    """One forward/backward pass worth of sequences with each prompt held once.
+
+    Shapes: ``prompt_ids`` [G, P] int64, right-padded; ``prompt_lens`` [G] int64 (>= 1);
+    ``row_prompt`` [B] int64: the row of ``prompt_ids`` that row ``b`` continues;
+    ``completion_ids`` [B, T] int64, right-padded; ``mask``, ``behav_logp`` [B, T] float32
+    (completion-aligned: column ``t`` is completion token ``t``; 0 off the mask);
+    ``advantages`` [B] float32; ``index`` [B] int64 as in :class:`MicroBatch`.
+    ``num_real_tokens``: the distinct prompts' tokens plus the completion tokens.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_lens: torch.Tensor
+    row_prompt: torch.Tensor
+    completion_ids: torch.Tensor
+    mask: torch.Tensor
+    behav_logp: torch.Tensor
+    advantages: torch.Tensor
+    index: torch.Tensor
+    num_real_tokens: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.completion_ids.shape[0])
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.mask.sum().item())
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots the forward passes run (prompts once, completions; real and padding)."""
+        return int(self.prompt_ids.numel() + self.completion_ids.numel())
+
+    @property
+    def pad_frac(self) -> float:
+        return 1.0 - self.num_real_tokens / self.num_slots if self.num_slots else 0.0
+
+    def to(self, device: torch.device) -> "SharedPromptBatch":
+        return SharedPromptBatch(self.prompt_ids.to(device), self.prompt_lens.to(device),
+                                 self.row_prompt.to(device), self.completion_ids.to(device),
+                                 self.mask.to(device), self.behav_logp.to(device),
+                                 self.advantages.to(device), self.index, self.num_real_tokens)
+
+
+#: What the trainer trains on: either layout.
+AnyMicroBatch = MicroBatch | SharedPromptBatch
+
 
 @dataclass(frozen=True, slots=True)
 class _Row:
@@ -76,6 +141,7 @@ class _Row:
     logprobs: np.ndarray
     advantage: float
     index: int
+    group: int     # the row's group: its position in the batch
 
     @property
     def length(self) -> int:
@@ -92,6 +158,22 @@ def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray
     by length (longest first, stable) before chunking; ``MicroBatch.index`` records the original
     flat position. Raises ValueError on mismatched lengths.
     """
+    rows = _sorted_rows(groups, advantages, micro_batch_size, max_tokens)
+    return [_pad(chunk, pad_id) for chunk in _chunks(rows, micro_batch_size, max_tokens)]
+
+
+def build_shared_prompt_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray], *,
+                                micro_batch_size: int, max_tokens: int = 0,
+                                pad_id: int = 0) -> list[SharedPromptBatch]:
+    """The same micro-batches as :func:`build_micro_batches` (same rows, same order), each
+    in the shared-prompt layout. Raises ValueError on mismatched lengths."""
+    rows = _sorted_rows(groups, advantages, micro_batch_size, max_tokens)
+    return [_pad_shared(chunk, pad_id) for chunk in _chunks(rows, micro_batch_size, max_tokens)]
+
+
+def _sorted_rows(groups: Sequence[Group], advantages: Sequence[np.ndarray], micro_batch_size: int,
+                 max_tokens: int) -> list[_Row]:
+    """The batch's sequences, longest first (stable), after checking the arguments."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 (got {micro_batch_size})")
     if max_tokens < 0:
@@ -99,15 +181,15 @@ def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray
     if len(advantages) != len(groups):
         raise ValueError(f"{len(advantages)} advantage arrays for {len(groups)} groups")
     rows: list[_Row] = []
-    for g, adv in zip(groups, advantages, strict=True):
+    for k, (g, adv) in enumerate(zip(groups, advantages, strict=True)):
         if len(adv) != len(g.completions):
             raise ValueError(f"group {g.group_id}: {len(adv)} advantages for {len(g.completions)} completions")
         if g.prompt_ids.shape[0] < 1:
             raise ValueError(f"group {g.group_id}: empty prompt")
         for c, a in zip(g.completions, adv, strict=True):
-            rows.append(_Row(g.prompt_ids, c.token_ids, c.logprobs, float(a), len(rows)))
+            rows.append(_Row(g.prompt_ids, c.token_ids, c.logprobs, float(a), len(rows), k))
     rows.sort(key=lambda r: -r.length)  # stable: ties keep their flat order
-    return [_pad(chunk, pad_id) for chunk in _chunks(rows, micro_batch_size, max_tokens)]
+    return rows
 
 
 def _chunks(rows: Sequence[_Row], max_rows: int, max_tokens: int) -> list[Sequence[_Row]]:
@@ -140,6 +222,34 @@ def _pad(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         index=torch.tensor([r.index for r in rows], dtype=torch.int64),
         num_real_tokens=sum(r.length for r in rows))
+
+
+def _pad_shared(rows: Sequence[_Row], pad_id: int) -> SharedPromptBatch:
+    groups = list(dict.fromkeys(r.group for r in rows))              # first-seen order
+    slot = {g: i for i, g in enumerate(groups)}
+    prompts = {r.group: r.prompt for r in rows}
+    p_len = max(prompts[g].shape[0] for g in groups)
+    t_len = max(r.tokens.shape[0] for r in rows)
+    b = len(rows)
+    prompt_ids = np.full((len(groups), p_len), pad_id, dtype=np.int64)  # [G, P]
+    for i, g in enumerate(groups):
+        prompt_ids[i, :prompts[g].shape[0]] = prompts[g]
+    ids = np.full((b, t_len), pad_id, dtype=np.int64)                 # [B, T]
+    mask = np.zeros((b, t_len), dtype=np.float32)                     # [B, T]
+    behav = np.zeros((b, t_len), dtype=np.float32)                    # [B, T]
+    for i, r in enumerate(rows):
+        t = r.tokens.shape[0]
+        ids[i, :t] = r.tokens
+        mask[i, :t] = 1.0
+        behav[i, :t] = r.logprobs
+    return SharedPromptBatch(
+        prompt_ids=torch.from_numpy(prompt_ids),
+        prompt_lens=torch.tensor([prompts[g].shape[0] for g in groups], dtype=torch.int64),
+        row_prompt=torch.tensor([slot[r.group] for r in rows], dtype=torch.int64),
+        completion_ids=torch.from_numpy(ids), mask=torch.from_numpy(mask), behav_logp=torch.from_numpy(behav),
+        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        index=torch.tensor([r.index for r in rows], dtype=torch.int64),
+        num_real_tokens=sum(prompts[g].shape[0] for g in groups) + sum(r.tokens.shape[0] for r in rows))
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,9 @@
 One :class:`Trainer` per data-parallel rank. A step (docs/design.md):
 
 1. advantages per group (``pipeline_rl.correction.advantages``),
-2. sequences padded into micro-batches (``pipeline_rl.actors.batch``; pad, not pack),
+2. sequences padded into micro-batches (``pipeline_rl.actors.batch``; pad, not pack), each
+   group's prompt held once per micro-batch (``trainer.share_prompts``, the default: the
+   prompts run first, the completions on top of their KV cache; see :func:`shared_prompt_logp`),
 3. per micro-batch: the trainer's log-probs of the completion tokens at the sampling
    temperature (vLLM's behaviour log-probs are ``processed_logprobs``, i.e. after temperature,
    so ``logits / rollout.temperature`` is the only consistent choice), the corrected loss
@@ -47,7 +49,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from pipeline_rl.actors.batch import LagStats, MicroBatch, build_micro_batches, lag_stats
+from pipeline_rl.actors.batch import (
+    AnyMicroBatch, LagStats, MicroBatch, SharedPromptBatch, build_micro_batches, build_shared_prompt_batches,
+    lag_stats,
+)
 from pipeline_rl.actors.checkpoint import (
     DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, checkpoint_name, copy_tokenizer_files,
     load_rng, partial_dir, publish_dir, read_run_state, save_rng, write_run_state,
@@ -58,7 +63,7 @@ from pipeline_rl.config import Config
 from pipeline_rl.net import free_port
 from pipeline_rl.correction.advantages import compute_advantages
 from pipeline_rl.correction.loss import LossMetrics, PolicyBatch, loss_normalizer, policy_loss, warm_up
-from pipeline_rl.samples import Group
+from pipeline_rl.samples import Completion, Group
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +235,7 @@ class Trainer:
         # the loss kernel's one-time load (~0.4 s) happens here, while the workers start,
         # instead of in the run's first step
         warm_up(cfg.algorithm, cfg.correction, self.device.type)
+        self.share_prompts = cfg.trainer.share_prompts and self.zero_stage < 3 and self._sharing_works()
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -288,9 +294,7 @@ class Trainer:
         t0 = time.perf_counter()
         algo = self.cfg.algorithm
         lag = lag_stats(groups, self._version)
-        mbs = [mb.to(self.device) for mb in build_micro_batches(
-            groups, self._advantages(groups), micro_batch_size=self.cfg.trainer.micro_batch_size,
-            max_tokens=self._micro_batch_tokens, pad_id=self.pad_id)]
+        mbs = [mb.to(self.device) for mb in self._micro_batches(groups, self._advantages(groups))]
         norm = self._global_normalizer(mbs) / self.world_size
         ref = [self._ref_logp(mb) for mb in mbs] if self.ref_model is not None else None
         epochs = algo.ppo_epochs if algo.loss == "ppo" else 1
@@ -322,7 +326,7 @@ class Trainer:
             num_seqs=sum(mb.num_seqs for mb in mbs), num_groups=len(groups),
             num_micro_batches=len(mbs), lag=lag, mixed_version_frac=lag.mixed_version_frac,
             reward_mean=float(np.mean(rewards)) if rewards else 0.0,
-            pad_frac=1.0 - real / max(1, sum(mb.input_ids.numel() for mb in mbs)),
+            pad_frac=1.0 - real / max(1, sum(mb.num_slots for mb in mbs)),
             grad_norm=None if grad_norm is None else float(grad_norm), entropy=entropy)
 
     @property
@@ -332,7 +336,40 @@ class Trainer:
         row-only chunking of equal shares guarantees."""
         return self.cfg.trainer.micro_batch_tokens if self.cfg.trainer.zero_stage < 3 else 0
 
-    def _accumulate(self, mbs: Sequence[MicroBatch], norm: float, prox: Sequence[torch.Tensor] | None,
+    def _micro_batches(self, groups: Sequence[Group], advantages: Sequence[np.ndarray]) -> list[AnyMicroBatch]:
+        """The batch in the layout this trainer runs (shared prompts or padded rows)."""
+        build = build_shared_prompt_batches if self.share_prompts else build_micro_batches
+        return list(build(groups, advantages, micro_batch_size=self.cfg.trainer.micro_batch_size,
+                          max_tokens=self._micro_batch_tokens, pad_id=self.pad_id))
+
+    def _sharing_works(self) -> bool:
+        """Whether this model gives the same log-probs with shared prompts as padded rows,
+        checked once on a tiny batch (prompts of 3 and 5 tokens, completions of 1-3). A
+        model whose cache is not a plain per-layer KV cache (sliding windows, state-space
+        layers) or that ignores ``position_ids`` fails it: it then trains on padded rows
+        (one warning line)."""
+        groups = _sharing_check_groups(int(self.model.config.vocab_size))
+        zeros = [np.zeros(len(g.completions), dtype=np.float32) for g in groups]
+        padded = build_micro_batches(groups, zeros, micro_batch_size=8)[0].to(self.device)
+        shared = build_shared_prompt_batches(groups, zeros, micro_batch_size=8)[0].to(self.device)
+        temperature = self.cfg.rollout.temperature
+        try:
+            with torch.no_grad():
+                a = padded_logp(self.model, padded, temperature)[padded.mask > 0]
+                b = shared_prompt_logp(self.model, shared, temperature)[shared.mask > 0]
+        except Exception as e:  # an architecture the continuation does not fit
+            log.warning("trainer: prompts not shared (padded rows instead): %s: %s",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return False
+        diff = float((a.float() - b.float()).abs().max())
+        tol = 1e-3 if self.cfg.model.dtype == "float32" else 0.1
+        if not diff <= tol:
+            log.warning("trainer: prompts not shared (padded rows instead): log-probs differ by "
+                        "%.3g with shared prompts on this model (tolerance %g)", diff, tol)
+            return False
+        return True
+
+    def _accumulate(self, mbs: Sequence[AnyMicroBatch], norm: float, prox: Sequence[torch.Tensor] | None,
                     ref: Sequence[torch.Tensor] | None) -> tuple[float, list[torch.Tensor], list[LossMetrics]]:
         """Forward + loss + backward over every micro-batch (gradients accumulate; no step).
         Returns the summed loss, the detached log-probs and the per-micro-batch metrics."""
@@ -360,25 +397,23 @@ class Trainer:
                 out[i] = adv[row].detach().cpu().numpy()
         return [a for a in out if a is not None]
 
-    def _token_logp(self, mb: MicroBatch, *, grad: bool) -> torch.Tensor:
-        """log π(token) at the sampling temperature on target positions: [B, L-1]."""
+    def _token_logp(self, mb: AnyMicroBatch, *, grad: bool) -> torch.Tensor:
+        """log π(token) at the sampling temperature, laid out like ``mb.mask``."""
         with torch.set_grad_enabled(grad):
-            logits = self.engine(input_ids=mb.input_ids).logits                    # [B, L, V]
-            return _logp_from_logits(logits, mb.input_ids, self.cfg.rollout.temperature)
+            return micro_batch_logp(self.engine, mb, self.cfg.rollout.temperature)
 
     @torch.no_grad()
-    def _ref_logp(self, mb: MicroBatch) -> torch.Tensor:
+    def _ref_logp(self, mb: AnyMicroBatch) -> torch.Tensor:
         assert self.ref_model is not None
-        logits = self.ref_model(input_ids=mb.input_ids).logits                     # [B, L, V]
-        return _logp_from_logits(logits, mb.input_ids, self.cfg.rollout.temperature)
+        return micro_batch_logp(self.ref_model, mb, self.cfg.rollout.temperature)
 
     @staticmethod
-    def _policy_batch(mb: MicroBatch, logp: torch.Tensor, prox: torch.Tensor | None,
+    def _policy_batch(mb: AnyMicroBatch, logp: torch.Tensor, prox: torch.Tensor | None,
                       ref: torch.Tensor | None) -> PolicyBatch:
         return PolicyBatch(logp=logp, behav_logp=mb.behav_logp, mask=mb.mask, advantages=mb.advantages,
                            prox_logp=prox, ref_logp=ref)
 
-    def _global_normalizer(self, mbs: Sequence[MicroBatch]) -> float:
+    def _global_normalizer(self, mbs: Sequence[AnyMicroBatch]) -> float:
         """Loss normaliser N of the whole batch: summed over micro-batches and ranks."""
         local = sum(float(loss_normalizer(mb.mask, self.cfg.algorithm)) for mb in mbs)
         return self._all_reduce_sum(local)
@@ -402,8 +437,7 @@ class Trainer:
         ``g``. Collective under ZeRO-3."""
         zeros = [np.zeros(len(g.completions), dtype=np.float32) for g in groups]
         flat: dict[int, np.ndarray] = {}
-        for mb in build_micro_batches(groups, zeros, micro_batch_size=self.cfg.trainer.micro_batch_size,
-                                      max_tokens=self._micro_batch_tokens, pad_id=self.pad_id):
+        for mb in self._micro_batches(groups, zeros):
             mb = mb.to(self.device)
             logp = self._token_logp(mb, grad=False).float().cpu().numpy()
             mask = mb.mask.cpu().numpy() > 0
@@ -494,6 +528,73 @@ def _sampled_entropy(logps: Sequence[torch.Tensor], masks: Sequence[torch.Tensor
         total += float(-(logp[keep]).sum())
         count += float(keep.sum())
     return total / count if count else 0.0
+
+
+def micro_batch_logp(model: Any, mb: AnyMicroBatch, temperature: float) -> torch.Tensor:
+    """log π of ``mb``'s tokens under ``model`` (a causal LM, or the DeepSpeed engine around
+    one) at ``temperature``, laid out like ``mb.mask``."""
+    if isinstance(mb, SharedPromptBatch):
+        return shared_prompt_logp(model, mb, temperature)
+    return padded_logp(model, mb, temperature)
+
+
+def padded_logp(model: Any, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Padded rows, one pass: target positions [B, L-1] (``pipeline_rl.actors.batch``)."""
+    logits = model(input_ids=mb.input_ids).logits                                   # [B, L, V]
+    return _logp_from_logits(logits, mb.input_ids, temperature)                     # [B, L-1]
+
+
+def shared_prompt_logp(model: Any, mb: SharedPromptBatch, temperature: float) -> torch.Tensor:
+    """Shared prompts, two passes: completion-aligned log-probs [B, T].
+
+    1. The prompts ``[G, P]`` (right-padded: under causal attention no real token sees the
+       padding), keeping their KV cache. A prompt's logits at its last real position
+       predict completion token 0 of every row that continues it.
+    2. Completion tokens ``0..T-2`` ``[B, T-1]`` on top of the cache rows of their prompts
+       (selected per row with an index, which is differentiable: a prompt's activations
+       receive the gradient of every completion continuing it), at positions
+       ``P_g .. P_g+T-2`` (as at generation), with the prompts' padding slots masked out;
+       their logits predict tokens ``1..T-1``.
+
+    Equal to :func:`padded_logp` on the same rows (to float rounding; tested), at the cost
+    of ``G x P + B x T`` token slots instead of ``B x (P + T)``. Raises TypeError for a
+    cache that is not a plain per-layer key/value cache (sliding-window or recurrent
+    layers), whose continuation would not match the padded pass.
+    """
+    ids = mb.completion_ids                                                          # [B, T]
+    b, t = ids.shape
+    g = mb.prompt_ids.shape[0]
+    out = model(input_ids=mb.prompt_ids, use_cache=True)                             # logits [G, P, V]
+    last = out.logits[torch.arange(g, device=ids.device), mb.prompt_lens - 1]        # [G, V]
+    logits = last[mb.row_prompt].unsqueeze(1)                                        # [B, 1, V]
+    if t > 1:
+        cache = out.past_key_values
+        kinds = {type(layer).__name__ for layer in getattr(cache, "layers", [None])}
+        if kinds != {"DynamicLayer"}:
+            raise TypeError(f"cache layers {sorted(kinds)} are not plain key/value layers")
+        cache.batch_select_indices(mb.row_prompt)                                    # [G, ...] -> [B, ...]
+        p = mb.prompt_ids.shape[1]
+        valid = torch.arange(p, device=ids.device) < mb.prompt_lens.unsqueeze(1)       # [G, P]
+        attention = torch.cat([valid[mb.row_prompt], torch.ones(b, t - 1, dtype=torch.bool, device=ids.device)],
+                              dim=1).long()                                           # [B, P+T-1]
+        positions = (mb.prompt_lens[mb.row_prompt].unsqueeze(1)
+                     + torch.arange(t - 1, device=ids.device))                        # [B, T-1]
+        rest = model(input_ids=ids[:, :-1], past_key_values=cache, attention_mask=attention,
+                     position_ids=positions, use_cache=True).logits                   # [B, T-1, V]
+        logits = torch.cat([logits, rest], dim=1)                                    # [B, T, V]
+    scaled = logits.float() / temperature                                            # [B, T, V]
+    return scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # [B, T]
+
+
+def _sharing_check_groups(vocab_size: int) -> list[Group]:
+    """Two groups with prompts of 3 and 5 tokens and completions of 1-3 (fixed seed)."""
+    rng = np.random.default_rng(0)
+    groups = []
+    for gid, (p, lengths) in enumerate(((3, (2, 3)), (5, (1, 3)))):
+        comps = tuple(Completion(rng.integers(1, vocab_size, t, dtype=np.int32), np.zeros(t, np.float32),
+                                 np.zeros(t, np.int32), 0.0, "stop") for t in lengths)
+        groups.append(Group(gid, gid, 0, rng.integers(1, vocab_size, p, dtype=np.int32), comps))
+    return groups
 
 
 def _logp_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
