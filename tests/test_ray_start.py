@@ -1,0 +1,46 @@
+"""pipeline_rl/ray_start.py: the prompt wait for the raylet's registration patches Ray's
+node lookup only inside its block and falls back to Ray's own wait on any error (every
+local run of the suite starts Ray through it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pipeline_rl import ray_start
+
+
+class _Accessor:
+    def __init__(self, tables: list[list[dict[str, Any]]]) -> None:
+        self.tables = tables
+
+    def get_node_table(self) -> list[dict[str, Any]]:
+        return self.tables.pop(0) if len(self.tables) > 1 else self.tables[0]
+
+
+def test_registered_needs_the_node_alive() -> None:
+    assert not ray_start._registered(_Accessor([[]]), "ab")
+    assert not ray_start._registered(_Accessor([[{"NodeID": "ab", "Alive": False}]]), "ab")
+    assert not ray_start._registered(_Accessor([[{"NodeID": "cd", "Alive": True}]]), "ab")
+    assert ray_start._registered(_Accessor([[{"NodeID": "ab", "Alive": True}]]), "ab")
+
+
+def test_patch_is_scoped_and_falls_back_to_rays_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray._private.services as services
+
+    calls: list[tuple[str, str]] = []
+
+    def rays_own(gcs_address: str, node_id: str) -> dict[str, str]:
+        calls.append((gcs_address, node_id))
+        return {"NodeID": node_id}
+
+    def broken(gcs_address: str, node_id: str) -> None:
+        raise AttributeError("a changed Ray internal")
+
+    monkeypatch.setattr(services, "get_node", rays_own)
+    monkeypatch.setattr(ray_start, "_wait_registered", broken)
+    with ray_start.prompt_node_wait():
+        assert services.get_node is not rays_own
+        assert services.get_node("gcs:1", "ab") == {"NodeID": "ab"}
+    assert services.get_node is rays_own and calls == [("gcs:1", "ab")]
