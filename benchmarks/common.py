@@ -44,6 +44,16 @@ def write_files(outputs: list[tuple[Path | None, str]]) -> None:
             path.write_text(body + "\n")
 
 
+def report(result: dict[str, Any], md: str, json_path: Path | None, md_path: Path | None) -> int:
+    """A benchmark's end: its JSON and Markdown to the paths given, the Markdown printed;
+    returns the exit status (0)."""
+    import json
+
+    write_files([(json_path, json.dumps(result, indent=1)), (md_path, md)])
+    print(md)
+    return 0
+
+
 def config(argv: list[str]) -> Config:
     """The run configuration of ``argv``, with held-out evaluation off unless ``argv``
     turns it on (run-level benchmarks compare training speed and reward)."""

@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, hardware, write_files  # noqa: E402
+from benchmarks.common import ROOT, hardware, report  # noqa: E402
 
 #: Role of a process, by a marker in its command line (first match wins).
 ROLES: tuple[tuple[str, str], ...] = (("ray::TrainerActor", "trainer"), ("ray::RolloutActor", "rollout"),
@@ -166,10 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out_dir, ignore_errors=True)
     result.update(hardware=hardware(), run_flags=list(args.run_flags), warmup_s=args.warmup_s,
                   window_s=args.window_s)
-    md = markdown(result)
-    write_files([(args.json, json.dumps(result, indent=1)), (args.md, md)])
-    print(md)
-    return 0
+    return report(result, markdown(result), args.json, args.md)
 
 
 if __name__ == "__main__":

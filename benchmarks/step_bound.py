@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import hardware, write_files  # noqa: E402
+from benchmarks.common import hardware, report  # noqa: E402
 
 
 def _ms(xs: list[float]) -> float:
@@ -153,10 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if trl is not None:
             result.update(peers=str(args.peers), trl_step_ms=round(trl["step_time_s"]["median"] * 1e3, 2))
             result["bound_vs_trl"] = round(result["bound_step_ms"] / result["trl_step_ms"], 2)
-    md = markdown(result)
-    write_files([(args.json, json.dumps(result, indent=1)), (args.md, md)])
-    print(md)
-    return 0
+    return report(result, markdown(result), args.json, args.md)
 
 
 if __name__ == "__main__":
