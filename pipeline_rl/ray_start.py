@@ -39,10 +39,13 @@ def _wait_registered(gcs_address: str, node_id: str) -> None:
 
     state = GlobalState()
     state._initialize_global_state(_get_gcs_client_options(gcs_address))
-    accessor = state._connect_and_get_accessor()
-    deadline = time.monotonic() + WAIT_S
-    while not _registered(accessor, node_id) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    try:
+        accessor = state._connect_and_get_accessor()
+        deadline = time.monotonic() + WAIT_S
+        while not _registered(accessor, node_id) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+    finally:
+        state.disconnect()   # its own GCS connection: Ray's call opens another
 
 
 @contextlib.contextmanager

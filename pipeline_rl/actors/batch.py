@@ -43,8 +43,34 @@ import torch
 from pipeline_rl.samples import Group
 
 
+class _Counts:
+    """What both layouts derive alike from their ``mask`` [B, *] and ``num_slots``."""
+
+    __slots__ = ()
+    mask: torch.Tensor
+    num_real_tokens: int
+
+    @property
+    def num_slots(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.mask.sum().item())
+
+    @property
+    def pad_frac(self) -> float:
+        """Fraction of the token slots the forward passes run that is padding."""
+        total = self.num_slots
+        return 1.0 - self.num_real_tokens / total if total else 0.0
+
+
 @dataclass(frozen=True, slots=True)
-class MicroBatch:
+class MicroBatch(_Counts):
     """One forward/backward pass worth of sequences, right-padded.
 
     Shapes: ``input_ids`` [B, L] int64; ``mask``, ``behav_logp`` [B, L-1] float32 (target
@@ -60,20 +86,6 @@ class MicroBatch:
     index: torch.Tensor
     num_real_tokens: int   # prompt + completion tokens, padding excluded
 
-    @property
-    def num_seqs(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return int(self.mask.sum().item())
-
-    @property
-    def pad_frac(self) -> float:
-        """Fraction of the [B, L] input that is padding."""
-        total = self.input_ids.numel()
-        return 1.0 - self.num_real_tokens / total if total else 0.0
-
     def to(self, device: torch.device) -> "MicroBatch":
         return MicroBatch(self.input_ids.to(device), self.mask.to(device), self.behav_logp.to(device),
                           self.advantages.to(device), self.index, self.num_real_tokens)
@@ -85,7 +97,7 @@ class MicroBatch:
 
 
 @dataclass(frozen=True, slots=True)
-class SharedPromptBatch:
+class SharedPromptBatch(_Counts):
     """One forward/backward pass worth of sequences with each prompt held once.
 
     Shapes: ``prompt_ids`` [G, P] int64, right-padded; ``prompt_lens`` [G] int64 (>= 1);
@@ -107,21 +119,9 @@ class SharedPromptBatch:
     num_real_tokens: int
 
     @property
-    def num_seqs(self) -> int:
-        return int(self.completion_ids.shape[0])
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return int(self.mask.sum().item())
-
-    @property
     def num_slots(self) -> int:
         """Token slots the forward passes run (prompts once, completions; real and padding)."""
         return int(self.prompt_ids.numel() + self.completion_ids.numel())
-
-    @property
-    def pad_frac(self) -> float:
-        return 1.0 - self.num_real_tokens / self.num_slots if self.num_slots else 0.0
 
     def to(self, device: torch.device) -> "SharedPromptBatch":
         return SharedPromptBatch(self.prompt_ids.to(device), self.prompt_lens.to(device),
