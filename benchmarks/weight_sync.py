@@ -427,8 +427,7 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
                       "offer_failures": pstats.offer_failures,
                       "put_ms_mean": (pstats.put_s - after_warmup.put_s) / timed * 1e3,
                       "offer_ms_mean": (pstats.offer_s - after_warmup.offer_s) / timed * 1e3,
-                      "send_ms": {"start_p50": _pcts([t.start_s * 1e3 for t in timings])["p50"],
-                                  "transfer_p50": _pcts([t.transfer_s * 1e3 for t in timings])["p50"],
+                      "send_ms": {"transfer_p50": _pcts([t.transfer_s * 1e3 for t in timings])["p50"],
                                   "finish_p50": _pcts([t.finish_s * 1e3 for t in timings])["p50"],
                                   "total_p50": _pcts([t.total_s * 1e3 for t in timings])["p50"]}
                       if timings else None},

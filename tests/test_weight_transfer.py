@@ -18,6 +18,7 @@ from pipeline_rl.actors.weight_transfer import (
     GlooTrainerWeightTransfer,
     GlooUpdateInfo,
     bucket_plan,
+    receive_in_one_call,
     receive_update,
 )
 from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError
@@ -74,6 +75,9 @@ class ThreadClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.finished.append(weight_version)
+
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
+        return receive_in_one_call(self, update_info, weight_version)
 
 
 def test_channel_moves_exact_bytes_in_small_buckets() -> None:

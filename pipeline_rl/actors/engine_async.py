@@ -45,7 +45,13 @@ from pipeline_rl.actors.engine import (
     set_cpu_env,
 )
 from pipeline_rl.actors.engine_cpu import hidden_from_vllm_kernel_scan, sampling_params, to_finished
-from pipeline_rl.actors.weight_transfer import BACKEND, GlooTrainerWeightTransfer, payload_bytes, register
+from pipeline_rl.actors.weight_transfer import (
+    BACKEND,
+    GlooTrainerWeightTransfer,
+    payload_bytes,
+    receive_in_one_call,
+    register,
+)
 from pipeline_rl.actors.weights import CheckedUpdate, WeightUpdate, WeightUpdateError, read_weight_spec
 
 _T = TypeVar("_T")
@@ -289,6 +295,9 @@ class _Loopback:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         assert weight_version is not None
         self._engine.finish_weight_update(int(weight_version))
+
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
+        return receive_in_one_call(self, update_info, weight_version)
 
 
 def _first_line(e: BaseException) -> str:

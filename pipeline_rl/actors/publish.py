@@ -134,6 +134,13 @@ class ActorClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._call("finish_weight_update", weight_version)
 
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
+        import ray
+
+        finish_s: float = ray.get(self._actor.receive_update.remote(update_info, weight_version),
+                                  timeout=self._timeout_s)
+        return finish_s
+
 
 def _key(worker: object) -> str:
     """A worker's identity across calls (a restarted Ray actor keeps its id)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -120,11 +120,10 @@ class RayAdmission:
                     raise
                 time.sleep(0.05)
 
-    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Admission:
-        import ray
-
-        admission: Admission = ray.get(self._buffer.acquire.remote(worker_id, max_groups, timeout_s))
-        return admission
+    def request(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> "Future[Admission]":
+        """The buffer's answer, on a future: the caller goes on while the call is in flight."""
+        future: Future[Admission] = self._buffer.acquire.remote(worker_id, max_groups, timeout_s).future()
+        return future
 
     def release(self, worker_id: int, count: int) -> int:
         import ray
@@ -199,9 +198,13 @@ class RolloutActor:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._take(self._worker.finish_weight_update, weight_version)
 
-    def _take(self, call: Callable[..., None], *args: Any) -> None:
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
+        """The three calls of one update in one (the trainer's channel makes this one)."""
+        return self._take(self._worker.receive_update, update_info, weight_version)
+
+    def _take(self, call: Callable[..., T], *args: Any) -> T:
         try:
-            self._stager.submit(call, *args).result()
+            return self._stager.submit(call, *args).result()
         except Exception as e:
             from pipeline_rl.supervision import first_line
 

@@ -4,7 +4,8 @@ groups to the replay buffer, taking new weights between engine steps.
 The loop (one thread, the only one touching the engine)::
 
     apply the newest offered weights (if newer)   <- between steps, never mid-step
-    acquire admission for as many groups as fit   <- global budget (docs/design.md section 2)
+    ask admission for as many groups as fit       <- global budget (docs/design.md section 2);
+                                                     the answer is taken at a later pass
     add n requests per admitted group
     one engine step -> finished sequences
     a group whose n sequences finished -> reward pool (threads) -> GroupSender
@@ -20,7 +21,8 @@ Invariants:
   versions change at the step where the update took effect.
 - New weights arrive through vLLM's weight-transfer calls, which the trainer
   makes (``init_weight_transfer_engine`` / ``start_weight_update`` /
-  ``update_weights`` / ``finish_weight_update``, forwarded to the engine), or as
+  ``update_weights`` / ``finish_weight_update``, forwarded to the engine; per update
+  the three in one call, :meth:`RolloutWorker.receive_update`), or as
   an offer through Ray's object store (:meth:`RolloutWorker.offer_weights`).
   Either way they are received, validated and staged (the costly part of a
   reload) in the caller's thread -- any thread but the loop's, e.g. a Ray
@@ -45,7 +47,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -61,11 +63,15 @@ from pipeline_rl.actors.evaluation import EVAL_PREFIX, EvalRequest, EvalResult, 
 from pipeline_rl.actors.evaluation import parse_request_id as parse_eval_request_id
 from pipeline_rl.actors.evaluation import request_id as eval_request_id
 from pipeline_rl.actors.process import HeapTrimmer
+from pipeline_rl.actors.weight_transfer import receive_in_one_call
 from pipeline_rl.actors.weights import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
 from pipeline_rl.samples import I32, Completion, Group
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task
+
+if TYPE_CHECKING:
+    from pipeline_rl.buffer.types import Admission
 
 log = logging.getLogger(__name__)
 
@@ -82,24 +88,15 @@ class RewardFailed(RuntimeError):
     """The task's reward function fails on every call (it never returned a score)."""
 
 
-class AdmissionLike(Protocol):
-    """What an admission answer carries (``pipeline_rl.buffer.types.Admission``)."""
-
-    @property
-    def granted(self) -> int: ...
-
-    @property
-    def version(self) -> int: ...
-
-    @property
-    def min_version(self) -> int: ...
-
-
 class AdmissionSource(Protocol):
     """The global admission budget: the ``ReplayBuffer`` itself, or a Ray-handle adapter.
-    ``release`` gives back grants the worker will not use (returns the refund)."""
+    ``request`` asks for up to ``max_groups`` grants without blocking the caller: the
+    answer comes on the future (the source may wait up to ``timeout_s`` for a non-zero
+    grant before answering). ``release`` gives back grants the worker will not use
+    (returns the refund)."""
 
-    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> AdmissionLike: ...
+    def request(self, worker_id: int, max_groups: int,
+                timeout_s: float = 0.0) -> "Future[Admission]": ...
 
     def release(self, worker_id: int, count: int) -> int: ...
 
@@ -177,6 +174,10 @@ class _Counters:
     stall_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
 
 
+#: How long beyond its hold a stopping worker waits for the answer to its last request.
+_ANSWER_WAIT_S = 5.0
+
+
 class RolloutWorker:
     """See the module docstring. ``engine`` and ``sender`` may be passed in (tests,
     benchmarks); otherwise they are built from ``cfg`` and ``buffer_address``."""
@@ -185,8 +186,8 @@ class RolloutWorker:
                  admission: AdmissionSource, task: Task, *, reward_fn: RewardFn | None = None,
                  eval_task: Task | None = None,
                  engine: GenerationEngine | None = None, sender: SenderLike | None = None,
-                 reward_threads: int = 2, poll_s: float = 0.005, acquire_backoff_s: float = 0.02,
-                 acquire_wait_s: float = 0.05) -> None:
+                 reward_threads: int = 2, poll_s: float = 0.005, acquire_hold_s: float = 0.5,
+                 idle_wait_s: float = 0.05) -> None:
         self.cfg = cfg
         self.worker_id = worker_id
         self.n = cfg.rollout.n
@@ -204,9 +205,9 @@ class RolloutWorker:
         self._pending: dict[int, _Pending] = {}
         self._granted = 0  # admitted groups not started yet
         self._min_version = 0
-        self._next_acquire = 0.0
+        self._asking: Future[Admission] | None = None  # the admission request in flight (one at most)
         self._local = 0
-        self.poll_s, self.acquire_backoff_s, self.acquire_wait_s = poll_s, acquire_backoff_s, acquire_wait_s
+        self.poll_s, self.acquire_hold_s, self.idle_wait_s = poll_s, acquire_hold_s, idle_wait_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -271,6 +272,11 @@ class RolloutWorker:
             log.info("worker %d: ignoring weights v%d (not newer than v%d)", self.worker_id,
                      version, self._engine.version)
 
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
+        """Start, update and finish in one call (what the trainer's channel calls per
+        update); the seconds the finish (staging) took."""
+        return receive_in_one_call(self, update_info, weight_version)
+
     def evaluate(self, request: EvalRequest) -> Future[EvalResult]:
         """Evaluate held-out prompts (see ``pipeline_rl.actors.evaluation``) beside
         training generation; the future is set when every answer is scored, or fails
@@ -330,7 +336,8 @@ class RolloutWorker:
                 self._admit(max_groups)
                 if self._engine.num_unfinished():
                     self._step()
-                elif max_groups is not None and self._c.groups_started >= max_groups and not self._granted:
+                elif (max_groups is not None and self._c.groups_started >= max_groups
+                      and not self._granted and self._asking is None):
                     break
                 else:
                     self._idle()
@@ -343,7 +350,14 @@ class RolloutWorker:
 
     def _release_unstarted(self) -> None:
         """Grants not turned into groups go back to the global budget (else they
-        would count as in flight forever and could stall other workers)."""
+        would count as in flight forever and could stall other workers), the answer
+        to a request still in flight included."""
+        if self._asking is not None:
+            try:
+                self._take_answer(self._asking.result(timeout=self.acquire_hold_s + _ANSWER_WAIT_S))
+            except Exception as e:  # noqa: BLE001 -- a lost answer's grants are refunded as lost
+                log.warning("worker %d: admission answer lost at stop: %s", self.worker_id, e)
+            self._asking = None
         if self._granted:
             self._admission.release(self.worker_id, self._granted)
             self._granted = 0
@@ -383,30 +397,47 @@ class RolloutWorker:
         """Ask for as many groups as the engine has room for, start those the held
         weights are recent enough for. Rounds up: a group is admitted as soon as one
         slot is free (its other sequences wait in vLLM's queue for the next free
-        slots), so the engine never runs below ``max_num_seqs`` while work is allowed."""
+        slots), so the engine never runs below ``max_num_seqs`` while work is allowed.
+
+        One request at a time, and it never blocks the loop: the buffer holds it until
+        the budget has room (the moment the trainer's version moves) or ``acquire_hold_s``
+        passed, and the answer is taken at a later pass while the engine keeps stepping.
+        Only with nothing to step does the loop wait for the answer (``idle_wait_s`` at a
+        time, counted as idle): no polling, no latency lost to it at any staleness."""
+        self._poll_answer(0.0)
         free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished()
         room = -(-free // self.n) - self._granted
         if max_groups is not None:
             room = min(room, max_groups - self._c.groups_started - self._granted)
-        now = time.perf_counter()
-        if room > 0 and now >= self._next_acquire:
-            # With nothing to step, wait in the buffer for the budget to open (it opens the
-            # moment the trainer's version moves) instead of polling: no lost latency at
-            # staleness 0, no busy RPCs.
-            idle = not self._engine.num_unfinished() and not self._granted
-            adm = self._admission.acquire(self.worker_id, room, self.acquire_wait_s if idle else 0.0)
-            if idle:  # the wait in the buffer is engine idle time
-                with self._lock:
-                    self._c.idle_s += time.perf_counter() - now
-            # Grants still held keep their own (older, lower) bound satisfied by a
-            # higher one; a lower bound may only replace it once none is held.
-            self._min_version = (adm.min_version if not self._granted
-                                 else max(self._min_version, adm.min_version))
-            self._granted += adm.granted
-            self._next_acquire = now + self.acquire_backoff_s if adm.granted < room else 0.0
+        if room > 0 and self._asking is None:
+            self._asking = self._admission.request(self.worker_id, room, self.acquire_hold_s)
+        if self._asking is not None and not self._engine.num_unfinished() and not self._granted:
+            t = time.perf_counter()
+            self._poll_answer(self.idle_wait_s)
+            with self._lock:
+                self._c.idle_s += time.perf_counter() - t
         while self._granted and self._engine.version >= self._min_version:
             self._start_group()
             self._granted -= 1
+
+    def _poll_answer(self, wait_s: float) -> None:
+        """Take the answer to the request in flight if it comes within ``wait_s``.
+        Raises the request's error (the buffer is gone)."""
+        if self._asking is None:
+            return
+        try:
+            adm = self._asking.result(timeout=wait_s)
+        except TimeoutError:
+            return
+        self._asking = None
+        self._take_answer(adm)
+
+    def _take_answer(self, adm: Admission) -> None:
+        # Grants still held keep their own (older, lower) bound satisfied by a
+        # higher one; a lower bound may only replace it once none is held.
+        self._min_version = (adm.min_version if not self._granted
+                             else max(self._min_version, adm.min_version))
+        self._granted += adm.granted
 
     def start_at(self, counter: int) -> None:
         """Continue group ids and prompts from ``counter`` (a restarted or resumed worker

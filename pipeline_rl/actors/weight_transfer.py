@@ -6,7 +6,9 @@ once, then per update ``start_weight_update`` -> ``update_weights`` ->
 (a :class:`~vllm.distributed.weight_transfer.base.WeightTransferEngine` named by
 ``WeightTransferConfig(backend=...)``; ours is in ``pipeline_rl.actors.weight_receiver``). The trainer side holds the matching
 :class:`~vllm.distributed.weight_transfer.base.TrainerWeightTransferEngine`, which
-drives those calls through a client and sends the bytes itself.
+drives those calls through a client and sends the bytes itself. Per update the
+client takes the three calls in one (``SyncClient.receive_update``): a Ray round
+trip per update instead of three, on both the trainer's and the worker's core.
 
 vLLM's own backends (``nccl`` between GPUs, ``ipc`` on a shared one) are CUDA-only
 and their trainer half is not wired here yet, so this module registers one more,
@@ -262,9 +264,9 @@ def receive_update(channel: Channel, info: GlooUpdateInfo, bucket_bytes: int) ->
 
 
 # -- trainer side ----------------------------------------------------------------------------
-class SyncClient(Protocol):
-    """The four control calls of vLLM's ``VLLMWeightSyncClient``, as the trainer makes
-    them to one rollout worker (directly, or through its Ray actor)."""
+class WeightSyncCalls(Protocol):
+    """The four control calls of vLLM's ``VLLMWeightSyncClient``, as a rollout worker
+    (or its Ray actor) serves them."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
 
@@ -275,20 +277,41 @@ class SyncClient(Protocol):
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
+class SyncClient(WeightSyncCalls, Protocol):
+    """One rollout worker as the trainer drives it: vLLM's four calls, and
+    ``receive_update`` -- start, update and finish of one update in a single call (one
+    round trip to a remote worker instead of three), returning the seconds its finish
+    took. The channel uses ``init_weight_transfer_engine`` once, then ``receive_update``
+    per update."""
+
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float: ...
+
+
+def receive_in_one_call(worker: WeightSyncCalls, update_info: dict[str, Any],
+                        weight_version: str) -> float:
+    """``receive_update`` for a worker in this process: its three calls in order; the
+    seconds the finish took."""
+    worker.start_weight_update()
+    worker.update_weights(update_info)
+    t = time.perf_counter()
+    worker.finish_weight_update(weight_version)
+    return time.perf_counter() - t
+
+
 @dataclass(frozen=True, slots=True)
 class SendTiming:
-    """Where one send's time went (seconds): start, transfer (receive || broadcast) and
-    finish, as the trainer saw them."""
+    """Where one send's time went (seconds), as the trainer saw it: the transfer
+    (receive || broadcast, and the worker's calls around it) and the worker's finish
+    (staging the update), which follows it in the same call."""
 
     version: int
-    start_s: float
     transfer_s: float
     finish_s: float
     num_bytes: int
 
     @property
     def total_s(self) -> float:
-        return self.start_s + self.transfer_s + self.finish_s
+        return self.transfer_s + self.finish_s
 
 
 def in_daemon_thread(fn: Callable[..., _T], *args: Any) -> "Future[_T]":
@@ -309,10 +332,11 @@ def in_daemon_thread(fn: Callable[..., _T], *args: Any) -> "Future[_T]":
 class GlooTrainerWeightTransfer:
     """Trainer side of :data:`BACKEND` for one worker: vLLM's ``trainer_init`` /
     ``send_weights`` contract (rank 0 is the only sender; it drives the worker's
-    four calls through ``client`` and broadcasts the bytes).
+    calls through ``client`` and broadcasts the bytes).
 
-    ``send`` runs the worker's ``update_weights`` (which blocks in the receive) on a
-    helper thread while this thread broadcasts; an error on either side ends the
+    ``send`` runs the worker's ``receive_update`` (start, then ``update_weights``,
+    which blocks in the receive, then finish) on a helper thread while this thread
+    broadcasts; an error on either side ends the
     send with that error, and the channel is then unusable (close it; a new
     ``trainer_init`` makes a fresh one)."""
 
@@ -338,23 +362,20 @@ class GlooTrainerWeightTransfer:
         return cls(client, joined.result(), bucket_bytes)
 
     def send(self, update: WeightUpdate) -> SendTiming:
-        """One full round: start, update (receive || broadcast), finish(version)."""
+        """One full round in one worker call: start, update (receive || broadcast),
+        finish(version)."""
         info = GlooUpdateInfo.of(update)
         t0 = time.perf_counter()
-        self.client.start_weight_update()
-        t1 = time.perf_counter()
-        future = in_daemon_thread(self.client.update_weights, asdict(info))
+        future = in_daemon_thread(self.client.receive_update, asdict(info), str(update.version))
         try:
             send_update(self._channel, info, update.arrays, self._bucket_bytes)
         except BaseException:
             if future.done():
                 future.result()  # the worker's error explains the broken channel
             raise
-        future.result()
-        t2 = time.perf_counter()
-        self.client.finish_weight_update(str(update.version))
-        t3 = time.perf_counter()
-        return SendTiming(update.version, t1 - t0, t2 - t1, t3 - t2, update.num_bytes)
+        finish_s = future.result()
+        total = time.perf_counter() - t0
+        return SendTiming(update.version, total - finish_s, finish_s, update.num_bytes)
 
     def close(self) -> None:
         self._channel.close()

@@ -58,6 +58,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pipeline_rl.buffer.types import Admission, AdmissionStats, BufferStats, _Counters
@@ -204,6 +205,25 @@ class ReplayBuffer:
                 owed.sort()
                 self._granted += granted
             return Admission(granted, self._version, min_version)
+
+    def request(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> "Future[Admission]":
+        """:meth:`acquire` without blocking the caller (a worker in this process): the
+        answer is on the future at once when there is room (or ``timeout_s`` is 0), else
+        a helper thread waits in :meth:`acquire` and puts it there."""
+        future: Future[Admission] = Future()
+        now = self.acquire(worker_id, max_groups)
+        if now.granted or timeout_s <= 0:
+            future.set_result(now)
+            return future
+
+        def wait() -> None:
+            try:
+                future.set_result(self.acquire(worker_id, max_groups, timeout_s))
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                future.set_exception(e)
+
+        threading.Thread(target=wait, name=f"admission-{worker_id}", daemon=True).start()
+        return future
 
     def release(self, worker_id: int, count: int) -> int:
         """A live worker gives back ``count`` grants it will not use (e.g. it is
