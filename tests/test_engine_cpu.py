@@ -123,6 +123,23 @@ def test_sampled_logprobs_match_transformers(engine: GenerationEngine, hf_models
         assert f.finish_reason == "length"
 
 
+def test_copies_of_one_prompt_are_requests_of_their_own(engine: GenerationEngine, hf_models: tuple) -> None:
+    """``add_copies`` (the prompt processed once): every copy finishes and is returned
+    on its own, samples its own tokens, and its log-probs are those of the model."""
+    sampling = SamplingConfig(max_new_tokens=12, temperature=TEMPERATURE, ignore_eos=True)
+    prompt = tuple(engine.encode(PROMPTS[0]))
+    ids = [f"copies:{i}" for i in range(6)]
+    engine.add_copies(ids, prompt, sampling)
+    assert engine.num_unfinished() == len(ids)
+    done = _run(engine, [])
+    assert set(done) == set(ids)
+    assert len({tuple(f.token_ids.tolist()) for f in done.values()}) > 1   # not one sample six times
+    for f in done.values():
+        assert f.token_ids.shape == f.logprobs.shape == (12,)
+        ref = _hf_logprobs(hf_models[0], prompt, f.token_ids, TEMPERATURE)
+        np.testing.assert_allclose(f.logprobs, ref, atol=TOL, rtol=0)
+
+
 def _switch_mid_generation(engine: GenerationEngine, update_dir: Path, tag: str, k: int
                            ) -> tuple[list[GenRequest], dict[str, FinishedSequence], int]:
     """Generate 4 sequences, apply ``update_dir``'s weights after ``k`` steps, finish."""

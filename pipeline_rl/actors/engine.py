@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -150,6 +151,14 @@ class GenerationEngine(ABC):
     @abstractmethod
     def add(self, request: GenRequest) -> None:
         """Queue a request; it starts at the next step with room."""
+
+    def add_copies(self, request_ids: Sequence[str], prompt_ids: tuple[int, ...],
+                   sampling: SamplingConfig) -> None:
+        """Queue one request per id, each continuing ``prompt_ids`` under ``sampling``
+        (a group's samples). Same as one :meth:`add` each; an engine may prepare the
+        shared prompt once."""
+        for request_id in request_ids:
+            self.add(GenRequest(request_id, prompt_ids, sampling))
 
     @abstractmethod
     def step(self) -> list[FinishedSequence]:

@@ -27,12 +27,13 @@ target (double buffering; memory: one extra copy of the weights). With
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -148,11 +149,34 @@ class CpuEngine(GenerationEngine):
         self._shadow = _make_shadow(self._model()) if staged else None
         self._stage_lock = threading.Lock()  # guards the shadow and the staged version
         self._staged: CheckedUpdate | None = None
+        self._tasks: Any = None  # the model's supported tasks, asked once
 
     # -- GenerationEngine -------------------------------------------------------------
     def add(self, request: GenRequest) -> None:
         prompt: Any = {"prompt_token_ids": list(request.prompt_ids)}
         self._llm.add_request(request.request_id, prompt, sampling_params(request.sampling))
+
+    def add_copies(self, request_ids: Sequence[str], prompt_ids: tuple[int, ...],
+                   sampling: SamplingConfig) -> None:
+        """The group's prompt is processed once and the request copied per id, as vLLM's
+        own fan-out for ``n > 1`` does (``LLMEngine.add_request``), but each copy is a
+        request of its own (finished, returned and versioned on its own). A seeded
+        sampling keeps one request each (every copy would draw the same tokens)."""
+        if sampling.seed is not None or len(request_ids) < 2:
+            super().add_copies(request_ids, prompt_ids, sampling)
+            return
+        llm = self._llm
+        if self._tasks is None:
+            self._tasks = llm.get_supported_tasks()
+        base = llm.input_processor.process_inputs(
+            request_ids[0], {"prompt_token_ids": list(prompt_ids)}, sampling_params(sampling),
+            supported_tasks=self._tasks)
+        for request_id in request_ids:
+            request = copy.copy(base)
+            request.request_id = request_id
+            llm.input_processor.assign_request_id(request)
+            llm.output_processor.add_request(request, None, None, 0)
+            llm.engine_core.add_request(request)
 
     def step(self) -> list[FinishedSequence]:
         _eager_in_this_thread()

@@ -454,8 +454,7 @@ class RolloutWorker:
         # A chat template writes its own special tokens (BOS included) into the text.
         prompt_ids = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
         self._pending[group_id] = _Pending(group_id, prompt, prompt_ids)
-        for i in range(self.n):
-            self._engine.add(GenRequest(f"{group_id}:{i}", prompt_ids, self._sampling))
+        self._engine.add_copies([f"{group_id}:{i}" for i in range(self.n)], prompt_ids, self._sampling)
         with self._lock:
             self._c.groups_started += 1
 
