@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef
 
     from pipeline_rl.actors.trainer import RankStepReport
+    from pipeline_rl.buffer.types import BufferStats
 
 log = logging.getLogger("pipeline_rl.orchestrator")
 
@@ -63,6 +64,7 @@ _SHUTDOWN_WAIT_S = 5.0      # per shutdown phase: a failed run must still end wi
 _STARTUP_TIMEOUT_S = 900.0  # a start-up phase that takes longer ends the run
 _STARTUP_SAY_EVERY_S = 30.0
 _HISTORY_STEPS = 1000      # steps of metrics the driver keeps in memory
+_STATS_EVERY_S = 0.25      # worker and buffer statistics for the step lines: one poll at most this often
 _RESTART_TIMEOUT_S = 300.0  # a restarted rollout worker must have its engine up by then
 _EVAL_FINAL_TIMEOUT_S = 300.0  # the end-of-run evaluation must finish by then
 
@@ -107,6 +109,80 @@ class _WorkerDelta:
     answered: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Rates:
+    """The workers' generation over the last completed stats window: tokens per second,
+    the share of time their engines idled, the mean weight-update stall (ms)."""
+
+    tokens_per_s: float = 0.0
+    idle_frac: float = 0.0
+    stall_ms: float = 0.0
+
+
+class _StatsPoll:
+    """Worker and buffer statistics for the step lines, polled at most every
+    ``_STATS_EVERY_S`` and never waited for: a poll's answers are taken at a later step
+    once all are in (a worker that has not answered within 2 s is left out of that
+    window). Every step is labelled with the rates of the last completed window and the
+    last buffer snapshot. A poll is a call into every worker and the buffer, whose cores
+    generate and serve: once a step (tens of ms) cost them more than the numbers are worth."""
+
+    def __init__(self, workers: list[_WorkerState], buffer: ActorHandle, start: float) -> None:
+        self._workers, self._buffer = workers, buffer
+        self._refs: list[Any] = []     # the poll in flight: worker stats..., buffer stats
+        self._sent = start             # when the poll in flight was sent
+        self._window_start = start     # when the last completed poll was sent
+        self.rates = _Rates()
+        self.buffer: BufferStats | None = None
+
+    def update(self) -> None:
+        """Take the poll in flight if it is complete; send the next when it is due. The
+        first call waits for the buffer's snapshot (every step line needs one)."""
+        import ray
+
+        now = time.perf_counter()
+        if self._refs:
+            ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+            if len(ready) < len(self._refs) and now - self._sent < 2.0:
+                return
+            self._take(set(ready))
+        if now - self._window_start >= _STATS_EVERY_S or self.buffer is None:
+            self._refs = [w.handle.stats.remote() for w in self._workers] + [self._buffer.stats.remote()]
+            self._sent = now
+            if self.buffer is None:
+                self.buffer = ray.get(self._refs[-1])
+
+    def _take(self, ready: set[Any]) -> None:
+        import ray
+
+        *worker_refs, buffer_ref = self._refs
+        self._refs = []
+        if buffer_ref in ready:
+            self.buffer = ray.get(buffer_ref)
+        delta = _WorkerDelta()
+        for w, ref in zip(self._workers, worker_refs):
+            if ref not in ready:
+                continue
+            try:
+                st = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue
+            delta.tokens += max(0, st.tokens_generated - w.tokens)
+            delta.idle_s += max(0.0, st.idle_s - w.idle_s)
+            new = st.updates_applied - w.stalls_seen  # stall_ms holds the most recent ones only
+            delta.stalls_ms += list(st.stall_ms[-new:]) if new > 0 else []
+            delta.answered += 1
+            w.tokens, w.idle_s, w.stalls_seen = st.tokens_generated, st.idle_s, st.updates_applied
+        window = self._sent - self._window_start
+        self._window_start = self._sent
+        if window <= 0 or not delta.answered:
+            return
+        self.rates = _Rates(
+            tokens_per_s=delta.tokens / window,
+            idle_frac=min(1.0, delta.idle_s / (window * delta.answered)),
+            stall_ms=statistics.fmean(delta.stalls_ms) if delta.stalls_ms else self.rates.stall_ms)
+
+
 @dataclass(slots=True)
 class _Clock:
     start: float = field(default_factory=time.perf_counter)
@@ -132,6 +208,7 @@ class Orchestrator:
         self._trainers: list[ActorHandle] = []
         self._workers: list[_WorkerState] = []
         self._logger: MetricsLogger | None = None
+        self._stats: _StatsPoll | None = None
         self._buffer_watch: "ObjectRef[str | None] | None" = None
         self._watchdog = Watchdog(cfg.watchdog_s)
         self._last_checkpoint_t = time.monotonic()
@@ -580,50 +657,27 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ metrics / checkpoints
 
-    def _worker_deltas(self) -> "_WorkerDelta":
-        """Tokens, engine idle seconds and weight-update stalls (ms) of all workers since
-        the last poll (a worker that does not answer within 2 s is skipped this time)."""
-        import ray
-
-        refs = [w.handle.stats.remote() for w in self._workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
-        delta = _WorkerDelta()
-        for w, ref in zip(self._workers, refs):
-            if ref not in ready:
-                continue
-            try:
-                st = ray.get(ref)
-            except ray.exceptions.RayError:
-                continue
-            delta.tokens += max(0, st.tokens_generated - w.tokens)
-            delta.idle_s += max(0.0, st.idle_s - w.idle_s)
-            new = st.updates_applied - w.stalls_seen  # stall_ms holds the most recent ones only
-            delta.stalls_ms += list(st.stall_ms[-new:]) if new > 0 else []
-            delta.answered += 1
-            w.tokens, w.idle_s, w.stalls_seen = st.tokens_generated, st.idle_s, st.updates_applied
-        return delta
-
     def _log_step(self, reports: "list[RankStepReport]", clock: _Clock) -> None:
-        import ray
-
         now = time.perf_counter()
         step_wall = now - clock.last_step_end
         clock.last_step_end = now
-        wd = self._worker_deltas()
-        gen_idle = wd.idle_s / (step_wall * wd.answered) if wd.answered and step_wall > 0 else 0.0
-        buf = ray.get(self._buffer.stats.remote())
+        if self._stats is None:
+            self._stats = _StatsPoll(self._workers, self._buffer, clock.start)
+        self._stats.update()
+        rates, buf = self._stats.rates, self._stats.buffer
+        assert buf is not None
         res = [r.result for r in reports]
         lm = res[0].metrics
         m = StepMetrics(
             step=self.version, version=self.version, time_s=clock.since_start(),
             reward_mean=statistics.fmean(r.reward_mean for r in res),
-            tokens_per_s=wd.tokens / step_wall if step_wall > 0 else 0.0,
+            tokens_per_s=rates.tokens_per_s,
             lag_mean=statistics.fmean(r.lag.mean for r in res), lag_max=max(r.lag.max for r in res),
             evicted=sum(buf.evicted.values()), mismatch_kl=float(lm.mismatch_kl_k1),
             masked_frac=float(lm.masked_token_frac),
             mixed_version_frac=statistics.fmean(r.mixed_version_frac for r in res),
             trainer_idle_frac=min(1.0, max(r.wait_s for r in reports) / step_wall) if step_wall else 0.0,
-            weight_update_stall_ms=statistics.fmean(wd.stalls_ms) if wd.stalls_ms else 0.0,
+            weight_update_stall_ms=rates.stall_ms,
             step_time_s=step_wall, loss=float(res[0].loss), buffer_fill=buf.fill,
             completion_len_mean=sum(r.num_tokens for r in res) / max(1, sum(r.num_seqs for r in res)),
             entropy=statistics.fmean(r.entropy for r in res),
@@ -631,7 +685,7 @@ class Orchestrator:
                    "masked_seq_frac": float(lm.masked_seq_frac), "clipped_frac": float(lm.clipped_frac),
                    "train_step_s": float(res[0].step_time_s), "groups_lost": float(buf.admission.lost),
                    "worker_restarts": float(sum(w.restarts for w in self._workers)),
-                   "generator_idle_frac": min(1.0, gen_idle),
+                   "generator_idle_frac": rates.idle_frac,
                    # Wall clock, so a caller can measure from its own start (start-up included).
                    "unix_time_s": time.time()},
         )

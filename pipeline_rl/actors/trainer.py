@@ -225,6 +225,10 @@ class Trainer:
             model=self.model, model_parameters=[p for p in self.model.parameters() if p.requires_grad],
             config=deepspeed_config(cfg, world_size))
         self.zero_stage = cfg.trainer.zero_stage
+        if world_size == 1 and self.zero_stage == 0:
+            # One rank has nothing to all-reduce: DeepSpeed would still flatten, "reduce"
+            # and copy back every gradient at each step (a division by a world size of 1).
+            self.engine.enable_backward_allreduce = False
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.ref_model = self._load_model(self.model_dir).eval().requires_grad_(False).to(self.device) \
             if cfg.algorithm.kl_coef > 0 else None
