@@ -137,6 +137,32 @@ def test_acquire_can_wait_for_budget() -> None:
     assert (a.granted, a.version, a.min_version) == (2, 1, 1)
 
 
+def test_a_held_request_waits_without_blocking_its_caller() -> None:
+    """``request``: answered at once when there is room, else on the future once the
+    budget opens (the caller goes on meanwhile)."""
+    buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2)
+    assert buf.request(0, 2, timeout_s=5).result(timeout=0).granted == 2
+    held = buf.request(1, 2, timeout_s=5)
+    assert not held.done()
+    buf.set_version(1)
+    a = held.result(timeout=5)
+    assert (a.granted, a.min_version) == (2, 1)
+
+
+def test_a_request_held_for_a_lost_worker_grants_nothing() -> None:
+    """The worker died while its request waited: the budget that opens later must not
+    go to grants nobody will use (they would hold it forever)."""
+    buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2)
+    assert buf.acquire(0, 2).granted == 2
+    held = buf.request(1, 2, timeout_s=5)
+    time.sleep(0.05)
+    buf.worker_lost(1)
+    assert held.result(timeout=5).granted == 0
+    buf.set_version(1)
+    assert buf.stats().admission.outstanding == 2          # worker 0's, nothing for worker 1
+    assert buf.acquire(1, 2).granted == 2                   # the restarted worker is served
+
+
 def test_evicted_groups_return_their_budget() -> None:
     buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2)
     assert buf.acquire(0, 5).granted == 2

@@ -121,6 +121,7 @@ class ReplayBuffer:
         # worker -> deadlines of its grants not yet received, ascending (a grant's
         # deadline: the last trainer version its group can be trained at).
         self._outstanding: dict[int, list[int]] = {}
+        self._lives: dict[int, int] = {}   # per worker: how many times it was declared lost
         self._granted = self._lost = self._unadmitted = 0
         self._c = _Counters()
         self._closed = False
@@ -192,8 +193,14 @@ class ReplayBuffer:
             raise ValueError(f"max_groups must be >= 0, got {max_groups}")
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            self._wait_locked(lambda: self._room_locked() > 0 or max_groups == 0, deadline, None)
+            # A request held here when its worker is declared lost grants nothing: its
+            # answer would reach no one, and the grants would hold budget forever.
+            life = self._lives.get(worker_id, 0)
+            self._wait_locked(lambda: self._room_locked() > 0 or max_groups == 0
+                              or self._lives.get(worker_id, 0) != life, deadline, None)
             granted = max(0, min(max_groups, self._room_locked()))
+            if self._lives.get(worker_id, 0) != life:
+                granted = 0
             used_after = self._used_locked() + granted
             # The last granted group is trained at version >= step_of_last; it must
             # then have lag <= staleness.
@@ -244,6 +251,7 @@ class ReplayBuffer:
         with self._lock:
             refund = len(self._outstanding.pop(worker_id, []))
             self._lost += refund
+            self._lives[worker_id] = self._lives.get(worker_id, 0) + 1
             self._changed.notify_all()
             return refund
 
