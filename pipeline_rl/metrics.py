@@ -31,9 +31,11 @@ class StepMetrics:
     ``mixed_version_frac``: fraction of the batch's completions whose tokens
     come from two or more policy versions; ``trainer_idle_frac``: the share of
     this step's wall time the trainer spent waiting for a batch;
-    ``weight_update_stall_ms``: mean time a rollout worker's engine stood still
-    per weight update since the previous step (0 when none was applied);
-    ``evicted``: groups dropped as stale so far (cumulative); ``entropy``: the policy's
+    ``tokens_per_s`` and ``weight_update_stall_ms`` (mean time a rollout worker's
+    engine stood still per weight update) are the workers' figures over the last
+    completed statistics window (polled at most every 0.25 s, so several short
+    steps share one window), and ``buffer_fill`` and ``evicted`` the buffer's last
+    snapshot; ``evicted``: groups dropped as stale so far (cumulative); ``entropy``: the policy's
     per-token entropy on the batch's sampled tokens (mean ``-log π``, nats; a collapse
     towards 0 means the policy stopped exploring).
     """
