@@ -245,6 +245,12 @@ class SyncWorker:
             raise ValueError("finish_weight_update needs the version of the weights")
         self._take("finish_weight_update", self._engine.finish_weight_update, int(weight_version))
 
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
+        """The trainer's one call per update: the three above in order (each timed)."""
+        from pipeline_rl.actors.weight_transfer import receive_in_one_call
+
+        return receive_in_one_call(self, update_info, weight_version)
+
     # -- driver ----------------------------------------------------------------------------
     def wait_generating(self, min_tokens: int, timeout_s: float) -> bool:
         """Block until the loop generated ``min_tokens`` tokens (steady state)."""
