@@ -208,7 +208,6 @@ class Orchestrator:
         self._trainers: list[ActorHandle] = []
         self._workers: list[_WorkerState] = []
         self._logger: MetricsLogger | None = None
-        self._stats: _StatsPoll | None = None
         self._buffer_watch: "ObjectRef[str | None] | None" = None
         self._watchdog = Watchdog(cfg.watchdog_s)
         self._last_checkpoint_t = time.monotonic()
@@ -412,6 +411,7 @@ class Orchestrator:
     def train(self) -> list[StepMetrics]:
         """Run steps until ``max_steps`` (or a stop request); checkpoint; print a summary."""
         clock = _Clock()
+        stats = _StatsPoll(self._workers, self._buffer, clock.start)
         first_step = self.version
         evals = Evaluations(self.cfg.eval, clock.since_start)
         if evals.enabled and self.version < self.cfg.max_steps:
@@ -428,7 +428,7 @@ class Orchestrator:
             save = self._checkpoint_due() and self.version < self.cfg.max_steps
             between = save or evals.due(self.version)
             refs = self._submit_step() if self._more_steps() and not between else None
-            self._log_step(reports, clock)
+            self._log_step(reports, clock, stats)
             self._evaluate(evals, final=False)
             if save:
                 self.checkpoint()
@@ -657,14 +657,12 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ metrics / checkpoints
 
-    def _log_step(self, reports: "list[RankStepReport]", clock: _Clock) -> None:
+    def _log_step(self, reports: "list[RankStepReport]", clock: _Clock, stats: _StatsPoll) -> None:
         now = time.perf_counter()
         step_wall = now - clock.last_step_end
         clock.last_step_end = now
-        if self._stats is None:
-            self._stats = _StatsPoll(self._workers, self._buffer, clock.start)
-        self._stats.update()
-        rates, buf = self._stats.rates, self._stats.buffer
+        stats.update()
+        rates, buf = stats.rates, stats.buffer
         assert buf is not None
         res = [r.result for r in reports]
         lm = res[0].metrics

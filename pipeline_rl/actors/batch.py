@@ -34,6 +34,7 @@ per-token tensors have length ``L - 1`` ("target" positions ``j = i``, predictin
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ import torch
 from pipeline_rl.samples import Group
 
 
-class _Counts:
+class _Counts(ABC):
     """What both layouts derive alike from their ``mask`` [B, *] and ``num_slots``."""
 
     __slots__ = ()
@@ -51,8 +52,9 @@ class _Counts:
     num_real_tokens: int
 
     @property
+    @abstractmethod
     def num_slots(self) -> int:
-        raise NotImplementedError
+        """Token slots the layout's forward passes run (real and padding)."""
 
     @property
     def num_seqs(self) -> int:

@@ -149,7 +149,7 @@ class CpuEngine(GenerationEngine):
         self._shadow = _make_shadow(self._model()) if staged else None
         self._stage_lock = threading.Lock()  # guards the shadow and the staged version
         self._staged: CheckedUpdate | None = None
-        self._tasks: Any = None  # the model's supported tasks, asked once
+        self._tasks = self._llm.get_supported_tasks()  # what add_copies processes a prompt for
 
     # -- GenerationEngine -------------------------------------------------------------
     def add(self, request: GenRequest) -> None:
@@ -166,8 +166,6 @@ class CpuEngine(GenerationEngine):
             super().add_copies(request_ids, prompt_ids, sampling)
             return
         llm = self._llm
-        if self._tasks is None:
-            self._tasks = llm.get_supported_tasks()
         base = llm.input_processor.process_inputs(
             request_ids[0], {"prompt_token_ids": list(prompt_ids)}, sampling_params(sampling),
             supported_tasks=self._tasks)

@@ -117,10 +117,10 @@ class ActorClient:
     def __init__(self, actor: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._actor, self._timeout_s = actor, timeout_s
 
-    def _call(self, method: str, *args: Any) -> None:
+    def _call(self, method: str, *args: Any) -> Any:
         import ray
 
-        ray.get(getattr(self._actor, method).remote(*args), timeout=self._timeout_s)
+        return ray.get(getattr(self._actor, method).remote(*args), timeout=self._timeout_s)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._call("init_weight_transfer_engine", init_info)
@@ -135,11 +135,7 @@ class ActorClient:
         self._call("finish_weight_update", weight_version)
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        import ray
-
-        finish_s: float = ray.get(self._actor.receive_update.remote(update_info, weight_version),
-                                  timeout=self._timeout_s)
-        return finish_s
+        return float(self._call("receive_update", update_info, weight_version))
 
 
 def _key(worker: object) -> str:

@@ -586,8 +586,7 @@ def shared_prompt_logp(model: Any, mb: SharedPromptBatch, temperature: float) ->
         rest = model(input_ids=ids[:, :-1], past_key_values=cache, attention_mask=attention,
                      position_ids=positions, use_cache=True).logits                   # [B, T-1, V]
         logits = torch.cat([logits, rest], dim=1)                                    # [B, T, V]
-    scaled = logits.float() / temperature                                            # [B, T, V]
-    return scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # [B, T]
+    return _target_logp(logits, ids, temperature)                                     # [B, T]
 
 
 def _sharing_check_groups(vocab_size: int) -> list[Group]:
@@ -603,9 +602,13 @@ def _sharing_check_groups(vocab_size: int) -> list[Group]:
 
 def _logp_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) of the next token: logits [B, L, V], input_ids [B, L] -> [B, L-1]."""
-    scaled = logits[:, :-1].float() / temperature                                   # [B, L-1, V]
-    targets = input_ids[:, 1:].unsqueeze(-1)                                        # [B, L-1, 1]
-    return scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # [B, L-1]
+    return _target_logp(logits[:, :-1], input_ids[:, 1:], temperature)             # [B, L-1]
+
+
+def _target_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at ``targets``: logits [B, N, V], targets [B, N] -> [B, N]."""
+    scaled = logits.float() / temperature                                            # [B, N, V]
+    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -43,23 +43,22 @@ model while generation goes on, so its stall is a pointer swap.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError
+from pipeline_rl.supervision import in_daemon_thread
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 #: The name this project's backend is registered under with vLLM's factory (vLLM's own
 #: backends need CUDA; this one is used on every device for now, see ``engine_async``).
@@ -312,21 +311,6 @@ class SendTiming:
     @property
     def total_s(self) -> float:
         return self.transfer_s + self.finish_s
-
-
-def in_daemon_thread(fn: Callable[..., _T], *args: Any) -> "Future[_T]":
-    """Run ``fn`` on a daemon thread (one a blocked peer can never keep the process
-    alive with, unlike an executor's); its result or error lands in the future."""
-    future: Future[_T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            future.set_exception(e)
-
-    threading.Thread(target=run, name=f"weights-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return future
 
 
 class GlooTrainerWeightTransfer:

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 from pipeline_rl.buffer.types import Admission, AdmissionStats, BufferStats, _Counters
 from pipeline_rl.samples import Group
+from pipeline_rl.supervision import in_daemon_thread
 
 # How long a step waits for a straggler at its deadline before it is assembled
 # without it (the straggler is then evicted when it arrives). A worker's death
@@ -196,11 +197,12 @@ class ReplayBuffer:
             # A request held here when its worker is declared lost grants nothing: its
             # answer would reach no one, and the grants would hold budget forever.
             life = self._lives.get(worker_id, 0)
-            self._wait_locked(lambda: self._room_locked() > 0 or max_groups == 0
-                              or self._lives.get(worker_id, 0) != life, deadline, None)
-            granted = max(0, min(max_groups, self._room_locked()))
-            if self._lives.get(worker_id, 0) != life:
-                granted = 0
+
+            def lost() -> bool:
+                return self._lives.get(worker_id, 0) != life
+
+            self._wait_locked(lambda: self._room_locked() > 0 or max_groups == 0 or lost(), deadline, None)
+            granted = 0 if lost() else max(0, min(max_groups, self._room_locked()))
             used_after = self._used_locked() + granted
             # The last granted group is trained at version >= step_of_last; it must
             # then have lag <= staleness.
@@ -217,20 +219,12 @@ class ReplayBuffer:
         """:meth:`acquire` without blocking the caller (a worker in this process): the
         answer is on the future at once when there is room (or ``timeout_s`` is 0), else
         a helper thread waits in :meth:`acquire` and puts it there."""
-        future: Future[Admission] = Future()
         now = self.acquire(worker_id, max_groups)
         if now.granted or timeout_s <= 0:
+            future: Future[Admission] = Future()
             future.set_result(now)
             return future
-
-        def wait() -> None:
-            try:
-                future.set_result(self.acquire(worker_id, max_groups, timeout_s))
-            except BaseException as e:  # noqa: BLE001 -- handed to the caller
-                future.set_exception(e)
-
-        threading.Thread(target=wait, name=f"admission-{worker_id}", daemon=True).start()
-        return future
+        return in_daemon_thread(self.acquire, worker_id, max_groups, timeout_s)
 
     def release(self, worker_id: int, count: int) -> int:
         """A live worker gives back ``count`` grants it will not use (e.g. it is
