@@ -296,12 +296,13 @@ class Orchestrator:
             # auth mode.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             cpus = self._local_cpus()
-            from pipeline_rl.ray_start import prompt_node_wait
+            from pipeline_rl.ray_start import FAST_CONNECT, prompt_node_wait
 
             with prompt_node_wait():
                 ctx = ray.init(num_cpus=cpus, include_dashboard=False,
                                object_store_memory=cfg.ray.object_store_mb * 2**20,
-                               runtime_env=self._runtime_env(), logging_level=self._ray_logging_level())
+                               runtime_env=self._runtime_env(), logging_level=self._ray_logging_level(),
+                               _system_config=dict(FAST_CONNECT))
             self._started_ray = True
             say(f"Ray: started locally with {cpus} CPUs")
             self._ray_session_dir = getattr(ctx, "address_info", {}).get("session_dir")
