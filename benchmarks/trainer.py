@@ -124,7 +124,8 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
     import torch
 
     from pipeline_rl.actors.publish import WeightPublisher
-    from pipeline_rl.actors.trainer import RankStep, RankStepReport, Trainer
+    from pipeline_rl.actors.reports import RankStepReport
+    from pipeline_rl.actors.trainer import RankStep, Trainer
     from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.models.builtin import build_tiny_model
 

@@ -53,7 +53,7 @@ from pipeline_rl.supervision import Watchdog, cause_of, describe_failure, first_
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from pipeline_rl.actors.trainer import RankStepReport
+    from pipeline_rl.actors.reports import RankStepReport
     from pipeline_rl.buffer.types import BufferStats
 
 log = logging.getLogger("pipeline_rl.orchestrator")
@@ -72,15 +72,6 @@ _EVAL_FINAL_TIMEOUT_S = 300.0  # the end-of-run evaluation must finish by then
 def say(line: str) -> None:
     """One progress line on the console (start-up phases), as the step lines are."""
     print(line, file=sys.stderr, flush=True)
-
-
-def _warm_tensorboard() -> None:
-    """Import TensorBoard's writer (and torch under it: seconds) while the actors start,
-    instead of between the last actor being ready and the first step."""
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except Exception:  # noqa: BLE001 - the logger imports it again and reports any error
-        pass
 
 
 class OrchestratorError(RuntimeError):
@@ -238,17 +229,18 @@ class Orchestrator:
 
         cfg = self.cfg
         self._init_ray()
-        threading.Thread(target=_warm_tensorboard, name="warm-imports", daemon=True).start()
         buffer_name = f"pipeline_rl_buffer_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         buffer_cls, rollout_cls, trainer_cls = remote_classes(
             cfg, ray.get_runtime_context().get_node_id(), buffer_name)
         multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
         host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
-        self._buffer = buffer_cls.remote(cfg, host, self._resume_version())
-        # The buffer, the workers (vLLM) and the trainers (DeepSpeed) start at once: the workers
-        # ask the buffer for its address themselves, so no phase waits for another to begin.
+        # The workers (vLLM), the buffer and the trainers (DeepSpeed) start at once: the workers
+        # find the buffer by its name and ask for its address themselves, so no phase waits
+        # for another to begin. The workers come first: their start is the longest (vLLM's
+        # imports), and Ray hands its pre-started processes to the first actors asking.
         self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, buffer_name))
                          for i in range(cfg.rollout.num_workers)]
+        self._buffer = buffer_cls.remote(cfg, host, self._resume_version())
         self._trainers = self._create_trainers(trainer_cls)
         address = self._wait([self._buffer.address.remote()], "the replay buffer to bind its socket",
                              "replay buffer")[0]
@@ -270,13 +262,14 @@ class Orchestrator:
         logs = "" if cfg.log_level == "debug" else f"; actor logs in {self.out / 'logs'}"
         say(f"training: {cfg.max_steps} steps at staleness {cfg.staleness}{logs}")
 
-    def _runtime_env(self) -> dict[str, Any]:
+    def _actor_env(self) -> dict[str, str]:
+        """The environment variables every actor process starts with."""
         from pipeline_rl.actors.process import ACTOR_ENV
 
         env = dict(ACTOR_ENV)
         if os.environ.get(FAULT_ENV):
             env[FAULT_ENV] = os.environ[FAULT_ENV]
-        return {"env_vars": env}
+        return env
 
     def _init_ray(self) -> None:
         """Join the cluster Ray the config names (or the one an embedding program
@@ -288,7 +281,7 @@ class Orchestrator:
         if ray.is_initialized():  # an embedding program (a test, a notebook) owns Ray
             pass
         elif cfg.ray.address:
-            ray.init(address=cfg.ray.address, runtime_env=self._runtime_env(), log_to_driver=True,
+            ray.init(address=cfg.ray.address, runtime_env={"env_vars": self._actor_env()}, log_to_driver=True,
                      logging_level=self._ray_logging_level())
             say(f"Ray: joined the cluster at {cfg.ray.address}")
         else:
@@ -296,13 +289,11 @@ class Orchestrator:
             # auth mode.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             cpus = self._local_cpus()
-            from pipeline_rl.ray_start import FAST_CONNECT, prompt_node_wait
+            from pipeline_rl.ray_start import start_local
 
-            with prompt_node_wait():
-                ctx = ray.init(num_cpus=cpus, include_dashboard=False,
-                               object_store_memory=cfg.ray.object_store_mb * 2**20,
-                               runtime_env=self._runtime_env(), logging_level=self._ray_logging_level(),
-                               _system_config=dict(FAST_CONNECT))
+            ctx = start_local(num_cpus=cpus, object_store_mb=cfg.ray.object_store_mb,
+                              env=self._actor_env(), logging_level=self._ray_logging_level(),
+                              dashboard=cfg.ray.dashboard)
             self._started_ray = True
             say(f"Ray: started locally with {cpus} CPUs")
             self._ray_session_dir = getattr(ctx, "address_info", {}).get("session_dir")

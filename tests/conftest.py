@@ -36,9 +36,8 @@ def ray_local() -> Iterator[None]:
     import ray
 
     from pipeline_rl.actors.process import ACTOR_ENV
-    from pipeline_rl.ray_start import FAST_CONNECT
+    from pipeline_rl.ray_start import start_local
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
-             runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False, _system_config=dict(FAST_CONNECT))
+    start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30, log_to_driver=False)
     yield
     ray.shutdown()

@@ -107,3 +107,23 @@ def test_files_named_in_the_repository_exist() -> None:
             if not (root / m.group(1)).exists():
                 missing.append(f"{rel}: {m.group(1)}")
     assert not missing, "named but not in the repository: " + "; ".join(sorted(set(missing)))
+
+
+def test_the_driver_never_imports_torch() -> None:
+    """The driver's modules, and unpickling a trainer's step report (what the driver does
+    every step), import no torch, vLLM or DeepSpeed: a second of a core the driver would
+    take from the actors while they start."""
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, sys\n"
+        "from pipeline_rl.actors.reports import LagStats, LossMetrics, RankStepReport, StepResult\n"
+        "import pipeline_rl.cli, pipeline_rl.driver, pipeline_rl.metrics, pipeline_rl.orchestrator\n"
+        "m = LossMetrics(*([0.0] * 23), all_masked=False)\n"
+        "r = StepResult(1, 0.0, m, 0.1, 8, 4, 1, 1, LagStats(0.0, 0, (1,), 0.0), 0.0, 0.5, 0.0, None)\n"
+        "assert pickle.loads(pickle.dumps(RankStepReport(r, 0.0, 0.0, 0.1))).result.version == 1\n"
+        "print(sorted({'torch', 'vllm', 'deepspeed'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,10 +1,13 @@
 """pipeline_rl/ray_start.py: the prompt wait for the raylet's registration patches Ray's
-node lookup only inside its block and falls back to Ray's own wait on any error (every
-local run of the suite starts Ray through it)."""
+node lookup only inside its block and falls back to Ray's own wait on any error; the lean
+head and the actors' environment hold only inside theirs (every local run of the suite
+starts Ray through :func:`start_local`)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import os
 
 import pytest
 
@@ -44,3 +47,21 @@ def test_patch_is_scoped_and_falls_back_to_rays_wait(monkeypatch: pytest.MonkeyP
         assert services.get_node is not rays_own
         assert services.get_node("gcs:1", "ab") == {"NodeID": "ab"}
     assert services.get_node is rays_own and calls == [("gcs:1", "ab")]
+
+
+def test_lean_head_is_scoped() -> None:
+    from ray._private.node import Node
+
+    api, monitor = Node.start_api_server, Node.start_monitor
+    with ray_start.lean_head():
+        assert Node.start_api_server is not api and Node.start_monitor is not monitor
+        assert Node.start_monitor(object()) is None   # starts nothing
+    assert Node.start_api_server is api and Node.start_monitor is monitor
+
+
+def test_environment_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPELINE_RL_TEST_KEEP", "before")
+    monkeypatch.delenv("PIPELINE_RL_TEST_NEW", raising=False)
+    with ray_start.environment({"PIPELINE_RL_TEST_KEEP": "during", "PIPELINE_RL_TEST_NEW": "1"}):
+        assert os.environ["PIPELINE_RL_TEST_KEEP"] == "during" and os.environ["PIPELINE_RL_TEST_NEW"] == "1"
+    assert os.environ["PIPELINE_RL_TEST_KEEP"] == "before" and "PIPELINE_RL_TEST_NEW" not in os.environ

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline_rl.actors.reports import LagStats
 from pipeline_rl.samples import Group
 
 
@@ -252,21 +253,6 @@ def _pad_shared(rows: Sequence[_Row], pad_id: int) -> SharedPromptBatch:
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         index=torch.tensor([r.index for r in rows], dtype=torch.int64),
         num_real_tokens=sum(prompts[g].shape[0] for g in groups) + sum(r.tokens.shape[0] for r in rows))
-
-
-@dataclass(frozen=True, slots=True)
-class LagStats:
-    """Staleness of a batch when the trainer takes it (docs/design.md section 2).
-
-    Per completion: lag = trainer version - oldest token version (completions without tokens are
-    left out). ``hist[k]`` counts completions with lag ``k``. ``mixed_version_frac``: fraction of
-    completions whose tokens came from more than one policy version (spanned an in-flight update).
-    """
-
-    mean: float
-    max: int
-    hist: tuple[int, ...]
-    mixed_version_frac: float
 
 
 def lag_stats(groups: Sequence[Group], trainer_version: int) -> LagStats:

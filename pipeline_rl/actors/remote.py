@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from pipeline_rl.actors.evaluation import EvalRequest, EvalResult
     from pipeline_rl.actors.publish import WeightPublisher
     from pipeline_rl.actors.rollout_worker import WorkerStats
-    from pipeline_rl.actors.trainer import RankStep, RankStepReport, Trainer
+    from pipeline_rl.actors.reports import RankStepReport
+    from pipeline_rl.actors.trainer import RankStep, Trainer
     from pipeline_rl.buffer.types import Admission, BufferStats
     from pipeline_rl.samples import Group
 

@@ -50,52 +50,25 @@ import numpy as np
 import torch
 
 from pipeline_rl.actors.batch import (
-    AnyMicroBatch, LagStats, MicroBatch, SharedPromptBatch, build_micro_batches, build_shared_prompt_batches,
+    AnyMicroBatch, MicroBatch, SharedPromptBatch, build_micro_batches, build_shared_prompt_batches,
     lag_stats,
 )
 from pipeline_rl.actors.checkpoint import (
     DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, checkpoint_name, copy_tokenizer_files,
     load_rng, partial_dir, publish_dir, read_run_state, save_rng, write_run_state,
 )
+from pipeline_rl.actors.reports import LossMetrics, RankStepReport, StepResult
 from pipeline_rl.actors.publish import WeightPublisher, gather_weights
 from pipeline_rl.actors.weights import WeightUpdate
 from pipeline_rl.config import Config
 from pipeline_rl.net import free_port
 from pipeline_rl.correction.advantages import compute_advantages
-from pipeline_rl.correction.loss import LossMetrics, PolicyBatch, loss_normalizer, policy_loss, warm_up
+from pipeline_rl.correction.loss import PolicyBatch, loss_normalizer, policy_loss, warm_up
 from pipeline_rl.samples import Completion, Group
 
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What one :meth:`Trainer.step` did (this rank's view; ``loss`` is the global batch loss).
-
-    ``version``: policy version after the step; ``num_tokens``: completion tokens in this rank's
-    share; ``lag``: staleness of the batch measured against the version that consumed it;
-    ``pad_frac``: padding share of the micro-batch inputs; ``grad_norm``: before clipping
-    (None when DeepSpeed does not report it); ``entropy``: mean of ``-log π`` over this
-    rank's completion tokens under the policy at the start of the step (the Monte Carlo
-    estimate of the policy's per-token entropy on what it sampled, in nats).
-    """
-
-    version: int
-    loss: float
-    metrics: LossMetrics
-    step_time_s: float
-    num_tokens: int
-    num_seqs: int
-    num_groups: int
-    num_micro_batches: int
-    lag: LagStats
-    mixed_version_frac: float
-    reward_mean: float
-    pad_frac: float
-    grad_norm: float | None
-    entropy: float = 0.0
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
@@ -623,22 +596,6 @@ class BatchSource(Protocol):
                   rank: int = 0) -> list[Group] | None: ...
 
     def set_version(self, version: int) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RankStepReport:
-    """What one rank did in one pipeline step.
-
-    ``wait_s``: blocked waiting for the batch (the trainer's idle time); ``publish_s``:
-    copying the weights out and handing them to the publisher (on the training thread);
-    ``wall_s``: the whole step, wait included, so ``sum(wait_s) / sum(wall_s)`` is the
-    idle fraction of any window.
-    """
-
-    result: StepResult
-    wait_s: float
-    publish_s: float
-    wall_s: float
 
 
 class RankStep:

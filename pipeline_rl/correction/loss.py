@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline_rl.actors.reports import LossMetrics
 from pipeline_rl.config import AlgorithmConfig, CorrectionConfig
 from pipeline_rl.correction import fused
 from pipeline_rl.correction.weights import CORRECTIONS, RATIO_LOG_CLAMP, LogRatio, usable
@@ -67,81 +68,6 @@ class PolicyBatch:
     advantages: Tensor               # [B]
     prox_logp: Tensor | None = None  # [B, T] π_prox (PPO); None = logp detached
     ref_logp: Tensor | None = None   # [B, T] reference policy (KL penalty)
-
-
-@dataclass
-class LossMetrics:
-    """Diagnostics of one policy_loss call (plain Python numbers; see ``as_dict``).
-
-    Token statistics run over *valid* tokens (in the mask, finite log-probs);
-    ratios are ``π/μ`` (``π_prox/μ`` for PPO). ``ess = (Σw)² / (n Σw²)`` over valid
-    tokens (1 = uniform weights, 0 = no weight left).
-    """
-
-    loss: float                # total loss value (policy + KL penalty)
-    pg_loss: float             # policy-gradient term
-    kl_ref: float              # KL-to-reference term, before kl_coef (0 when off)
-    mismatch_kl_k1: float      # mean(logμ - logπ)
-    mismatch_kl_k3: float      # mean(ρ - 1 - log ρ), ρ = π/μ
-    masked_token_frac: float   # mask tokens given weight 0 (by the method or non-finite)
-    masked_seq_frac: float     # non-empty sequences with no token left
-    clipped_frac: float        # valid tokens whose weight hit the cap (tis, seq-mask-tis)
-    ppo_clipped_frac: float    # valid tokens on the clipped PPO branch (0 for reinforce)
-    ess: float
-    ratio_mean: float
-    ratio_max: float
-    ratio_min: float
-    adv_mean: float
-    adv_std: float
-    num_tokens: float          # mask tokens
-    num_valid_tokens: float
-    nonfinite_tokens: float    # mask tokens dropped for a non-finite log-prob
-    num_seqs: float            # non-empty sequences
-    num_rows: float            # B
-    weight_sum: float          # Σw (for merging micro-batches)
-    weight_sq_sum: float       # Σw²
-    normalizer: float          # N used
-    all_masked: bool           # no valid token: loss 0, gradient 0
-
-    def as_dict(self) -> dict[str, float]:
-        """Flat ``name -> float`` for logging (``all_masked`` as 0/1)."""
-        return {k: float(v) for k, v in asdict(self).items()}
-
-    @staticmethod
-    def merge(parts: Sequence["LossMetrics"]) -> "LossMetrics":
-        """Combine the metrics of the micro-batches of one step (losses add up when they
-        shared the full-batch normaliser; means are re-weighted by their counts)."""
-        if not parts:
-            raise ValueError("LossMetrics.merge: no parts")
-
-        def wmean(field: str, by: str) -> float:
-            tot = sum(getattr(p, by) for p in parts)
-            return sum(getattr(p, field) * getattr(p, by) for p in parts) / tot if tot else 0.0
-
-        valid = sum(p.num_valid_tokens for p in parts)
-        rows = sum(p.num_rows for p in parts)
-        adv_mean = wmean("adv_mean", "num_rows")
-        adv_sq = sum((p.adv_std ** 2 + p.adv_mean ** 2) * p.num_rows for p in parts) / max(rows, 1.0)
-        w_sum = sum(p.weight_sum for p in parts)
-        w_sq = sum(p.weight_sq_sum for p in parts)
-        return LossMetrics(
-            loss=sum(p.loss for p in parts), pg_loss=sum(p.pg_loss for p in parts),
-            kl_ref=sum(p.kl_ref for p in parts),
-            mismatch_kl_k1=wmean("mismatch_kl_k1", "num_valid_tokens"),
-            mismatch_kl_k3=wmean("mismatch_kl_k3", "num_valid_tokens"),
-            masked_token_frac=wmean("masked_token_frac", "num_tokens"),
-            masked_seq_frac=wmean("masked_seq_frac", "num_seqs"),
-            clipped_frac=wmean("clipped_frac", "num_valid_tokens"),
-            ppo_clipped_frac=wmean("ppo_clipped_frac", "num_valid_tokens"),
-            ess=w_sum * w_sum / (valid * w_sq) if w_sq > 0 else 0.0,
-            ratio_mean=wmean("ratio_mean", "num_valid_tokens") if valid else 1.0,
-            ratio_max=max(p.ratio_max for p in parts), ratio_min=min(p.ratio_min for p in parts),
-            adv_mean=adv_mean, adv_std=math.sqrt(max(adv_sq - adv_mean ** 2, 0.0)),
-            num_tokens=sum(p.num_tokens for p in parts), num_valid_tokens=valid,
-            nonfinite_tokens=sum(p.nonfinite_tokens for p in parts),
-            num_seqs=sum(p.num_seqs for p in parts), num_rows=rows,
-            weight_sum=w_sum, weight_sq_sum=w_sq, normalizer=parts[0].normalizer,
-            all_masked=all(p.all_masked for p in parts))
 
 
 def loss_normalizer(mask: Tensor, algo: AlgorithmConfig) -> float:
