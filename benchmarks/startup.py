@@ -7,7 +7,7 @@ Two measurements, each in fresh processes on an otherwise idle machine:
    driver prints (Ray, buffer, trainer, workers, training) and of the first step's line,
    from the command.
 2. **The pieces alone**, one process at a time on an idle core: ``import ray`` plus
-   ``ray.init`` of a local Ray; ``import deepspeed``; ``import vllm``; building the rollout
+   the start of a local Ray as the command starts it (``ray_start.start_local``); ``import deepspeed``; ``import vllm``; building the rollout
    worker's vLLM engine (``CpuEngine``: the rest of vLLM's imports, the model, the KV cache)
    after ``import vllm``.
 
@@ -40,8 +40,9 @@ PHASES = (("ray", "Ray:"), ("buffer", "buffer:"), ("trainer", "trainer:"), ("wor
           ("training", "training:"), ("first_step", "step    1 "))
 
 _PIECES = {
-    "ray_init": "import os; os.environ['RAY_AUTH_MODE']='disabled'; import ray; "
-                "ray.init(num_cpus=2, include_dashboard=False, logging_level=30)",
+    "ray_init": "import os; os.environ['RAY_AUTH_MODE']='disabled'; "   # as the command starts it
+                "from pipeline_rl.actors.process import ACTOR_ENV; from pipeline_rl.ray_start import start_local; "
+                "start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30)",
     "import_deepspeed": "import deepspeed",
     "import_vllm": "import vllm",
     "vllm_engine": "import vllm; t = time.perf_counter(); "   # its build after ``import vllm``
