@@ -270,9 +270,9 @@ class RayConfig(Section):
                                 "HOST:6379). Unset: start a local Ray.")
     num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray (default: all).")
     object_store_mb: int = Field(200, ge=64, description="Object store size for a local Ray (MiB).")
-    dashboard: bool = Field(False, description="Start a local Ray with its dashboard API server and "
-                            "autoscaler monitor (web UI, `ray status`, job and state APIs): about "
-                            "0.6 s more start-up on 2 cores.")
+    dashboard: bool = Field(False, description="Start a local Ray with its dashboard process (job and "
+                            "state APIs; the web UI needs ray[default]) and autoscaler monitor "
+                            "(`ray status`): about 0.6 s more start-up on 2 cores.")
     rollout_resource: str | None = Field(None, description="Custom Ray resource every rollout worker "
                                          "needs (places workers on the nodes that declare it).")
     trainer_resource: str | None = Field(None, description="Custom Ray resource every trainer rank "
