@@ -4,6 +4,7 @@ per-run summaries read back from ``metrics.jsonl``."""
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import statistics
@@ -76,8 +77,10 @@ def start_ray(address: str | None = None, env: dict[str, str] | None = None, *,
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
         return
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, object_store_memory=object_store_bytes,
-             runtime_env=runtime_env, log_to_driver=log_to_driver)
+    from pipeline_rl.ray_start import start_local   # as the command starts its local Ray
+
+    start_local(num_cpus=os.cpu_count() or 2, object_store_mb=-(-object_store_bytes // 2**20),
+                env=runtime_env["env_vars"], logging_level=logging.WARNING, log_to_driver=log_to_driver)
 
 
 def stop_ray() -> None:
