@@ -291,9 +291,10 @@ class Orchestrator:
             cpus = self._local_cpus()
             from pipeline_rl.ray_start import start_local
 
+            # The actors' output goes to their log files, or to this console with --log-level debug.
             ctx = start_local(num_cpus=cpus, object_store_mb=cfg.ray.object_store_mb,
                               env=self._actor_env(), logging_level=self._ray_logging_level(),
-                              dashboard=cfg.ray.dashboard)
+                              log_to_driver=cfg.log_level == "debug", dashboard=cfg.ray.dashboard)
             self._started_ray = True
             say(f"Ray: started locally with {cpus} CPUs")
             self._ray_session_dir = getattr(ctx, "address_info", {}).get("session_dir")

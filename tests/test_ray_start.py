@@ -52,11 +52,16 @@ def test_patch_is_scoped_and_falls_back_to_rays_wait(monkeypatch: pytest.MonkeyP
 def test_lean_head_is_scoped() -> None:
     from ray._private.node import Node
 
-    api, monitor = Node.start_api_server, Node.start_monitor
+    api, monitor, logs = Node.start_api_server, Node.start_monitor, Node.start_log_monitor
     with ray_start.lean_head():
         assert Node.start_api_server is not api and Node.start_monitor is not monitor
+        assert Node.start_log_monitor is not logs
         assert Node.start_monitor(object()) is None   # starts nothing
-    assert Node.start_api_server is api and Node.start_monitor is monitor
+    with ray_start.lean_head(dashboard=True, log_monitor=True):
+        assert (Node.start_api_server, Node.start_monitor, Node.start_log_monitor) == (api, monitor, logs)
+    with ray_start.lean_head(log_monitor=True):
+        assert Node.start_log_monitor is logs and Node.start_api_server is not api
+    assert (Node.start_api_server, Node.start_monitor, Node.start_log_monitor) == (api, monitor, logs)
 
 
 def test_environment_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
