@@ -48,7 +48,11 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
                                                          tmp_path: Path) -> None:
     import ray
 
-    cfg = _config(tiny_model_dir, tmp_path / "run", "--staleness", "2", "--max-steps", "10")
+    # 16 steps: the worker dies at step 3 or a few steps later (the steps of this tiny model
+    # are milliseconds), and the buffer's stock at staleness 2 covers at most 3 more steps,
+    # so the run can only finish by restarting the worker, which the last rows then count.
+    steps = 16
+    cfg = _config(tiny_model_dir, tmp_path / "run", "--staleness", "2", "--max-steps", str(steps))
     killed: list[int] = []
 
     def kill_worker_after_step_3(orch: Any) -> None:
@@ -60,10 +64,10 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
-            time.sleep(0.2)
+            time.sleep(0.01)
 
     rows = _run(cfg, kill_worker_after_step_3)
-    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         assert REQUIRED_KEYS <= r.keys()
         assert 0 <= r["lag_max"] <= 2
