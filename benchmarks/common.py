@@ -73,14 +73,14 @@ def start_ray(address: str | None = None, env: dict[str, str] | None = None, *,
 
     os.environ.update({k: v for k, v in ACTOR_ENV.items() if k not in os.environ})
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    runtime_env = {"env_vars": {**ACTOR_ENV, **(env or {})}}
+    env_vars = {**ACTOR_ENV, **(env or {})}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=log_to_driver)
+        ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=log_to_driver)
         return
     from pipeline_rl.ray_start import start_local   # as the command starts its local Ray
 
     start_local(num_cpus=os.cpu_count() or 2, object_store_mb=-(-object_store_bytes // 2**20),
-                env=runtime_env["env_vars"], logging_level=logging.WARNING, log_to_driver=log_to_driver)
+                env=env_vars, logging_level=logging.WARNING, log_to_driver=log_to_driver)
 
 
 def stop_ray() -> None:

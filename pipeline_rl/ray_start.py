@@ -97,8 +97,9 @@ def prompt_node_wait() -> Iterator[None]:
         services.get_node = original
 
 
-#: The processes :func:`lean_head` can leave out, by the ``Node`` method that starts each.
-_HEAD_EXTRAS = {"dashboard": ("start_api_server", "start_monitor"), "log_monitor": ("start_log_monitor",)}
+#: The ``Node`` methods that start the processes :func:`lean_head` can leave out.
+_DASHBOARD = ("start_api_server", "start_monitor")
+_LOG_MONITOR = ("start_log_monitor",)
 
 
 @contextlib.contextmanager
@@ -107,8 +108,7 @@ def lean_head(*, dashboard: bool = False, log_monitor: bool = False) -> Iterator
     monitor only if ``dashboard``, its log monitor (which streams the workers' output to
     the driver) only if ``log_monitor`` (see above); another Ray version without those
     methods starts as it would."""
-    skipped = [name for key, names in _HEAD_EXTRAS.items()
-               if not {"dashboard": dashboard, "log_monitor": log_monitor}[key] for name in names]
+    skipped = (() if dashboard else _DASHBOARD) + (() if log_monitor else _LOG_MONITOR)
     try:
         from ray._private.node import Node
 
