@@ -9,6 +9,9 @@ Who runs where (one CPU each on CPU machines; the buffer takes no CPU of its own
 - ``RolloutActor`` × ``rollout.num_workers``: vLLM engines, restarted by Ray
   when they die (``max_restarts=-1``).
 
+On one machine with a core for every worker and rank (CPU runs), each is pinned to
+a core of its own (``--ray.pin_cores``, :func:`pipeline_rl.resources.plan_cores`).
+
 Invariants the loop keeps: the trainer version only grows, one per step; every
 step's metrics are logged before the next step's are; a stop request (signal)
 is honoured between steps and within ``_POLL_S`` while waiting for one.
@@ -48,6 +51,7 @@ from pipeline_rl.faults import FAULT_ENV
 from pipeline_rl.evaluation import Evaluations
 from pipeline_rl.metrics import MetricsLogger, StepMetrics, read_evals, read_history, summary_table
 from pipeline_rl.net import free_port
+from pipeline_rl.resources import CorePlan, plan_cores
 from pipeline_rl.supervision import Watchdog, cause_of, describe_failure, first_line
 
 if TYPE_CHECKING:
@@ -232,16 +236,18 @@ class Orchestrator:
         buffer_name = f"pipeline_rl_buffer_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         buffer_cls, rollout_cls, trainer_cls = remote_classes(
             cfg, ray.get_runtime_context().get_node_id(), buffer_name)
-        multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
+        alive_nodes = len([n for n in ray.nodes() if n.get("Alive")])
+        multi_node = alive_nodes > 1
         host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
         # The workers (vLLM), the buffer and the trainers (DeepSpeed) start at once: the workers
         # find the buffer by its name and ask for its address themselves, so no phase waits
         # for another to begin. The workers come first: their start is the longest (vLLM's
         # imports), and Ray hands its pre-started processes to the first actors asking.
-        self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, buffer_name))
+        cores = self._plan_cores(alive_nodes=alive_nodes)
+        self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, buffer_name, cores.workers[i]))
                          for i in range(cfg.rollout.num_workers)]
         self._buffer = buffer_cls.remote(cfg, host, self._resume_version())
-        self._trainers = self._create_trainers(trainer_cls)
+        self._trainers = self._create_trainers(trainer_cls, cores)
         address = self._wait([self._buffer.address.remote()], "the replay buffer to bind its socket",
                              "replay buffer")[0]
         say(f"buffer: listening on {address}")
@@ -355,9 +361,20 @@ class Orchestrator:
         except CheckpointError as e:
             raise OrchestratorError(f"--resume: {e}") from None
 
-    def _create_trainers(self, trainer_cls: ActorHandle) -> list[ActorHandle]:
+    def _create_trainers(self, trainer_cls: ActorHandle, cores: CorePlan) -> list[ActorHandle]:
         n = self.cfg.trainer.num_ranks
-        return [trainer_cls.remote(self.cfg, self.model_dir, r, n, self._buffer) for r in range(n)]
+        return [trainer_cls.remote(self.cfg, self.model_dir, r, n, self._buffer, cores.ranks[r])
+                for r in range(n)]
+
+    def _plan_cores(self, *, alive_nodes: int) -> CorePlan:
+        """A core of its own for each worker and rank on one machine (``plan_cores``)."""
+        from pipeline_rl.actors.remote import uses_gpus
+
+        plan = plan_cores(self.cfg, alive_nodes=alive_nodes, on_gpus=uses_gpus(self.cfg))
+        if plan.pinned:
+            log.info("pinning each of %d rollout worker(s) and %d trainer rank(s) to a core of its own",
+                     len(plan.workers), len(plan.ranks))
+        return plan
 
     def _start_trainers(self, multi_node: bool) -> None:
         n = self.cfg.trainer.num_ranks

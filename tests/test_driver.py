@@ -116,3 +116,23 @@ def test_supervision_names_the_innermost_actor() -> None:
         dog.step_done(2.0)
     assert dog.bound_s() == 40.0  # 20 x the median step time, above the floor
 
+
+
+def test_core_plan_gives_each_worker_and_rank_a_core_of_its_own_on_one_cpu_machine() -> None:
+    """One slot per worker then per rank, all distinct, on one CPU machine; none on a
+    cluster of several nodes, on GPUs, or with --ray.pin_cores false."""
+    from pipeline_rl.resources import CoreSlot, plan_cores
+
+    cfg, _ = parse_config(["--rollout.num_workers", "2", "--trainer.num_ranks", "2",
+                           "--trainer.batch_size", "64"], check_cpu=False)
+    plan = plan_cores(cfg, alive_nodes=1, on_gpus=False)
+    assert plan.pinned
+    assert plan.workers == (CoreSlot(0, 4), CoreSlot(1, 4))
+    assert plan.ranks == (CoreSlot(2, 4), CoreSlot(3, 4))
+    for unpinned in (plan_cores(cfg, alive_nodes=2, on_gpus=False), plan_cores(cfg, alive_nodes=1, on_gpus=True),
+                     plan_cores(cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"pin_cores": False})}),
+                                alive_nodes=1, on_gpus=False)):
+        assert not unpinned.pinned
+        assert unpinned.workers == (None, None) and unpinned.ranks == (None, None)
+    with pytest.raises(ValueError, match="core slot 2 outside 0..1"):
+        CoreSlot(2, 2)

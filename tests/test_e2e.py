@@ -2,7 +2,8 @@
 
 One local Ray (2 CPUs) serves the module's runs. Checked: the metrics file and
 its keys, the lag bound, mixed-version samples under staleness >= 1, none
-under staleness 0, a killed rollout worker restarted mid-run, a resumable
+under staleness 0, the worker and the trainer pinned to a core each, a killed
+rollout worker restarted mid-run, a resumable
 checkpoint, and a clean shutdown (no actor process left).
 """
 
@@ -44,6 +45,21 @@ def _run(cfg: Config, during: Any = None) -> list[dict[str, Any]]:
     return read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
 
 
+def _actor_cores() -> dict[str, list[int]]:
+    """The CPUs each rollout worker's and trainer rank's process may run on, by class
+    (the test's run has one of each)."""
+    found: dict[str, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            for cls in ("RolloutActor", "TrainerActor"):
+                if cmd.startswith(f"ray::{cls}"):
+                    found[cls] = sorted(os.sched_getaffinity(int(pid)))
+        except OSError:   # the process ended meanwhile
+            continue
+    return found
+
+
 def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_model_dir: str,
                                                          tmp_path: Path) -> None:
     import ray
@@ -54,6 +70,7 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
     steps = 16
     cfg = _config(tiny_model_dir, tmp_path / "run", "--staleness", "2", "--max-steps", str(steps))
     killed: list[int] = []
+    cores: dict[str, list[int]] = {}
 
     def kill_worker_after_step_3(orch: Any) -> None:
         metrics = Path(cfg.out_dir) / "metrics.jsonl"
@@ -61,6 +78,7 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
         while time.time() < deadline:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
                 pid = ray.get(orch._workers[0].handle.pid.remote())
+                cores.update(_actor_cores())
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
@@ -72,6 +90,9 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
         assert REQUIRED_KEYS <= r.keys()
         assert 0 <= r["lag_max"] <= 2
     assert killed, "the worker was never killed"
+    if len(os.sched_getaffinity(0)) >= 2:   # one worker and one rank: a core each (--ray.pin_cores)
+        assert len(cores) == 2 and all(len(c) == 1 for c in cores.values()), cores
+        assert cores["RolloutActor"] != cores["TrainerActor"], cores
     assert rows[-1]["worker_restarts"] >= 1
     assert any(r["mixed_version_frac"] > 0 for r in rows), "no in-flight weight update seen"
     ckpt = Path(cfg.out_dir) / "checkpoints"

@@ -1,8 +1,35 @@
-"""Actor process helpers: the C-heap trimmer the rollout worker calls between engine steps."""
+"""Actor process helpers: the C-heap trimmer the rollout worker calls between engine steps,
+and pinning a process to its core."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
 from pipeline_rl.actors.process import HeapTrimmer
+
+_PIN = """
+import json, os, threading
+from pipeline_rl.actors.process import pin_to_core
+from pipeline_rl.resources import CoreSlot
+
+def affinities():
+    return sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
+
+n = len(os.sched_getaffinity(0))
+hold = threading.Event()
+before = threading.Thread(target=hold.wait); before.start()   # a thread started before pinning
+too_many = pin_to_core(CoreSlot(0, n + 1))
+unchanged = affinities()
+cpu = pin_to_core(CoreSlot(n - 1, n))
+after = threading.Thread(target=hold.wait); after.start()     # and one started after
+print(json.dumps({"too_many": too_many, "unchanged": unchanged, "cpu": cpu, "pinned": affinities()}))
+hold.set()
+"""
 
 
 def test_heap_trimmer_trims_at_most_once_per_interval() -> None:
@@ -29,3 +56,16 @@ def test_heap_trimmer_without_malloc_trim_is_a_no_op() -> None:
     trimmer._trim = None
     trimmer.maybe_trim()
     assert trimmer.trims == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+def test_pin_to_core_binds_every_thread_of_the_process_to_its_slot() -> None:
+    """Every thread, those started before the call and after it, runs on the slot's CPU
+    (the highest one for the last slot); more slots than CPUs pins nothing."""
+    allowed = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", _PIN], capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["too_many"] is None
+    assert got["unchanged"] == [allowed]
+    assert got["cpu"] == allowed[-1]
+    assert got["pinned"] == [[allowed[-1]]]

@@ -1,7 +1,9 @@
 """Process set-up shared by every actor process (buffer, rollout worker, trainer rank).
 
 - One thread per process and one process per core (on a 2-core machine a second
-  thread per process makes a training step 10-20x slower beside a busy neighbour).
+  thread per process makes a training step 10-20x slower beside a busy neighbour);
+  each rollout worker and trainer rank is pinned to its core when the machine has one
+  for each (``pipeline_rl.resources.plan_cores``, :func:`pin_to_core`).
 - vLLM runs its engine core in this process, with a bounded CPU KV cache.
 - The console stays quiet: unless ``--log-level debug``, the process's standard
   output and error (file descriptors 1 and 2, so the engine's and libraries'
@@ -11,11 +13,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
 
 from pipeline_rl.config import Config
+from pipeline_rl.resources import CoreSlot
+
+log = logging.getLogger(__name__)
 
 #: Environment of every actor process: one thread per process, vLLM in-process, offline.
 ACTOR_ENV = {
@@ -26,17 +32,42 @@ ACTOR_ENV = {
 }
 
 
-def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True) -> None:
+def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
+                        core: CoreSlot | None = None) -> None:
     """Call first in an actor's constructor (see the module docstring); ``name`` names
-    its log file (``rollout-0``, ``trainer-1``, ``buffer``)."""
+    its log file (``rollout-0``, ``trainer-1``, ``buffer``); ``core``: the core slot the
+    process takes (:func:`pin_to_core`), None to leave it unpinned."""
     os.environ.update(ACTOR_ENV)
     if cfg.log_level != "debug":
         redirect_output(Path(cfg.out_dir) / "logs" / f"{name}.log")
+    if core is not None:
+        pin_to_core(core)
     if not uses_torch:
         return
     import torch
 
     torch.set_num_threads(1)
+
+
+def pin_to_core(slot: CoreSlot) -> int | None:
+    """Bind every thread of this process to the ``slot.index``-th of the CPUs it may run
+    on (threads started later inherit it); returns that CPU. Nothing is pinned (None,
+    said in the log) when the process may run on fewer CPUs than ``slot.of`` or the
+    platform has no CPU affinity (not Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < slot.of:
+        log.info("not pinned: %d CPUs for %d core slots", len(cpus), slot.of)
+        return None
+    cpu = cpus[slot.index]
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:   # the thread ended meanwhile
+            pass
+    log.info("pinned to CPU %d (core slot %d of %d)", cpu, slot.index, slot.of)
+    return cpu
 
 
 def redirect_output(path: Path) -> None:

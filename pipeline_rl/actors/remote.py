@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pipeline_rl.actors.process import setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV, inject
+from pipeline_rl.resources import CoreSlot
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -149,10 +150,12 @@ class RolloutActor:
     """One vLLM rollout worker. Threaded actor: ``run`` holds one thread for the
     generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
 
-    def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str) -> None:
+    def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
+                 core: CoreSlot | None = None) -> None:
         """``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
-        so the driver starts this actor while the buffer is still starting."""
-        setup_actor_process(cfg, f"rollout-{worker_id}")
+        so the driver starts this actor while the buffer is still starting. ``core``: the
+        core slot this worker's process is pinned to (None: unpinned)."""
+        setup_actor_process(cfg, f"rollout-{worker_id}", core=core)
         from pipeline_rl.actors.rollout_worker import RolloutWorker
         from pipeline_rl.tasks import build_task_for_model, task_tokenizer
 
@@ -252,8 +255,8 @@ class TrainerActor:
     """One data-parallel trainer rank (DeepSpeed). Rank 0 publishes weights."""
 
     def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int,
-                 buffer: ActorHandle) -> None:
-        setup_actor_process(cfg, f"trainer-{rank}")
+                 buffer: ActorHandle, core: CoreSlot | None = None) -> None:
+        setup_actor_process(cfg, f"trainer-{rank}", core=core)
         self._cfg = cfg
         self._model_dir = model_dir
         self._rank = rank
