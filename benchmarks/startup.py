@@ -9,7 +9,8 @@ Two measurements, each in fresh processes on an otherwise idle machine:
 2. **The pieces alone**, one process at a time on an idle core: ``import ray`` plus
    the start of a local Ray as the command starts it (``ray_start.start_local``); ``import deepspeed``; ``import vllm``; building the rollout
    worker's vLLM engine (``CpuEngine``: the rest of vLLM's imports, the model, the KV cache)
-   after ``import vllm``.
+   after ``import vllm``; the last three with the garbage collector off, as the actors
+   run them.
 
 The rollout worker is the critical path: it cannot start before Ray is up, and its
 vLLM import and engine build are one process's serial work. ``bound_s`` = the command's
@@ -43,9 +44,10 @@ _PIECES = {
     "ray_init": "import os; os.environ['RAY_AUTH_MODE']='disabled'; "   # as the command starts it
                 "from pipeline_rl.actors.process import ACTOR_ENV; from pipeline_rl.ray_start import start_local; "
                 "start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30)",
-    "import_deepspeed": "import deepspeed",
-    "import_vllm": "import vllm",
-    "vllm_engine": "import vllm; t = time.perf_counter(); "   # its build after ``import vllm``
+    # The actors import and build with the garbage collector off (``setup_actor_process``).
+    "import_deepspeed": "import gc; gc.disable(); import deepspeed",
+    "import_vllm": "import gc; gc.disable(); import vllm",
+    "vllm_engine": "import gc; gc.disable(); import vllm; t = time.perf_counter(); "   # its build after ``import vllm``
                    "from pipeline_rl.actors.engine import EngineConfig; "
                    "from pipeline_rl.actors.engine_cpu import CpuEngine; "
                    "CpuEngine(EngineConfig(model_dir={model_dir!r}))",

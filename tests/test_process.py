@@ -1,8 +1,9 @@
 """Actor process helpers: the C-heap trimmer the rollout worker calls between engine steps,
-and pinning a process to its core."""
+the garbage collector's start-up policy, and pinning a process to its core."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from pipeline_rl.actors.process import HeapTrimmer
+from pipeline_rl.actors.process import HeapTrimmer, end_of_startup
 
 _PIN = """
 import json, os, threading
@@ -69,3 +70,15 @@ def test_pin_to_core_binds_every_thread_of_the_process_to_its_slot() -> None:
     assert got["unchanged"] == [allowed]
     assert got["cpu"] == allowed[-1]
     assert got["pinned"] == [[allowed[-1]]]
+
+
+def test_end_of_startup_freezes_what_start_up_built_and_turns_collection_back_on() -> None:
+    was_enabled = gc.isenabled()
+    gc.disable()   # as setup_actor_process leaves it
+    try:
+        end_of_startup()
+        assert gc.isenabled()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        (gc.enable if was_enabled else gc.disable)()

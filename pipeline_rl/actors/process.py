@@ -5,6 +5,8 @@
   each rollout worker and trainer rank is pinned to its core when the machine has one
   for each (``pipeline_rl.resources.plan_cores``, :func:`pin_to_core`).
 - vLLM runs its engine core in this process, with a bounded CPU KV cache.
+- No garbage collection during start-up; what start-up built is frozen after it
+  (:func:`end_of_startup`).
 - The console stays quiet: unless ``--log-level debug``, the process's standard
   output and error (file descriptors 1 and 2, so the engine's and libraries'
   prints and warnings too) go to ``OUT_DIR/logs/NAME.log``. Failures still reach
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -38,6 +41,7 @@ def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
     its log file (``rollout-0``, ``trainer-1``, ``buffer``); ``core``: the core slot the
     process takes (:func:`pin_to_core`), None to leave it unpinned."""
     os.environ.update(ACTOR_ENV)
+    gc.disable()   # until end_of_startup(): see there
     if cfg.log_level != "debug":
         redirect_output(Path(cfg.out_dir) / "logs" / f"{name}.log")
     if core is not None:
@@ -47,6 +51,21 @@ def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
     import torch
 
     torch.set_num_threads(1)
+
+
+def end_of_startup() -> None:
+    """Call when the actor is built (its imports done, its engine up). Every object alive
+    now goes to the permanent generation (``gc.freeze``) and the collector, off since
+    :func:`setup_actor_process`, runs again.
+
+    Why: the imports (torch, transformers, vLLM, DeepSpeed) allocate millions of
+    long-lived objects, and the collector's full passes over them grow with the heap:
+    a rollout worker spent 1.26 s of its start-up -- the run's critical path -- in 11
+    full collections (the trainer 0.93 s in 8) that freed a few hundred objects in all.
+    Frozen, they are never scanned again, so a later full collection only walks what
+    the run itself allocated. The few cycles built during start-up stay allocated."""
+    gc.freeze()
+    gc.enable()
 
 
 def pin_to_core(slot: CoreSlot) -> int | None:

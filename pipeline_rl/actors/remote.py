@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pipeline_rl.actors.process import setup_actor_process
+from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV, inject
 from pipeline_rl.resources import CoreSlot
@@ -59,6 +59,7 @@ class BufferActor:
         address = cfg.buffer.address or f"tcp://{bind_host}:*"
         limits = WireLimits(max_message_bytes=int(cfg.buffer.max_message_mb * 2**20))
         self._server = BufferServer(self._buffer, address, limits=limits)
+        end_of_startup()
 
     def address(self) -> str:
         return self._server.address
@@ -169,6 +170,7 @@ class RolloutActor:
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
                                      buffer_address=admission.buffer_address(), admission=admission,
                                      task=task, eval_task=eval_task)
+        end_of_startup()
 
     def ready(self) -> bool:
         return True
@@ -302,6 +304,7 @@ class TrainerActor:
         self._publisher = (WeightPublisher(transport=self._cfg.rollout.weight_transport)
                            if self._rank == 0 else None)
         self._rank_step = RankStep(self._trainer, _BufferSource(self._buffer), self._publisher)
+        end_of_startup()
         return int(self._trainer.version)
 
     def set_workers(self, workers: list[ActorHandle]) -> None:
