@@ -244,6 +244,11 @@ class TrainerConfig(Section):
                                     "length): with heavy-tailed lengths the few long sequences "
                                     "share a narrow pass instead of padding every row to their "
                                     "length. 0 = rows only (always so under ZeRO-3).")
+    pass_cost_tokens: int = Field(96, ge=0, description="What one more forward/backward pass "
+                                  "costs, in padded token slots: micro-batches are cut where a "
+                                  "narrow pass for the few longest rows saves more padding than "
+                                  "that (measured on the built-in model: about 100). 0 = fill "
+                                  "each pass up to the row and token limits. Ignored under ZeRO-3.")
     share_prompts: bool = Field(True, description="Run each group's prompt once per forward "
                                 "pass and its completions on top of the prompt's KV cache, "
                                 "instead of the prompt again in every row: the same log-probs "

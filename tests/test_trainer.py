@@ -417,3 +417,26 @@ def test_zero3_gathers_full_weights_and_matches_zero0(trainer_factory: Any, tiny
     assert {n: a.shape for n, a in out[1].items()} == spec.shapes
     for name, a in out[0].items():   # Adam amplifies float noise on near-zero gradients: 1% of lr
         np.testing.assert_allclose(out[1][name], a, atol=1e-4, err_msg=name)
+
+
+def test_pass_cost_gives_a_few_long_rows_a_pass_of_their_own_and_keeps_similar_rows_together() -> None:
+    """One 16-token completion among 31 of 5: a narrow pass for it saves more padding than a
+    pass costs; lengths within a few tokens stay in one pass; the cut is the cheapest one."""
+    from pipeline_rl.samples import Completion, Group
+
+    def batch(long_len: int) -> list[Group]:
+        comps = [Completion(np.full(long_len if i == 0 else 5, 7, np.int32), np.zeros(long_len if i == 0 else 5, np.float32),
+                            np.zeros(long_len if i == 0 else 5, np.int32), 0.0, "stop") for i in range(32)]
+        return [Group(g, g, 0, np.full(10, 3, np.int32), tuple(comps[8 * g:8 * g + 8])) for g in range(4)]
+
+    adv = [np.zeros(8, dtype=np.float32)] * 4
+    split = build_micro_batches(batch(16), adv, micro_batch_size=32, max_tokens=4096, pass_tokens=96)
+    assert [mb.num_seqs for mb in split] == [1, 31]
+    assert sum(mb.input_ids.numel() for mb in split) == 26 + 31 * 15
+    shared = build_shared_prompt_batches(batch(16), adv, micro_batch_size=32, max_tokens=4096, pass_tokens=96)
+    assert [mb.num_seqs for mb in shared] == [1, 31]
+    assert [mb.num_seqs for mb in build_micro_batches(batch(7), adv, micro_batch_size=32, pass_tokens=96)] == [32]
+    assert [mb.num_seqs for mb in build_micro_batches(batch(16), adv, micro_batch_size=32)] == [32]
+    assert [mb.num_seqs for mb in build_micro_batches(batch(16), adv, micro_batch_size=8, pass_tokens=96)] == [8] * 4
+    with pytest.raises(ValueError, match="pass_tokens"):
+        build_micro_batches(batch(5), adv, micro_batch_size=4, pass_tokens=-1)

@@ -314,10 +314,13 @@ class Trainer:
         return self.cfg.trainer.micro_batch_tokens if self.cfg.trainer.zero_stage < 3 else 0
 
     def _micro_batches(self, groups: Sequence[Group], advantages: Sequence[np.ndarray]) -> list[AnyMicroBatch]:
-        """The batch in the layout this trainer runs (shared prompts or padded rows)."""
+        """The batch in the layout this trainer runs (shared prompts or padded rows). Under
+        ZeRO-3 rows only: the pass count must not depend on the rank's lengths."""
         build = build_shared_prompt_batches if self.share_prompts else build_micro_batches
+        zero3 = self.cfg.trainer.zero_stage >= 3
         return list(build(groups, advantages, micro_batch_size=self.cfg.trainer.micro_batch_size,
-                          max_tokens=self._micro_batch_tokens, pad_id=self.pad_id))
+                          max_tokens=self._micro_batch_tokens,
+                          pass_tokens=0 if zero3 else self.cfg.trainer.pass_cost_tokens, pad_id=self.pad_id))
 
     def _sharing_works(self) -> bool:
         """Whether this model gives the same log-probs with shared prompts as padded rows,
