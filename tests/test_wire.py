@@ -217,3 +217,15 @@ def test_validator_matches_a_reference_on_random_groups() -> None:
 def test_encoder_rejects_ids_outside_uint64() -> None:
     with pytest.raises(WireError, match="bad_type: group -1: ids must be integers"):
         encode_group(_group(group_id=-1))
+
+
+def test_prepare_decoder_loads_the_validators_machine_code_before_the_first_message() -> None:
+    """In a fresh process: after ``prepare_decoder`` the validator already has a compiled
+    signature, so a receiver's first message does not wait for numba to load it."""
+    import subprocess
+    import sys
+
+    code = ("from pipeline_rl.wire import _kernel, prepare_decoder; prepare_decoder(); "
+            "print(len(_kernel().scan_group.signatures))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert int(out.stdout.strip().splitlines()[-1]) >= 1
