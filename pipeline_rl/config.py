@@ -280,7 +280,8 @@ class RayConfig(Section):
                             "(`ray status`): about 0.6 s more start-up on 2 cores.")
     pin_cores: bool = Field(True, description="On one machine with a core for every rollout worker and "
                             "trainer rank (CPU runs), give each its own core (CPU affinity); the buffer, "
-                            "the driver and Ray float. With fewer cores nothing is pinned.")
+                            "the driver and Ray float. With fewer cores nothing is pinned. Turn off "
+                            "when several runs share one machine (each would take the same cores).")
     rollout_resource: str | None = Field(None, description="Custom Ray resource every rollout worker "
                                          "needs (places workers on the nodes that declare it).")
     trainer_resource: str | None = Field(None, description="Custom Ray resource every trainer rank "
