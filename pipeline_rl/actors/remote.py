@@ -284,6 +284,9 @@ class TrainerActor:
 
         return str(ray.util.get_node_ip_address())
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def _on_torch_thread(self, fn: Callable[[], T]) -> T:
         return self._torch.submit(fn).result()
 
