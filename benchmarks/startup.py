@@ -40,14 +40,15 @@ from benchmarks.common import ROOT, hardware, write_files  # noqa: E402
 PHASES = (("ray", "Ray:"), ("buffer", "buffer:"), ("trainer", "trainer:"), ("workers", "rollout:"),
           ("training", "training:"), ("first_step", "step    1 "))
 
+#: The actors import and build with the garbage collector off (``setup_actor_process``).
+_NO_GC = "import gc; gc.disable(); "
 _PIECES = {
     "ray_init": "import os; os.environ['RAY_AUTH_MODE']='disabled'; "   # as the command starts it
                 "from pipeline_rl.actors.process import ACTOR_ENV; from pipeline_rl.ray_start import start_local; "
                 "start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30)",
-    # The actors import and build with the garbage collector off (``setup_actor_process``).
-    "import_deepspeed": "import gc; gc.disable(); import deepspeed",
-    "import_vllm": "import gc; gc.disable(); import vllm",
-    "vllm_engine": "import gc; gc.disable(); import vllm; t = time.perf_counter(); "   # its build after ``import vllm``
+    "import_deepspeed": _NO_GC + "import deepspeed",
+    "import_vllm": _NO_GC + "import vllm",
+    "vllm_engine": _NO_GC + "import vllm; t = time.perf_counter(); "   # its build after ``import vllm``
                    "from pipeline_rl.actors.engine import EngineConfig; "
                    "from pipeline_rl.actors.engine_cpu import CpuEngine; "
                    "CpuEngine(EngineConfig(model_dir={model_dir!r}))",

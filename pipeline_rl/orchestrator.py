@@ -229,13 +229,14 @@ class Orchestrator:
     def _start(self) -> None:
         import ray
 
-        from pipeline_rl.actors.remote import remote_classes
+        from pipeline_rl.actors.remote import remote_classes, uses_gpus
 
         cfg = self.cfg
         self._init_ray()
         buffer_name = f"pipeline_rl_buffer_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        on_gpus = uses_gpus(cfg)
         buffer_cls, rollout_cls, trainer_cls = remote_classes(
-            cfg, ray.get_runtime_context().get_node_id(), buffer_name)
+            cfg, ray.get_runtime_context().get_node_id(), buffer_name, on_gpus=on_gpus)
         alive_nodes = len([n for n in ray.nodes() if n.get("Alive")])
         multi_node = alive_nodes > 1
         host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
@@ -243,7 +244,7 @@ class Orchestrator:
         # find the buffer by its name and ask for its address themselves, so no phase waits
         # for another to begin. The workers come first: their start is the longest (vLLM's
         # imports), and Ray hands its pre-started processes to the first actors asking.
-        cores = self._plan_cores(alive_nodes=alive_nodes)
+        cores = self._plan_cores(alive_nodes=alive_nodes, on_gpus=on_gpus)
         self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, buffer_name, cores.workers[i]))
                          for i in range(cfg.rollout.num_workers)]
         self._buffer = buffer_cls.remote(cfg, host, self._resume_version())
@@ -366,11 +367,9 @@ class Orchestrator:
         return [trainer_cls.remote(self.cfg, self.model_dir, r, n, self._buffer, cores.ranks[r])
                 for r in range(n)]
 
-    def _plan_cores(self, *, alive_nodes: int) -> CorePlan:
+    def _plan_cores(self, *, alive_nodes: int, on_gpus: bool) -> CorePlan:
         """A core of its own for each worker and rank on one machine (``plan_cores``)."""
-        from pipeline_rl.actors.remote import uses_gpus
-
-        plan = plan_cores(self.cfg, alive_nodes=alive_nodes, on_gpus=uses_gpus(self.cfg))
+        plan = plan_cores(self.cfg, alive_nodes=alive_nodes, on_gpus=on_gpus)
         if plan.pinned:
             log.info("pinning each of %d rollout worker(s) and %d trainer rank(s) to a core of its own",
                      len(plan.workers), len(plan.ranks))

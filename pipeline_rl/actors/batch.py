@@ -220,23 +220,19 @@ def _chunks(rows: Sequence[_Row], max_rows: int, max_tokens: int, pass_tokens: i
         width = rows[start].length
         return max_rows if max_tokens == 0 else max(1, min(max_rows, max_tokens // width))
 
-    if pass_tokens == 0:
-        cuts, start = [], 0
-        while start < n:
-            start = min(n, start + fit(start))
-            cuts.append(start)
-    else:
+    end = [min(n, i + fit(i)) for i in range(n)]   # where the run starting at row i ends
+    if pass_tokens > 0:
         best = [0] * (n + 1)    # best[i]: the least cost of rows[i:]
-        end = [n] * (n + 1)     # where the first run of that best covering ends
         for i in range(n - 1, -1, -1):
             width = rows[i].length
             best[i], end[i] = min((pass_tokens + (j - i) * width + best[j], j)
-                                  for j in range(i + 1, min(n, i + fit(i)) + 1))
-        cuts, start = [], 0
-        while start < n:
-            start = end[start]
-            cuts.append(start)
-    return [rows[a:b] for a, b in zip([0] + cuts[:-1], cuts)]
+                                  for j in range(i + 1, end[i] + 1))
+    runs: list[Sequence[_Row]] = []
+    start = 0
+    while start < n:
+        runs.append(rows[start:end[start]])
+        start = end[start]
+    return runs
 
 
 def _pad(rows: Sequence[_Row], pad_id: int) -> MicroBatch:

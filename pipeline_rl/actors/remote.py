@@ -348,10 +348,11 @@ class TrainerActor:
             self._publisher.close(timeout_s=5.0)
 
 
-def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str) -> tuple[Any, Any, Any]:
+def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str, *,
+                   on_gpus: bool) -> tuple[Any, Any, Any]:
     """The Ray actor classes (buffer, rollout, trainer) with their resources; the
     buffer is pinned to ``buffer_node_id`` (the driver's node) and named ``buffer_name``
-    (the rollout workers find it by that name)."""
+    (the rollout workers find it by that name); ``on_gpus``: :func:`uses_gpus`."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     def needs(resource: str | None) -> dict[str, float]:
@@ -360,7 +361,7 @@ def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str) -> tuple[
     # A fault to inject (tests) reaches the actors of a Ray the driver did not start too.
     env = {"runtime_env": {"env_vars": {FAULT_ENV: os.environ[FAULT_ENV]}}} if os.environ.get(FAULT_ENV) else {}
     here = NodeAffinitySchedulingStrategy(buffer_node_id, soft=False)
-    gpus = 1 if uses_gpus(cfg) else 0   # without a GPU request Ray hides every GPU from the actor
+    gpus = 1 if on_gpus else 0   # without a GPU request Ray hides every GPU from the actor
     buffer_cls = _actor(BufferActor).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here,
                                              name=buffer_name, **env)
     rollout_cls = _actor(RolloutActor).options(

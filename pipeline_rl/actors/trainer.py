@@ -306,21 +306,17 @@ class Trainer:
             pad_frac=1.0 - real / max(1, sum(mb.num_slots for mb in mbs)),
             grad_norm=None if grad_norm is None else float(grad_norm), entropy=entropy)
 
-    @property
-    def _micro_batch_tokens(self) -> int:
-        """The token budget of a micro-batch; none under ZeRO-3, where every rank must run
-        the same number of forward passes (each gathers the parameters collectively), which
-        row-only chunking of equal shares guarantees."""
-        return self.cfg.trainer.micro_batch_tokens if self.cfg.trainer.zero_stage < 3 else 0
-
     def _micro_batches(self, groups: Sequence[Group], advantages: Sequence[np.ndarray]) -> list[AnyMicroBatch]:
         """The batch in the layout this trainer runs (shared prompts or padded rows). Under
-        ZeRO-3 rows only: the pass count must not depend on the rank's lengths."""
+        ZeRO-3 chunked by rows only, with no token budget or pass cost: every rank must run
+        the same number of forward passes (each gathers the parameters collectively), which
+        row-only chunking of equal shares guarantees."""
         build = build_shared_prompt_batches if self.share_prompts else build_micro_batches
-        zero3 = self.cfg.trainer.zero_stage >= 3
-        return list(build(groups, advantages, micro_batch_size=self.cfg.trainer.micro_batch_size,
-                          max_tokens=self._micro_batch_tokens,
-                          pass_tokens=0 if zero3 else self.cfg.trainer.pass_cost_tokens, pad_id=self.pad_id))
+        t = self.cfg.trainer
+        rows_only = t.zero_stage >= 3
+        return list(build(groups, advantages, micro_batch_size=t.micro_batch_size,
+                          max_tokens=0 if rows_only else t.micro_batch_tokens,
+                          pass_tokens=0 if rows_only else t.pass_cost_tokens, pad_id=self.pad_id))
 
     def _sharing_works(self) -> bool:
         """Whether this model gives the same log-probs with shared prompts as padded rows,
