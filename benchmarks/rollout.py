@@ -147,14 +147,14 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
     from pipeline_rl.actors.engine_cpu import CpuEngine
     from pipeline_rl.actors.weights import load_update
     from pipeline_rl.models.builtin import build_tiny_model
-    from pipeline_rl.actors.engine_cpu import hidden_from_vllm_kernel_scan
+    from pipeline_rl.actors.vllm_compat import hidden_from_vllm_kernel_scan
     from pipeline_rl.tasks import AdditionTask
 
     shape = dict(hidden_size=hidden, num_layers=layers, num_heads=heads, intermediate_size=intermediate)
     dir_a = str(build_tiny_model(model_root / "a", seed=0, **shape))
     dir_b = str(build_tiny_model(model_root / "b", seed=1, **shape))
     engine = CpuEngine(EngineConfig(model_dir=dir_a, max_num_seqs=w.max_num_seqs, max_model_len=128))
-    with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):  # see engine_cpu
+    with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):  # see vllm_compat
         llm = LLM(model=dir_a, dtype="float32", max_model_len=128, max_num_seqs=w.max_num_seqs, seed=0,
                   logprobs_mode="processed_logprobs", enable_prefix_caching=False, enforce_eager=True,
                   disable_log_stats=True, kv_cache_memory_bytes=int(engine.cfg.kv_cache_gib * 2**30))

@@ -8,6 +8,8 @@ the first time it is reached at a policy version >= ``VERSION``. Points:
 - ``engine_step``: a rollout worker's engine step (``RolloutWorker._step``);
 - ``trainer_step``: a trainer rank's step (``RankStep``, run by ``TrainerActor.train_step``);
 - ``buffer``: the replay buffer handing out a batch (``BufferActor.get_batch``);
+- ``engine_start``: a vLLM engine's start, after vLLM built it (``CpuEngine``,
+  ``AsyncEngine``): what it started must be shut down, never left holding the process;
 - ``engine_hang``: a rollout worker stops stepping its engine without an error
   (a hung engine), until it is told to stop: the progress watchdog's case.
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 
 FAULT_ENV = "PIPELINE_RL_FAULT"
-FAULT_POINTS = ("weight_update", "engine_step", "trainer_step", "buffer", "engine_hang")
+FAULT_POINTS = ("weight_update", "engine_step", "trainer_step", "buffer", "engine_hang", "engine_start")
 
 
 class InjectedFault(RuntimeError):

@@ -85,6 +85,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int = 256
     kv_cache_gib: float = 1 / 16   # runs size it with kv_cache_gib_needed; enough for tiny test models
+    #: Share of the GPU's memory vLLM may count on at start (its ``gpu_memory_utilization``);
+    #: below vLLM's 0.9 when a trainer shares the GPU (``resources.plan_gpus``).
+    gpu_memory_fraction: float = 0.9
     seed: int = 0
     initial_version: int = 0
 
@@ -219,15 +222,6 @@ class GenerationEngine(ABC):
         """An in-memory update, at once (the caller is between steps): validate against :attr:`weight_spec` (a bad payload raises
         ``WeightUpdateError`` before the model is touched), then apply."""
         return self.apply_update(check_update(update, self.weight_spec, current_version=self.version))
-
-
-def versions_from_spans(spans: object, num_tokens: int, fallback: int) -> I32:
-    """Per-token versions from vLLM's ``CompletionOutput.weight_versions`` spans
-    (``[start, end)`` ranges labelled with the version string we set)."""
-    out = np.full(num_tokens, fallback, dtype=np.int32)
-    for span in spans or ():  # type: ignore[attr-defined]
-        out[span.start:span.end] = int(span.version)
-    return out
 
 
 def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_version: int = 0,

@@ -44,7 +44,8 @@ from pipeline_rl.actors.engine import (
     GenRequest,
     set_cpu_env,
 )
-from pipeline_rl.actors.engine_cpu import hidden_from_vllm_kernel_scan, sampling_params, to_finished
+from pipeline_rl.actors import vllm_compat as compat
+from pipeline_rl.actors.engine_cpu import sampling_params, to_finished
 from pipeline_rl.actors.weight_transfer import (
     BACKEND,
     GlooTrainerWeightTransfer,
@@ -53,6 +54,7 @@ from pipeline_rl.actors.weight_transfer import (
     register,
 )
 from pipeline_rl.actors.weights import CheckedUpdate, WeightUpdate, WeightUpdateError, read_weight_spec
+from pipeline_rl.faults import inject
 
 _T = TypeVar("_T")
 STEP_WAIT_S = 0.01  # how long step() waits for a finished sequence before returning none
@@ -80,9 +82,6 @@ class AsyncEngine(GenerationEngine):
     the trainer."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        from vllm import AsyncEngineArgs
-        from vllm.config import WeightTransferConfig
-
         if cfg.device == "cpu":
             set_cpu_env()
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -109,28 +108,58 @@ class AsyncEngine(GenerationEngine):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
         self._thread.start()
+        self._llm: Any = None
+        try:
+            self._start(cfg)
+        except BaseException:
+            self._abandon_start()
+            raise
+
+    def _start(self, cfg: EngineConfig) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.config import WeightTransferConfig
+
+        # vLLM >= 0.27 labels tokens with weight versions itself; before, this engine keeps
+        # the record (touched on the loop thread only).
+        self._native = compat.features().async_versions
+        self._record = None if self._native else compat.VersionRecord(self._version)
         args = AsyncEngineArgs(
             model=cfg.model_dir, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs, logprobs_mode="processed_logprobs",
             enable_prefix_caching=cfg.kv_policy == "recompute", disable_log_stats=True,
             # Bytes, not a share of the GPU: a trainer on the same GPU keeps the rest.
             kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
+            gpu_memory_utilization=cfg.gpu_memory_fraction,
             enforce_eager=cfg.device != "cuda", distributed_executor_backend="uni",
             weight_transfer_config=WeightTransferConfig(backend=self.backend),
         )
-        with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
-            self._llm: Any = self._run(self._start(args))
+        with compat.hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
+            self._run(self._build(args))
         self._tokenizer = self._llm.tokenizer
+        inject("engine_start", self._version)
 
-    async def _start(self, args: Any) -> Any:
+    async def _build(self, args: Any) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        llm = AsyncLLM.from_engine_args(args)
-        await llm.update_weight_version(str(self._version))
-        return llm
+        self._llm = AsyncLLM.from_engine_args(args)
+        if self._native:
+            await self._llm.update_weight_version(str(self._version))
 
-    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _abandon_start(self) -> None:
+        """A start that failed part-way: shut down what it started (vLLM's engine-core
+        process, the output handler, this event loop and its thread), so nothing keeps
+        the process alive behind the error."""
+        try:
+            if self._llm is not None:
+                self._run(self._shutdown(), timeout_s=10.0)
+        except BaseException:  # noqa: BLE001 - the start's own error is the one to report
+            pass
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def _run(self, coro: Coroutine[Any, Any, _T], timeout_s: float | None = None) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -144,12 +173,9 @@ class AsyncEngine(GenerationEngine):
 
     async def _generate(self, request: GenRequest) -> None:
         try:
-            final = None
-            prompt = {"prompt_token_ids": list(request.prompt_ids)}
-            async for out in self._llm.generate(prompt, sampling_params(request.sampling), request.request_id):
-                final = out
-            assert final is not None and final.finished
-            self._done.put(to_finished(final, self._version, self._tokenizer))
+            final = await compat.generate_final(self._llm, request.request_id, request.prompt_ids,
+                                                sampling_params(request.sampling), self._record)
+            self._done.put(to_finished(final, self._version, self._tokenizer, self._record))
         except BaseException as e:  # surfaced to the caller by step()
             self._done.put(e)
 
@@ -221,7 +247,11 @@ class AsyncEngine(GenerationEngine):
         return newer
 
     async def _finish(self, version: int | None) -> None:
-        await self._llm.finish_weight_update(weight_version=None if version is None else str(version))
+        await compat.async_finish_update(self._llm, version, self._native)
+        if version is not None and self._record is not None:
+            # Paused: every token so far came from the old weights once its output is processed.
+            await compat.drain_async_outputs(self._llm)
+            self._record.switch(version, compat.output_token_counts(self._llm.output_processor))
         if version is not None and self.kv_policy == "recompute":
             await self._llm.reset_prefix_cache(reset_running_requests=True)
         await self._llm.resume_generation()

@@ -26,14 +26,11 @@ target (double buffering; memory: one extra copy of the weights). With
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import gc
 import logging
-import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,35 +44,16 @@ from pipeline_rl.actors.engine import (
     GenRequest,
     SamplingConfig,
     set_cpu_env,
-    versions_from_spans,
 )
+from pipeline_rl.actors import vllm_compat as compat
 from pipeline_rl.actors.weights import CheckedUpdate, WeightUpdateError, as_checked, read_weight_spec
+from pipeline_rl.faults import inject
 from pipeline_rl.samples import F32, FINISH_REASONS, FinishReason
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def hidden_from_vllm_kernel_scan(*module_names: str) -> Iterator[None]:
-    """Hide modules from ``sys.modules`` while vLLM starts, then put them back.
-
-    At start-up vLLM's kernel dispatcher (``vllm/triton_utils/dispatcher.py``)
-    walks every loaded module and calls ``vars()`` on each value that has a
-    ``__dict__``. llvmlite's ``ffi.lib`` answers *any* attribute, ``__dict__``
-    included, with a function wrapper, so the walk crashes
-    (``'_lib_fn_wrapper' object has no attribute 'get'``) whenever numba --
-    our fused loss kernel -- was imported first in the same process (a test
-    session, a one-process benchmark). Nothing imports llvmlite during engine
-    start-up, so hiding that one module for the duration is safe.
-    """
-    hidden = {name: sys.modules.pop(name) for name in module_names if name in sys.modules}
-    try:
-        yield
-    finally:
-        sys.modules.update(hidden)
 
 
 def freeze_gc_before_build() -> None:
@@ -136,17 +114,28 @@ class CpuEngine(GenerationEngine):
             weight_transfer_config=WeightTransferConfig(backend=BACKEND),
         )
         freeze_gc_before_build()
-        with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
+        with compat.hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
             self._llm = LLMEngine.from_engine_args(args)
+        try:
+            self._finish_start(cfg, staged)
+        except BaseException:
+            compat.shutdown_inprocess(self._llm)   # a failed start leaves nothing running
+            raise
+
+    def _finish_start(self, cfg: EngineConfig, staged: bool) -> None:
         # Layers with no checkpoint weights (rotary cos/sin caches) keep their tensors
         # on reload, which vLLM reports as a warning on every update: expected here.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self._spec = read_weight_spec(cfg.model_dir)
         self._version = cfg.initial_version
-        self._llm.set_weight_version(str(self._version))
+        # vLLM >= 0.27 labels tokens itself; before, this engine keeps the record.
+        self._record = None if compat.features().inprocess_versions else compat.VersionRecord(self._version)
+        if self._record is None:
+            self._llm.set_weight_version(str(self._version))
         self._tokenizer = self._llm.get_tokenizer()
         self._closed = False
-        self._shadow = _make_shadow(self._model()) if staged else None
+        inject("engine_start", self._version)
+        self._shadow = _make_shadow(compat.inprocess_model(self._llm)) if staged else None
         self._stage_lock = threading.Lock()  # guards the shadow and the staged version
         self._staged: CheckedUpdate | None = None
         self._tasks = self._llm.get_supported_tasks()  # what add_copies processes a prompt for
@@ -155,6 +144,8 @@ class CpuEngine(GenerationEngine):
     def add(self, request: GenRequest) -> None:
         prompt: Any = {"prompt_token_ids": list(request.prompt_ids)}
         self._llm.add_request(request.request_id, prompt, sampling_params(request.sampling))
+        if self._record is not None:
+            self._record.add(request.request_id, registered=True)
 
     def add_copies(self, request_ids: Sequence[str], prompt_ids: tuple[int, ...],
                    sampling: SamplingConfig) -> None:
@@ -165,23 +156,17 @@ class CpuEngine(GenerationEngine):
         if sampling.seed is not None or len(request_ids) < 2:
             super().add_copies(request_ids, prompt_ids, sampling)
             return
-        llm = self._llm
-        base = llm.input_processor.process_inputs(
-            request_ids[0], {"prompt_token_ids": list(prompt_ids)}, sampling_params(sampling),
-            supported_tasks=self._tasks)
-        for request_id in request_ids:
-            request = copy.copy(base)
-            request.request_id = request_id
-            llm.input_processor.assign_request_id(request)
-            llm.output_processor.add_request(request, None, None, 0)
-            llm.engine_core.add_request(request)
+        compat.add_processed_copies(self._llm, request_ids, prompt_ids, sampling_params(sampling), self._tasks)
+        if self._record is not None:
+            for request_id in request_ids:
+                self._record.add(request_id, registered=True)
 
     def step(self) -> list[FinishedSequence]:
         _eager_in_this_thread()
         finished = []
         for out in self._llm.step():
             if out.finished:
-                finished.append(to_finished(out, self._version, self._tokenizer))
+                finished.append(to_finished(out, self._version, self._tokenizer, self._record))
         return finished
 
     def num_unfinished(self) -> int:
@@ -214,7 +199,8 @@ class CpuEngine(GenerationEngine):
             if self._shadow is not None:
                 self._shadow.swap_into()
             else:
-                _reload(self._model(), update, self._llm.vllm_config)
+                compat.layerwise_reload(compat.inprocess_model(self._llm), update.tensors,
+                                        self._llm.vllm_config)
             self._after_load(update.version)
             return AppliedUpdate(update.version, time.perf_counter() - start, in_flight, update.num_bytes)
         finally:
@@ -239,11 +225,7 @@ class CpuEngine(GenerationEngine):
         return self.stage(as_checked(update))
 
     def _receiver(self) -> Any:
-        worker = self._llm.model_executor.driver_worker
-        receiver = getattr(getattr(worker, "worker", worker), "weight_transfer_engine", None)
-        if receiver is None:
-            raise RuntimeError("vLLM worker has no weight-transfer engine")
-        return receiver
+        return compat.transfer_receiver(self._llm)
 
     @property
     def last_staging_path(self) -> str | None:
@@ -258,35 +240,15 @@ class CpuEngine(GenerationEngine):
         if self.kv_policy == "recompute":
             self._llm.reset_prefix_cache(reset_running_requests=True)
         self._version = version
-        self._llm.set_weight_version(str(version))
+        if self._record is not None:
+            self._record.switch(version, compat.output_token_counts(self._llm.output_processor))
+        else:
+            self._llm.set_weight_version(str(version))
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._llm.engine_core.shutdown()
-
-    # -- internals ---------------------------------------------------------------------
-    def _model(self) -> Any:
-        worker = getattr(self._llm.model_executor, "driver_worker", None)
-        model = getattr(getattr(worker, "model_runner", None), "model", None)
-        if model is None:
-            raise RuntimeError("in-process vLLM model not reachable; is VLLM_ENABLE_V1_MULTIPROCESSING=0?")
-        return model
-
-
-def _reload(model: Any, update: CheckedUpdate, vllm_config: Any) -> None:
-    """vLLM's layerwise reload of ``update`` into ``model`` (tensor storage kept)."""
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-    )
-
-    with set_current_vllm_config(vllm_config), torch.no_grad():
-        initialize_layerwise_reload(model)
-        model.load_weights(iter(update.tensors))
-        finalize_layerwise_reload(model, vllm_config.model_config)
+            compat.shutdown_inprocess(self._llm)
 
 
 class _Shadow:
@@ -303,13 +265,13 @@ class _Shadow:
 
         memo: dict[int, Any] = {}
         for module in model.modules():
-            kv = module.__dict__.get("kv_cache")
+            kv = compat.kv_cache_of(module)
             if kv is not None:
                 memo[id(kv)] = kv
         self.model = copy.deepcopy(model, memo)
         self._pairs = list(zip(model.modules(), self.model.modules()))
         for live, shadow in self._pairs:
-            _copy_reload_metadata(live, shadow)
+            compat.copy_reload_metadata(live, shadow)
         self._direct = _DirectLoader.build(self.model)
         self.last_path: str | None = None  # "direct" or "layerwise": how the last load went
 
@@ -320,7 +282,7 @@ class _Shadow:
         if self._direct is not None and self._direct.load(update, vllm_config):
             self.last_path = "direct"
         else:
-            _reload(self.model, update, vllm_config)
+            compat.layerwise_reload(self.model, update.tensors, vllm_config)
             self._direct = _DirectLoader.build(self.model)  # the reload may re-create parameters
             self.last_path = "layerwise"
         self._tensors: list[tuple[Any, Any]] = []
@@ -332,7 +294,7 @@ class _Shadow:
                 if t is not None and other is not None and id(t) not in seen:
                     seen.add(id(t))
                     self._tensors.append((t, other))
-            if "cpu_linear" in live.__dict__:
+            if compat.has_cpu_gemm(live):
                 self._gemms.append((live, shadow))
 
     def swap_into(self) -> None:
@@ -342,7 +304,7 @@ class _Shadow:
         for t, other in self._tensors:
             t.data, other.data = other.data, t.data
         for live, shadow in self._gemms:
-            live.cpu_linear, shadow.cpu_linear = shadow.cpu_linear, live.cpu_linear
+            compat.swap_cpu_gemm(live, shadow)
 
 
 #: Architectures whose vLLM ``load_weights`` only renames and stacks Hugging Face tensors
@@ -408,7 +370,7 @@ class _DirectLoader:
         owner: dict[int, str] = {}  # id(weight tensor) -> HF name of its first owner
         linears: list[_Linear] = []
         for mod_name, module in model.named_modules(remove_duplicate=False):
-            if "cpu_linear" in module.__dict__:
+            if compat.has_cpu_gemm(module):
                 linear = _linear_of(mod_name, module, packed, owner)
                 if linear is None:
                     return None
@@ -423,14 +385,12 @@ class _DirectLoader:
 
     def load(self, update: CheckedUpdate, vllm_config: Any) -> bool:
         import torch
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         given = dict(update.tensors)
         plan = self._plan(given)
         if plan is None:
             return False
-        with set_current_vllm_config(vllm_config), torch.no_grad():
+        with torch.no_grad():
             for name, t in self._plain.items():
                 _copy_rows(t, given[name])
             # Tied layers last: they re-pack from their owner's tensor, copied first.
@@ -445,7 +405,7 @@ class _DirectLoader:
                 else:
                     dtype = vllm_config.model_config.dtype
                     module.weight = torch.nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
-                dispatch_cpu_unquantized_gemm(module, remove_weight=not linear.keeps)
+                compat.repack_cpu_gemm(module, remove_weight=not linear.keeps, vllm_config=vllm_config)
         return True
 
     def _plan(self, given: dict[str, Any]) -> list[tuple[_Linear, Any, Any]] | None:
@@ -486,7 +446,7 @@ def _linear_of(mod_name: str, module: Any, packed: dict[str, list[str]],
                owner: dict[int, str]) -> _Linear | None:
     """Describe one CPU linear layer (see :class:`_Linear`); None for a layout the
     direct path does not handle."""
-    weight = module.__dict__["_parameters"].get("weight")
+    weight = compat.unprocessed_weight(module)
     if weight is None:
         return None
     bias = getattr(module, "bias", None)
@@ -524,27 +484,6 @@ def _make_shadow(model: Any) -> "_Shadow | None":
         return None
 
 
-def _copy_reload_metadata(live: Any, shadow: Any) -> None:
-    import torch
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, get_layerwise_info
-
-    src = LAYERWISE_INFO.get(live)
-    if src is None:
-        return
-    dst = get_layerwise_info(shadow)
-
-    def clone(t: torch.Tensor) -> torch.Tensor:
-        c = torch.empty_like(t, device="meta")
-        c.__class__ = t.__class__
-        c.__dict__ = t.__dict__.copy()
-        return c
-
-    params, buffers = src.restore_metadata
-    dst.restore_metadata = ({k: clone(v) for k, v in params.items()},
-                            {k: clone(v) for k, v in buffers.items()})
-    dst.restore_device = src.restore_device
-
-
 def sampling_params(s: SamplingConfig) -> "SamplingParams":
     """vLLM sampling parameters: sampled-token log-probs only, flat (few Python
     objects), final output only, no detokenization (:func:`to_finished` decodes each
@@ -560,9 +499,11 @@ def sampling_params(s: SamplingConfig) -> "SamplingParams":
     )
 
 
-def to_finished(out: Any, version: int, tokenizer: Any) -> FinishedSequence:
+def to_finished(out: Any, version: int, tokenizer: Any,
+                record: compat.VersionRecord | None = None) -> FinishedSequence:
     """Convert a finished vLLM ``RequestOutput`` (one completion); its text is decoded here
-    with ``tokenizer``, special tokens kept (the request was not detokenized)."""
+    with ``tokenizer``, special tokens kept (the request was not detokenized). Versions
+    come from ``record`` where the engine keeps its own, else from vLLM's spans."""
     comp = out.outputs[0]
     token_ids = np.asarray(comp.token_ids, dtype=np.int32)
     finish: FinishReason = "abort"
@@ -572,7 +513,8 @@ def to_finished(out: Any, version: int, tokenizer: Any) -> FinishedSequence:
     return FinishedSequence(
         request_id=out.request_id, token_ids=token_ids,
         logprobs=sampled_logprobs(token_ids, comp.logprobs),
-        versions=versions_from_spans(comp.weight_versions, len(token_ids), version),
+        versions=(record.take(out.request_id, len(token_ids)) if record is not None else
+                  compat.versions_from_spans(getattr(comp, "weight_versions", None), len(token_ids), version)),
         text=tokenizer.decode(comp.token_ids, skip_special_tokens=False), finish_reason=finish,
     )
 

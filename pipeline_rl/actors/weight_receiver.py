@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from pipeline_rl.actors.vllm_compat import complete_backend, layerwise_reload
 from pipeline_rl.actors.weight_transfer import (
     BACKEND,
     DEFAULT_BUCKET_BYTES,
@@ -28,6 +29,7 @@ from pipeline_rl.actors.weights import (
 )
 
 
+@complete_backend   # vLLM 0.26's base also declares its trainer half abstract
 class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
     """vLLM worker backend for ``pipeline_rl_gloo``.
 
@@ -107,9 +109,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
 def load_into(model: Any, checked: CheckedUpdate, vllm_config: Any) -> None:
     """Load a checked update into a vLLM model that no step is running on: the
     direct CPU path when it covers the model, else vLLM's layerwise reload."""
-    from pipeline_rl.actors.engine_cpu import _DirectLoader, _reload
+    from pipeline_rl.actors.engine_cpu import _DirectLoader
 
     on_cpu = str(vllm_config.device_config.device_type) == "cpu"
     direct = _DirectLoader.build(model) if on_cpu else None
     if direct is None or not direct.load(checked, vllm_config):
-        _reload(model, checked, vllm_config)
+        layerwise_reload(model, checked.tensors, vllm_config)

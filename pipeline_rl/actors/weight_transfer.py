@@ -75,11 +75,9 @@ _DTYPES = {"float32": np.float32, "float16": np.float16}
 def register() -> None:
     """Register :data:`BACKEND` with vLLM's weight-transfer factory (idempotent).
     vLLM calls it in each of its processes (``vllm.general_plugins`` entry point)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from pipeline_rl.actors.vllm_compat import register_backend
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "pipeline_rl.actors.weight_receiver",
-                                                    "GlooWeightTransferEngine")
+    register_backend(BACKEND, "pipeline_rl.actors.weight_receiver", "GlooWeightTransferEngine")
 
 
 # -- wire format -------------------------------------------------------------------------

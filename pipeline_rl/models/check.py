@@ -13,10 +13,10 @@ is skipped and vLLM itself reports an unknown architecture at start-up.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
 from pathlib import Path
+
+from pipeline_rl.actors.vllm_compat import text_generation_architectures
 
 _FLAG = "--model.path"
 
@@ -86,7 +86,7 @@ def _check_architecture(folder: Path, config: dict[str, object]) -> None:
     if not causal:
         raise ModelFolderError(f"{_FLAG}: {folder} holds a {names[0]}, not a causal language model "
                                f"(an architecture ending in ForCausalLM)")
-    known = vllm_architectures()
+    known = text_generation_architectures()
     if known is not None and not any(a in known for a in causal):
         raise ModelFolderError(f"{_FLAG}: vLLM has no implementation of {causal[0]} (the "
                                f"architecture in {folder}/config.json)")
@@ -101,23 +101,3 @@ def _check_tokenizer(folder: Path) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelFolderError(f"{_FLAG}: {folder} has no usable tokenizer (tokenizer.json or "
                                f"tokenizer_config.json with its vocabulary): {first}") from None
-
-
-def vllm_architectures() -> frozenset[str] | None:
-    """Architecture names the installed vLLM implements for text generation, read from
-    its registry's source; None when vLLM or that table cannot be found."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    registry = Path(list(spec.submodule_search_locations)[0]) / "model_executor" / "models" / "registry.py"
-    try:
-        tree = ast.parse(registry.read_text())
-    except (OSError, SyntaxError):
-        return None
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) and node.targets else None
-        if (isinstance(node, ast.Assign) and isinstance(target, ast.Name)
-                and target.id == "_TEXT_GENERATION_MODELS" and isinstance(node.value, ast.Dict)):
-            return frozenset(k.value for k in node.value.keys
-                             if isinstance(k, ast.Constant) and isinstance(k.value, str))
-    return None
