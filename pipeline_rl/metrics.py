@@ -38,7 +38,8 @@ class StepMetrics:
     steps share one window), and ``buffer_fill`` and ``evicted`` the buffer's last
     snapshot; ``evicted``: groups dropped as stale so far (cumulative); ``entropy``: the policy's
     per-token entropy on the batch's sampled tokens (mean ``-log π``, nats; a collapse
-    towards 0 means the policy stopped exploring).
+    towards 0 means the policy stopped exploring); ``weight_sync_ms``: the mean
+    :class:`WeightSyncLatency` of the versions every worker reached in the last window.
     """
 
     step: int
@@ -59,6 +60,7 @@ class StepMetrics:
     buffer_fill: int
     completion_len_mean: float
     entropy: float = 0.0
+    weight_sync_ms: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_record(self) -> dict[str, Any]:
@@ -184,9 +186,11 @@ def progress_line(m: StepMetrics) -> str:
             f"idle {m.trainer_idle_frac:.2f} | {m.time_s:6.1f}s")
 
 
-def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] = ()) -> str:
+def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] = (),
+                  sync_ms: Sequence[float] = ()) -> str:
     """A Markdown table summarising a run (first/last reward, speeds, lag, evictions,
-    first and last held-out evaluation)."""
+    weight sync, first and last held-out evaluation); ``sync_ms``: every resolved
+    :class:`WeightSyncLatency` of the run."""
     if not history:
         return "(no steps completed)"
     first, last = history[0], history[-1]
@@ -207,6 +211,11 @@ def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] =
         ("evicted groups", f"{last.evicted}"),
         ("trainer idle", f"{statistics.fmean(m.trainer_idle_frac for m in history):.2f}"),
         ("weight-update stall", f"{statistics.fmean(m.weight_update_stall_ms for m in history):.1f} ms"),
+    ]
+    if sync_ms:
+        rows.append(("weight sync, step end -> every worker on it (p50 / p90)",
+                     f"{percentile(sync_ms, 0.5):.1f} / {percentile(sync_ms, 0.9):.1f} ms"))
+    rows += [
         ("entropy of sampled tokens (first / last step)", f"{first.entropy:.3f} / {last.entropy:.3f} nats"),
     ]
     if evals:
@@ -219,6 +228,57 @@ def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] =
     lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {name:<{width}} | {value} |" for name, value in rows]
     return "\n".join(lines)
+
+
+class WeightSyncLatency:
+    """Weight sync as a user feels it: for each published version ``v``, the time from the
+    trainer's step end (``RankStepReport.step_end_at``) until *every* rollout worker's engine
+    could sample with ``v`` or a newer version (workers apply only the newest they hold, so
+    a skipped version counts as reached by the next one applied). Clocks: ``time.time()``
+    of the processes involved (one machine, or NTP-synchronised nodes).
+
+    Bounded: at most ``keep`` versions wait for their workers, and at most ``keep``
+    applications are remembered per worker; ``all_ms`` keeps every resolved latency of
+    the run (a float per step)."""
+
+    def __init__(self, workers: int, keep: int = 512) -> None:
+        self._keep = keep
+        self._pending: dict[int, float] = {}                     # version -> step end
+        self._applied: list[dict[int, float]] = [{} for _ in range(workers)]
+        self.all_ms: list[float] = []
+
+    def published(self, version: int, step_end_at: float) -> None:
+        self._pending[version] = step_end_at
+        while len(self._pending) > self._keep:
+            del self._pending[min(self._pending)]
+
+    def applied(self, worker: int, version: int, at: float) -> None:
+        seen = self._applied[worker]
+        seen[version] = min(at, seen.get(version, at))
+        while len(seen) > self._keep:
+            del seen[min(seen)]
+
+    def resolve(self) -> list[float]:
+        """Latencies (ms) of the versions every worker has reached since the last call."""
+        done: list[float] = []
+        for version in sorted(self._pending):
+            reached = [min((t for v, t in seen.items() if v >= version), default=None) for seen in self._applied]
+            if any(t is None for t in reached):
+                continue
+            done.append(max(0.0, (max(t for t in reached if t is not None) - self._pending.pop(version)) * 1e3))
+        self.all_ms += done
+        return done
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` by linear interpolation (nan when empty)."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def read_history(path: Path) -> list[StepMetrics]:

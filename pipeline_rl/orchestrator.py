@@ -49,7 +49,14 @@ from pipeline_rl.actors.remote import ActorHandle
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV
 from pipeline_rl.evaluation import Evaluations
-from pipeline_rl.metrics import MetricsLogger, StepMetrics, read_evals, read_history, summary_table
+from pipeline_rl.metrics import (
+    MetricsLogger,
+    StepMetrics,
+    WeightSyncLatency,
+    read_evals,
+    read_history,
+    summary_table,
+)
 from pipeline_rl.net import free_port
 from pipeline_rl.resources import CorePlan, plan_cores
 from pipeline_rl.supervision import Watchdog, cause_of, describe_failure, first_line
@@ -107,11 +114,13 @@ class _WorkerDelta:
 @dataclass(frozen=True, slots=True)
 class _Rates:
     """The workers' generation over the last completed stats window: tokens per second,
-    the share of time their engines idled, the mean weight-update stall (ms)."""
+    the share of time their engines idled, the mean weight-update stall (ms), the mean
+    weight sync (ms, :class:`WeightSyncLatency`) of the versions resolved in it."""
 
     tokens_per_s: float = 0.0
     idle_frac: float = 0.0
     stall_ms: float = 0.0
+    sync_ms: float = 0.0
 
 
 class _StatsPoll:
@@ -129,6 +138,7 @@ class _StatsPoll:
         self._window_start = start     # when the last completed poll was sent
         self.rates = _Rates()
         self.buffer: BufferStats | None = None
+        self.sync = WeightSyncLatency(len(workers))
 
     def update(self) -> None:
         """Take the poll in flight if it is complete; send the next when it is due. The
@@ -155,7 +165,7 @@ class _StatsPoll:
         if buffer_ref in ready:
             self.buffer = ray.get(buffer_ref)
         delta = _WorkerDelta()
-        for w, ref in zip(self._workers, worker_refs):
+        for i, (w, ref) in enumerate(zip(self._workers, worker_refs)):
             if ref not in ready:
                 continue
             try:
@@ -168,6 +178,9 @@ class _StatsPoll:
             delta.stalls_ms += list(st.stall_ms[-new:]) if new > 0 else []
             delta.answered += 1
             w.tokens, w.idle_s, w.stalls_seen = st.tokens_generated, st.idle_s, st.updates_applied
+            for applied in st.applied:
+                self.sync.applied(i, applied.version, applied.at)
+        synced = self.sync.resolve()
         window = self._sent - self._window_start
         self._window_start = self._sent
         if window <= 0 or not delta.answered:
@@ -175,7 +188,8 @@ class _StatsPoll:
         self.rates = _Rates(
             tokens_per_s=delta.tokens / window,
             idle_frac=min(1.0, delta.idle_s / (window * delta.answered)),
-            stall_ms=statistics.fmean(delta.stalls_ms) if delta.stalls_ms else self.rates.stall_ms)
+            stall_ms=statistics.fmean(delta.stalls_ms) if delta.stalls_ms else self.rates.stall_ms,
+            sync_ms=statistics.fmean(synced) if synced else self.rates.sync_ms)
 
 
 @dataclass(slots=True)
@@ -199,6 +213,7 @@ class Orchestrator:
         self._started_ray = False
         self._abandoned_step = False  # a stop left a train step unfinished: no final checkpoint
         self._ray_session_dir: str | None = None
+        self._gpu_memory: float | None = None   # each actor's share of a shared GPU (GpuPlan.memory)
         self._buffer: ActorHandle = None
         self._trainers: list[ActorHandle] = []
         self._workers: list[_WorkerState] = []
@@ -229,14 +244,21 @@ class Orchestrator:
     def _start(self) -> None:
         import ray
 
-        from pipeline_rl.actors.remote import remote_classes, uses_gpus
+        from pipeline_rl.actors.remote import gpu_plan, remote_classes
 
         cfg = self.cfg
         self._init_ray()
         buffer_name = f"pipeline_rl_buffer_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        on_gpus = uses_gpus(cfg)
+        try:
+            gpus = gpu_plan(cfg)
+        except ValueError as e:
+            raise OrchestratorError(str(e)) from None
+        on_gpus = gpus is not None
+        if gpus is not None:
+            say(gpus.describe())
+        self._gpu_memory = gpus.memory if gpus is not None else None
         buffer_cls, rollout_cls, trainer_cls = remote_classes(
-            cfg, ray.get_runtime_context().get_node_id(), buffer_name, on_gpus=on_gpus)
+            cfg, ray.get_runtime_context().get_node_id(), buffer_name, gpus=gpus)
         alive_nodes = len([n for n in ray.nodes() if n.get("Alive")])
         multi_node = alive_nodes > 1
         host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
@@ -245,7 +267,8 @@ class Orchestrator:
         # for another to begin. The workers come first: their start is the longest (vLLM's
         # imports), and Ray hands its pre-started processes to the first actors asking.
         cores = self._plan_cores(alive_nodes=alive_nodes, on_gpus=on_gpus)
-        self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, buffer_name, cores.workers[i]))
+        self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, buffer_name, cores.workers[i],
+                                                         self._gpu_memory))
                          for i in range(cfg.rollout.num_workers)]
         self._buffer = buffer_cls.remote(cfg, host, self._resume_version())
         self._trainers = self._create_trainers(trainer_cls, cores)
@@ -364,7 +387,8 @@ class Orchestrator:
 
     def _create_trainers(self, trainer_cls: ActorHandle, cores: CorePlan) -> list[ActorHandle]:
         n = self.cfg.trainer.num_ranks
-        return [trainer_cls.remote(self.cfg, self.model_dir, r, n, self._buffer, cores.ranks[r])
+        return [trainer_cls.remote(self.cfg, self.model_dir, r, n, self._buffer, cores.ranks[r],
+                                   self._gpu_memory)
                 for r in range(n)]
 
     def _plan_cores(self, *, alive_nodes: int, on_gpus: bool) -> CorePlan:
@@ -454,7 +478,7 @@ class Orchestrator:
             self._logger.close()  # flushed: the summary reads the whole record back
             history = read_history(self.out / "metrics.jsonl")[-self.steps_done:]
             ran = [e for e in read_evals(self.out / "eval.jsonl") if e.step >= first_step]
-            print(summary_table(history, ran), flush=True)
+            print(summary_table(history, ran, stats.sync.all_ms), flush=True)
         return list(self.history)
 
     def _live_workers(self) -> list[ActorHandle]:
@@ -670,6 +694,7 @@ class Orchestrator:
         now = time.perf_counter()
         step_wall = now - clock.last_step_end
         clock.last_step_end = now
+        stats.sync.published(self.version, reports[0].step_end_at)   # rank 0 publishes
         stats.update()
         rates, buf = stats.rates, stats.buffer
         assert buf is not None
@@ -684,7 +709,7 @@ class Orchestrator:
             masked_frac=float(lm.masked_token_frac),
             mixed_version_frac=statistics.fmean(r.mixed_version_frac for r in res),
             trainer_idle_frac=min(1.0, max(r.wait_s for r in reports) / step_wall) if step_wall else 0.0,
-            weight_update_stall_ms=rates.stall_ms,
+            weight_update_stall_ms=rates.stall_ms, weight_sync_ms=rates.sync_ms,
             step_time_s=step_wall, loss=float(res[0].loss), buffer_fill=buf.fill,
             completion_len_mean=sum(r.num_tokens for r in res) / max(1, sum(r.num_seqs for r in res)),
             entropy=statistics.fmean(r.entropy for r in res),

@@ -6,7 +6,9 @@ when needed, said in one line); on a cluster a shortfall is one line naming
 what is missing, instead of actors that wait forever to be placed.
 
 On one machine with a core for each, every rollout worker and trainer rank also
-gets a core of its own (:func:`plan_cores`).
+gets a core of its own (:func:`plan_cores`). On GPUs each takes a GPU of its own, or,
+with fewer GPUs than actors (one GPU is the common case), a share of one
+(:func:`plan_gpus`).
 """
 
 from __future__ import annotations
@@ -85,3 +87,63 @@ def plan_cores(cfg: Config, *, alive_nodes: int, on_gpus: bool) -> CorePlan:
         return CorePlan((None,) * w, (None,) * r)
     n = w + r
     return CorePlan(tuple(CoreSlot(i, n) for i in range(w)), tuple(CoreSlot(w + i, n) for i in range(r)))
+
+
+#: Of a shared GPU's memory, what the actors on it may take together; the rest is left to
+#: each process's CUDA context and allocator slack.
+SHARED_GPU_USABLE = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlan:
+    """How rollout workers and trainer ranks take the run's GPUs.
+
+    ``per_actor``: the Ray GPU request of each (1.0 = a GPU of its own; ``1 / per_gpu`` when
+    ``per_gpu`` actors share one GPU, Ray then packing them together); ``memory``: the
+    share of its GPU's memory each actor may take when sharing (vLLM's
+    ``gpu_memory_utilization``, the trainer's per-process memory fraction), None when
+    every actor has a GPU of its own. Invariant: ``per_gpu * per_actor <= 1`` and, when
+    sharing, ``per_gpu * memory <= SHARED_GPU_USABLE``."""
+
+    gpus: int
+    workers: int
+    ranks: int
+    per_gpu: int
+    per_actor: float
+    memory: float | None
+
+    @property
+    def shared(self) -> bool:
+        return self.per_gpu > 1
+
+    def describe(self) -> str:
+        """One line: who shares which GPUs, and how much memory each may take."""
+        who = f"{self.workers} rollout worker(s) + {self.ranks} trainer rank(s)"
+        if not self.shared:
+            return f"GPUs: {who} on {self.workers + self.ranks} GPU(s) of the cluster's {self.gpus}, one each"
+        return (f"GPUs: {who} share {self.gpus} GPU(s), up to {self.per_gpu} on each "
+                f"(Ray GPU {self.per_actor:g} each); each may take {self.memory:.0%} of its GPU's "
+                f"memory (vLLM: KV cache given in bytes within it; trainer: a per-process cap)")
+
+
+def plan_gpus(cfg: Config, have: float) -> GpuPlan | None:
+    """The GPU plan for a cluster with ``have`` GPUs (``ray.cluster_resources()``), or None
+    when the actors run on CPU (``--model.device cpu``, or ``auto`` with no GPU). With at
+    least one GPU per rollout worker and trainer rank each takes a GPU of its own; with
+    fewer, they share: ``ceil(actors / GPUs)`` to a GPU, each with an equal share of its
+    memory. ``--model.device cuda`` on a cluster without a GPU is a one-line ValueError."""
+    gpus = int(have)
+    if cfg.model.device == "cpu" or (cfg.model.device == "auto" and gpus == 0):
+        return None
+    w, r = cfg.rollout.num_workers, cfg.trainer.num_ranks
+    if gpus == 0:
+        raise ValueError(f"--model.device cuda: the Ray cluster has no GPU ({w} rollout worker(s) + "
+                         f"{r} trainer rank(s) to place)")
+    n = w + r
+    if gpus >= n:
+        return GpuPlan(gpus, w, r, per_gpu=1, per_actor=1.0, memory=None)
+    per_gpu = -(-n // gpus)
+    # Ray keeps four decimals of a fractional request: round down so per_gpu of them fit.
+    per_actor = int(10_000 / per_gpu) / 10_000
+    return GpuPlan(gpus, w, r, per_gpu=per_gpu, per_actor=per_actor,
+                   memory=round(SHARED_GPU_USABLE / per_gpu, 4))

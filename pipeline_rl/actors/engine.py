@@ -74,6 +74,10 @@ class SamplingConfig:
     ignore_eos: bool = False
 
 
+#: vLLM's own ``gpu_memory_utilization``, kept where a GPU is not shared.
+VLLM_DEFAULT_GPU_MEMORY = 0.9
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How to start an engine (derived from ``RolloutConfig`` by :func:`engine_config`)."""
@@ -87,7 +91,7 @@ class EngineConfig:
     kv_cache_gib: float = 1 / 16   # runs size it with kv_cache_gib_needed; enough for tiny test models
     #: Share of the GPU's memory vLLM may count on at start (its ``gpu_memory_utilization``);
     #: below vLLM's 0.9 when a trainer shares the GPU (``resources.plan_gpus``).
-    gpu_memory_fraction: float = 0.9
+    gpu_memory_fraction: float = VLLM_DEFAULT_GPU_MEMORY
     seed: int = 0
     initial_version: int = 0
 
@@ -118,12 +122,14 @@ class FinishedSequence:
 @dataclass(frozen=True, slots=True)
 class AppliedUpdate:
     """What applying one update cost: ``stall_s`` is the time no engine step could
-    run; ``in_flight`` the sequences that kept going across it."""
+    run; ``in_flight`` the sequences that kept going across it; ``live_at``: when the
+    next engine step could sample with it (``time.time()``)."""
 
     version: int
     stall_s: float
     in_flight: int
     num_bytes: int
+    live_at: float = 0.0
 
 
 class GenerationEngine(ABC):
@@ -225,10 +231,11 @@ class GenerationEngine(ABC):
 
 
 def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_version: int = 0,
-                  device: Literal["cpu", "cuda"] = "cpu") -> EngineConfig:
+                  device: Literal["cpu", "cuda"] = "cpu", gpu_memory: float | None = None) -> EngineConfig:
     """The :class:`EngineConfig` for a ``RolloutConfig`` on ``device``: dtype ``auto``
     is float32 on CPU (bf16 is slower there without AVX512) and bfloat16 on CUDA
-    (FlashAttention needs a 16-bit dtype)."""
+    (FlashAttention needs a 16-bit dtype); ``gpu_memory``: the share of a shared GPU's
+    memory vLLM may take (None: vLLM's default)."""
     from pipeline_rl.config import RolloutConfig
 
     assert isinstance(rollout, RolloutConfig)
@@ -240,6 +247,7 @@ def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_ver
     return EngineConfig(model_dir=model_dir, dtype=dtype, device=device, kv_policy=rollout.kv_policy,
                         max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len,
                         kv_cache_gib=rollout.kv_cache_gib or kv_cache_gib_needed(model_dir, rollout, dtype),
+                        gpu_memory_fraction=gpu_memory if gpu_memory is not None else VLLM_DEFAULT_GPU_MEMORY,
                         seed=seed, initial_version=initial_version)
 
 

@@ -240,7 +240,8 @@ class AsyncEngine(GenerationEngine):
             raise
         if newer:
             stall = time.perf_counter() - (self._paused_at or time.perf_counter())
-            self._applied.append(AppliedUpdate(version, stall, self._in_flight, self._update_bytes))
+            self._applied.append(AppliedUpdate(version, stall, self._in_flight, self._update_bytes,
+                                               live_at=time.time()))
             self._version = version
         self._paused_at = None
         self._update_lock.release()

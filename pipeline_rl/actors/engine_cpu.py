@@ -202,7 +202,8 @@ class CpuEngine(GenerationEngine):
                 compat.layerwise_reload(compat.inprocess_model(self._llm), update.tensors,
                                         self._llm.vllm_config)
             self._after_load(update.version)
-            return AppliedUpdate(update.version, time.perf_counter() - start, in_flight, update.num_bytes)
+            return AppliedUpdate(update.version, time.perf_counter() - start, in_flight, update.num_bytes,
+                                 live_at=time.time())
         finally:
             self._stage_lock.release()
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.faults import FAULT_ENV, inject
-from pipeline_rl.resources import CoreSlot
+from pipeline_rl.resources import CoreSlot, GpuPlan, plan_gpus
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -152,10 +152,11 @@ class RolloutActor:
     generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
-                 core: CoreSlot | None = None) -> None:
+                 core: CoreSlot | None = None, gpu_memory: float | None = None) -> None:
         """``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
         so the driver starts this actor while the buffer is still starting. ``core``: the
-        core slot this worker's process is pinned to (None: unpinned)."""
+        core slot this worker's process is pinned to (None: unpinned); ``gpu_memory``: the
+        share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``)."""
         setup_actor_process(cfg, f"rollout-{worker_id}", core=core)
         from pipeline_rl.actors.rollout_worker import RolloutWorker
         from pipeline_rl.tasks import build_task_for_model, task_tokenizer
@@ -169,7 +170,7 @@ class RolloutActor:
         admission = RayAdmission(buffer_name)
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
                                      buffer_address=admission.buffer_address(), admission=admission,
-                                     task=task, eval_task=eval_task)
+                                     task=task, eval_task=eval_task, gpu_memory=gpu_memory)
         end_of_startup()
 
     def ready(self) -> bool:
@@ -257,8 +258,11 @@ class TrainerActor:
     """One data-parallel trainer rank (DeepSpeed). Rank 0 publishes weights."""
 
     def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int,
-                 buffer: ActorHandle, core: CoreSlot | None = None) -> None:
+                 buffer: ActorHandle, core: CoreSlot | None = None, gpu_memory: float | None = None) -> None:
+        """``gpu_memory``: the share of its GPU's memory this rank may take when the GPU is
+        shared with other actors (None: not capped)."""
         setup_actor_process(cfg, f"trainer-{rank}", core=core)
+        self._gpu_memory = gpu_memory
         self._cfg = cfg
         self._model_dir = model_dir
         self._rank = rank
@@ -303,7 +307,7 @@ class TrainerActor:
 
         self._trainer_or_none = Trainer(self._cfg, self._model_dir, rank=self._rank,
                                 world_size=self._world_size, master_addr=master_addr,
-                                master_port=master_port)
+                                master_port=master_port, gpu_memory=self._gpu_memory)
         self._publisher = (WeightPublisher(transport=self._cfg.rollout.weight_transport)
                            if self._rank == 0 else None)
         self._rank_step = RankStep(self._trainer, _BufferSource(self._buffer), self._publisher)
@@ -349,10 +353,10 @@ class TrainerActor:
 
 
 def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str, *,
-                   on_gpus: bool) -> tuple[Any, Any, Any]:
+                   gpus: GpuPlan | None) -> tuple[Any, Any, Any]:
     """The Ray actor classes (buffer, rollout, trainer) with their resources; the
     buffer is pinned to ``buffer_node_id`` (the driver's node) and named ``buffer_name``
-    (the rollout workers find it by that name); ``on_gpus``: :func:`uses_gpus`."""
+    (the rollout workers find it by that name); ``gpus``: :func:`gpu_plan` (None: CPU)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     def needs(resource: str | None) -> dict[str, float]:
@@ -361,34 +365,23 @@ def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str, *,
     # A fault to inject (tests) reaches the actors of a Ray the driver did not start too.
     env = {"runtime_env": {"env_vars": {FAULT_ENV: os.environ[FAULT_ENV]}}} if os.environ.get(FAULT_ENV) else {}
     here = NodeAffinitySchedulingStrategy(buffer_node_id, soft=False)
-    gpus = 1 if on_gpus else 0   # without a GPU request Ray hides every GPU from the actor
+    per_actor = gpus.per_actor if gpus else 0   # without a GPU request Ray hides every GPU
     buffer_cls = _actor(BufferActor).options(num_cpus=0, max_concurrency=32, scheduling_strategy=here,
                                              name=buffer_name, **env)
     rollout_cls = _actor(RolloutActor).options(
-        num_cpus=1, num_gpus=gpus, max_concurrency=8, max_restarts=-1, max_task_retries=0,
+        num_cpus=1, num_gpus=per_actor, max_concurrency=8, max_restarts=-1, max_task_retries=0,
         resources=needs(cfg.ray.rollout_resource), **env)
-    trainer_cls = _actor(TrainerActor).options(num_cpus=1, num_gpus=gpus, max_concurrency=2,
+    trainer_cls = _actor(TrainerActor).options(num_cpus=1, num_gpus=per_actor, max_concurrency=2,
                                                resources=needs(cfg.ray.trainer_resource), **env)
     return buffer_cls, rollout_cls, trainer_cls
 
 
-def uses_gpus(cfg: Config) -> bool:
-    """Whether the actors run on CUDA: asked for, or ``auto`` on a cluster with GPUs. On
-    CUDA each rollout worker and trainer rank takes one GPU of its own (vLLM's ``nccl``
-    weight transfer between them); too few GPUs is a one-line error, never a wait."""
+def gpu_plan(cfg: Config) -> GpuPlan | None:
+    """How the actors take the cluster's GPUs (:func:`pipeline_rl.resources.plan_gpus`);
+    None on CPU. A GPU each where there are enough, shared where there are fewer."""
     import ray
 
-    if cfg.model.device == "cpu":
-        return False
-    have = int(ray.cluster_resources().get("GPU", 0))
-    if cfg.model.device == "auto" and have == 0:
-        return False
-    need = cfg.rollout.num_workers + cfg.trainer.num_ranks
-    if have < need:
-        raise RuntimeError(f"--model.device {cfg.model.device}: {cfg.rollout.num_workers} rollout "
-                           f"worker(s) + {cfg.trainer.num_ranks} trainer rank(s) need {need} GPUs, "
-                           f"the Ray cluster has {have}")
-    return True
+    return plan_gpus(cfg, float(ray.cluster_resources().get("GPU", 0)))
 
 
 def _actor(cls: type) -> Any:

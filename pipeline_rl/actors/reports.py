@@ -137,10 +137,12 @@ class RankStepReport:
     ``wait_s``: blocked waiting for the batch (the trainer's idle time); ``publish_s``:
     copying the weights out and handing them to the publisher (on the training thread);
     ``wall_s``: the whole step, wait included, so ``sum(wait_s) / sum(wall_s)`` is the
-    idle fraction of any window.
+    idle fraction of any window; ``step_end_at``: when the optimizer step ended, before
+    its weights were copied out (``time.time()``: the start of a weight sync).
     """
 
     result: StepResult
     wait_s: float
     publish_s: float
     wall_s: float
+    step_end_at: float = 0.0

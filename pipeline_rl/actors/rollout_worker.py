@@ -113,6 +113,14 @@ class SenderLike(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class AppliedAt:
+    """When a worker's engine could first sample with weights ``version`` (``time.time()``)."""
+
+    version: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStats:
     """A snapshot of one worker. ``stall_ms``: for the most recent applied updates (at
     most ``STALL_WINDOW``, oldest first), the time no engine step could run;
@@ -122,7 +130,8 @@ class WorkerStats:
     had nothing to run; ``step_s``: time inside engine steps; ``send_wait_s``: time
     sends were blocked by a full buffer (in the reward/send threads, not the
     engine's); ``heap_trim_s``: time spent handing free heap pages back to the OS
-    (``HeapTrimmer``, on the engine's thread between steps)."""
+    (``HeapTrimmer``, on the engine's thread between steps); ``applied``: when the most
+    recent applied updates went live (at most ``STALL_WINDOW``, oldest first)."""
 
     worker_id: int
     version: int
@@ -141,6 +150,7 @@ class WorkerStats:
     in_flight_groups: int
     stall_ms_total: float = 0.0
     heap_trim_s: float = 0.0
+    applied: tuple[AppliedAt, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -172,6 +182,7 @@ class _Counters:
     updates_applied: int = 0
     stall_ms_total: float = 0.0
     stall_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
+    applied: deque[AppliedAt] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
 
 
 #: How long beyond its hold a stopping worker waits for the answer to its last request.
@@ -187,7 +198,7 @@ class RolloutWorker:
                  eval_task: Task | None = None,
                  engine: GenerationEngine | None = None, sender: SenderLike | None = None,
                  reward_threads: int = 2, poll_s: float = 0.005, acquire_hold_s: float = 0.5,
-                 idle_wait_s: float = 0.05) -> None:
+                 idle_wait_s: float = 0.05, gpu_memory: float | None = None) -> None:
         self.cfg = cfg
         self.worker_id = worker_id
         self.n = cfg.rollout.n
@@ -195,7 +206,7 @@ class RolloutWorker:
         self._task = task
         self._reward_fn: RewardFn = reward_fn if reward_fn is not None else task.reward
         self._engine = engine if engine is not None else build_engine(
-            cfg, model_dir, seed=cfg.seed + worker_id)
+            cfg, model_dir, seed=cfg.seed + worker_id, gpu_memory=gpu_memory)
         self._sender = sender if sender is not None else _connect(buffer_address, worker_id, cfg)
         self._sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens,
                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -317,7 +328,8 @@ class RolloutWorker:
                 updates_applied=c.updates_applied, stall_ms_total=c.stall_ms_total,
                 updates_rejected=c.updates_rejected,
                 reward_errors=c.reward_errors, send_wait_s=self._sender.wait_s,
-                in_flight_groups=len(self._pending), heap_trim_s=self._heap.trim_s)
+                in_flight_groups=len(self._pending), heap_trim_s=self._heap.trim_s,
+                applied=tuple(c.applied))
 
     # -- the loop (one thread) -----------------------------------------------------------
     def run(self, max_groups: int | None = None) -> WorkerStats:
@@ -389,6 +401,7 @@ class RolloutWorker:
         with self._lock:
             self._c.stall_ms.append(applied.stall_s * 1e3)
             self._c.stall_ms_total += applied.stall_s * 1e3
+            self._c.applied.append(AppliedAt(applied.version, applied.live_at or time.time()))
             self._c.updates_applied += 1
         log.info("worker %d: weights v%d applied in %.1f ms, %d sequences in flight", self.worker_id,
                  applied.version, applied.stall_s * 1e3, applied.in_flight)
@@ -585,12 +598,14 @@ class RolloutWorker:
             self._engine.close()
 
 
-def build_engine(cfg: Config, model_dir: str, *, seed: int = 0) -> GenerationEngine:
+def build_engine(cfg: Config, model_dir: str, *, seed: int = 0,
+                 gpu_memory: float | None = None) -> GenerationEngine:
     """Start the engine ``cfg.rollout.engine`` names on this machine's device: the
     ``AsyncLLM`` engine on CUDA (present, or asked for), the in-process one on CPU
-    unless the async one is asked for."""
+    unless the async one is asked for. ``gpu_memory``: the share of a GPU shared with
+    other actors that vLLM may take."""
     device = resolve_device(cfg.model.device)
-    ecfg = engine_config(cfg.rollout, model_dir, seed=seed, device=device)
+    ecfg = engine_config(cfg.rollout, model_dir, seed=seed, device=device, gpu_memory=gpu_memory)
     if device == "cuda" and cfg.rollout.engine == "inprocess":
         raise ValueError("--rollout.engine inprocess runs on CPU only; use async (or auto) on CUDA")
     if device == "cuda" or cfg.rollout.engine == "async":

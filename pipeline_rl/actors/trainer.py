@@ -172,7 +172,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, model_dir: str | Path, rank: int = 0, world_size: int = 1, *,
                  master_addr: str | None = None, master_port: int | None = None,
-                 num_threads: int | None = 1) -> None:
+                 num_threads: int | None = 1, gpu_memory: float | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"trainer: rank {rank} is not in [0, {world_size})")
         if cfg.trainer.batch_size % world_size:
@@ -182,6 +182,9 @@ class Trainer:
         self.model_dir = Path(model_dir)
         self.rank, self.world_size = rank, world_size
         self.device = self._pick_device()
+        if gpu_memory is not None and self.device.type == "cuda":
+            # A GPU shared with rollout engines: this rank's allocator stays within its share.
+            torch.cuda.set_per_process_memory_fraction(gpu_memory, self.device)
         if num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(num_threads)
         if self.device.type == "cpu":
@@ -625,12 +628,12 @@ class RankStep:
         wait_s = time.perf_counter() - t0
         inject("trainer_step", tr.version)
         result = tr.step(groups)
-        t1 = time.perf_counter()
+        t1, step_end_at = time.perf_counter(), time.time()
         self.publish()
         publish_s = time.perf_counter() - t1
         if tr.rank == 0:   # opens the admission budget for the next version now
             self.source.set_version(tr.version)
-        return RankStepReport(result, wait_s, publish_s, time.perf_counter() - t0)
+        return RankStepReport(result, wait_s, publish_s, time.perf_counter() - t0, step_end_at)
 
     def publish(self) -> None:
         """Publish the current weights (every rank calls it: a ZeRO-3 gather is collective)."""
