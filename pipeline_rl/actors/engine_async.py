@@ -84,12 +84,13 @@ class AsyncEngine(GenerationEngine):
     def __init__(self, cfg: EngineConfig) -> None:
         if cfg.device == "cpu":
             set_cpu_env()
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             # Eager even for vLLM's few torch.compile'd sampler helpers: on CPU inductor
             # compiles each with a C++ toolchain on first use, seconds during which the
             # engine core answers nothing, a weight update included (the engine core
             # process inherits this; the in-process engine does the same per thread).
             os.environ["TORCHDYNAMO_DISABLE"] = "1"
+        # The engine core runs in a process of its own (actors inherit 0 for the in-process engine).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         register()
         self.cfg = cfg
         self.kv_policy = cfg.kv_policy

@@ -281,6 +281,21 @@ def layerwise_reload(model: Any, tensors: Iterable[tuple[str, Any]], vllm_config
         finalize_layerwise_reload(model, vllm_config.model_config)
 
 
+def load_served_weights(model: Any, tensors: Iterable[tuple[str, Any]], vllm_config: Any) -> None:
+    """Load HF-named ``tensors`` into a served ``model`` (no step running). On an accelerator
+    the model's own ``load_weights`` (its layers keep their weight loaders there, and it
+    handles every architecture's fused layers: the path RL frameworks use on GPUs); on
+    CPU, where the kernels' repacking removed those loaders, vLLM's layerwise reload."""
+    if str(vllm_config.device_config.device_type) == "cpu":
+        layerwise_reload(model, tensors, vllm_config)
+        return
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        model.load_weights(iter(tensors))
+
+
 def copy_reload_metadata(live: Any, shadow: Any) -> None:
     """Give ``shadow`` its own copy of the layerwise-reload metadata vLLM keeps for ``live``
     (a reload mutates those tensors, so the two must not share them)."""

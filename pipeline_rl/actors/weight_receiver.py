@@ -10,7 +10,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from pipeline_rl.actors.vllm_compat import complete_backend, layerwise_reload
+from pipeline_rl.actors.vllm_compat import complete_backend, load_served_weights
 from pipeline_rl.actors.weight_transfer import (
     BACKEND,
     DEFAULT_BUCKET_BYTES,
@@ -114,4 +114,4 @@ def load_into(model: Any, checked: CheckedUpdate, vllm_config: Any) -> None:
     on_cpu = str(vllm_config.device_config.device_type) == "cpu"
     direct = _DirectLoader.build(model) if on_cpu else None
     if direct is None or not direct.load(checked, vllm_config):
-        layerwise_reload(model, checked.tensors, vllm_config)
+        load_served_weights(model, checked.tensors, vllm_config)

