@@ -148,7 +148,15 @@ class RunResult:
     wall_s: float
     rows: list[dict[str, Any]]
     stdout: str
-    stderr_tail: str
+    stderr: str
+
+    @property
+    def stderr_tail(self) -> str:
+        return "\n".join(self.stderr.strip().splitlines()[-3:])
+
+    def line_starting(self, prefix: str) -> str:
+        """The first console line (the progress lines go to stderr) starting with ``prefix``."""
+        return next((x for x in (self.stderr + "\n" + self.stdout).splitlines() if x.startswith(prefix)), "")
 
     def summary_value(self, label: str) -> str | None:
         m = re.search(rf"\| {re.escape(label)}\s*\| ([^|]+) \|", self.stdout)
@@ -162,16 +170,14 @@ def launch(out: Path, *flags: str) -> RunResult:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     metrics = out / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
-    tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
-    return RunResult(proc.returncode, time.perf_counter() - t, rows, proc.stdout, tail)
+    return RunResult(proc.returncode, time.perf_counter() - t, rows, proc.stdout, proc.stderr)
 
 
 def pipeline_builtin(report: Report, root: Path, steps: int) -> None:
     run = launch(root / "run_builtin", "--staleness", "2", "--max-steps", str(steps),
                  "--model.device", report.device)
     report.facts["builtin_run_s"] = round(run.wall_s, 1)
-    gpus = next((line for line in run.stdout.splitlines() if line.startswith("GPUs:")), "")
-    report.facts["builtin_gpu_line"] = gpus
+    report.facts["builtin_gpu_line"] = run.line_starting("GPUs:")
     report.facts["builtin_reward_first_last"] = [run.rows[0]["reward_mean"], run.rows[-1]["reward_mean"]] if run.rows else None
     report.facts["builtin_weight_sync_ms_p50_p90"] = run.summary_value(
         "weight sync, step end -> every worker on it (p50 / p90)")
@@ -200,7 +206,11 @@ def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int
     rows = run.rows[len(run.rows) // 4:] or run.rows
     if rows:
         report.facts["big_tokens_per_s_median"] = round(statistics.median(r["tokens_per_s"] for r in rows))
-        report.facts["big_step_time_s_median"] = round(statistics.median(r["step_time_s"] for r in rows), 3)
+        step_s = statistics.median(r["step_time_s"] for r in rows)
+        report.facts["big_step_time_s_median"] = round(step_s, 3)
+        # What training consumed: completions per step x their mean length, per step time.
+        per_step = statistics.fmean(r["completion_len_mean"] for r in rows) * _completions_per_step()
+        report.facts["big_trained_tokens_per_s"] = round(per_step / step_s) if step_s else None
         report.facts["big_stall_ms_median"] = round(statistics.median(r["weight_update_stall_ms"] for r in rows), 1)
         report.facts["big_completion_len_mean"] = round(statistics.fmean(r["completion_len_mean"] for r in rows), 1)
         report.facts["big_lag_max"] = max(r["lag_max"] for r in run.rows)
@@ -210,6 +220,12 @@ def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int
     report.check(f"{steps}-step pipeline, {params / 1e6:.0f} M-parameter Qwen2-shaped model",
                  run.returncode == 0 and len(run.rows) >= steps,
                  f"exit {run.returncode}, {len(run.rows)} steps in {run.wall_s:.0f} s {' '.join(last_line)[:300]}")
+
+
+def _completions_per_step() -> int:
+    from pipeline_rl.config import Config
+
+    return Config().trainer.batch_size
 
 
 def _count_params(model_dir: Path) -> int:
