@@ -77,7 +77,7 @@ def start_ray(address: str | None = None, env: dict[str, str] | None = None, *,
     if address:
         ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=log_to_driver)
         return
-    from pipeline_rl.ray_start import start_local   # as the command starts its local Ray
+    from pipeline_rl.run.local_ray import start_local   # as the command starts its local Ray
 
     start_local(num_cpus=os.cpu_count() or 2, object_store_mb=-(-object_store_bytes // 2**20),
                 env=env_vars, logging_level=logging.WARNING, log_to_driver=log_to_driver)
@@ -92,7 +92,7 @@ def stop_ray() -> None:
 def run_pipeline(cfg: Config) -> list[dict[str, Any]]:
     """Run one configuration through the real orchestrator; return its metrics rows."""
     from pipeline_rl.driver import resolve_model_dir
-    from pipeline_rl.orchestrator import Orchestrator
+    from pipeline_rl.run.conductor import Orchestrator
 
     metrics = Path(cfg.out_dir) / "metrics.jsonl"
     if metrics.exists():

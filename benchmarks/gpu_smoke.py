@@ -84,9 +84,9 @@ def updates_in_flight(report: Report, root: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.actors.engine import EngineConfig, GenRequest, SamplingConfig
-    from pipeline_rl.actors.engine_async import AsyncEngine
-    from pipeline_rl.actors.weights import load_update
+    from pipeline_rl.rollout.engine import EngineConfig, GenRequest, SamplingConfig
+    from pipeline_rl.rollout.engine_async import AsyncEngine
+    from pipeline_rl.weight_sync.message import load_update
     from pipeline_rl.models.builtin import build_tiny_model
 
     shape = dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256)
@@ -229,7 +229,7 @@ def _completions_per_step() -> int:
 
 
 def _count_params(model_dir: Path) -> int:
-    from pipeline_rl.actors.weights import read_weight_spec
+    from pipeline_rl.weight_sync.message import read_weight_spec
 
     return read_weight_spec(model_dir).num_params
 
@@ -237,11 +237,11 @@ def _count_params(model_dir: Path) -> int:
 FAULT_SCRIPT = """
 import json, sys, threading, time
 import psutil
-from pipeline_rl.actors.engine import EngineConfig
-from pipeline_rl.actors.engine_async import AsyncEngine
+from pipeline_rl.rollout.engine import EngineConfig
+from pipeline_rl.rollout.engine_async import AsyncEngine
 try:
     AsyncEngine(EngineConfig(model_dir=sys.argv[1], device=sys.argv[2], dtype=sys.argv[3],
-                             max_num_seqs=4, max_model_len=64))
+                             max_num_seqs=4, max_model_len=64, fault="engine_start@0"))
 except Exception as e:
     t = time.monotonic()
     kids = [c.pid for c in psutil.Process().children(recursive=True)
@@ -257,7 +257,7 @@ except Exception as e:
 
 def failed_start(report: Report, root: Path) -> None:
     dtype = "bfloat16" if report.device == "cuda" else "float32"
-    env = {**os.environ, "PIPELINE_RL_FAULT": "engine_start@0", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-c", FAULT_SCRIPT, str(root / "a"), report.device, dtype],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     assert proc.stdout is not None

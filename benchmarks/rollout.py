@@ -75,7 +75,7 @@ def run_worker(engine: object, model_dir: str, w: Workload, *, offers: Sequence[
     """One worker run of ``w.groups`` groups; with ``offers``, a thread offers them in
     turn every ``update_every_s`` while the run lasts. Returns stats and the
     in-flight sequence counts seen at each update."""
-    from pipeline_rl.actors.rollout_worker import RolloutWorker
+    from pipeline_rl.rollout.worker import RolloutWorker
     from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.buffer.server import BufferServer
     from pipeline_rl.tasks import AdditionTask
@@ -117,7 +117,7 @@ def run_worker(engine: object, model_dir: str, w: Workload, *, offers: Sequence[
 
 
 def _bump(update: object, version: int) -> object:
-    from pipeline_rl.actors.weights import WeightUpdate
+    from pipeline_rl.weight_sync.message import WeightUpdate
 
     assert isinstance(update, WeightUpdate)
     return WeightUpdate(version, update.names, update.arrays)
@@ -143,17 +143,17 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    from pipeline_rl.actors.engine import EngineConfig
-    from pipeline_rl.actors.engine_cpu import CpuEngine
-    from pipeline_rl.actors.weights import load_update
+    from pipeline_rl.rollout.engine import EngineConfig
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.weight_sync.message import load_update
     from pipeline_rl.models.builtin import build_tiny_model
-    from pipeline_rl.actors.vllm_compat import hidden_from_vllm_kernel_scan
+    from pipeline_rl.rollout.vllm_compat import hidden_from_vllm_kernel_scan
     from pipeline_rl.tasks import AdditionTask
 
     shape = dict(hidden_size=hidden, num_layers=layers, num_heads=heads, intermediate_size=intermediate)
     dir_a = str(build_tiny_model(model_root / "a", seed=0, **shape))
     dir_b = str(build_tiny_model(model_root / "b", seed=1, **shape))
-    engine = CpuEngine(EngineConfig(model_dir=dir_a, max_num_seqs=w.max_num_seqs, max_model_len=128))
+    engine = InprocessEngine(EngineConfig(model_dir=dir_a, max_num_seqs=w.max_num_seqs, max_model_len=128))
     with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):  # see vllm_compat
         llm = LLM(model=dir_a, dtype="float32", max_model_len=128, max_num_seqs=w.max_num_seqs, seed=0,
                   logprobs_mode="processed_logprobs", enable_prefix_caching=False, enforce_eager=True,
@@ -180,7 +180,7 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
     direct_stalls: list[float] = []
     direct_rate: float | None = None
     if with_direct:  # the same run with the reload on the live model between steps (no staging)
-        direct = CpuEngine(EngineConfig(model_dir=dir_a, max_num_seqs=w.max_num_seqs, max_model_len=128),
+        direct = InprocessEngine(EngineConfig(model_dir=dir_a, max_num_seqs=w.max_num_seqs, max_model_len=128),
                            staged=False)
         direct_stats, _ = run_worker(direct, dir_a, w, offers=updates, update_every_s=update_every_s)
         direct.close()

@@ -7,7 +7,7 @@ Usage::
                               [--in-process] [-- PIPELINE FLAGS]
 
 What is measured. The default mode runs the real pipeline -- the same
-:class:`~pipeline_rl.orchestrator.Orchestrator` that ``launch/async_grpo.py``
+:class:`~pipeline_rl.run.conductor.Orchestrator` that ``launch/async_grpo.py``
 drives, with its defaults and ``--staleness 2`` unless flags after ``--`` say
 otherwise -- on a local Ray started here. A sampler thread in the driver reads
 the trainer version (one per optimizer step) and, every ``--sample-every``
@@ -27,7 +27,7 @@ one that stays is a leak). A process whose slope exceeds ``--limit-kib``
 rollout worker Ray brought back) starts a new segment; only its last segment
 is fitted.
 
-``--in-process`` is the cheap bisection variant: one ``CpuEngine`` with a
+``--in-process`` is the cheap bisection variant: one ``InprocessEngine`` with a
 ``RolloutWorker`` and an in-process ``ReplayBuffer``/``BufferServer`` in this
 process, and a stand-in trainer loop (take a batch at the current version,
 offer the next version's weights -- alternating between two read-only copies
@@ -217,7 +217,7 @@ def run_pipeline(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[Rs
 
     from pipeline_rl.actors.process import ACTOR_ENV
     from pipeline_rl.driver import resolve_model_dir
-    from pipeline_rl.orchestrator import Orchestrator
+    from pipeline_rl.run.conductor import Orchestrator
 
     env = {**ACTOR_ENV, **actor_env}
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -270,10 +270,10 @@ def run_in_process(cfg: Config, every: int, offer_threads: int = 1) -> tuple[Rss
 
     import numpy as np
 
-    from pipeline_rl.actors.engine import engine_config
-    from pipeline_rl.actors.engine_cpu import CpuEngine
-    from pipeline_rl.actors.rollout_worker import RolloutWorker
-    from pipeline_rl.actors.weights import WeightUpdate, load_update
+    from pipeline_rl.rollout.engine import engine_config
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.worker import RolloutWorker
+    from pipeline_rl.weight_sync.message import WeightUpdate, load_update
     from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.buffer.server import BufferServer
     from pipeline_rl.actors.process import ACTOR_ENV
@@ -287,7 +287,7 @@ def run_in_process(cfg: Config, every: int, offer_threads: int = 1) -> tuple[Rss
 
     torch.set_num_threads(1)
     model_dir = resolve_model_dir(cfg)
-    engine = CpuEngine(engine_config(cfg.rollout, model_dir, seed=cfg.seed))
+    engine = InprocessEngine(engine_config(cfg.rollout, model_dir, seed=cfg.seed))
     buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step)
     server = BufferServer(buffer)
     worker = RolloutWorker(cfg, 0, model_dir, server.address, buffer, build_task(cfg.task, seed=cfg.seed),

@@ -8,7 +8,7 @@ Two measurements, each in fresh processes on an otherwise idle machine:
    from the command.
 2. **The pieces alone**, one process at a time on an idle core: ``import ray`` plus
    the start of a local Ray as the command starts it (``ray_start.start_local``); ``import deepspeed``; ``import vllm``; building the rollout
-   worker's vLLM engine (``CpuEngine``: the rest of vLLM's imports, the model, the KV cache)
+   worker's vLLM engine (``InprocessEngine``: the rest of vLLM's imports, the model, the KV cache)
    after ``import vllm``; the last three with the garbage collector off, as the actors
    run them.
 
@@ -44,14 +44,14 @@ PHASES = (("ray", "Ray:"), ("buffer", "buffer:"), ("trainer", "trainer:"), ("wor
 _NO_GC = "import gc; gc.disable(); "
 _PIECES = {
     "ray_init": "import os; os.environ['RAY_AUTH_MODE']='disabled'; "   # as the command starts it
-                "from pipeline_rl.actors.process import ACTOR_ENV; from pipeline_rl.ray_start import start_local; "
+                "from pipeline_rl.actors.process import ACTOR_ENV; from pipeline_rl.run.local_ray import start_local; "
                 "start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30)",
     "import_deepspeed": _NO_GC + "import deepspeed",
     "import_vllm": _NO_GC + "import vllm",
     "vllm_engine": _NO_GC + "import vllm; t = time.perf_counter(); "   # its build after ``import vllm``
-                   "from pipeline_rl.actors.engine import EngineConfig; "
-                   "from pipeline_rl.actors.engine_cpu import CpuEngine; "
-                   "CpuEngine(EngineConfig(model_dir={model_dir!r}))",
+                   "from pipeline_rl.rollout.engine import EngineConfig; "
+                   "from pipeline_rl.rollout.engine_inprocess import InprocessEngine; "
+                   "InprocessEngine(EngineConfig(model_dir={model_dir!r}))",
 }
 
 

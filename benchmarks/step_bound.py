@@ -9,7 +9,7 @@ run's own configuration (the built-in model and task unless flags say otherwise)
   on batches of the run's shape (its prompts' token length; completions of up to the
   median over generated rounds of a round's longest completion: micro-batches are padded
   to their longest row), at 1 and at ``--threads`` threads;
-- ``generate_batch_ms``: the in-process vLLM engine (``CpuEngine``) generating one batch of
+- ``generate_batch_ms``: the in-process vLLM engine (``InprocessEngine``) generating one batch of
   ``groups_per_step`` prompts x ``n`` completions of the run's task, alone and with
   ``k + 1`` batches in flight at once (what the admission budget allows at staleness ``k``),
   with the engine steps it took and the milliseconds per engine step.
@@ -43,11 +43,11 @@ def _ms(xs: list[float]) -> float:
 
 def generate(cfg: Any, model_dir: str, batches: int, in_flight: int) -> dict[str, float]:
     """Milliseconds per batch (and per engine step) with ``in_flight`` batches at once."""
-    from pipeline_rl.actors.engine import GenRequest, SamplingConfig, engine_config
-    from pipeline_rl.actors.engine_cpu import CpuEngine
+    from pipeline_rl.rollout.engine import GenRequest, SamplingConfig, engine_config
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
     from pipeline_rl.tasks import build_task_for_model
 
-    engine = CpuEngine(engine_config(cfg.rollout, model_dir, seed=cfg.seed))
+    engine = InprocessEngine(engine_config(cfg.rollout, model_dir, seed=cfg.seed))
     task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)
     sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
     per_batch, per_step, round_steps, lengths, prompt_lens, longest = [], [], [], [], [], []
@@ -82,7 +82,7 @@ def train(cfg: Any, model_dir: str, batches: int, prompt_len: int, completion_le
           threads: int) -> float:
     """Median milliseconds of ``Trainer.step`` on run-shaped batches at ``threads`` threads."""
     from benchmarks.synthetic import synthetic_groups
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.training.trainer import Trainer
 
     trainer = Trainer(cfg, model_dir, num_threads=threads)   # the Trainer sets the thread count
     times = []

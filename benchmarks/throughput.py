@@ -95,8 +95,8 @@ def _colocated_rows(flags: tuple[str, ...], steps: int) -> list[dict[str, Any]]:
     import torch
 
     torch.set_num_threads(int(cores))  # before vLLM starts: it freezes the thread count
-    from pipeline_rl.actors.rollout_worker import RolloutWorker
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.rollout.worker import RolloutWorker
+    from pipeline_rl.training.trainer import Trainer
     from pipeline_rl.buffer import BufferServer, ReplayBuffer
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.tasks import build_task

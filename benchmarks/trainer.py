@@ -2,7 +2,7 @@
 
 The built-in model (``ModelConfig`` defaults: hidden 128, 2 layers, 4 heads) is trained by the
 real DeepSpeed trainer (ZeRO from ``--zero-stage``, one rank, gloo, CPU) running the step the
-pipeline's trainer ranks run (:class:`pipeline_rl.actors.trainer.RankStep`: wait for the batch,
+pipeline's trainer ranks run (:class:`pipeline_rl.training.trainer.RankStep`: wait for the batch,
 step, publish, open the admission budget), back to back, fed by a producer thread that
 plays the rollout workers: it asks the real :class:`ReplayBuffer` for admission (global budget,
 staleness ``--staleness``), generates random well-formed groups (``rollout.n`` completions of up
@@ -80,7 +80,7 @@ class Receiver:
         self.times: dict[int, float] = {}
 
     def offer_weights(self, offer: Any) -> None:
-        from pipeline_rl.actors.weights import resolve_offer
+        from pipeline_rl.weight_sync.message import resolve_offer
 
         update = resolve_offer(offer)
         self.times[update.version] = time.time()
@@ -123,9 +123,9 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
     import ray
     import torch
 
-    from pipeline_rl.actors.publish import WeightPublisher
-    from pipeline_rl.actors.reports import RankStepReport
-    from pipeline_rl.actors.trainer import RankStep, Trainer
+    from pipeline_rl.weight_sync.publisher import WeightPublisher
+    from pipeline_rl.reports import RankStepReport
+    from pipeline_rl.training.trainer import RankStep, Trainer
     from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.models.builtin import build_tiny_model
 

@@ -60,7 +60,7 @@ class VersionRun:
 
 
 def one_run(out: Path, staleness: int, epochs: int, steps: int, resume: Path | None = None) -> VersionRun:
-    from pipeline_rl.actors.checkpoint import checkpoint_name, read_run_state
+    from pipeline_rl.training.checkpoint import checkpoint_name, read_run_state
 
     half = steps // 2
     argv = ["--staleness", str(staleness), "--max-steps", str(steps), "--out-dir", str(out),
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 4 or args.steps % 2:
         p.error("--steps must be even and >= 4")
-    from pipeline_rl.actors.checkpoint import checkpoint_name
+    from pipeline_rl.training.checkpoint import checkpoint_name
 
     runs: list[VersionRun] = []
     start_ray()

@@ -1,5 +1,5 @@
 """Weight-sync benchmark: how long a new policy version takes to reach generation, and
-how long generation stops for it, per engine (in-process ``CpuEngine`` vs ``AsyncLLM``)
+how long generation stops for it, per engine (in-process ``InprocessEngine`` vs ``AsyncLLM``)
 and per transport (vLLM's weight-transfer API vs Ray's object store).
 
 Usage::
@@ -12,8 +12,8 @@ Usage::
 Set-up (one process run, one cell after the other, never two engines at once):
 a local Ray (one CPU per core); per (model, engine, transport) cell ``--workers`` fresh
 rollout-worker actors of this module (:class:`SyncWorker`), each owning one engine
-(``inprocess``: :class:`~pipeline_rl.actors.engine_cpu.CpuEngine`; ``async``:
-:class:`~pipeline_rl.actors.engine_async.AsyncEngine`, engine core in its own process)
+(``inprocess``: :class:`~pipeline_rl.rollout.engine_inprocess.InprocessEngine`; ``async``:
+:class:`~pipeline_rl.rollout.engine_async.AsyncEngine`, engine core in its own process)
 and generating continuously on a thread of its own: ``--max-num-seqs`` sequences in
 flight (random-token prompts of ``--prompt-len``, ``--max-new-tokens`` tokens each,
 ``ignore_eos``; a finished one is replaced at once), ``engine.apply_staged()``
@@ -134,18 +134,18 @@ class SyncWorker:
         import torch
 
         torch.set_num_threads(1)
-        from pipeline_rl.actors.engine import EngineConfig, GenerationEngine, SamplingConfig
+        from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine, SamplingConfig
 
         cfg = EngineConfig(model_dir=model_dir, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            kv_cache_gib=1.0, seed=seed)
         t0 = time.perf_counter()
         self._engine: GenerationEngine
         if engine_kind == "inprocess":
-            from pipeline_rl.actors.engine_cpu import CpuEngine
+            from pipeline_rl.rollout.engine_inprocess import InprocessEngine
 
-            self._engine = CpuEngine(cfg)
+            self._engine = InprocessEngine(cfg)
         elif engine_kind == "async":
-            from pipeline_rl.actors.engine_async import AsyncEngine
+            from pipeline_rl.rollout.engine_async import AsyncEngine
 
             self._engine = AsyncEngine(cfg)
         else:
@@ -175,7 +175,7 @@ class SyncWorker:
         self._thread.start()
 
     def _loop(self) -> None:
-        from pipeline_rl.actors.engine import GenRequest
+        from pipeline_rl.rollout.engine import GenRequest
 
         engine = self._engine
         try:
@@ -218,7 +218,7 @@ class SyncWorker:
 
     def _offer(self, refs: list[Any]) -> None:
         """RolloutWorker.offer_weights, its three phases timed."""
-        from pipeline_rl.actors.weights import check_update, resolve_offer
+        from pipeline_rl.weight_sync.message import check_update, resolve_offer
 
         t0 = time.perf_counter()
         update = resolve_offer(refs)
@@ -247,7 +247,7 @@ class SyncWorker:
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
         """The trainer's one call per update: the three above in order (each timed)."""
-        from pipeline_rl.actors.weight_transfer import receive_in_one_call
+        from pipeline_rl.weight_sync.gloo import receive_in_one_call
 
         return receive_in_one_call(self, update_info, weight_version)
 
@@ -334,7 +334,7 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
     """One (model, engine, transport) cell: fresh workers, ``warmup + updates`` publishes."""
     import ray
 
-    from pipeline_rl.actors.publish import Transport, WeightPublisher, gather_weights
+    from pipeline_rl.weight_sync.publisher import Transport, WeightPublisher, gather_weights
 
     t_cell = time.perf_counter()
     actor: Any = ray.remote(SyncWorker).options(num_cpus=0.01, max_concurrency=8, max_restarts=0)
@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "large: random-init Llama, hidden 512, 8 layers, 8 heads, MLP 1536 (27 M params); "
                         "tiny: hidden 64, 2 layers, 2 heads, MLP 128 (smoke tests).")
     p.add_argument("--engines", type=_csv(ENGINES), default=list(ENGINES),
-                   help="Engine kinds (default: inprocess,async): inprocess = CpuEngine, async = AsyncEngine.")
+                   help="Engine kinds (default: inprocess,async): inprocess = InprocessEngine, async = AsyncEngine.")
     p.add_argument("--transports", type=_csv(TRANSPORTS), default=list(TRANSPORTS),
                    help="WeightPublisher transports (default: vllm,object_store).")
     p.add_argument("--workers", type=int, default=1, help="Rollout-worker actors per cell (default 1).")

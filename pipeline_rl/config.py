@@ -24,7 +24,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: Attention head sizes vLLM's CPU attention backend accepts (docs/design.md, platform notes).
 CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -319,6 +319,9 @@ class Config(Section):
     watchdog_s: float = Field(120.0, ge=0.0, description="End the run, saying who waits for what, "
                               "when no step completes within max(this, 20 x the median step time) "
                               "seconds (0 = off).")
+    fault: str | None = Field(None, description="Failure tests: make one actor raise at POINT@VERSION "
+                              "(weight_update, engine_step, trainer_step, buffer, engine_hang, "
+                              "engine_start) once the policy reaches VERSION.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -328,6 +331,15 @@ class Config(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @field_validator("fault")
+    @classmethod
+    def _fault_spec(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            from pipeline_rl.faults import check_fault_spec  # torch-free, stdlib only
+
+            check_fault_spec(spec)
+        return spec
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

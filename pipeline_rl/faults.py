@@ -1,45 +1,40 @@
 """Fault injection for failure tests: make one actor raise at a chosen point.
 
-Set ``PIPELINE_RL_FAULT=POINT@VERSION`` in the driver's environment (the driver
-passes it on to every actor) and the named point raises :class:`InjectedFault`
-the first time it is reached at a policy version >= ``VERSION``. Points:
+``--fault POINT@VERSION`` (``Config.fault``; it reaches every actor with the config)
+makes the named point raise :class:`InjectedFault` the first time it is reached at a
+policy version >= ``VERSION``. Points:
 
 - ``weight_update``: a rollout worker taking new weights (``RolloutWorker.offer_weights``);
 - ``engine_step``: a rollout worker's engine step (``RolloutWorker._step``);
 - ``trainer_step``: a trainer rank's step (``RankStep``, run by ``TrainerActor.train_step``);
 - ``buffer``: the replay buffer handing out a batch (``BufferActor.get_batch``);
-- ``engine_start``: a vLLM engine's start, after vLLM built it (``CpuEngine``,
+- ``engine_start``: a vLLM engine's start, after vLLM built it (``InprocessEngine``,
   ``AsyncEngine``): what it started must be shut down, never left holding the process;
 - ``engine_hang``: a rollout worker stops stepping its engine without an error
   (a hung engine), until it is told to stop: the progress watchdog's case.
 
-Unset (the normal case) every check is one dictionary lookup. Nothing here runs
-at import.
+Unset (the normal case) every check is one comparison. Nothing here runs at import.
 """
 
 from __future__ import annotations
 
-import os
-
-FAULT_ENV = "PIPELINE_RL_FAULT"
 FAULT_POINTS = ("weight_update", "engine_step", "trainer_step", "buffer", "engine_hang", "engine_start")
 
 
 class InjectedFault(RuntimeError):
-    """Raised by :func:`inject` at the point ``PIPELINE_RL_FAULT`` names."""
+    """Raised by :func:`inject` at the point the fault spec names."""
 
 
-def inject(point: str, version: int) -> None:
-    """Raise :class:`InjectedFault` if ``PIPELINE_RL_FAULT`` names ``point`` and
-    ``version`` has reached the one it gives."""
-    if reached(point, version):
+def inject(spec: str | None, point: str, version: int) -> None:
+    """Raise :class:`InjectedFault` if ``spec`` (``POINT@VERSION`` or None) names ``point``
+    and ``version`` has reached the one it gives."""
+    if reached(spec, point, version):
         raise InjectedFault(f"injected fault at {point} (version {version})")
 
 
-def reached(point: str, version: int) -> bool:
-    """True if ``PIPELINE_RL_FAULT`` names ``point`` and ``version`` has reached its version
-    (for faults that are not exceptions, such as ``engine_hang``)."""
-    spec = os.environ.get(FAULT_ENV)
+def reached(spec: str | None, point: str, version: int) -> bool:
+    """True if ``spec`` names ``point`` and ``version`` has reached its version (for
+    faults that are not exceptions, such as ``engine_hang``)."""
     if not spec:
         return False
     name, _, at = spec.partition("@")
@@ -50,5 +45,4 @@ def check_fault_spec(spec: str) -> None:
     """Raise ValueError (one line) unless ``spec`` is ``POINT@VERSION`` with a known point."""
     name, _, at = spec.partition("@")
     if name not in FAULT_POINTS or not at.isdigit():
-        raise ValueError(f"{FAULT_ENV}: expected POINT@VERSION with POINT one of "
-                         f"{', '.join(FAULT_POINTS)} (got {spec!r})")
+        raise ValueError(f"expected POINT@VERSION with POINT one of {', '.join(FAULT_POINTS)} (got {spec!r})")

@@ -72,7 +72,7 @@ class StepMetrics:
 
 @dataclass(frozen=True, slots=True)
 class EvalMetrics:
-    """One held-out evaluation (``pipeline_rl.actors.evaluation``): launched after ``step``
+    """One held-out evaluation (``pipeline_rl.evaluation``): launched after ``step``
     at ``version``; answers came from weights ``version_min`` .. ``version_max``;
     ``eval_s``: from launch to the last answer scored (it runs beside training)."""
 

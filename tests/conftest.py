@@ -36,7 +36,7 @@ def ray_local() -> Iterator[None]:
     import ray
 
     from pipeline_rl.actors.process import ACTOR_ENV
-    from pipeline_rl.ray_start import start_local
+    from pipeline_rl.run.local_ray import start_local
 
     start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30, log_to_driver=False)
     yield

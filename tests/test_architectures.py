@@ -42,14 +42,14 @@ import torch
 pytest.importorskip("vllm")
 
 from pipeline_rl.models.archs import ARCHS, EOS, HF_ARCHITECTURE, IM_START, build_arch_model, write_addition_jsonl  # noqa: E402
-from pipeline_rl.actors.engine import (  # noqa: E402
+from pipeline_rl.rollout.engine import (  # noqa: E402
     EngineConfig,
     FinishedSequence,
     GenerationEngine,
     GenRequest,
     SamplingConfig,
 )
-from pipeline_rl.actors.weights import WeightUpdate, check_update  # noqa: E402
+from pipeline_rl.weight_sync.message import WeightUpdate, check_update  # noqa: E402
 from tiny_run import TINY_RUN_FLAGS, tiny_run_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def dataset(arch_root: Path) -> Path:
 
 
 class EngineSlot:
-    """Holds at most one live :class:`CpuEngine` (fp32) and reuses it while the same
+    """Holds at most one live :class:`InprocessEngine` (fp32) and reuses it while the same
     folder and KV policy are asked for."""
 
     def __init__(self) -> None:
@@ -104,14 +104,14 @@ class EngineSlot:
     def get(self, model_dir: Path, kv_policy: str, *, at_version: int | None = None) -> GenerationEngine:
         """The engine serving ``model_dir`` under ``kv_policy``; a fresh one when none is
         live for them, or when ``at_version`` is given and the live one has moved on."""
-        from pipeline_rl.actors.engine_cpu import CpuEngine
+        from pipeline_rl.rollout.engine_inprocess import InprocessEngine
 
         key = (str(model_dir), kv_policy)
         if self._engine is not None and (self._key != key or (at_version is not None
                                                                and self._engine.version != at_version)):
             self.close()
         if self._engine is None:
-            self._engine = CpuEngine(EngineConfig(model_dir=str(model_dir), dtype="float32",
+            self._engine = InprocessEngine(EngineConfig(model_dir=str(model_dir), dtype="float32",
                                                   kv_policy=kv_policy,  # type: ignore[arg-type]
                                                   max_num_seqs=16, max_model_len=128))
             self._key = key
@@ -352,7 +352,7 @@ def test_in_flight_updates_keep_policy(arch: str, model_dir: Path, slot: EngineS
     (b) fresh requests started after the fifth update, while the old ones still run,
         equal transformers under the fifth weights.
     """
-    from pipeline_rl.actors.engine_cpu import DIRECT_LOAD_ARCHITECTURES
+    from pipeline_rl.rollout.engine_inprocess import DIRECT_LOAD_ARCHITECTURES
 
     assert HF_ARCHITECTURE[arch] in DIRECT_LOAD_ARCHITECTURES
     engine = slot.get(model_dir, "keep", at_version=0)
@@ -401,7 +401,7 @@ def checkpoint(arch: str, model_dir: Path, tmp_path_factory: pytest.TempPathFact
     """A checkpoint of the real DeepSpeed trainer (ZeRO-0, fp32) after two steps on
     synthetic groups, from the tiny run's configuration."""
     from benchmarks.synthetic import synthetic_groups
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.training.trainer import Trainer
 
     root = tmp_path_factory.mktemp(f"ckpt_{arch}")
     cfg = tiny_run_config(str(model_dir), root / "run", "--trainer.lr", "1e-2")
@@ -501,7 +501,7 @@ def test_launcher_runs_20_steps(arch: str, model_dir: Path, dataset: Path, tmp_p
     # A quiet console: one line per start-up phase on stderr (the step lines go to stdout, the
     # actors' own output to OUT/logs/), at most 10 before the first step.
     before = [ln for ln in stderr.read_text().splitlines()
-              if ln.strip() and not ln.startswith("pipeline_rl.orchestrator: checkpoint saved")]
+              if ln.strip() and not ln.startswith("pipeline_rl.run.conductor: checkpoint saved")]
     assert len(before) <= 10, f"{arch}: {len(before)} console lines:\n" + "\n".join(before)
     assert stdout.read_text().startswith("step    1 |"), stdout.read_text()[:500]
     assert {"buffer.log", "rollout-0.log", "trainer-0.log"} <= {f.name for f in (out / "logs").iterdir()}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.synthetic import synthetic_groups
-from pipeline_rl.actors.checkpoint import CheckpointError, RunState, latest_checkpoint, read_run_state
+from pipeline_rl.training.checkpoint import CheckpointError, RunState, latest_checkpoint, read_run_state
 from pipeline_rl.config import Config
 
 
@@ -30,7 +30,7 @@ def batches() -> list[list[Any]]:
 @pytest.fixture(scope="module")
 def saved(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Train 2 steps, checkpoint, then take step 3 (the uninterrupted reference)."""
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.training.trainer import Trainer
 
     root = tmp_path_factory.mktemp("ckpt")
     trainer = Trainer(make_cfg(), tiny_model_dir)
@@ -72,7 +72,7 @@ def test_checkpoint_loads_in_transformers(saved: dict[str, Any], tiny_model_dir:
 
 
 def test_resume_equals_uninterrupted(saved: dict[str, Any]) -> None:
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.training.trainer import Trainer
 
     torch.manual_seed(999)
     trainer = Trainer(make_cfg(), str(saved["path"]))
@@ -136,7 +136,7 @@ def test_corrupt_checkpoint_is_a_clear_error(saved: dict[str, Any], tmp_path: Pa
 
 def test_corrupt_optimizer_state_and_wrong_layout(saved: dict[str, Any], tmp_path: Path,
                                                   tiny_model_dir: str) -> None:
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.training.trainer import Trainer
 
     d = _copy(saved, tmp_path)
     trainer = Trainer(make_cfg(), tiny_model_dir)

@@ -103,8 +103,8 @@ def test_two_nodes_over_tcp_trainer_death_and_resume(two_nodes: Any, tiny_model_
     names ``--resume``; the last complete checkpoint resumes, and versions continue."""
     import ray
 
-    from pipeline_rl.actors.checkpoint import latest_checkpoint, read_run_state
-    from pipeline_rl.orchestrator import Orchestrator, OrchestratorError
+    from pipeline_rl.training.checkpoint import latest_checkpoint, read_run_state
+    from pipeline_rl.run.conductor import Orchestrator, OrchestratorError
 
     placement = ("--ray.rollout_resource", "rollout_node", "--ray.trainer_resource", "trainer_node")
     cfg = _config(tiny_model_dir, tmp_path / "dies", "--max-steps", "50",

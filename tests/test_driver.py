@@ -101,7 +101,7 @@ def test_resources_checked_against_the_cluster() -> None:
 
 def test_supervision_names_the_innermost_actor() -> None:
     """The failure text of a Ray error raised through two actors names the innermost one."""
-    from pipeline_rl.supervision import Watchdog, describe_failure
+    from pipeline_rl.run.supervisor import Watchdog, describe_failure
 
     class Chained(RuntimeError):
         pass

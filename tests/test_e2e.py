@@ -35,7 +35,7 @@ def _config(tiny_model_dir: str, out: Path, *extra: str) -> Config:
 
 def _run(cfg: Config, during: Any = None) -> list[dict[str, Any]]:
     from pipeline_rl.driver import resolve_model_dir
-    from pipeline_rl.orchestrator import Orchestrator
+    from pipeline_rl.run.conductor import Orchestrator
 
     stop = threading.Event()
     with Orchestrator(cfg, resolve_model_dir(cfg), stop) as orch:
@@ -118,7 +118,7 @@ def test_ppo_epochs_keep_one_version_per_step_and_resume(ray_local: None, tiny_m
     """``--algorithm.ppo_epochs 2``: two optimizer steps per batch, one version. Steps,
     versions, checkpoint names and the resumed run all count in that unit; the lag bound
     holds."""
-    from pipeline_rl.actors.checkpoint import read_run_state
+    from pipeline_rl.training.checkpoint import read_run_state
 
     ppo = ("--algorithm.loss", "ppo", "--algorithm.ppo_epochs", "2", "--trainer.checkpoint_every", "2")
     cfg = _config(tiny_model_dir, tmp_path / "ppo", "--max-steps", "4", *ppo)

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from test_engine_cpu import (  # noqa: E402,F401 - the fixtures are shared with the in-process engine's tests
+from test_engine_inprocess import (  # noqa: E402,F401 - the fixtures are shared with the in-process engine's tests
     TEMPERATURE,
     TOL,
     _hf_keep_logprobs,
@@ -29,17 +29,17 @@ from test_engine_cpu import (  # noqa: E402,F401 - the fixtures are shared with 
     model_dirs,
 )
 
-from pipeline_rl.actors.engine import FinishedSequence, GenRequest, SamplingConfig  # noqa: E402
-from pipeline_rl.actors.engine_async import AsyncEngine, transfer_backend  # noqa: E402
-from pipeline_rl.actors.weight_transfer import BACKEND  # noqa: E402
-from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError, as_checked, load_update  # noqa: E402
+from pipeline_rl.rollout.engine import FinishedSequence, GenRequest, SamplingConfig  # noqa: E402
+from pipeline_rl.rollout.engine_async import AsyncEngine, transfer_backend  # noqa: E402
+from pipeline_rl.weight_sync.gloo import BACKEND  # noqa: E402
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, as_checked, load_update  # noqa: E402
 
 PROMPTS = ("12+34=", "sort 5193=", "hello", "7+8=")
 
 
 @pytest.fixture(scope="module")
 def engine(model_dirs: tuple[Path, Path]) -> Iterator[AsyncEngine]:
-    from pipeline_rl.actors.engine import EngineConfig
+    from pipeline_rl.rollout.engine import EngineConfig
 
     eng = AsyncEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=16, max_model_len=256))
     eng.load_update(load_update(model_dirs[0], 1))   # opens the loopback channel (same weights)

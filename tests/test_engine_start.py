@@ -2,7 +2,7 @@
 
 Each engine (in-process and ``AsyncLLM``, whose engine core is a process of its own)
 is started in a fresh Python process with a fault injected right after vLLM built it
-(``PIPELINE_RL_FAULT=engine_start@0``). When the error reaches the caller, nothing the start
+(``EngineConfig.fault="engine_start@0"``). When the error reaches the caller, nothing the start
 began is left (no child process such as vLLM's engine core, no event-loop thread, no
 non-daemon thread), and the process is gone within 10 s of the failure.
 """
@@ -27,16 +27,16 @@ EXIT_WITHIN_S = 10.0
 SCRIPT = """
 import json, sys, threading, time
 import psutil
-from pipeline_rl.actors.engine import EngineConfig
+from pipeline_rl.rollout.engine import EngineConfig
 engine_kind, model_dir = sys.argv[1], sys.argv[2]
-cfg = EngineConfig(model_dir=model_dir, max_num_seqs=4, max_model_len=64)
+cfg = EngineConfig(model_dir=model_dir, max_num_seqs=4, max_model_len=64, fault="engine_start@0")
 try:
     if engine_kind == "async":
-        from pipeline_rl.actors.engine_async import AsyncEngine
+        from pipeline_rl.rollout.engine_async import AsyncEngine
         AsyncEngine(cfg)
     else:
-        from pipeline_rl.actors.engine_cpu import CpuEngine
-        CpuEngine(cfg)
+        from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+        InprocessEngine(cfg)
 except Exception as e:
     t = time.monotonic()
     # multiprocessing's resource tracker lives as long as this process, by design
@@ -60,7 +60,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("engine_kind", ["inprocess", "async"])
 def test_failed_engine_start_ends_the_process(engine_kind: str, model_dir: Path) -> None:
-    env = {**os.environ, "PIPELINE_RL_FAULT": "engine_start@0", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, engine_kind, str(model_dir)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             cwd=Path(__file__).resolve().parent.parent)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline_rl.actors.evaluation import (
+from pipeline_rl.evaluation import (
     EvalRequest, EvalResult, PendingEval, parse_request_id, request_id,
 )
 from pipeline_rl.config import EvalConfig

@@ -2,7 +2,7 @@
 
 Each case runs the real pipeline through the launcher's entry point
 (``pipeline_rl.driver.run``: vLLM worker, DeepSpeed trainer, ZeroMQ buffer, on one
-Ray shared by the module) with ``PIPELINE_RL_FAULT=POINT@2``, which makes one actor
+Ray shared by the module) with ``--fault POINT@2``, which makes one actor
 raise once the policy reaches version 2 (see ``pipeline_rl/faults.py``). Checked:
 exit status 1; exactly one ``async_grpo.py: error: ...`` line naming the actor, the
 injected cause and where to resume from; and the run ends within 30 s of its last
@@ -43,8 +43,7 @@ def _run_with_fault(point: str, model_dir: str, out: Path, capsys: pytest.Captur
     last completed step, or from the start if none completed, to the end)."""
     from pipeline_rl.driver import run
 
-    monkeypatch.setenv("PIPELINE_RL_FAULT", f"{point}@2")
-    cfg = tiny_run_config(model_dir, out, "--max-steps", "40", *extra)
+    cfg = tiny_run_config(model_dir, out, "--max-steps", "40", "--fault", f"{point}@2", *extra)
     capsys.readouterr()
     t0 = time.time()
     rc = run(cfg)
@@ -92,7 +91,7 @@ def test_killed_buffer_is_named(ray_local: None, tiny_model_dir: str, tmp_path: 
     that was waiting on it fails too, but it is not the cause)."""
     import ray
 
-    from pipeline_rl.orchestrator import Orchestrator, OrchestratorError
+    from pipeline_rl.run.conductor import Orchestrator, OrchestratorError
 
     cfg = tiny_run_config(tiny_model_dir, tmp_path / "run", "--max-steps", "200")
     killed: list[float] = []

@@ -64,7 +64,7 @@ def one_gpu_ray() -> Iterator[None]:
 def test_one_gpu_cluster_places_a_worker_and_a_rank_on_it(one_gpu_ray: None) -> None:
     import ray
 
-    from pipeline_rl.actors.remote import gpu_plan
+    from pipeline_rl.actors.placement import gpu_plan
 
     plan = gpu_plan(_cfg("auto"))
     assert plan is not None and plan.gpus == 1 and plan.per_gpu == 2

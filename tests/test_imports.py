@@ -118,8 +118,8 @@ def test_the_driver_never_imports_torch() -> None:
 
     code = (
         "import pickle, sys\n"
-        "from pipeline_rl.actors.reports import LagStats, LossMetrics, RankStepReport, StepResult\n"
-        "import pipeline_rl.cli, pipeline_rl.driver, pipeline_rl.metrics, pipeline_rl.orchestrator\n"
+        "from pipeline_rl.reports import LagStats, LossMetrics, RankStepReport, StepResult\n"
+        "import pipeline_rl.cli, pipeline_rl.driver, pipeline_rl.metrics, pipeline_rl.run.conductor\n"
         "m = LossMetrics(*([0.0] * 23), all_masked=False)\n"
         "r = StepResult(1, 0.0, m, 0.1, 8, 4, 1, 1, LagStats(0.0, 0, (1,), 0.0), 0.0, 0.5, 0.0, None)\n"
         "assert pickle.loads(pickle.dumps(RankStepReport(r, 0.0, 0.0, 0.1))).result.version == 1\n"

@@ -19,9 +19,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pipeline_rl.actors.engine import EngineConfig, GenerationEngine  # noqa: E402
-from pipeline_rl.actors.rollout_worker import RolloutWorker  # noqa: E402
-from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError, load_update  # noqa: E402
+from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine  # noqa: E402
+from pipeline_rl.rollout.worker import RolloutWorker  # noqa: E402
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, load_update  # noqa: E402
 from pipeline_rl.buffer.replay import ReplayBuffer  # noqa: E402
 from pipeline_rl.buffer.server import BufferServer  # noqa: E402
 from pipeline_rl.config import Config  # noqa: E402
@@ -48,9 +48,9 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def engine(model_dirs: tuple[Path, Path]) -> Iterator[GenerationEngine]:
-    from pipeline_rl.actors.engine_cpu import CpuEngine
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
 
-    eng = CpuEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=MAX_SEQS, max_model_len=64))
+    eng = InprocessEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=MAX_SEQS, max_model_len=64))
     yield eng
     eng.close()
 
@@ -116,7 +116,7 @@ def test_failing_reward_fn_scores_zero_and_is_logged(engine: GenerationEngine, m
         return 1.0
 
     rig = _Rig(engine, model_dirs[0], reward_fn=flaky)
-    with caplog.at_level(logging.WARNING, logger="pipeline_rl.actors.rollout_worker"):
+    with caplog.at_level(logging.WARNING, logger="pipeline_rl.rollout.worker"):
         try:
             stats = rig.worker.run(max_groups=4)
             groups = rig.received(4)
@@ -195,7 +195,7 @@ def test_evaluation_beside_generation(engine: GenerationEngine, model_dirs: tupl
     """Held-out prompts are evaluated on the worker's own engine while training groups
     keep flowing: greedy answers are deterministic (two evaluations agree), k samples
     per prompt, the serving version is reported; a stopped worker fails what is left."""
-    from pipeline_rl.actors.evaluation import EvalRequest
+    from pipeline_rl.evaluation import EvalRequest
 
     rig = _Rig(engine, model_dirs[0], reward_fn=_len_reward, eval_task=AdditionTask(2, 1000, 0, "eval"))
     loop = threading.Thread(target=rig.worker.run, daemon=True)
@@ -218,7 +218,7 @@ def test_evaluation_beside_generation(engine: GenerationEngine, model_dirs: tupl
 
 
 def test_evaluation_needs_an_eval_task(engine: GenerationEngine, model_dirs: tuple) -> None:
-    from pipeline_rl.actors.evaluation import EvalRequest
+    from pipeline_rl.evaluation import EvalRequest
 
     rig = _Rig(engine, model_dirs[0])
     try:

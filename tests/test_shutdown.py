@@ -26,7 +26,7 @@ from typing import Iterator
 import psutil
 import pytest
 
-from pipeline_rl.actors.checkpoint import latest_checkpoint, read_run_state
+from pipeline_rl.training.checkpoint import latest_checkpoint, read_run_state
 from tiny_run import TINY_RUN_FLAGS
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.synthetic import synthetic_groups
-from pipeline_rl.actors.batch import build_micro_batches, build_shared_prompt_batches, lag_stats
+from pipeline_rl.training.batching import build_micro_batches, build_shared_prompt_batches, lag_stats
 from pipeline_rl.config import Config
 
 
@@ -96,7 +96,7 @@ def test_build_micro_batches_rejects_bad_input() -> None:
 
 @pytest.fixture(scope="module")
 def trainer_factory(tiny_model_dir: str) -> Any:
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.training.trainer import Trainer
 
     made: list[Any] = []
 
@@ -220,13 +220,13 @@ def test_prompt_sharing_falls_back_to_padded_rows(trainer_factory: Any, monkeypa
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """A model the shared-prompt continuation does not fit trains on padded rows, said in one
     warning line."""
-    import pipeline_rl.actors.trainer as trainer_mod
+    import pipeline_rl.training.trainer as trainer_mod
 
     def unsupported(*_: Any) -> torch.Tensor:
         raise TypeError("cache layers ['DynamicSlidingWindowLayer'] are not plain key/value layers")
 
     monkeypatch.setattr(trainer_mod, "shared_prompt_logp", unsupported)
-    with caplog.at_level("WARNING", logger="pipeline_rl.actors.trainer"):
+    with caplog.at_level("WARNING", logger="pipeline_rl.training.trainer"):
         t = trainer_factory(make_cfg())
     assert not t.share_prompts
     assert any("prompts not shared (padded rows instead): TypeError" in r.getMessage() for r in caplog.records)
@@ -266,7 +266,7 @@ def _rank_main(rank: int, world: int, port: int, stage: int, model_dir: str, out
     import os
 
     os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.training.trainer import Trainer
 
     trainer = Trainer(_dp_cfg(stage, world), model_dir, rank=rank, world_size=world, master_port=port)
     result = _three_steps(trainer, rank, world)
@@ -301,7 +301,7 @@ def test_zero0_one_rank_equals_zero2_two_ranks(tmp_path: Path, tiny_model_dir: s
     dp = _run_ranks(2, 2, tiny_model_dir, tmp_path / "z2.npz")
     from safetensors.numpy import load_file
 
-    from pipeline_rl.actors.checkpoint import read_run_state
+    from pipeline_rl.training.checkpoint import read_run_state
 
     state = read_run_state(tmp_path / "z2.ckpt")                 # saved by both ranks together
     assert (state.version, state.world_size, state.zero_stage, state.data_position) == (3, 2, 2, 12)
@@ -333,8 +333,8 @@ def test_rank_step_consumes_from_replay_buffer(trainer_factory: Any) -> None:
     import threading
     import time
 
-    from pipeline_rl.actors.publish import WeightPublisher
-    from pipeline_rl.actors.trainer import RankStep
+    from pipeline_rl.weight_sync.publisher import WeightPublisher
+    from pipeline_rl.training.trainer import RankStep
     from pipeline_rl.buffer.replay import ReplayBuffer
 
     cfg = make_cfg(micro_batch_size=8)
@@ -403,7 +403,7 @@ def test_bfloat16_trainer_steps(trainer_factory: Any) -> None:
 def test_zero3_gathers_full_weights_and_matches_zero0(trainer_factory: Any, tiny_model_dir: str) -> None:
     """Under ZeRO-3 the parameters are partitioned; weights() gathers them in full (HF names and
     shapes) and training matches ZeRO-0."""
-    from pipeline_rl.actors.weights import read_weight_spec
+    from pipeline_rl.weight_sync.message import read_weight_spec
 
     out = []
     for stage in (0, 3):

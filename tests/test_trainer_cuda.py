@@ -50,7 +50,7 @@ def scenario(model_dir: str, ckpt_root: str, dtype: str, stage: int, device: str
     from transformers import AutoModelForCausalLM
 
     from benchmarks.synthetic import synthetic_groups
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.training.trainer import Trainer
 
     cfg = make_cfg(dtype, stage, device, kl_coef)
     groups = synthetic_groups(4, 4, seed=0)
@@ -98,7 +98,7 @@ def scenario(model_dir: str, ckpt_root: str, dtype: str, stage: int, device: str
     un = t.weights()
     t.close()
 
-    # the driver's way (actors/remote.py): build from the base model, then load the checkpoint,
+    # the driver's way (actors/trainer_actor.py): build from the base model, then load the checkpoint,
     # so the KL reference stays the base model
     t2 = Trainer(cfg, model_dir)
     state = t2.load_checkpoint(path)
@@ -169,7 +169,7 @@ def test_cuda_requested_without_cuda_is_a_clear_error(tiny_model_dir: str,
     """model.device: cuda on a machine without CUDA fails at once, before DeepSpeed starts.
     CUDA is hidden from torch here, so the check runs on GPU machines too."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.training.trainer import Trainer
 
     with pytest.raises(RuntimeError, match="cuda requested but no CUDA device"):
         Trainer(make_cfg("float32", 0, "cuda"), tiny_model_dir)

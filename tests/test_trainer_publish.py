@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline_rl.actors.publish import WeightPublisher
-from pipeline_rl.actors.weights import WeightUpdate
+from pipeline_rl.weight_sync.publisher import WeightPublisher
+from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config
 
 
@@ -96,7 +96,7 @@ class Receiver:
         self.got: list[tuple[int, float]] = []
 
     def offer_weights(self, offer: Any) -> None:
-        from pipeline_rl.actors.weights import resolve_offer
+        from pipeline_rl.weight_sync.message import resolve_offer
 
         update = resolve_offer(offer)
         self.got.append((update.version, float(update.arrays[0].sum())))
@@ -148,10 +148,10 @@ def _e2e_child(tmp: str, out: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.actors.engine import EngineConfig
-    from pipeline_rl.actors.engine_cpu import CpuEngine
-    from pipeline_rl.actors.rollout_worker import RolloutWorker
-    from pipeline_rl.actors.trainer import Trainer
+    from pipeline_rl.rollout.engine import EngineConfig
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.worker import RolloutWorker
+    from pipeline_rl.training.trainer import Trainer
     from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.buffer.server import BufferServer
     from pipeline_rl.models.builtin import build_tiny_model
@@ -164,7 +164,7 @@ def _e2e_child(tmp: str, out: str) -> None:
         "rollout": {"n": 4, "max_new_tokens": 8, "max_num_seqs": 8, "max_model_len": 64},
         "trainer": {"batch_size": 8, "micro_batch_size": 8, "lr": 3e-2},
         "correction": {"type": "none"}, "staleness": 1000})
-    engine = CpuEngine(EngineConfig(model_dir=model_dir, max_num_seqs=8, max_model_len=64))
+    engine = InprocessEngine(EngineConfig(model_dir=model_dir, max_num_seqs=8, max_model_len=64))
     trainer = Trainer(cfg, model_dir)
     buffer = ReplayBuffer(capacity_groups=32, staleness=1000, groups_per_step=2)
     server = BufferServer(buffer)

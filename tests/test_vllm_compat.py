@@ -25,12 +25,12 @@ import pytest
 pytest.importorskip("vllm")
 
 import test_engine_async as async_tests  # noqa: E402
-import test_engine_cpu as cpu_tests  # noqa: E402
-from test_engine_cpu import hf_models, model_dirs  # noqa: E402,F401 - shared fixtures
+import test_engine_inprocess as cpu_tests  # noqa: E402
+from test_engine_inprocess import hf_models, model_dirs  # noqa: E402,F401 - shared fixtures
 
-from pipeline_rl.actors import vllm_compat as compat  # noqa: E402
-from pipeline_rl.actors.engine import EngineConfig, GenerationEngine  # noqa: E402
-from pipeline_rl.actors.weights import load_update  # noqa: E402
+from pipeline_rl.rollout import vllm_compat as compat  # noqa: E402
+from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine  # noqa: E402
+from pipeline_rl.weight_sync.message import load_update  # noqa: E402
 
 
 # -- the pieces, without an engine ------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_version_record_splits_tokens_at_each_switch() -> None:
 def test_backend_completed_under_a_base_with_an_abstract_trainer_half() -> None:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    from pipeline_rl.actors.weight_receiver import GlooWeightTransferEngine
+    from pipeline_rl.weight_sync.receiver import GlooWeightTransferEngine
 
     class Base026(WeightTransferEngine[Any, Any]):   # vLLM 0.26's base, as far as it matters here
         @staticmethod
@@ -97,7 +97,7 @@ def cpu_engine_026(vllm_026: None, model_dirs: tuple[Path, Path]) -> Iterator[Ge
 
 @pytest.fixture(scope="module")
 def async_engine_026(vllm_026: None, model_dirs: tuple[Path, Path]) -> Iterator[GenerationEngine]:
-    from pipeline_rl.actors.engine_async import AsyncEngine
+    from pipeline_rl.rollout.engine_async import AsyncEngine
 
     eng = AsyncEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=16, max_model_len=256))
     eng.load_update(load_update(model_dirs[0], 1))   # opens the loopback channel (same weights)

@@ -1,4 +1,4 @@
-"""The CPU weight-transfer backend's wire (``pipeline_rl.actors.weight_transfer``): bucket
+"""The CPU weight-transfer backend's wire (``pipeline_rl.weight_sync.gloo``): bucket
 cuts, a real gloo channel between two threads and between Ray actors, bad metadata
 refused in one line, a dead or failing worker that never hangs the trainer and gets
 the newest weights on its next channel."""
@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline_rl.actors.publish import WeightPublisher
-from pipeline_rl.actors.weight_transfer import (
+from pipeline_rl.weight_sync.publisher import WeightPublisher
+from pipeline_rl.weight_sync.gloo import (
     Channel,
     GlooInitInfo,
     GlooTrainerWeightTransfer,
@@ -21,7 +21,7 @@ from pipeline_rl.actors.weight_transfer import (
     receive_in_one_call,
     receive_update,
 )
-from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
 
 
 def _update(version: int, scale: float = 1.0) -> WeightUpdate:

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 from pipeline_rl.buffer.types import Admission, AdmissionStats, BufferStats, _Counters
 from pipeline_rl.samples import Group
-from pipeline_rl.supervision import in_daemon_thread
+from pipeline_rl.calls import in_daemon_thread
 
 # How long a step waits for a straggler at its deadline before it is assembled
 # without it (the straggler is then evicted when it arrives). A worker's death

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline_rl.actors.reports import LossMetrics
+from pipeline_rl.reports import LossMetrics
 from pipeline_rl.config import AlgorithmConfig, CorrectionConfig
 from pipeline_rl.correction import fused
 from pipeline_rl.correction.weights import CORRECTIONS, RATIO_LOG_CLAMP, LogRatio, usable

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline_rl.actors.vllm_compat import text_generation_architectures
+from pipeline_rl.rollout.vllm_compat import text_generation_architectures
 
 _FLAG = "--model.path"
 

@@ -22,7 +22,7 @@ Length-sorting changes only the order of the terms of the (token-summed) loss.
 ``n`` completions continue one prompt, so the padded layout runs that prompt through the model
 ``n`` times. The shared layout holds each of a micro-batch's prompts once (``prompt_ids``,
 right-padded) and its completions apart (``completion_ids``); the trainer runs the prompts,
-then the completions on top of the prompts' KV cache (``pipeline_rl.actors.trainer``). Rows
+then the completions on top of the prompts' KV cache (``pipeline_rl.training.trainer``). Rows
 are chosen exactly as in the padded layout (sorted, chunked by the same budget), so a group
 split over two micro-batches has its prompt in both. Its per-token tensors are
 completion-aligned: ``mask``/``behav_logp``/the trainer's log-probs are ``[B, T]`` with
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline_rl.actors.reports import LagStats
+from pipeline_rl.reports import LagStats
 from pipeline_rl.samples import Group
 
 

@@ -8,7 +8,7 @@ Two halves with different costs:
    must call it. This copy is the only part of publishing on the critical path.
 2. :class:`WeightPublisher` (off the critical path): a background thread sends the update to
    every worker. Transport ``vllm`` (the default): through vLLM's weight-transfer API, one
-   channel per worker (``pipeline_rl.actors.weight_transfer``), opened on first use and sent
+   channel per worker (``pipeline_rl.weight_sync.gloo``), opened on first use and sent
    to in parallel; a worker's four calls go to its Ray actor (or to the object itself in one
    process). Transport ``object_store``: the update is put into Ray's object store once per
    version and the single ``ObjectRef`` offered to every worker
@@ -34,13 +34,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline_rl.actors.weight_transfer import (
+from pipeline_rl.weight_sync.gloo import (
     DEFAULT_TIMEOUT_S,
     GlooTrainerWeightTransfer,
     SendTiming,
     SyncClient,
 )
-from pipeline_rl.actors.weights import WeightUpdate
+from pipeline_rl.weight_sync.message import WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ class WeightPublisher:
             self._channels[key] = channel
             return timing
         except Exception as e:
-            from pipeline_rl.supervision import first_line
+            from pipeline_rl.calls import first_line
 
             log.warning("weight publisher: sending version %d failed: %s", update.version, first_line(e))
             if channel is not None:

@@ -4,7 +4,7 @@ vLLM drives an update with four calls on the engine (``init_weight_transfer_engi
 once, then per update ``start_weight_update`` -> ``update_weights`` ->
 ``finish_weight_update``), each forwarded to a backend object in the vLLM worker
 (a :class:`~vllm.distributed.weight_transfer.base.WeightTransferEngine` named by
-``WeightTransferConfig(backend=...)``; ours is in ``pipeline_rl.actors.weight_receiver``). The trainer side holds the matching
+``WeightTransferConfig(backend=...)``; ours is in ``pipeline_rl.weight_sync.receiver``). The trainer side holds the matching
 :class:`~vllm.distributed.weight_transfer.base.TrainerWeightTransferEngine`, which
 drives those calls through a client and sends the bytes itself. Per update the
 client takes the three calls in one (``SyncClient.receive_update``): a Ray round
@@ -26,14 +26,14 @@ entry point, so vLLM's own processes register it too):
   bucket of its own), cut the same way on both sides by :func:`bucket_plan`. The
   sender packs bucket ``i + 1`` while bucket ``i`` is on the wire (double buffering).
 - **Checked before applied**: the worker assembles the received tensors into a
-  :class:`~pipeline_rl.actors.weights.WeightUpdate` and validates it against the
-  served model's :class:`~pipeline_rl.actors.weights.WeightSpec`; a bad update is
+  :class:`~pipeline_rl.weight_sync.message.WeightUpdate` and validates it against the
+  served model's :class:`~pipeline_rl.weight_sync.message.WeightSpec`; a bad update is
   still drained from the channel (the group stays aligned) and then refused with
   one-line ``WeightUpdateError``, the served weights untouched. Loading happens only
   in ``finish_weight_update``, after everything arrived and was checked, so a
   failure half-way never leaves a half-loaded model that generation resumes on.
 
-Where the bytes land differs by engine (``pipeline_rl.actors.engine``): the
+Where the bytes land differs by engine (``pipeline_rl.rollout.engine``): the
 ``AsyncLLM`` engine loads them into the live model while generation is paused
 (``finish_weight_update``); the in-process CPU engine takes them out of the backend
 (``GlooWeightTransferEngine.take_received``) and loads them into its shadow
@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError
-from pipeline_rl.supervision import in_daemon_thread
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
+from pipeline_rl.calls import in_daemon_thread
 
 if TYPE_CHECKING:
     import torch
@@ -75,9 +75,9 @@ _DTYPES = {"float32": np.float32, "float16": np.float16}
 def register() -> None:
     """Register :data:`BACKEND` with vLLM's weight-transfer factory (idempotent).
     vLLM calls it in each of its processes (``vllm.general_plugins`` entry point)."""
-    from pipeline_rl.actors.vllm_compat import register_backend
+    from pipeline_rl.rollout.vllm_compat import register_backend
 
-    register_backend(BACKEND, "pipeline_rl.actors.weight_receiver", "GlooWeightTransferEngine")
+    register_backend(BACKEND, "pipeline_rl.weight_sync.receiver", "GlooWeightTransferEngine")
 
 
 # -- wire format -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ Failures end the run with one line naming the actor and the cause
 an exception inside any actor method (a worker's weight update or engine step,
 a trainer step, the buffer), a dead buffer or trainer process, a worker process
 that died more than ``rollout.max_restarts`` times, and a run that stopped
-progressing (the :class:`~pipeline_rl.supervision.Watchdog`: the message says
+progressing (the :class:`~pipeline_rl.run.supervisor.Watchdog`: the message says
 who waits for what). Every such message names the newest checkpoint to resume
 from, or says that there is none; checkpoints are taken every
 ``trainer.checkpoint_every`` steps, every ``trainer.checkpoint_every_s`` seconds
@@ -45,9 +45,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.actors.remote import ActorHandle
+from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
+from pipeline_rl.actors.placement import ActorClasses
 from pipeline_rl.config import Config
-from pipeline_rl.faults import FAULT_ENV
 from pipeline_rl.evaluation import Evaluations
 from pipeline_rl.metrics import (
     MetricsLogger,
@@ -59,15 +59,16 @@ from pipeline_rl.metrics import (
 )
 from pipeline_rl.net import free_port
 from pipeline_rl.resources import CorePlan, plan_cores
-from pipeline_rl.supervision import Watchdog, cause_of, describe_failure, first_line
+from pipeline_rl.run.supervisor import Watchdog, cause_of, describe_failure, first_line
 
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from pipeline_rl.actors.reports import RankStepReport
+    from pipeline_rl.reports import RankStepReport
+    from pipeline_rl.rollout.worker import WorkerStats
     from pipeline_rl.buffer.types import BufferStats
 
-log = logging.getLogger("pipeline_rl.orchestrator")
+log = logging.getLogger("pipeline_rl.run.conductor")
 
 _POLL_S = 0.5
 _STOP_GRACE_S = 3.0
@@ -93,8 +94,8 @@ class OrchestratorError(RuntimeError):
 class _WorkerState:
     """What the driver tracks per rollout worker between stats polls."""
 
-    handle: ActorHandle
-    run_ref: "ObjectRef[None] | None" = None
+    handle: RolloutHandle
+    run_ref: "ObjectRef[WorkerStats] | None" = None
     tokens: int = 0
     idle_s: float = 0.0
     stalls_seen: int = 0
@@ -131,7 +132,7 @@ class _StatsPoll:
     last buffer snapshot. A poll is a call into every worker and the buffer, whose cores
     generate and serve: once a step (tens of ms) cost them more than the numbers are worth."""
 
-    def __init__(self, workers: list[_WorkerState], buffer: ActorHandle, start: float) -> None:
+    def __init__(self, workers: list[_WorkerState], buffer: BufferHandle, start: float) -> None:
         self._workers, self._buffer = workers, buffer
         self._refs: list[Any] = []     # the poll in flight: worker stats..., buffer stats
         self._sent = start             # when the poll in flight was sent
@@ -214,8 +215,8 @@ class Orchestrator:
         self._abandoned_step = False  # a stop left a train step unfinished: no final checkpoint
         self._ray_session_dir: str | None = None
         self._gpu_memory: float | None = None   # each actor's share of a shared GPU (GpuPlan.memory)
-        self._buffer: ActorHandle = None
-        self._trainers: list[ActorHandle] = []
+        self._buffer_or_none: BufferHandle | None = None
+        self._trainers: list[TrainerHandle] = []
         self._workers: list[_WorkerState] = []
         self._logger: MetricsLogger | None = None
         self._buffer_watch: "ObjectRef[str | None] | None" = None
@@ -226,6 +227,11 @@ class Orchestrator:
         #: record is ``OUT_DIR/metrics.jsonl``).
         self.history: deque[StepMetrics] = deque(maxlen=_HISTORY_STEPS)
         self.steps_done = 0
+
+    @property
+    def _buffer(self) -> BufferHandle:
+        assert self._buffer_or_none is not None, "the buffer actor was not started"
+        return self._buffer_or_none
 
     # ------------------------------------------------------------------ start / stop
 
@@ -244,7 +250,7 @@ class Orchestrator:
     def _start(self) -> None:
         import ray
 
-        from pipeline_rl.actors.remote import gpu_plan, remote_classes
+        from pipeline_rl.actors.placement import gpu_plan, remote_classes
 
         cfg = self.cfg
         self._init_ray()
@@ -257,8 +263,7 @@ class Orchestrator:
         if gpus is not None:
             say(gpus.describe())
         self._gpu_memory = gpus.memory if gpus is not None else None
-        buffer_cls, rollout_cls, trainer_cls = remote_classes(
-            cfg, ray.get_runtime_context().get_node_id(), buffer_name, gpus=gpus)
+        classes = remote_classes(cfg, ray.get_runtime_context().get_node_id(), buffer_name, gpus=gpus)
         alive_nodes = len([n for n in ray.nodes() if n.get("Alive")])
         multi_node = alive_nodes > 1
         host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
@@ -267,11 +272,11 @@ class Orchestrator:
         # for another to begin. The workers come first: their start is the longest (vLLM's
         # imports), and Ray hands its pre-started processes to the first actors asking.
         cores = self._plan_cores(alive_nodes=alive_nodes, on_gpus=on_gpus)
-        self._workers = [_WorkerState(rollout_cls.remote(cfg, i, self.model_dir, buffer_name, cores.workers[i],
-                                                         self._gpu_memory))
+        self._workers = [_WorkerState(classes.new_rollout(cfg, i, self.model_dir, buffer_name, cores.workers[i],
+                                                          self._gpu_memory))
                          for i in range(cfg.rollout.num_workers)]
-        self._buffer = buffer_cls.remote(cfg, host, self._resume_version())
-        self._trainers = self._create_trainers(trainer_cls, cores)
+        self._buffer_or_none = classes.new_buffer(cfg, host, self._resume_version())
+        self._trainers = self._create_trainers(classes, cores)
         address = self._wait([self._buffer.address.remote()], "the replay buffer to bind its socket",
                              "replay buffer")[0]
         say(f"buffer: listening on {address}")
@@ -297,8 +302,6 @@ class Orchestrator:
         from pipeline_rl.actors.process import ACTOR_ENV
 
         env = dict(ACTOR_ENV)
-        if os.environ.get(FAULT_ENV):
-            env[FAULT_ENV] = os.environ[FAULT_ENV]
         return env
 
     def _init_ray(self) -> None:
@@ -319,7 +322,7 @@ class Orchestrator:
             # auth mode.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             cpus = self._local_cpus()
-            from pipeline_rl.ray_start import start_local
+            from pipeline_rl.run.local_ray import start_local
 
             # The actors' output goes to their log files, or to this console with --log-level debug.
             ctx = start_local(num_cpus=cpus, object_store_mb=cfg.ray.object_store_mb,
@@ -378,17 +381,16 @@ class Orchestrator:
         checkpoint fails here, before any actor starts."""
         if not self.cfg.resume:
             return 0
-        from pipeline_rl.actors.checkpoint import CheckpointError, read_run_state
+        from pipeline_rl.training.checkpoint import CheckpointError, read_run_state
 
         try:
             return read_run_state(self.cfg.resume).version
         except CheckpointError as e:
             raise OrchestratorError(f"--resume: {e}") from None
 
-    def _create_trainers(self, trainer_cls: ActorHandle, cores: CorePlan) -> list[ActorHandle]:
+    def _create_trainers(self, classes: ActorClasses, cores: CorePlan) -> list[TrainerHandle]:
         n = self.cfg.trainer.num_ranks
-        return [trainer_cls.remote(self.cfg, self.model_dir, r, n, self._buffer, cores.ranks[r],
-                                   self._gpu_memory)
+        return [classes.new_trainer(self.cfg, self.model_dir, r, n, self._buffer, cores.ranks[r], self._gpu_memory)
                 for r in range(n)]
 
     def _plan_cores(self, *, alive_nodes: int, on_gpus: bool) -> CorePlan:
@@ -427,9 +429,10 @@ class Orchestrator:
         closing = [t.close.remote() for t in self._trainers]
         if closing:
             _quiet(lambda: ray.wait(closing, num_returns=len(closing), timeout=_SHUTDOWN_WAIT_S))
-        if self._buffer is not None:
+        if self._buffer_or_none is not None:
             _quiet(lambda: ray.get(self._buffer.close.remote(), timeout=_SHUTDOWN_WAIT_S))
-        for handle in [w.handle for w in self._workers] + self._trainers + [self._buffer]:
+        handles: list[Any] = [w.handle for w in self._workers] + self._trainers + [self._buffer_or_none]
+        for handle in handles:
             if handle is not None:
                 _quiet(lambda: ray.kill(handle))
         if self._logger is not None:
@@ -481,7 +484,7 @@ class Orchestrator:
             print(summary_table(history, ran, stats.sync.all_ms), flush=True)
         return list(self.history)
 
-    def _live_workers(self) -> list[ActorHandle]:
+    def _live_workers(self) -> list[RolloutHandle]:
         return [w.handle for w in self._workers]
 
     def _evaluate(self, evals: Evaluations, *, final: bool) -> None:
@@ -564,7 +567,7 @@ class Orchestrator:
 
     def _with_checkpoint(self, message: str) -> str:
         """``message`` plus where to resume from: the newest complete checkpoint, or none."""
-        from pipeline_rl.actors.checkpoint import latest_checkpoint
+        from pipeline_rl.training.checkpoint import latest_checkpoint
 
         latest = latest_checkpoint(self.out / "checkpoints")
         if latest is None:
@@ -731,7 +734,7 @@ class Orchestrator:
         """Save a resumable checkpoint of every rank under ``OUT_DIR/checkpoints``."""
         import ray
 
-        from pipeline_rl.actors.checkpoint import checkpoint_name
+        from pipeline_rl.training.checkpoint import checkpoint_name
 
         path = self.out / "checkpoints" / checkpoint_name(self.version)
         try:

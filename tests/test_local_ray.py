@@ -1,4 +1,4 @@
-"""pipeline_rl/ray_start.py: the prompt wait for the raylet's registration patches Ray's
+"""pipeline_rl/run/local_ray.py: the prompt wait for the raylet's registration patches Ray's
 node lookup only inside its block and falls back to Ray's own wait on any error; the lean
 head and the actors' environment hold only inside theirs (every local run of the suite
 starts Ray through :func:`start_local`)."""
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from pipeline_rl import ray_start
+from pipeline_rl.run import local_ray as ray_start
 
 
 class _Accessor:

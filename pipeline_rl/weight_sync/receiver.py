@@ -1,7 +1,7 @@
 """The worker half of the ``pipeline_rl_gloo`` weight-transfer backend: the class
 vLLM's ``WeightTransferEngineFactory`` builds inside its worker (registered by
-``pipeline_rl.actors.weight_transfer.register``). Wire format, channel and trainer
-half: ``pipeline_rl.actors.weight_transfer``."""
+``pipeline_rl.weight_sync.gloo.register``). Wire format, channel and trainer
+half: ``pipeline_rl.weight_sync.gloo``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from pipeline_rl.actors.vllm_compat import complete_backend, load_served_weights
-from pipeline_rl.actors.weight_transfer import (
+from pipeline_rl.rollout.vllm_compat import complete_backend, load_served_weights
+from pipeline_rl.weight_sync.gloo import (
     BACKEND,
     DEFAULT_BUCKET_BYTES,
     Channel,
@@ -19,7 +19,7 @@ from pipeline_rl.actors.weight_transfer import (
     GlooUpdateInfo,
     receive_update,
 )
-from pipeline_rl.actors.weights import (
+from pipeline_rl.weight_sync.message import (
     CheckedUpdate,
     WeightUpdate,
     WeightUpdateError,
@@ -109,7 +109,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
 def load_into(model: Any, checked: CheckedUpdate, vllm_config: Any) -> None:
     """Load a checked update into a vLLM model that no step is running on: the
     direct CPU path when it covers the model, else vLLM's layerwise reload."""
-    from pipeline_rl.actors.engine_cpu import _DirectLoader
+    from pipeline_rl.rollout.engine_inprocess import _DirectLoader
 
     on_cpu = str(vllm_config.device_config.device_type) == "cpu"
     direct = _DirectLoader.build(model) if on_cpu else None

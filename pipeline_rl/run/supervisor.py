@@ -8,23 +8,17 @@ when the run stops making progress.
   ``max(floor_s, factor x median step time)`` (the floor alone before the first
   step); the driver asks :meth:`Watchdog.overdue` while it waits and, when it
   answers, reports who waits for what and ends the run.
-- :func:`in_daemon_thread` runs a call that may block on a peer (a worker, the
-  buffer) where it can never keep the process alive.
 """
 
 from __future__ import annotations
 
 import re
 import statistics
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
-_T = TypeVar("_T")
+from pipeline_rl.calls import first_line
 
 _RAY_CALL = re.compile(r"ray::(\w+\.\w+)")
 
@@ -57,15 +51,6 @@ def role_of(function_name: str | None) -> str | None:
         if cls in function_name:
             return role
     return None
-
-
-def first_line(e: BaseException) -> str:
-    """``Type: first line of the message`` (Ray's multi-line texts cut to their first line)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    name = type(e).__name__
-    # Ray re-raises remote exceptions as a class named after the cause; keep the plain name.
-    name = name.removeprefix("RayTaskError(").removesuffix(")")
-    return f"{name}: {text}" if text else name
 
 
 def cause_of(e: BaseException) -> str:
@@ -111,18 +96,3 @@ class Watchdog:
 
     def overdue(self) -> bool:
         return self.floor_s > 0 and self.waited_s() > self.bound_s()
-
-
-def in_daemon_thread(fn: Callable[..., _T], *args: Any) -> "Future[_T]":
-    """Run ``fn`` on a daemon thread (one a blocked peer can never keep the process
-    alive with, unlike an executor's); its result or error lands in the future."""
-    future: Future[_T] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            future.set_exception(e)
-
-    threading.Thread(target=run, name=getattr(fn, "__name__", "call"), daemon=True).start()
-    return future

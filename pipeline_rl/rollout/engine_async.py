@@ -7,7 +7,7 @@ this class drives it from a private asyncio loop on one thread, so every call in
 ``AsyncLLM`` -- shutdown included -- runs on that loop.
 
 An update, as vLLM's weight-transfer API has it (the trainer side drives the calls
-through the rollout worker, see ``pipeline_rl.actors.weight_transfer``)::
+through the rollout worker, see ``pipeline_rl.weight_sync.gloo``)::
 
     start_weight_update   pause_generation(mode="keep")   requests stay, none aborted
                           start_weight_update
@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any, Coroutine, TypeVar
 
-from pipeline_rl.actors.engine import (
+from pipeline_rl.rollout.engine import (
     AppliedUpdate,
     EngineConfig,
     FinishedSequence,
@@ -44,16 +44,16 @@ from pipeline_rl.actors.engine import (
     GenRequest,
     set_cpu_env,
 )
-from pipeline_rl.actors import vllm_compat as compat
-from pipeline_rl.actors.engine_cpu import sampling_params, to_finished
-from pipeline_rl.actors.weight_transfer import (
+from pipeline_rl.rollout import vllm_compat as compat
+from pipeline_rl.rollout.engine_inprocess import sampling_params, to_finished
+from pipeline_rl.weight_sync.gloo import (
     BACKEND,
     GlooTrainerWeightTransfer,
     payload_bytes,
     receive_in_one_call,
     register,
 )
-from pipeline_rl.actors.weights import CheckedUpdate, WeightUpdate, WeightUpdateError, read_weight_spec
+from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, WeightUpdateError, read_weight_spec
 from pipeline_rl.faults import inject
 
 _T = TypeVar("_T")
@@ -137,7 +137,7 @@ class AsyncEngine(GenerationEngine):
         with compat.hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
             self._run(self._build(args))
         self._tokenizer = self._llm.tokenizer
-        inject("engine_start", self._version)
+        inject(cfg.fault, "engine_start", self._version)
 
     async def _build(self, args: Any) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM

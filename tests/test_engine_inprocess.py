@@ -17,14 +17,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-from pipeline_rl.actors.engine import (  # noqa: E402
+from pipeline_rl.rollout.engine import (  # noqa: E402
     EngineConfig,
     FinishedSequence,
     GenerationEngine,
     GenRequest,
     SamplingConfig,
 )
-from pipeline_rl.actors.weights import WeightUpdate, WeightUpdateError, load_update  # noqa: E402
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, load_update  # noqa: E402
 from pipeline_rl.models.builtin import build_tiny_model  # noqa: E402
 
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)  # head dim 32
@@ -52,9 +52,9 @@ def hf_models(model_dirs: tuple[Path, Path]) -> tuple[torch.nn.Module, torch.nn.
 
 
 def _engine(model_dir: Path, kv_policy: str, *, staged: bool = True) -> Iterator[GenerationEngine]:
-    from pipeline_rl.actors.engine_cpu import CpuEngine
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
 
-    eng = CpuEngine(EngineConfig(model_dir=str(model_dir), kv_policy=kv_policy,  # type: ignore[arg-type]
+    eng = InprocessEngine(EngineConfig(model_dir=str(model_dir), kv_policy=kv_policy,  # type: ignore[arg-type]
                                  max_num_seqs=16, max_model_len=128), staged=staged)
     yield eng
     eng.close()
@@ -218,7 +218,7 @@ def test_staged_weights_take_effect_only_when_applied(engine: GenerationEngine, 
                                                       hf_models: tuple) -> None:
     """Staging (the reload into the shadow) leaves generation on the old weights;
     the switch happens at ``apply_staged``, between two steps."""
-    from pipeline_rl.actors.weights import check_update
+    from pipeline_rl.weight_sync.message import check_update
 
     old, new = hf_models
     v0 = engine.version

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from pipeline_rl.actors.engine import (
+from pipeline_rl.rollout.engine import (
     EngineConfig,
     FinishedSequence,
     GenerationEngine,
@@ -59,12 +59,12 @@ from pipeline_rl.actors.engine import (
     SamplingConfig,
     engine_config,
 )
-from pipeline_rl.actors.evaluation import EVAL_PREFIX, EvalRequest, EvalResult, PendingEval
-from pipeline_rl.actors.evaluation import parse_request_id as parse_eval_request_id
-from pipeline_rl.actors.evaluation import request_id as eval_request_id
+from pipeline_rl.evaluation import EVAL_PREFIX, EvalRequest, EvalResult, PendingEval
+from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id
+from pipeline_rl.evaluation import request_id as eval_request_id
 from pipeline_rl.actors.process import HeapTrimmer
-from pipeline_rl.actors.weight_transfer import receive_in_one_call
-from pipeline_rl.actors.weights import WeightUpdateError, check_update, resolve_offer
+from pipeline_rl.weight_sync.gloo import receive_in_one_call
+from pipeline_rl.weight_sync.message import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
 from pipeline_rl.samples import I32, Completion, Group
@@ -237,7 +237,7 @@ class RolloutWorker:
         validated here, applied by the loop before its next engine step. Raises
         ``WeightUpdateError`` for a bad payload (the served weights stay)."""
         update = resolve_offer(offer)
-        inject("weight_update", update.version)
+        inject(self.cfg.fault, "weight_update", update.version)
         try:
             checked = check_update(update, self._engine.weight_spec)
         except WeightUpdateError as e:
@@ -276,7 +276,7 @@ class RolloutWorker:
         if weight_version is None:
             raise WeightUpdateError("finish_weight_update needs the version of the weights")
         version = int(weight_version)
-        inject("weight_update", version)
+        inject(self.cfg.fault, "weight_update", version)
         if self._engine.finish_weight_update(version):
             self._wake.set()
         else:
@@ -289,7 +289,7 @@ class RolloutWorker:
         return receive_in_one_call(self, update_info, weight_version)
 
     def evaluate(self, request: EvalRequest) -> Future[EvalResult]:
-        """Evaluate held-out prompts (see ``pipeline_rl.actors.evaluation``) beside
+        """Evaluate held-out prompts (see ``pipeline_rl.evaluation``) beside
         training generation; the future is set when every answer is scored, or fails
         when the worker stops first. Any thread."""
         if self._eval_task is None:
@@ -375,8 +375,8 @@ class RolloutWorker:
             self._granted = 0
 
     def _step(self) -> None:
-        inject("engine_step", self._engine.version)
-        while reached("engine_hang", self._engine.version) and not self._stop.is_set():
+        inject(self.cfg.fault, "engine_step", self._engine.version)
+        while reached(self.cfg.fault, "engine_hang", self._engine.version) and not self._stop.is_set():
             self._stop.wait(0.1)
         t = time.perf_counter()
         finished = self._engine.step()
@@ -605,16 +605,17 @@ def build_engine(cfg: Config, model_dir: str, *, seed: int = 0,
     unless the async one is asked for. ``gpu_memory``: the share of a GPU shared with
     other actors that vLLM may take."""
     device = resolve_device(cfg.model.device)
-    ecfg = engine_config(cfg.rollout, model_dir, seed=seed, device=device, gpu_memory=gpu_memory)
+    ecfg = engine_config(cfg.rollout, model_dir, seed=seed, device=device, gpu_memory=gpu_memory,
+                         fault=cfg.fault)
     if device == "cuda" and cfg.rollout.engine == "inprocess":
         raise ValueError("--rollout.engine inprocess runs on CPU only; use async (or auto) on CUDA")
     if device == "cuda" or cfg.rollout.engine == "async":
-        from pipeline_rl.actors.engine_async import AsyncEngine
+        from pipeline_rl.rollout.engine_async import AsyncEngine
 
         return AsyncEngine(ecfg)
-    from pipeline_rl.actors.engine_cpu import CpuEngine
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
 
-    return CpuEngine(ecfg)
+    return InprocessEngine(ecfg)
 
 
 def resolve_device(device: Literal["auto", "cpu", "cuda"]) -> Literal["cpu", "cuda"]:

@@ -3,7 +3,7 @@
 One :class:`Trainer` per data-parallel rank. A step (docs/design.md):
 
 1. advantages per group (``pipeline_rl.correction.advantages``),
-2. sequences padded into micro-batches (``pipeline_rl.actors.batch``; pad, not pack), each
+2. sequences padded into micro-batches (``pipeline_rl.training.batching``; pad, not pack), each
    group's prompt held once per micro-batch (``trainer.share_prompts``, the default: the
    prompts run first, the completions on top of their KV cache; see :func:`shared_prompt_logp`),
 3. per micro-batch: the trainer's log-probs of the completion tokens at the sampling
@@ -26,7 +26,7 @@ Invariants:
 
 :class:`RankStep` is what a rank does per pipeline step, wherever it runs: take the next batch
 as soon as the buffer can give one (never a whole generation round), recording the wait
-(trainer idle time), step, publish the weights (``pipeline_rl.actors.publish``), open the
+(trainer idle time), step, publish the weights (``pipeline_rl.weight_sync.publisher``), open the
 buffer's admission budget for the next version.
 
 CPU specifics (docs/design.md, platform notes): gloo, torch's AdamW (``torch_adam``: no JIT-compiled C++ op), the
@@ -49,17 +49,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from pipeline_rl.actors.batch import (
+from pipeline_rl.training.batching import (
     AnyMicroBatch, MicroBatch, SharedPromptBatch, build_micro_batches, build_shared_prompt_batches,
     lag_stats,
 )
-from pipeline_rl.actors.checkpoint import (
+from pipeline_rl.training.checkpoint import (
     DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, checkpoint_name, copy_tokenizer_files,
     load_rng, partial_dir, publish_dir, read_run_state, save_rng, write_run_state,
 )
-from pipeline_rl.actors.reports import LossMetrics, RankStepReport, StepResult
-from pipeline_rl.actors.publish import WeightPublisher, gather_weights
-from pipeline_rl.actors.weights import WeightUpdate
+from pipeline_rl.reports import LossMetrics, RankStepReport, StepResult
+from pipeline_rl.weight_sync.publisher import WeightPublisher, gather_weights
+from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config
 from pipeline_rl.net import free_port
 from pipeline_rl.correction.advantages import compute_advantages
@@ -439,7 +439,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Write a complete checkpoint to ``path`` (see ``pipeline_rl.actors.checkpoint``); a
+        """Write a complete checkpoint to ``path`` (see ``pipeline_rl.training.checkpoint``); a
         collective. Its run state holds the version and the groups trained so far
         (``version * groups_per_step``). Multi-rank runs need ``path`` on a filesystem every
         rank sees."""
@@ -518,7 +518,7 @@ def micro_batch_logp(model: Any, mb: AnyMicroBatch, temperature: float) -> torch
 
 
 def padded_logp(model: Any, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """Padded rows, one pass: target positions [B, L-1] (``pipeline_rl.actors.batch``)."""
+    """Padded rows, one pass: target positions [B, L-1] (``pipeline_rl.training.batching``)."""
     logits = model(input_ids=mb.input_ids).logits                                   # [B, L, V]
     return _logp_from_logits(logits, mb.input_ids, temperature)                     # [B, L-1]
 
@@ -606,7 +606,7 @@ class RankStep:
     publish the new weights, open the buffer's admission budget for the next version.
 
     The loop around it (how many steps, checkpoints, supervision) is the driver's
-    (:class:`pipeline_rl.orchestrator.Orchestrator`). The version is the trainer's
+    (:class:`pipeline_rl.run.conductor.Orchestrator`). The version is the trainer's
     (:attr:`Trainer.version`, one per batch): the driver reads it from the reports.
     ``publisher`` is given on the rank that publishes (rank 0) and None elsewhere; under
     ZeRO-3 every rank still joins the gather.
@@ -626,7 +626,7 @@ class RankStep:
         if not groups:
             return None
         wait_s = time.perf_counter() - t0
-        inject("trainer_step", tr.version)
+        inject(tr.cfg.fault, "trainer_step", tr.version)
         result = tr.step(groups)
         t1, step_end_at = time.perf_counter(), time.time()
         self.publish()

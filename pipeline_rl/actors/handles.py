@@ -1,0 +1,80 @@
+"""The Ray boundary, typed: one protocol per actor, and the actor classes with their resources.
+
+Ray's handles say nothing about the methods behind them, so each actor has a
+protocol here (:class:`BufferHandle`, :class:`RolloutHandle`, :class:`TrainerHandle`)
+whose members are the actor's methods as Ray exposes them (``handle.method.remote(...)``
+returning an ``ObjectRef`` of the method's result). The driver holds handles typed by
+these protocols, so a renamed or re-typed method is a type error at its callers;
+``tests/test_imports.py`` checks that every protocol member matches its actor's method.
+
+The actor classes are placed by ``pipeline_rl.actors.placement``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from pipeline_rl.buffer.types import Admission, BufferStats
+    from pipeline_rl.evaluation import EvalRequest, EvalResult
+    from pipeline_rl.reports import RankStepReport
+    from pipeline_rl.rollout.worker import WorkerStats
+    from pipeline_rl.samples import Group
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Remote(Protocol, Generic[P, R]):
+    """One actor method as Ray exposes it."""
+
+    def remote(self, *args: P.args, **kwargs: P.kwargs) -> "ObjectRef[R]": ...
+
+
+class BufferHandle(Protocol):
+    """:class:`~pipeline_rl.actors.buffer_actor.BufferActor` behind Ray."""
+
+    address: Remote[[], str]
+    acquire: Remote[[int, int, float], "Admission"]
+    set_version: Remote[[int], None]
+    get_batch: Remote[[int, int, float | None, int], "list[Group] | None"]
+    watch: Remote[[], str | None]
+    ping: Remote[[], bool]
+    worker_lost: Remote[[int], int]
+    release: Remote[[int, int], int]
+    stats: Remote[[], "BufferStats"]
+    close: Remote[[], None]
+
+
+class RolloutHandle(Protocol):
+    """:class:`~pipeline_rl.actors.rollout_actor.RolloutActor` behind Ray."""
+
+    ready: Remote[[], bool]
+    run: Remote[[int], "WorkerStats"]
+    offer_weights: Remote[[list[Any]], None]
+    init_weight_transfer_engine: Remote[[dict[str, Any]], None]
+    start_weight_update: Remote[[], None]
+    update_weights: Remote[[dict[str, Any]], None]
+    finish_weight_update: Remote[[str | None], None]
+    receive_update: Remote[[dict[str, Any], str], float]
+    stats: Remote[[], "WorkerStats"]
+    evaluate: Remote[["EvalRequest"], "EvalResult"]
+    stop: Remote[[], None]
+    pid: Remote[[], int]
+
+
+class TrainerHandle(Protocol):
+    """:class:`~pipeline_rl.actors.trainer_actor.TrainerActor` behind Ray."""
+
+    node_ip: Remote[[], str]
+    pid: Remote[[], int]
+    setup: Remote[[str, int], int]
+    set_workers: Remote[[list[RolloutHandle]], None]
+    offer_latest: Remote[[list[RolloutHandle]], None]
+    publish_current: Remote[[], None]
+    train_step: Remote[[float], "RankStepReport | None"]
+    save_checkpoint: Remote[[str], str]
+    load_checkpoint: Remote[[str], int]
+    close: Remote[[], None]

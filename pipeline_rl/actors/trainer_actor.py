@@ -1,0 +1,142 @@
+"""A trainer rank's Ray actor (DeepSpeed); rank 0 also publishes the weights.
+
+Wraps :class:`~pipeline_rl.training.trainer.Trainer` and its pipeline step (usable and
+tested without Ray): process set-up, the Ray-facing methods, and the one thread all of
+the rank's torch work runs on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
+
+from pipeline_rl.actors.process import end_of_startup, setup_actor_process
+from pipeline_rl.config import Config
+from pipeline_rl.resources import CoreSlot
+
+if TYPE_CHECKING:
+    from pipeline_rl.actors.handles import BufferHandle, RolloutHandle
+    from pipeline_rl.reports import RankStepReport
+    from pipeline_rl.samples import Group
+    from pipeline_rl.training.trainer import RankStep, Trainer
+    from pipeline_rl.weight_sync.publisher import WeightPublisher
+
+T = TypeVar("T")
+
+
+class _BufferSource:
+    """The buffer's Ray actor seen as a :class:`~pipeline_rl.training.trainer.BatchSource`."""
+
+    def __init__(self, buffer: BufferHandle) -> None:
+        self._buffer = buffer
+
+    def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float | None = None, *,
+                  rank: int = 0) -> list[Group] | None:
+        import ray
+
+        groups: list[Group] | None = ray.get(self._buffer.get_batch.remote(
+            num_groups, trainer_version, timeout_s, rank))
+        return groups
+
+    def set_version(self, version: int) -> None:
+        self._buffer.set_version.remote(version)   # fire and forget: the buffer ignores an older one
+
+
+class TrainerActor:
+    """One data-parallel trainer rank (DeepSpeed). Rank 0 publishes weights."""
+
+    def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int,
+                 buffer: BufferHandle, core: CoreSlot | None = None, gpu_memory: float | None = None) -> None:
+        """``gpu_memory``: the share of its GPU's memory this rank may take when the GPU is
+        shared with other actors (None: not capped)."""
+        setup_actor_process(cfg, f"trainer-{rank}", core=core)
+        self._gpu_memory = gpu_memory
+        self._cfg = cfg
+        self._model_dir = model_dir
+        self._rank = rank
+        self._world_size = world_size
+        self._buffer = buffer
+        self._trainer_or_none: Trainer | None = None
+        self._publisher: WeightPublisher | None = None
+        self._rank_step: RankStep | None = None
+        # All torch work of this rank runs on this one thread, in call order (Ray serves
+        # calls on a pool of threads; freeing tensors from several of them grows one
+        # malloc arena per thread, and steps, saves and loads must not overlap anyway).
+        self._torch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+
+    @property
+    def _trainer(self) -> Trainer:
+        """The rank's trainer (built by :meth:`setup`, which the driver calls first)."""
+        if self._trainer_or_none is None:
+            raise RuntimeError("TrainerActor: setup() was not called")
+        return self._trainer_or_none
+
+    def node_ip(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _on_torch_thread(self, fn: Callable[[], T]) -> T:
+        return self._torch.submit(fn).result()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the process group (rendezvous at rank 0) and build the DeepSpeed engine;
+        returns the starting version."""
+        return self._on_torch_thread(lambda: self._setup(master_addr, master_port))
+
+    def _setup(self, master_addr: str, master_port: int) -> int:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                          RANK=str(self._rank), WORLD_SIZE=str(self._world_size), LOCAL_RANK="0")
+        from pipeline_rl.weight_sync.publisher import WeightPublisher
+        from pipeline_rl.training.trainer import RankStep, Trainer
+
+        self._trainer_or_none = Trainer(self._cfg, self._model_dir, rank=self._rank,
+                                world_size=self._world_size, master_addr=master_addr,
+                                master_port=master_port, gpu_memory=self._gpu_memory)
+        self._publisher = (WeightPublisher(transport=self._cfg.rollout.weight_transport)
+                           if self._rank == 0 else None)
+        self._rank_step = RankStep(self._trainer, _BufferSource(self._buffer), self._publisher)
+        end_of_startup()
+        return int(self._trainer.version)
+
+    def set_workers(self, workers: list[RolloutHandle]) -> None:
+        """Rank 0: the rollout workers to publish to; workers new to the publisher get the
+        newest published weights at once."""
+        if self._publisher is not None:
+            self._publisher.set_workers(workers)
+
+    def offer_latest(self, workers: list[RolloutHandle]) -> None:
+        """Rank 0: give ``workers`` (restarted ones) the newest published weights."""
+        if self._publisher is not None:
+            self._publisher.offer_latest(workers)
+
+    def publish_current(self) -> None:
+        """Publish the current weights (start-up, resume). Every rank calls it: under
+        ZeRO-3 gathering the full parameters is a collective."""
+        self._on_torch_thread(lambda: self._step.publish())
+
+    @property
+    def _step(self) -> RankStep:
+        if self._rank_step is None:
+            raise RuntimeError("TrainerActor: setup() was not called")
+        return self._rank_step
+
+    def train_step(self, timeout_s: float) -> RankStepReport | None:
+        """This rank's pipeline step (:class:`RankStep`: wait for the batch share, step,
+        publish, open the admission budget); None when no batch came within ``timeout_s``."""
+        return self._on_torch_thread(lambda: self._step(timeout_s))
+
+    def save_checkpoint(self, path: str) -> str:
+        return self._on_torch_thread(lambda: str(self._trainer.save_checkpoint(path)))
+
+    def load_checkpoint(self, path: str) -> int:
+        return self._on_torch_thread(lambda: int(self._trainer.load_checkpoint(path).version))
+
+    def close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close(timeout_s=5.0)
