@@ -6,7 +6,7 @@ For each architecture of :data:`pipeline_rl.models.archs.ARCHS` (tiny random mod
 - the tokenizer: ``AutoTokenizer`` round-trips prompts and answers and gives the ids
   vLLM's tokenizer gives (transformers 5 builds ``Qwen2Tokenizer`` for Qwen folders);
 - vLLM's sampled-token log-probs equal transformers' (fp32, within :data:`TOL`) at start;
-- five in-flight weight updates through the direct loader (``_DirectLoader``), with
+- five in-flight weight updates through the direct loader (``DirectLoader``), with
   sequences running across all of them (KV policy ``keep``): their per-token versions,
   every token's log-prob against transformers replaying the same mixed-weights KV cache,
   and fresh requests after the fifth update against the fifth weights;
@@ -352,7 +352,7 @@ def test_in_flight_updates_keep_policy(arch: str, model_dir: Path, slot: EngineS
     (b) fresh requests started after the fifth update, while the old ones still run,
         equal transformers under the fifth weights.
     """
-    from pipeline_rl.rollout.engine_inprocess import DIRECT_LOAD_ARCHITECTURES
+    from pipeline_rl.weight_sync.loaders import DIRECT_LOAD_ARCHITECTURES
 
     assert HF_ARCHITECTURE[arch] in DIRECT_LOAD_ARCHITECTURES
     engine = slot.get(model_dir, "keep", at_version=0)

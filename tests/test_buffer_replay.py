@@ -311,7 +311,7 @@ def test_the_straggler_wait_ends(way: str) -> None:
 
 
 def test_an_arriving_group_fills_its_latest_possible_grant() -> None:
-    from pipeline_rl.buffer.replay import _grant_of
+    from pipeline_rl.buffer.grants import grant_of as _grant_of
 
     assert _grant_of([1, 1, 3, 5], 3) == 2  # a group fresh enough for deadline 3 fills a 3
     assert _grant_of([1, 1, 3, 5], 9) == 3

@@ -116,7 +116,7 @@ def test_failing_reward_fn_scores_zero_and_is_logged(engine: GenerationEngine, m
         return 1.0
 
     rig = _Rig(engine, model_dirs[0], reward_fn=flaky)
-    with caplog.at_level(logging.WARNING, logger="pipeline_rl.rollout.worker"):
+    with caplog.at_level(logging.WARNING, logger="pipeline_rl.rollout.scoring"):
         try:
             stats = rig.worker.run(max_groups=4)
             groups = rig.received(4)

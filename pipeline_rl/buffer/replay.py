@@ -53,7 +53,6 @@ collectives (each optimizer step all-reduces, so no rank can ask for version
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections import deque
@@ -61,6 +60,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pipeline_rl.buffer.grants import Grants
 from pipeline_rl.buffer.types import Admission, AdmissionStats, BufferStats, _Counters
 from pipeline_rl.samples import Group
 from pipeline_rl.calls import in_daemon_thread
@@ -119,11 +119,7 @@ class ReplayBuffer:
         self._held = 0
         self._version = start_version
         self._used_base = start_version * groups_per_step  # groups "trained" before we started
-        # worker -> deadlines of its grants not yet received, ascending (a grant's
-        # deadline: the last trainer version its group can be trained at).
-        self._outstanding: dict[int, list[int]] = {}
-        self._lives: dict[int, int] = {}   # per worker: how many times it was declared lost
-        self._granted = self._lost = self._unadmitted = 0
+        self._grants = Grants()
         self._c = _Counters()
         self._closed = False
 
@@ -180,11 +176,7 @@ class ReplayBuffer:
     def _append_locked(self, group: Group) -> None:
         self._queue.append(_Entry(group, group.oldest_version))
         self._c.groups_in += 1
-        owed = self._outstanding.get(group.worker_id)
-        if owed:
-            owed.pop(_grant_of(owed, group.oldest_version + self.staleness))
-        else:
-            self._unadmitted += 1  # sent without a grant (or after worker_lost): still counted as used
+        self._grants.receive(group.worker_id, group.oldest_version + self.staleness)
 
     # ---------------------------------------------------------------- admission
     def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Admission:
@@ -196,10 +188,10 @@ class ReplayBuffer:
         with self._lock:
             # A request held here when its worker is declared lost grants nothing: its
             # answer would reach no one, and the grants would hold budget forever.
-            life = self._lives.get(worker_id, 0)
+            life = self._grants.lives.get(worker_id, 0)
 
             def lost() -> bool:
-                return self._lives.get(worker_id, 0) != life
+                return self._grants.lives.get(worker_id, 0) != life
 
             self._wait_locked(lambda: self._room_locked() > 0 or max_groups == 0 or lost(), deadline, None)
             granted = 0 if lost() else max(0, min(max_groups, self._room_locked()))
@@ -209,10 +201,7 @@ class ReplayBuffer:
             step_of_last = max(self._version, (used_after - 1) // self.groups_per_step)
             min_version = max(0, step_of_last - self.staleness)
             if granted:
-                owed = self._outstanding.setdefault(worker_id, [])
-                owed.extend([min_version + self.staleness] * granted)
-                owed.sort()
-                self._granted += granted
+                self._grants.grant(worker_id, granted, min_version + self.staleness)
             return Admission(granted, self._version, min_version)
 
     def request(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> "Future[Admission]":
@@ -230,10 +219,7 @@ class ReplayBuffer:
         """A live worker gives back ``count`` grants it will not use (e.g. it is
         stopping). Returns how many were actually outstanding and refunded."""
         with self._lock:
-            owed = self._outstanding.get(worker_id, [])
-            refund = min(max(count, 0), len(owed))
-            # A worker starts its grants in order, so the ones it gives back are its newest.
-            del owed[len(owed) - refund:]
+            refund = self._grants.release(worker_id, count)
             self._changed.notify_all()
             return refund
 
@@ -243,9 +229,7 @@ class ReplayBuffer:
         that worker still in flight and arriving later are accepted as
         ``unadmitted``. Returns the refund."""
         with self._lock:
-            refund = len(self._outstanding.pop(worker_id, []))
-            self._lost += refund
-            self._lives[worker_id] = self._lives.get(worker_id, 0) + 1
+            refund = self._grants.lose(worker_id)
             self._changed.notify_all()
             return refund
 
@@ -263,14 +247,7 @@ class ReplayBuffer:
 
     def _used_locked(self) -> int:
         evicted = sum(self._c.evicted.values())
-        return self._used_base + self._c.groups_in - evicted + self._owed_locked()
-
-    def _owed_locked(self) -> int:
-        return sum(len(owed) for owed in self._outstanding.values())
-
-    def _straggler_due_locked(self, version: int) -> bool:
-        """A grant not yet received must be trained at ``version`` at the latest."""
-        return any(owed and owed[0] <= version for owed in self._outstanding.values())
+        return self._used_base + self._c.groups_in - evicted + self._grants.owed()
 
     def _limit_locked(self) -> int:
         return (self.staleness + self._version + 1) * self.groups_per_step
@@ -314,7 +291,7 @@ class ReplayBuffer:
             if self._closed:
                 return None
             if len(self._queue) >= total:
-                if self._straggler_due_locked(version) and len(self._queue) < self.capacity:
+                if self._grants.straggler_due(version) and len(self._queue) < self.capacity:
                     straggle_until = straggle_until or time.monotonic() + self.straggler_wait_s
                     if time.monotonic() < straggle_until:
                         self._wait_straggler_locked(total, version, straggle_until if deadline is None
@@ -346,7 +323,7 @@ class ReplayBuffer:
         start = time.monotonic()
         self._wants.append(total)
         try:
-            self._wait_locked(lambda: (not self._straggler_due_locked(version)
+            self._wait_locked(lambda: (not self._grants.straggler_due(version)
                                        or len(self._queue) >= self.capacity
                                        or version in self._steps), until, None)
         finally:
@@ -425,8 +402,8 @@ class ReplayBuffer:
                 connections=c.connections, disconnections=c.disconnections,
                 admission=AdmissionStats(
                     version=self._version, limit=self._limit_locked(), used=self._used_locked(),
-                    granted=self._granted, outstanding=self._owed_locked(),
-                    lost=self._lost, unadmitted=self._unadmitted))
+                    granted=self._grants.granted, outstanding=self._grants.owed(),
+                    lost=self._grants.lost, unadmitted=self._grants.unadmitted))
 
     @property
     def version(self) -> int:
@@ -444,17 +421,6 @@ class ReplayBuffer:
         with self._lock:
             self._closed = True
             self._changed.notify_all()
-
-
-
-def _grant_of(deadlines: list[int], latest: int) -> int:
-    """Index of the grant an arriving group fills, in a worker's ascending grant
-    deadlines, given the latest deadline the group can meet (``oldest version +
-    staleness``): the last grant with a deadline <= ``latest`` (a group started
-    with weights ``v`` can fill any grant whose ``min_version <= v``; taking the
-    latest such grant keeps the earlier, more urgent ones waited for). A group
-    older than every grant fills the first."""
-    return max(0, bisect.bisect_right(deadlines, latest) - 1)
 
 
 def _check_positive(**values: int) -> None:

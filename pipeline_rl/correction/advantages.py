@@ -14,10 +14,14 @@ done in float64 and returned as float32.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from pipeline_rl.config import AdvantageName
+from pipeline_rl.samples import Group
 
 #: Added to the group std in ``grpo`` (only matters for nearly-equal rewards).
 GRPO_STD_EPS = 1e-6
@@ -44,3 +48,17 @@ def compute_advantages(name: AdvantageName, rewards: Tensor) -> Tensor:
         adv = centred
     flat = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))   # [G, 1]
     return torch.where(flat, 0.0, adv).to(torch.float32)
+
+
+def group_advantages(name: AdvantageName, groups: Sequence[Group]) -> list[np.ndarray]:
+    """Per-group advantages; groups of equal size are computed together ([G, n])."""
+    out: list[np.ndarray | None] = [None] * len(groups)
+    by_size: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_size.setdefault(len(g.completions), []).append(i)
+    for idx in by_size.values():
+        rewards = torch.tensor([groups[i].rewards for i in idx], dtype=torch.float32)  # [G, n]
+        adv = compute_advantages(name, rewards)                                         # [G, n]
+        for row, i in enumerate(idx):
+            out[i] = adv[row].detach().cpu().numpy()
+    return [a for a in out if a is not None]

@@ -29,10 +29,8 @@ Invariants:
   actor's concurrent method -- while the engine keeps stepping; a bad payload
   raises ``WeightUpdateError`` there and is never applied. Only the newest
   staged update is kept; the loop makes it live between two steps.
-- Rewards run in a thread pool, off the engine's critical path. A reward
-  function that raises (or returns a non-finite value) is logged with the
-  prompt id and scores 0; it stops the worker only if it has failed on its
-  first ``REWARD_FAILURES_FATAL`` calls without a single success. A send that
+- Rewards run in a thread pool, off the engine's critical path
+  (``pipeline_rl.rollout.scoring``: a failing reward function scores 0). A send that
   fails (buffer gone, backpressure timeout) stops the worker with that error,
   and so does :meth:`RolloutWorker.fail` (the actor calls it when new weights
   cannot be taken).
@@ -41,24 +39,17 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from pipeline_rl.rollout.engine import (
-    EngineConfig,
-    FinishedSequence,
-    GenerationEngine,
-    GenRequest,
-    SamplingConfig,
-    engine_config,
-)
+from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
+from pipeline_rl.rollout.engine_factory import build_engine
+from pipeline_rl.rollout.ports import AdmissionSource, SenderLike, connect_sender
+from pipeline_rl.rollout.scoring import PendingGroup, Scorer
+from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
 from pipeline_rl.evaluation import EVAL_PREFIX, EvalRequest, EvalResult, PendingEval
 from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id
 from pipeline_rl.evaluation import request_id as eval_request_id
@@ -67,8 +58,7 @@ from pipeline_rl.weight_sync.gloo import receive_in_one_call
 from pipeline_rl.weight_sync.message import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
-from pipeline_rl.samples import I32, Completion, Group
-from pipeline_rl.tasks.base import Prompt, RewardFn, Task
+from pipeline_rl.tasks.base import RewardFn, Task
 
 if TYPE_CHECKING:
     from pipeline_rl.buffer.types import Admission
@@ -76,113 +66,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GROUP_ID_STRIDE = 1 << 40  # group ids: worker_id * stride + local counter (unique per run)
-#: A reward function that failed this many times without ever succeeding ends the run.
-REWARD_FAILURES_FATAL = 32
-#: Applied updates whose stall a worker remembers (``WorkerStats.stall_ms``): a run applies
-#: one update per trainer step, so keeping them all would grow the worker (and every stats
-#: reply) without bound; a poller that reads the stats once per step needs the last few.
-STALL_WINDOW = 256
-
-
-class RewardFailed(RuntimeError):
-    """The task's reward function fails on every call (it never returned a score)."""
-
-
-class AdmissionSource(Protocol):
-    """The global admission budget: the ``ReplayBuffer`` itself, or a Ray-handle adapter.
-    ``request`` asks for up to ``max_groups`` grants without blocking the caller: the
-    answer comes on the future (the source may wait up to ``timeout_s`` for a non-zero
-    grant before answering). ``release`` gives back grants the worker will not use
-    (returns the refund)."""
-
-    def request(self, worker_id: int, max_groups: int,
-                timeout_s: float = 0.0) -> "Future[Admission]": ...
-
-    def release(self, worker_id: int, count: int) -> int: ...
-
-
-class SenderLike(Protocol):
-    """Where finished groups go (``pipeline_rl.buffer.sender.GroupSender``); thread-safe."""
-
-    def send(self, group: Group) -> None: ...
-
-    def close(self, linger_s: float = 5.0) -> None: ...
-
-    @property
-    def wait_s(self) -> float: ...
-
-
-@dataclass(frozen=True, slots=True)
-class AppliedAt:
-    """When a worker's engine could first sample with weights ``version`` (``time.time()``)."""
-
-    version: int
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerStats:
-    """A snapshot of one worker. ``stall_ms``: for the most recent applied updates (at
-    most ``STALL_WINDOW``, oldest first), the time no engine step could run;
-    ``updates_applied`` counts every applied update, so the ``k`` applied since a
-    previous snapshot are ``stall_ms[-k:]`` (when ``k <= STALL_WINDOW``), and
-    ``stall_ms_total`` sums the stalls of all of them; ``idle_s``: time the engine
-    had nothing to run; ``step_s``: time inside engine steps; ``send_wait_s``: time
-    sends were blocked by a full buffer (in the reward/send threads, not the
-    engine's); ``heap_trim_s``: time spent handing free heap pages back to the OS
-    (``HeapTrimmer``, on the engine's thread between steps); ``applied``: when the most
-    recent applied updates went live (at most ``STALL_WINDOW``, oldest first)."""
-
-    worker_id: int
-    version: int
-    groups_started: int
-    groups_sent: int
-    tokens_generated: int
-    steps: int
-    step_s: float
-    idle_s: float
-    elapsed_s: float
-    stall_ms: tuple[float, ...]
-    updates_applied: int
-    updates_rejected: int
-    reward_errors: int
-    send_wait_s: float
-    in_flight_groups: int
-    stall_ms_total: float = 0.0
-    heap_trim_s: float = 0.0
-    applied: tuple[AppliedAt, ...] = ()
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A group in flight: its prompt and the sequences finished so far (by index)."""
-
-    group_id: int
-    prompt: Prompt
-    prompt_ids: tuple[int, ...]
-    done: dict[int, FinishedSequence] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Counters:
-    groups_started: int = 0
-    groups_sent: int = 0
-    tokens: int = 0
-    steps: int = 0
-    step_s: float = 0.0
-    idle_s: float = 0.0
-    elapsed_s: float = 0.0
-    updates_rejected: int = 0
-    reward_errors: int = 0
-    reward_ok: int = 0
-    updates_applied: int = 0
-    stall_ms_total: float = 0.0
-    stall_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
-    applied: deque[AppliedAt] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
 
 
 #: How long beyond its hold a stopping worker waits for the answer to its last request.
@@ -204,16 +87,15 @@ class RolloutWorker:
         self.n = cfg.rollout.n
         self._admission = admission
         self._task = task
-        self._reward_fn: RewardFn = reward_fn if reward_fn is not None else task.reward
         self._engine = engine if engine is not None else build_engine(
             cfg, model_dir, seed=cfg.seed + worker_id, gpu_memory=gpu_memory)
-        self._sender = sender if sender is not None else _connect(buffer_address, worker_id, cfg)
+        self._sender = sender if sender is not None else connect_sender(buffer_address, worker_id, cfg)
         self._sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens,
                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                         top_k=cfg.rollout.top_k)
         self._pool = ThreadPoolExecutor(max_workers=reward_threads, thread_name_prefix=f"reward-{worker_id}")
         self._futures: set[Future[None]] = set()
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingGroup] = {}
         self._granted = 0  # admitted groups not started yet
         self._min_version = 0
         self._asking: Future[Admission] | None = None  # the admission request in flight (one at most)
@@ -223,7 +105,9 @@ class RolloutWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._c = _Counters()
+        self._c = Counters()
+        self._scorer = Scorer(worker_id, self.n, reward_fn if reward_fn is not None else task.reward,
+                              self._sender, self._c, self._lock, self.fail)
         self._heap = HeapTrimmer()   # free C-heap pages back to the OS every few seconds
         self._eval_task = eval_task
         self._eval_queue: deque[PendingEval] = deque()     # asked for, not started (any thread)
@@ -319,17 +203,9 @@ class RolloutWorker:
         self._wake.set()
 
     def stats(self) -> WorkerStats:
-        c = self._c
         with self._lock:
-            return WorkerStats(
-                worker_id=self.worker_id, version=self._engine.version, groups_started=c.groups_started,
-                groups_sent=c.groups_sent, tokens_generated=c.tokens, steps=c.steps, step_s=c.step_s,
-                idle_s=c.idle_s, elapsed_s=c.elapsed_s, stall_ms=tuple(c.stall_ms),
-                updates_applied=c.updates_applied, stall_ms_total=c.stall_ms_total,
-                updates_rejected=c.updates_rejected,
-                reward_errors=c.reward_errors, send_wait_s=self._sender.wait_s,
-                in_flight_groups=len(self._pending), heap_trim_s=self._heap.trim_s,
-                applied=tuple(c.applied))
+            return self._c.snapshot(self.worker_id, self._engine.version, self._sender.wait_s,
+                                    len(self._pending), self._heap.trim_s)
 
     # -- the loop (one thread) -----------------------------------------------------------
     def run(self, max_groups: int | None = None) -> WorkerStats:
@@ -466,7 +342,7 @@ class RolloutWorker:
         prompt = self._task.prompt(local * self.cfg.rollout.num_workers + self.worker_id)
         # A chat template writes its own special tokens (BOS included) into the text.
         prompt_ids = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
-        self._pending[group_id] = _Pending(group_id, prompt, prompt_ids)
+        self._pending[group_id] = PendingGroup(group_id, prompt, prompt_ids)
         self._engine.add_copies([f"{group_id}:{i}" for i in range(self.n)], prompt_ids, self._sampling)
         with self._lock:
             self._c.groups_started += 1
@@ -497,7 +373,7 @@ class RolloutWorker:
 
     def _score_eval(self, pending: PendingEval) -> None:
         try:
-            result = pending.score(self._reward, self._engine.version)
+            result = pending.score(self._scorer.reward, self._engine.version)
         except BaseException as e:
             pending.future.set_exception(e)
             raise
@@ -524,42 +400,9 @@ class RolloutWorker:
             self._c.tokens += seq.token_ids.shape[0]
         if len(group.done) == self.n:
             del self._pending[gid]
-            fut = self._pool.submit(self._score_and_send, group)
+            fut = self._pool.submit(self._scorer.score_and_send, group)
             self._futures.add(fut)
             fut.add_done_callback(self._on_sent)
-
-    # -- reward and send (pool threads) -------------------------------------------------
-    def _score_and_send(self, pending: _Pending) -> None:
-        completions = tuple(
-            Completion(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
-                       reward=self._reward(pending.prompt, s.text), finish_reason=s.finish_reason)
-            for s in (pending.done[i] for i in range(self.n)))
-        group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id,
-                      worker_id=self.worker_id,
-                      prompt_ids=_i32(pending.prompt_ids), completions=completions)
-        self._sender.send(group)
-        with self._lock:
-            self._c.groups_sent += 1
-
-    def _reward(self, prompt: Prompt, completion: str) -> float:
-        try:
-            value = float(self._reward_fn(prompt.text, completion, prompt))
-            if not math.isfinite(value):
-                raise ValueError(f"non-finite reward {value}")
-            with self._lock:
-                self._c.reward_ok += 1
-            return value
-        except Exception as e:  # a user's reward function must never kill the worker...
-            with self._lock:
-                self._c.reward_errors += 1
-                hopeless = not self._c.reward_ok and self._c.reward_errors >= REWARD_FAILURES_FATAL
-            log.warning("worker %d: reward function failed on prompt %d (scored 0): %s: %s",
-                        self.worker_id, prompt.prompt_id, type(e).__name__, e)
-            if hopeless:  # ...unless it has never once worked: then nothing can be learned
-                self.fail(RewardFailed(f"the reward function failed on all of its first "
-                                       f"{REWARD_FAILURES_FATAL} calls; last: {type(e).__name__}: "
-                                       f"{str(e).splitlines()[0] if str(e) else ''}"))
-            return 0.0
 
     def _on_sent(self, fut: Future[None]) -> None:
         with self._lock:
@@ -598,40 +441,3 @@ class RolloutWorker:
             self._engine.close()
 
 
-def build_engine(cfg: Config, model_dir: str, *, seed: int = 0,
-                 gpu_memory: float | None = None) -> GenerationEngine:
-    """Start the engine ``cfg.rollout.engine`` names on this machine's device: the
-    ``AsyncLLM`` engine on CUDA (present, or asked for), the in-process one on CPU
-    unless the async one is asked for. ``gpu_memory``: the share of a GPU shared with
-    other actors that vLLM may take."""
-    device = resolve_device(cfg.model.device)
-    ecfg = engine_config(cfg.rollout, model_dir, seed=seed, device=device, gpu_memory=gpu_memory,
-                         fault=cfg.fault)
-    if device == "cuda" and cfg.rollout.engine == "inprocess":
-        raise ValueError("--rollout.engine inprocess runs on CPU only; use async (or auto) on CUDA")
-    if device == "cuda" or cfg.rollout.engine == "async":
-        from pipeline_rl.rollout.engine_async import AsyncEngine
-
-        return AsyncEngine(ecfg)
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
-
-    return InprocessEngine(ecfg)
-
-
-def resolve_device(device: Literal["auto", "cpu", "cuda"]) -> Literal["cpu", "cuda"]:
-    """``auto``: CUDA when this process sees a GPU, else CPU."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _connect(address: str, worker_id: int, cfg: Config) -> SenderLike:
-    from pipeline_rl.buffer.sender import GroupSender
-
-    return GroupSender(address, worker_id, cfg.buffer.send_timeout_s)
-
-
-def _i32(ids: tuple[int, ...]) -> I32:
-    return np.asarray(ids, dtype=np.int32)

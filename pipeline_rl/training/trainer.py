@@ -29,20 +29,15 @@ as soon as the buffer can give one (never a whole generation round), recording t
 (trainer idle time), step, publish the weights (``pipeline_rl.weight_sync.publisher``), open the
 buffer's admission budget for the next version.
 
-CPU specifics (docs/design.md, platform notes): gloo, torch's AdamW (``torch_adam``: no JIT-compiled C++ op), the
-shared-memory comm op skipped, ``TORCH_EXTENSIONS_DIR`` under the project, one thread.
+DeepSpeed set-up (config, process group, CPU specifics): ``pipeline_rl.training.deepspeed_setup``.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 import shutil
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,113 +45,27 @@ import numpy as np
 import torch
 
 from pipeline_rl.training.batching import (
-    AnyMicroBatch, MicroBatch, SharedPromptBatch, build_micro_batches, build_shared_prompt_batches,
-    lag_stats,
+    AnyMicroBatch, build_micro_batches, build_shared_prompt_batches, lag_stats,
 )
 from pipeline_rl.training.checkpoint import (
-    DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, checkpoint_name, copy_tokenizer_files,
+    DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, copy_tokenizer_files,
     load_rng, partial_dir, publish_dir, read_run_state, save_rng, write_run_state,
+)
+from pipeline_rl.training.deepspeed_setup import (
+    deepspeed_config, init_distributed, pick_device, prepare_cpu_deepspeed, prepare_cuda_deepspeed,
+)
+from pipeline_rl.training.logprobs import (
+    micro_batch_logp, padded_logp, sampled_entropy, shared_prompt_logp, sharing_check_groups,
 )
 from pipeline_rl.reports import LossMetrics, RankStepReport, StepResult
 from pipeline_rl.weight_sync.publisher import WeightPublisher, gather_weights
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config
-from pipeline_rl.net import free_port
-from pipeline_rl.correction.advantages import compute_advantages
+from pipeline_rl.correction.advantages import group_advantages
 from pipeline_rl.correction.loss import PolicyBatch, loss_normalizer, policy_loss, warm_up
-from pipeline_rl.samples import Completion, Group
+from pipeline_rl.samples import Group
 
 log = logging.getLogger(__name__)
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
-def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``cfg`` (external API: DeepSpeed takes a dict)."""
-    t = cfg.trainer
-    per_rank = t.batch_size // world_size
-    micro = min(t.micro_batch_size, per_rank)
-    gas = -(-per_rank // micro)
-    ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": gas,
-        "train_batch_size": micro * gas * world_size,
-        "managed_gradient_accumulation": False,
-        "gradient_clipping": t.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": t.lr, "weight_decay": t.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8,
-            "torch_adam": True}},
-        "zero_optimization": {"stage": t.zero_stage},
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-    if cfg.model.dtype == "bfloat16":
-        ds["bf16"] = {"enabled": True}
-    return ds
-
-
-def _init_distributed(rank: int, world_size: int, master_addr: str | None, master_port: int | None,
-                      backend: str) -> None:
-    """Join (or create) the process group; a process holds one group for its lifetime.
-    Address and port: the arguments, else ``MASTER_ADDR`` / ``MASTER_PORT`` from the
-    environment, else loopback and (one rank only) a free port."""
-    import deepspeed
-    import deepspeed.comm.comm as ds_comm
-    import deepspeed.utils.groups as ds_groups
-    import torch.distributed as dist
-
-    # DeepSpeed keeps one communication backend object per process, bound to the process
-    # group alive when it was made; an in-process vLLM engine destroys and re-creates the
-    # default group, which would leave that object stale. Re-wrap the current group.
-    ds_comm.cdb = None
-    ds_groups._WORLD_GROUP = None  # DeepSpeed's cached clone of the default group, likewise
-    ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-    if dist.is_initialized():
-        if dist.get_rank() != rank or dist.get_world_size() != world_size:
-            raise RuntimeError(f"trainer: this process is already rank {dist.get_rank()} of "
-                               f"{dist.get_world_size()}, cannot become rank {rank} of {world_size}")
-        if dist.get_backend() != backend:
-            raise RuntimeError(f"trainer: this process already holds a {dist.get_backend()} process "
-                               f"group; a trainer on this device needs {backend} (one device kind "
-                               f"per process)")
-        # a group made by another library (vLLM's engine in the same process) leaves no
-        # LOCAL_RANK, which deepspeed.initialize requires
-        os.environ.setdefault("LOCAL_RANK", "0")
-        return
-    master_addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    if master_port is None and os.environ.get("MASTER_PORT", "").isdigit():
-        master_port = int(os.environ["MASTER_PORT"])
-    if master_port is None:
-        if world_size > 1:
-            raise ValueError("trainer: master_port (or MASTER_PORT) is required with world_size > 1")
-        master_port = free_port()
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                               rank=rank, world_size=world_size)
-
-
-def _prepare_cpu_deepspeed() -> None:
-    """docs/design.md, platform notes: no JIT C++ builds on CPU (shm comm op skipped), extensions under the project."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_ROOT / ".cache" / "torch_extensions"))
-    setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
-
-
-def _prepare_cuda_deepspeed() -> None:
-    """DeepSpeed picks its accelerator once per process, from ``DS_ACCELERATOR`` when set (the
-    test suite and CPU runs set ``cpu``); a CUDA trainer needs DeepSpeed's CUDA accelerator, else
-    the engine keeps the model on the CPU. Raises when DeepSpeed already chose another one."""
-    if os.environ.get("DS_ACCELERATOR", "cuda") != "cuda":
-        log.info("trainer: model.device is cuda; DS_ACCELERATOR=%s replaced by cuda",
-                 os.environ["DS_ACCELERATOR"])
-        os.environ["DS_ACCELERATOR"] = "cuda"
-    from deepspeed.accelerator import get_accelerator
-
-    name = get_accelerator().device_name()
-    if name != "cuda":
-        raise RuntimeError(f"trainer: DeepSpeed already uses its {name} accelerator in this "
-                           f"process; a CUDA trainer needs its own process")
 
 
 class Trainer:
@@ -181,21 +90,21 @@ class Trainer:
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.rank, self.world_size = rank, world_size
-        self.device = self._pick_device()
+        self.device = pick_device(cfg.model.device, rank)
         if gpu_memory is not None and self.device.type == "cuda":
             # A GPU shared with rollout engines: this rank's allocator stays within its share.
             torch.cuda.set_per_process_memory_fraction(gpu_memory, self.device)
         if num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(num_threads)
         if self.device.type == "cpu":
-            _prepare_cpu_deepspeed()
+            prepare_cpu_deepspeed()
         else:
-            _prepare_cuda_deepspeed()
+            prepare_cuda_deepspeed()
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        _init_distributed(rank, world_size, master_addr, master_port,
-                          "gloo" if self.device.type == "cpu" else "nccl")
+        init_distributed(rank, world_size, master_addr, master_port,
+                         "gloo" if self.device.type == "cpu" else "nccl")
         self.model = self._load_model(self.model_dir)
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.model, model_parameters=[p for p in self.model.parameters() if p.requires_grad],
@@ -247,16 +156,6 @@ class Trainer:
 
         engine.clip_fp32_gradients = clip_and_record
 
-    def _pick_device(self) -> torch.device:
-        want = self.cfg.model.device
-        if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-            if not torch.cuda.is_available():
-                raise RuntimeError("model.device: cuda requested but no CUDA device is present")
-            local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
-            torch.cuda.set_device(local)
-            return torch.device("cuda", local)
-        return torch.device("cpu")
-
     def _load_model(self, path: Path) -> Any:
         from transformers import AutoModelForCausalLM
 
@@ -274,7 +173,8 @@ class Trainer:
         t0 = time.perf_counter()
         algo = self.cfg.algorithm
         lag = lag_stats(groups, self._version)
-        mbs = [mb.to(self.device) for mb in self._micro_batches(groups, self._advantages(groups))]
+        advantages = group_advantages(algo.advantage, groups)
+        mbs = [mb.to(self.device) for mb in self._micro_batches(groups, advantages)]
         norm = self._global_normalizer(mbs) / self.world_size
         ref = [self._ref_logp(mb) for mb in mbs] if self.ref_model is not None else None
         epochs = algo.ppo_epochs if algo.loss == "ppo" else 1
@@ -291,7 +191,7 @@ class Trainer:
                 # each rank's loss is scaled by world_size (see norm above): undo for the report
                 first = (self._all_reduce_sum(loss_sum) / self.world_size, LossMetrics.merge(parts))
                 prox = logps
-                entropy = _sampled_entropy(logps, [mb.mask for mb in mbs])
+                entropy = sampled_entropy(logps, [mb.mask for mb in mbs])
         assert first is not None
         self._version += 1  # one version per batch, however many PPO epochs it had
         # ZeRO-0 fp32: recorded by the clip hook; otherwise (ZeRO 1-3, and DeepSpeed's bf16
@@ -327,7 +227,7 @@ class Trainer:
         model whose cache is not a plain per-layer KV cache (sliding windows, state-space
         layers) or that ignores ``position_ids`` fails it: it then trains on padded rows
         (one warning line)."""
-        groups = _sharing_check_groups(int(self.model.config.vocab_size))
+        groups = sharing_check_groups(int(self.model.config.vocab_size))
         zeros = [np.zeros(len(g.completions), dtype=np.float32) for g in groups]
         padded = build_micro_batches(groups, zeros, micro_batch_size=8)[0].to(self.device)
         shared = build_shared_prompt_batches(groups, zeros, micro_batch_size=8)[0].to(self.device)
@@ -362,19 +262,6 @@ class Trainer:
             logps.append(logp.detach())
             parts.append(metrics)
         return loss_sum, logps, parts
-
-    def _advantages(self, groups: Sequence[Group]) -> list[np.ndarray]:
-        """Per-group advantages; groups of equal size are computed together ([G, n])."""
-        out: list[np.ndarray | None] = [None] * len(groups)
-        by_size: dict[int, list[int]] = {}
-        for i, g in enumerate(groups):
-            by_size.setdefault(len(g.completions), []).append(i)
-        for idx in by_size.values():
-            rewards = torch.tensor([groups[i].rewards for i in idx], dtype=torch.float32)  # [G, n]
-            adv = compute_advantages(self.cfg.algorithm.advantage, rewards)                  # [G, n]
-            for row, i in enumerate(idx):
-                out[i] = adv[row].detach().cpu().numpy()
-        return [a for a in out if a is not None]
 
     def _token_logp(self, mb: AnyMicroBatch, *, grad: bool) -> torch.Tensor:
         """log π(token) at the sampling temperature, laid out like ``mb.mask``."""
@@ -497,93 +384,6 @@ class Trainer:
     def close(self) -> None:
         """Release the engine (the process group stays: one per process)."""
         self.engine.destroy()
-
-
-def _sampled_entropy(logps: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float:
-    """Mean ``-log π`` over masked-in tokens with a finite log-prob: logps/masks [B, L-1] each."""
-    total, count = 0.0, 0.0
-    for logp, mask in zip(logps, masks, strict=True):
-        keep = (mask > 0) & torch.isfinite(logp)                                   # [B, L-1]
-        total += float(-(logp[keep]).sum())
-        count += float(keep.sum())
-    return total / count if count else 0.0
-
-
-def micro_batch_logp(model: Any, mb: AnyMicroBatch, temperature: float) -> torch.Tensor:
-    """log π of ``mb``'s tokens under ``model`` (a causal LM, or the DeepSpeed engine around
-    one) at ``temperature``, laid out like ``mb.mask``."""
-    if isinstance(mb, SharedPromptBatch):
-        return shared_prompt_logp(model, mb, temperature)
-    return padded_logp(model, mb, temperature)
-
-
-def padded_logp(model: Any, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """Padded rows, one pass: target positions [B, L-1] (``pipeline_rl.training.batching``)."""
-    logits = model(input_ids=mb.input_ids).logits                                   # [B, L, V]
-    return _logp_from_logits(logits, mb.input_ids, temperature)                     # [B, L-1]
-
-
-def shared_prompt_logp(model: Any, mb: SharedPromptBatch, temperature: float) -> torch.Tensor:
-    """Shared prompts, two passes: completion-aligned log-probs [B, T].
-
-    1. The prompts ``[G, P]`` (right-padded: under causal attention no real token sees the
-       padding), keeping their KV cache. A prompt's logits at its last real position
-       predict completion token 0 of every row that continues it.
-    2. Completion tokens ``0..T-2`` ``[B, T-1]`` on top of the cache rows of their prompts
-       (selected per row with an index, which is differentiable: a prompt's activations
-       receive the gradient of every completion continuing it), at positions
-       ``P_g .. P_g+T-2`` (as at generation), with the prompts' padding slots masked out;
-       their logits predict tokens ``1..T-1``.
-
-    Equal to :func:`padded_logp` on the same rows (to float rounding; tested), at the cost
-    of ``G x P + B x T`` token slots instead of ``B x (P + T)``. Raises TypeError for a
-    cache that is not a plain per-layer key/value cache (sliding-window or recurrent
-    layers), whose continuation would not match the padded pass.
-    """
-    ids = mb.completion_ids                                                          # [B, T]
-    b, t = ids.shape
-    g = mb.prompt_ids.shape[0]
-    out = model(input_ids=mb.prompt_ids, use_cache=True)                             # logits [G, P, V]
-    last = out.logits[torch.arange(g, device=ids.device), mb.prompt_lens - 1]        # [G, V]
-    logits = last[mb.row_prompt].unsqueeze(1)                                        # [B, 1, V]
-    if t > 1:
-        cache = out.past_key_values
-        kinds = {type(layer).__name__ for layer in getattr(cache, "layers", [None])}
-        if kinds != {"DynamicLayer"}:
-            raise TypeError(f"cache layers {sorted(kinds)} are not plain key/value layers")
-        cache.batch_select_indices(mb.row_prompt)                                    # [G, ...] -> [B, ...]
-        p = mb.prompt_ids.shape[1]
-        valid = torch.arange(p, device=ids.device) < mb.prompt_lens.unsqueeze(1)       # [G, P]
-        attention = torch.cat([valid[mb.row_prompt], torch.ones(b, t - 1, dtype=torch.bool, device=ids.device)],
-                              dim=1).long()                                           # [B, P+T-1]
-        positions = (mb.prompt_lens[mb.row_prompt].unsqueeze(1)
-                     + torch.arange(t - 1, device=ids.device))                        # [B, T-1]
-        rest = model(input_ids=ids[:, :-1], past_key_values=cache, attention_mask=attention,
-                     position_ids=positions, use_cache=True).logits                   # [B, T-1, V]
-        logits = torch.cat([logits, rest], dim=1)                                    # [B, T, V]
-    return _target_logp(logits, ids, temperature)                                     # [B, T]
-
-
-def _sharing_check_groups(vocab_size: int) -> list[Group]:
-    """Two groups with prompts of 3 and 5 tokens and completions of 1-3 (fixed seed)."""
-    rng = np.random.default_rng(0)
-    groups = []
-    for gid, (p, lengths) in enumerate(((3, (2, 3)), (5, (1, 3)))):
-        comps = tuple(Completion(rng.integers(1, vocab_size, t, dtype=np.int32), np.zeros(t, np.float32),
-                                 np.zeros(t, np.int32), 0.0, "stop") for t in lengths)
-        groups.append(Group(gid, gid, 0, rng.integers(1, vocab_size, p, dtype=np.int32), comps))
-    return groups
-
-
-def _logp_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) of the next token: logits [B, L, V], input_ids [B, L] -> [B, L-1]."""
-    return _target_logp(logits[:, :-1], input_ids[:, 1:], temperature)             # [B, L-1]
-
-
-def _target_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) at ``targets``: logits [B, N, V], targets [B, N] -> [B, N]."""
-    scaled = logits.float() / temperature                                            # [B, N, V]
-    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
 # ------------------------------------------------------------------------------------------------

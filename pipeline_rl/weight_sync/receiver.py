@@ -109,9 +109,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
 def load_into(model: Any, checked: CheckedUpdate, vllm_config: Any) -> None:
     """Load a checked update into a vLLM model that no step is running on: the
     direct CPU path when it covers the model, else vLLM's layerwise reload."""
-    from pipeline_rl.rollout.engine_inprocess import _DirectLoader
+    from pipeline_rl.weight_sync.loaders import DirectLoader
 
     on_cpu = str(vllm_config.device_config.device_type) == "cpu"
-    direct = _DirectLoader.build(model) if on_cpu else None
+    direct = DirectLoader.build(model) if on_cpu else None
     if direct is None or not direct.load(checked, vllm_config):
         load_served_weights(model, checked.tensors, vllm_config)

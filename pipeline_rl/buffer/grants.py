@@ -1,0 +1,63 @@
+"""The admission grants of the replay buffer (``pipeline_rl.buffer.replay``; its module
+docstring states the admission and straggler rules): per worker, the deadlines of its
+grants not yet received, and the counts the admission statistics report. Not
+thread-safe: the buffer calls it under its lock."""
+
+from __future__ import annotations
+
+import bisect
+
+
+class Grants:
+    """Outstanding grants per worker, and the granted / lost / unadmitted counts."""
+
+    def __init__(self) -> None:
+        # worker -> deadlines of its grants not yet received, ascending (a grant's
+        # deadline: the last trainer version its group can be trained at).
+        self.outstanding: dict[int, list[int]] = {}
+        self.lives: dict[int, int] = {}   # per worker: how many times it was declared lost
+        self.granted = self.lost = self.unadmitted = 0
+
+    def receive(self, worker_id: int, latest: int) -> None:
+        """A group of ``worker_id`` arrived that can meet deadlines up to ``latest``."""
+        owed = self.outstanding.get(worker_id)
+        if owed:
+            owed.pop(grant_of(owed, latest))
+        else:
+            self.unadmitted += 1  # sent without a grant (or after worker_lost): still counted as used
+
+    def grant(self, worker_id: int, count: int, deadline: int) -> None:
+        owed = self.outstanding.setdefault(worker_id, [])
+        owed.extend([deadline] * count)
+        owed.sort()
+        self.granted += count
+
+    def release(self, worker_id: int, count: int) -> int:
+        owed = self.outstanding.get(worker_id, [])
+        refund = min(max(count, 0), len(owed))
+        # A worker starts its grants in order, so the ones it gives back are its newest.
+        del owed[len(owed) - refund:]
+        return refund
+
+    def lose(self, worker_id: int) -> int:
+        refund = len(self.outstanding.pop(worker_id, []))
+        self.lost += refund
+        self.lives[worker_id] = self.lives.get(worker_id, 0) + 1
+        return refund
+
+    def owed(self) -> int:
+        return sum(len(owed) for owed in self.outstanding.values())
+
+    def straggler_due(self, version: int) -> bool:
+        """A grant not yet received must be trained at ``version`` at the latest."""
+        return any(owed and owed[0] <= version for owed in self.outstanding.values())
+
+
+def grant_of(deadlines: list[int], latest: int) -> int:
+    """Index of the grant an arriving group fills, in a worker's ascending grant
+    deadlines, given the latest deadline the group can meet (``oldest version +
+    staleness``): the last grant with a deadline <= ``latest`` (a group started
+    with weights ``v`` can fill any grant whose ``min_version <= v``; taking the
+    latest such grant keeps the earlier, more urgent ones waited for). A group
+    older than every grant fills the first."""
+    return max(0, bisect.bisect_right(deadlines, latest) - 1)

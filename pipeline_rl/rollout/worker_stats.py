@@ -1,0 +1,92 @@
+"""A rollout worker's statistics (``pipeline_rl.rollout.worker``): the counters it keeps
+under its lock, the snapshot it reports (:class:`WorkerStats`), and the window of
+applied updates it remembers."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+#: Applied updates whose stall a worker remembers (``WorkerStats.stall_ms``): a run applies
+#: one update per trainer step, so keeping them all would grow the worker (and every stats
+#: reply) without bound; a poller that reads the stats once per step needs the last few.
+STALL_WINDOW = 256
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedAt:
+    """When a worker's engine could first sample with weights ``version`` (``time.time()``)."""
+
+    version: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """A snapshot of one worker. ``stall_ms``: for the most recent applied updates (at
+    most ``STALL_WINDOW``, oldest first), the time no engine step could run;
+    ``updates_applied`` counts every applied update, so the ``k`` applied since a
+    previous snapshot are ``stall_ms[-k:]`` (when ``k <= STALL_WINDOW``), and
+    ``stall_ms_total`` sums the stalls of all of them; ``idle_s``: time the engine
+    had nothing to run; ``step_s``: time inside engine steps; ``send_wait_s``: time
+    sends were blocked by a full buffer (in the reward/send threads, not the
+    engine's); ``heap_trim_s``: time spent handing free heap pages back to the OS
+    (``HeapTrimmer``, on the engine's thread between steps); ``applied``: when the most
+    recent applied updates went live (at most ``STALL_WINDOW``, oldest first)."""
+
+    worker_id: int
+    version: int
+    groups_started: int
+    groups_sent: int
+    tokens_generated: int
+    steps: int
+    step_s: float
+    idle_s: float
+    elapsed_s: float
+    stall_ms: tuple[float, ...]
+    updates_applied: int
+    updates_rejected: int
+    reward_errors: int
+    send_wait_s: float
+    in_flight_groups: int
+    stall_ms_total: float = 0.0
+    heap_trim_s: float = 0.0
+    applied: tuple[AppliedAt, ...] = ()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class Counters:
+    """What a worker counts (under its lock); :class:`WorkerStats` is a snapshot of it."""
+
+    groups_started: int = 0
+    groups_sent: int = 0
+    tokens: int = 0
+    steps: int = 0
+    step_s: float = 0.0
+    idle_s: float = 0.0
+    elapsed_s: float = 0.0
+    updates_rejected: int = 0
+    reward_errors: int = 0
+    reward_ok: int = 0
+    updates_applied: int = 0
+    stall_ms_total: float = 0.0
+    stall_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
+    applied: deque[AppliedAt] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
+
+    def snapshot(self, worker_id: int, version: int, send_wait_s: float, in_flight_groups: int,
+                 heap_trim_s: float) -> WorkerStats:
+        """These counts as :class:`WorkerStats` (the caller holds the worker's lock)."""
+        c = self
+        return WorkerStats(
+            worker_id=worker_id, version=version, groups_started=c.groups_started,
+            groups_sent=c.groups_sent, tokens_generated=c.tokens, steps=c.steps, step_s=c.step_s,
+            idle_s=c.idle_s, elapsed_s=c.elapsed_s, stall_ms=tuple(c.stall_ms),
+            updates_applied=c.updates_applied, stall_ms_total=c.stall_ms_total,
+            updates_rejected=c.updates_rejected,
+            reward_errors=c.reward_errors, send_wait_s=send_wait_s,
+            in_flight_groups=in_flight_groups, heap_trim_s=heap_trim_s,
+            applied=tuple(c.applied))

