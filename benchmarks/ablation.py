@@ -30,7 +30,8 @@ Outputs, under ``--out`` (default ``runs/bench_ablation``):
 - ``ablation.json``, ``ablation.md``, ``ablation_<dtype>.png``,
   ``ablation_final.png``: per arm, the mean and 95% interval over seeds of
   every figure, significance against ``none``, curves with bands
-  (``benchmarks/ablation_report.py`` defines them all).
+  (``benchmarks/ablation_report.py`` defines them all; ``benchmarks/ablation_cells.py``
+  the arms, cells and records).
 
 ``--quick`` (the smoke grid for a 2-core CPU machine): staleness {0, 2, 8} x
 all four corrections, bfloat16 generation only, 100 steps each of the
@@ -42,7 +43,7 @@ The grid runs in a child process that the script restarts (``--max-restarts``,
 finished cells kept) if it dies: Ray ends its driver process when its node goes
 away, which no ``except`` can catch.
 
-Usage: ``python benchmarks/ablation.py [--quick] [--seeds N] [--staleness 0,2]
+Usage: ``python -m benchmarks.ablation [--quick] [--seeds N] [--staleness 0,2]
 [--corrections tis,icepop] [--dtypes bfloat16] [--steps N] [--ray-address ADDR]
 [--json PATH] [-- extra pipeline flags]``.
 """
@@ -50,7 +51,6 @@ Usage: ``python benchmarks/ablation.py [--quick] [--seeds N] [--staleness 0,2]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -59,18 +59,18 @@ import sys
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import ROOT, config, run_pipeline, start_ray, stop_ray  # noqa: E402
+from benchmarks.ablation_cells import Arm, Cell, CellResult, CellStatus, GridSettings
+from benchmarks.ablation_report import build_result, markdown, plot
+from benchmarks.common import (BadFlag, Outcome, at_least, config, main as bench_main, ray_session, repo_on_path,
+                               run_pipeline)
 
 STALENESS = (0, 1, 2, 4, 8)
 CORRECTIONS = ("none", "tis", "icepop", "seq-mask-tis")
 DTYPES = ("float32", "bfloat16")
-SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 QUICK_STALENESS = (0, 2, 8)
@@ -81,83 +81,17 @@ DEFAULT_SEEDS = 3
 #: Pipeline flags --quick adds (none: the built-in default model, task and batch).
 QUICK_FLAGS: tuple[str, ...] = ()
 
-CellStatus = Literal["done", "failed"]
-
-
-class AblationError(ValueError):
-    """A bad flag value (one line, names the flag)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Arm:
-    """One treatment of the grid: every seed of it is a cell."""
-
-    dtype: str
-    staleness: int
-    correction: str
-
-    @property
-    def name(self) -> str:
-        return f"{SHORT_DTYPE[self.dtype]}_s{self.staleness}_{self.correction}"
-
-
-@dataclass(frozen=True, slots=True)
-class Cell:
-    """One arm at one seed: one run of the pipeline."""
-
-    arm: Arm
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.arm.name}_seed{self.seed}"
-
-    def flags(self) -> tuple[str, ...]:
-        return ("--staleness", str(self.arm.staleness), "--correction.type", self.arm.correction,
-                "--rollout.dtype", self.arm.dtype, "--seed", str(self.seed))
-
-    @staticmethod
-    def from_dict(data: dict[str, Any]) -> Cell:
-        return Cell(Arm(**data["arm"]), int(data["seed"]))
-
-
-@dataclass(frozen=True, slots=True)
-class GridSettings:
-    """What every cell shares; a finished cell is reused only when these match."""
-
-    steps: int
-    model_dir: str
-    flags: tuple[str, ...]
-
-    def key(self) -> str:
-        blob = json.dumps([self.steps, self.model_dir, list(self.flags)])
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-@dataclass(slots=True)
-class CellResult:
-    """A cell's record (``cell.json``): its status, wall time, the Ray node it ran on
-    and its metrics rows."""
-
-    cell: Cell
-    settings_key: str
-    status: CellStatus
-    wall_s: float
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    error: str | None = None
-    node: str | None = None
-
 
 # ---------------------------------------------------------------------------- grid
 
 def parse_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
-        raise AblationError(f"{flag}: give a comma-separated list (got {text!r})")
+        raise BadFlag(f"{flag}: give a comma-separated list (got {text!r})")
     if allowed is not None:
         bad = [x for x in items if x not in allowed]
         if bad:
-            raise AblationError(f"{flag}: unknown value(s) {', '.join(bad)} (allowed: {', '.join(allowed)})")
+            raise BadFlag(f"{flag}: unknown value(s) {', '.join(bad)} (allowed: {', '.join(allowed)})")
     return items
 
 
@@ -166,9 +100,9 @@ def grid(staleness: str, corrections: str, dtypes: str, seeds: list[int]) -> lis
     try:
         ks = [int(x) for x in parse_list("--staleness", staleness)]
     except ValueError:
-        raise AblationError(f"--staleness: give non-negative integers (got {staleness!r})") from None
+        raise BadFlag(f"--staleness: give non-negative integers (got {staleness!r})") from None
     if any(k < 0 for k in ks):
-        raise AblationError(f"--staleness: give non-negative integers (got {staleness!r})")
+        raise BadFlag(f"--staleness: give non-negative integers (got {staleness!r})")
     corrs = parse_list("--corrections", corrections, CORRECTIONS)
     dts = [DTYPE_ALIASES[d] for d in parse_list("--dtypes", dtypes, tuple(DTYPE_ALIASES))]
     return [Cell(Arm(d, k, c), s) for d in dict.fromkeys(dts) for k in dict.fromkeys(ks)
@@ -233,13 +167,6 @@ def run_cell(cell: Cell, settings: GridSettings, out: Path, keep_checkpoints: bo
 
 # ---------------------------------------------------------------------------- Ray
 
-def repo_on_path() -> dict[str, str]:
-    """Worker environment putting this repository on the path (a cell task imports
-    ``benchmarks.ablation`` on the node that runs it)."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path}
-
-
 def cell_slots(cpus_per_cell: int) -> dict[str, int]:
     """Node id -> how many cells that node can run at once (only nodes with room for one)."""
     import ray
@@ -262,8 +189,8 @@ def run_cells(todo: list[Cell], settings: GridSettings, out: Path, keep_checkpoi
 
     slots = cell_slots(cpus_per_cell)
     if not slots:
-        raise AblationError(f"no node of the Ray cluster has the {cpus_per_cell} CPUs a cell needs "
-                            "(rollout workers + trainer ranks, on one node)")
+        raise BadFlag(f"no node of the Ray cluster has the {cpus_per_cell} CPUs a cell needs "
+                      "(rollout workers + trainer ranks, on one node)")
     at_once = sum(slots.values())
     print(f"ablation: {cpus_per_cell} CPUs per cell, {at_once} cell(s) at once on {len(slots)} node(s)",
           flush=True)
@@ -290,17 +217,7 @@ def run_cells(todo: list[Cell], settings: GridSettings, out: Path, keep_checkpoi
 
 # ---------------------------------------------------------------------------- main
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Staleness x off-policy correction ablation over seeds (fp32 and bf16 generation), "
-                    "cells as Ray tasks, resumable cell by cell. Extra pipeline flags go after '--' "
-                    "(e.g. -- --trainer.lr 5e-4).",
-        epilog=f"--quick: staleness {','.join(map(str, QUICK_STALENESS))} x all corrections, "
-               f"{','.join(QUICK_DTYPES)} generation only, {QUICK_STEPS} steps per cell of the default "
-               f"model, task and batch. Explicit --staleness/--corrections/--dtypes/--steps override it. "
-               f"Without --quick: the full grid, {len(STALENESS) * len(CORRECTIONS) * len(DTYPES)} arms "
-               f"x {FULL_STEPS} steps x --seeds.")
-    p.add_argument("--quick", action="store_true", help="The 2-core smoke grid (see below).")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness", default=None, help="Comma list (default 0,1,2,4,8).")
     p.add_argument("--corrections", default=None, help=f"Comma list (default {','.join(CORRECTIONS)}).")
     p.add_argument("--dtypes", default=None, help="Comma list of generation dtypes: float32/fp32, "
@@ -324,9 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "dies (e.g. Ray's node went away); finished cells are kept (default 2).")
     p.add_argument("--in-process", action="store_true", help="Run the grid in this process, no restarts.")
     p.add_argument("--keep-checkpoints", action="store_true", help="Keep each cell's final checkpoint.")
-    p.add_argument("--out", type=Path, default=Path("runs/bench_ablation"), help="Output folder.")
-    p.add_argument("--json", type=Path, default=None, help="Also write the JSON result here.")
-    return p
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,72 +252,55 @@ class Plan:
     cpus_per_cell: int
 
 
-def resolve_args(argv: list[str] | None) -> tuple[argparse.Namespace, Plan]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
-    p = build_parser()
-    args = p.parse_args(argv)
+def resolve(args: argparse.Namespace) -> Plan:
+    """The plan of the command line (a bad flag: :class:`BadFlag`), checked before anything starts."""
     quick = args.quick
     steps = args.steps if args.steps is not None else (QUICK_STEPS if quick else FULL_STEPS)
+    at_least(args, seeds=1, seed=0)
     if steps < 1:
-        p.error("--steps: must be >= 1")
-    if args.seeds < 1 or args.seed < 0:
-        p.error(f"--seeds must be >= 1 and --seed >= 0 (got {args.seeds} and {args.seed})")
+        raise BadFlag("--steps: must be >= 1")
     if not 0.0 < args.alpha < 1.0:
-        p.error(f"--alpha must be in (0, 1), got {args.alpha}")
-    try:
-        cells = grid(args.staleness or ",".join(map(str, QUICK_STALENESS if quick else STALENESS)),
-                     args.corrections or ",".join(CORRECTIONS),
-                     args.dtypes or ",".join(QUICK_DTYPES if quick else DTYPES),
-                     list(range(args.seed, args.seed + args.seeds)))
-    except AblationError as e:
-        p.error(str(e))
-    flags = (*(QUICK_FLAGS if quick else ()), *extra)
+        raise BadFlag(f"--alpha must be in (0, 1), got {args.alpha}")
+    cells = grid(args.staleness or ",".join(map(str, QUICK_STALENESS if quick else STALENESS)),
+                 args.corrections or ",".join(CORRECTIONS),
+                 args.dtypes or ",".join(QUICK_DTYPES if quick else DTYPES),
+                 list(range(args.seed, args.seed + args.seeds)))
+    flags = (*(QUICK_FLAGS if quick else ()), *args.run_flags)
     # Validate the shared flags once, before anything starts (a bad flag fails in a second, not per cell).
-    from pipeline_rl.cli import UsageError
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.resources import cpus_needed
 
-    try:
-        base = config([*(["--model.path", args.model] if args.model else []), *flags])
-    except UsageError as e:
-        p.error(str(e))
+    base = config([*(["--model.path", args.model] if args.model else []), *flags])
     if base.ray.rollout_resource or base.ray.trainer_resource or base.ray.address:
-        p.error("--ray.address/--ray.rollout_resource/--ray.trainer_resource: a cell is placed on one "
-                "node by the grid; give the cluster with --ray-address instead")
+        raise BadFlag("--ray.address/--ray.rollout_resource/--ray.trainer_resource: a cell is placed on one "
+                      "node by the grid; give the cluster with --ray-address instead")
     model_dir = str(Path(resolve_model_dir(base)).resolve())
-    return args, Plan(cells, GridSettings(steps, model_dir, tuple(flags)), cpus_needed(base))
+    return Plan(cells, GridSettings(steps, model_dir, tuple(flags)), cpus_needed(base))
 
 
 #: Exit status of a grid process some of whose cells failed (a crash of the process is any other).
 CELLS_FAILED = 3
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace, argv: list[str]) -> Outcome:
     """Run the grid in a child process and restart it (finished cells kept) when it dies:
-    Ray ends its driver process when its node goes away, which no ``except`` can catch."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args, plan = resolve_args(argv)
+    Ray ends its driver process when its node goes away, which no ``except`` can catch.
+    The child reports; this process only when the child gave up."""
+    plan = resolve(args)
     if args.in_process:
         return run_grid(args, plan)
     if args.rerun:  # forget finished cells here, once, so a restarted child keeps what it finished
         for cell in plan.cells:
             (cell_dir(args.out, cell) / "cell.json").unlink(missing_ok=True)
-    child = [sys.executable, str(Path(__file__).resolve()), "--in-process",
-             *[a for a in argv if a != "--rerun"]]
-    code = -1
+    child = [sys.executable, "-m", "benchmarks.ablation", "--in-process", *[a for a in argv if a != "--rerun"]]
     for attempt in range(args.max_restarts + 1):
-        code = subprocess.run(child, check=False).returncode
+        code = subprocess.run(child, check=False, env={**os.environ, **repo_on_path()}).returncode
         if code in (0, CELLS_FAILED):
-            return 0 if code == 0 else 1
+            return Outcome(None, status=0 if code == 0 else 1)
         print(f"ablation: the grid process died (exit status {code}); "
               + ("restarting it, finished cells are kept" if attempt < args.max_restarts else "giving up"),
               file=sys.stderr, flush=True)
-    report(collect(plan, args.out), args, plan.settings, wall_s=0.0)
-    return 1
+    return report(collect(plan, args.out), args, plan.settings, wall_s=0.0, status=1)
 
 
 def collect(plan: Plan, out: Path) -> list[CellResult]:
@@ -413,8 +310,8 @@ def collect(plan: Plan, out: Path) -> list[CellResult]:
             for c in plan.cells]
 
 
-def run_grid(args: argparse.Namespace, plan: Plan) -> int:
-    """Run every unfinished cell on Ray (local or ``--ray-address``), then write the report."""
+def run_grid(args: argparse.Namespace, plan: Plan) -> Outcome:
+    """Run every unfinished cell on Ray (local or ``--ray-address``), then report."""
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     settings, key = plan.settings, plan.settings.key()
@@ -435,26 +332,34 @@ def run_grid(args: argparse.Namespace, plan: Plan) -> int:
               + (f" ({res.error})" if res.error else ""), flush=True)
 
     if todo:
-        start_ray(args.ray_address, repo_on_path())
-        try:
+        with ray_session(args.ray_address):
             run_cells(todo, settings, out, args.keep_checkpoints, plan.cpus_per_cell, on_done)
-        finally:
-            stop_ray()
     results = [finished[c] or CellResult(c, key, "failed", 0.0, [], "not finished") for c in plan.cells]
-    report(results, args, settings, time.perf_counter() - t0)
-    return 0 if all(r.status == "done" for r in results) else CELLS_FAILED
+    return report(results, args, settings, time.perf_counter() - t0,
+                  status=0 if all(r.status == "done" for r in results) else CELLS_FAILED)
 
 
-def report(results: list[CellResult], args: argparse.Namespace, settings: GridSettings, wall_s: float) -> None:
-    from benchmarks.ablation_report import build_result, write_outputs
-
+def report(results: list[CellResult], args: argparse.Namespace, settings: GridSettings, wall_s: float,
+           status: int) -> Outcome:
     result = build_result(results, settings, args.threshold, args.collapse_tol, args.alpha, wall_s)
-    write_outputs(result, args.out, args.json)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(result, args.out)
+    return Outcome(result, markdown(result), status)
+
+
+EPILOG = (f"--quick: staleness {','.join(map(str, QUICK_STALENESS))} x all corrections, "
+          f"{','.join(QUICK_DTYPES)} generation only, {QUICK_STEPS} steps per cell of the default "
+          f"model, task and batch. Explicit --staleness/--corrections/--dtypes/--steps override it. "
+          f"Without --quick: the full grid, {len(STALENESS) * len(CORRECTIONS) * len(DTYPES)} arms "
+          f"x {FULL_STEPS} steps x --seeds.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return bench_main("ablation", __doc__, argv, lambda args: run(args, argv), flags=flags,
+                      quick="The 2-core smoke grid (see below).", out="runs/bench_ablation", epilog=EPILOG,
+                      run_flags="Extra pipeline flags, after -- (e.g. -- --trainer.lr 5e-4).")
 
 
 if __name__ == "__main__":
-    # Run the importable module, not a second copy under ``__main__``: the cells' records
-    # come back from Ray tasks as ``benchmarks.ablation`` classes.
-    from benchmarks.ablation import main as _main
-
-    raise SystemExit(_main())
+    raise SystemExit(main())

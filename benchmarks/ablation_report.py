@@ -1,4 +1,5 @@
-"""The figures, tables and plots of ``benchmarks/ablation.py``: per cell (one seed),
+"""The figures, tables and plots of ``benchmarks/ablation.py`` (from the records of
+``benchmarks/ablation_cells.py``): per cell (one seed),
 per arm (over seeds, mean and 95% t interval), and each arm against ``none``.
 
 Per cell (all rewards are batch means; ``k = max(1, steps // 5)``,
@@ -31,18 +32,15 @@ Holm-corrected per figure over those comparisons.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from benchmarks.common import hardware
+from benchmarks.ablation_cells import SHORT_DTYPE, Arm, CellResult, GridSettings
+from benchmarks.common import hardware, pyplot
 from benchmarks.stats import Interval, holm, mean_interval, trailing_mean, welch_t_test
-
-if TYPE_CHECKING:
-    from benchmarks.ablation import Arm, CellResult, GridSettings
 
 #: Smallest gain of the best cell over the mean start reward for which an automatic threshold is set.
 MIN_GAIN = 0.02
@@ -349,15 +347,9 @@ def comparison_table(arms: list[dict[str, Any]], key: str = "vs_none") -> list[s
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """One curves figure per dtype (mean over seeds with a 95% band) and one final-reward
     heat map figure; returns the files."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     written = []
     dtypes = list(dict.fromkeys(a["arm"]["dtype"] for a in result["arms"].values()))
-    from benchmarks.ablation import SHORT_DTYPE
-
     for dtype in dtypes:
         cells = [c for c in result["cells"] if c["arm"].startswith(SHORT_DTYPE[dtype] + "_") and c["curves"]["step"]]
         if not cells:
@@ -457,15 +449,3 @@ def _plot_heatmaps(plt: Any, result: dict[str, Any], dtypes: list[str], path: Pa
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def write_outputs(result: dict[str, Any], out: Path, json_path: Path | None) -> None:
-    text = json.dumps(result, indent=1, allow_nan=False)
-    (out / "ablation.json").write_text(text)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(text)
-    md = markdown(result)
-    (out / "ablation.md").write_text(md + "\n")
-    plot(result, out)
-    print(md, flush=True)

@@ -9,8 +9,8 @@ decodes and validates each message and a consumer thread takes batches with
 bytes of the same group and only counts frames. The clock runs from the moment
 all producers are connected until the consumer holds the last group.
 
-    python benchmarks/buffer.py --json runs/bench/buffer.json
-    python benchmarks/buffer.py --quick          # a few hundred groups, seconds
+    python -m benchmarks.buffer --json runs/bench/buffer.json
+    python -m benchmarks.buffer --quick          # a few hundred groups, seconds
 
 Timings on a shared 2-core machine are noisy: compare figures from one run.
 """
@@ -18,12 +18,9 @@ Timings on a shared 2-core machine are noisy: compare figures from one run.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import threading
 import time
-import sys
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.process import BaseProcess
@@ -31,9 +28,8 @@ from multiprocessing.synchronize import Barrier
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.synthetic import SyntheticGroups  # noqa: E402
+from benchmarks.common import Outcome, main as bench_main
+from benchmarks.synthetic import SyntheticGroups
 from pipeline_rl.buffer import BufferServer, GroupSender, ReplayBuffer
 from pipeline_rl.buffer.sender import DEFAULT_SNDHWM
 from pipeline_rl.wire import encode_group
@@ -164,19 +160,18 @@ def _median_run(runs: list[RunResult]) -> RunResult:
     return sorted(runs, key=lambda r: r.groups_per_s)[len(runs) // 2]
 
 
-def main(argv: list[str] | None = None) -> Report:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--groups", type=int, default=20_000, help="groups per run (split over producers)")
-    parser.add_argument("--n", type=int, default=8, help="completions per group")
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per completion")
-    parser.add_argument("--hwm", type=int, default=DEFAULT_SNDHWM,
-                        help="ZeroMQ high-water mark (messages) on both ends, buffer and bare runs")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="rounds of the four runs; figures are medians, the ratio is the median "
-                             "of the per-round ratios (buffer and bare run back to back)")
-    parser.add_argument("--quick", action="store_true", help="a few hundred groups, one round: a smoke run")
-    parser.add_argument("--json", type=str, default=None, help="write the report here")
-    args = parser.parse_args(argv)
+def flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--groups", type=int, default=20_000, help="groups per run (split over producers)")
+    p.add_argument("--n", type=int, default=8, help="completions per group")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per completion")
+    p.add_argument("--hwm", type=int, default=DEFAULT_SNDHWM,
+                   help="ZeroMQ high-water mark (messages) on both ends, buffer and bare runs")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="rounds of the four runs; figures are medians, the ratio is the median "
+                        "of the per-round ratios (buffer and bare run back to back)")
+
+
+def run(args: argparse.Namespace) -> Outcome:
     total, repeats = (400, 1) if args.quick else (args.groups, args.repeats)
     shape = (args.n, args.tokens, args.hwm)
     rounds = [(run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
@@ -192,19 +187,20 @@ def main(argv: list[str] | None = None) -> Report:
         bare_zmq_mb_per_s=bare4.mb_per_s, ratio_to_bare=ratios[len(ratios) // 2],
         ratio_to_bare_min=ratios[0], ratio_to_bare_max=ratios[-1],
         lost=sum(r.lost for rnd in rounds for r in rnd[:2]), runs=[r for rnd in rounds for r in rnd])
-    print(f"{repeats} round(s), medians:")
-    for r in (one, four):
-        print(f"buffer   {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s")
-    for r in (bare1, bare4):
-        print(f"bare ZMQ {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s")
-    print(f"lost: {report.lost}")
-    print(f"buffer (4 producers) / bare ZMQ (4 producers), same round: median {report.ratio_to_bare:.2f} "
-          f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(asdict(report), f, indent=2)
-    return report
+    lines = [f"{repeats} round(s), medians:"]
+    lines += [f"buffer   {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s"
+              for r in (one, four)]
+    lines += [f"bare ZMQ {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s"
+              for r in (bare1, bare4)]
+    lines += [f"lost: {report.lost}", f"buffer (4 producers) / bare ZMQ (4 producers), same round: median "
+              f"{report.ratio_to_bare:.2f} (range {ratios[0]:.2f}-{ratios[-1]:.2f})"]
+    return Outcome(asdict(report), "\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("buffer", __doc__, argv, run, flags=flags,
+                      quick="a few hundred groups, one round: a smoke run")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -4,24 +4,20 @@ Decoding validates everything and yields a columnar ``Group`` (what the buffer's
 receiver does); the per-completion objects are built lazily, in the trainer
 process, and a second figure includes building them.
 
-Usage: ``python benchmarks/codec.py [--seconds 3] [--json PATH]``. One core, one
+Usage: ``python -m benchmarks.codec [--seconds 3] [--json PATH]``. One core, one
 thread; prints one line and optionally writes ``{"groups_per_s": ...}``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline_rl.samples import Completion, Group  # noqa: E402
-from pipeline_rl.wire import decode_group, encode_group  # noqa: E402
+from benchmarks.common import Outcome, main as bench_main
+from pipeline_rl.samples import Completion, Group
+from pipeline_rl.wire import decode_group, encode_group
 
 
 def make_group(group_id: int, n: int = 8, tokens: int = 256, prompt_tokens: int = 32,
@@ -61,19 +57,17 @@ def measure(seconds: float, n: int = 8, tokens: int = 256) -> dict[str, float]:
             "groups_per_s_materialized": full / full_elapsed}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=float, default=3.0, help="Measuring time (default 3).")
-    p.add_argument("--json", type=Path, default=None, help="Write the result as JSON here.")
-    args = p.parse_args(argv)
+def run(args: argparse.Namespace) -> Outcome:
     res = measure(args.seconds)
-    print(f"codec: {res['groups_per_s']:,.0f} groups/s encode+decode (8 x 256 tokens, "
-          f"{res['message_bytes'] / 1024:.1f} KiB/message, {res['mb_per_s']:.0f} MB/s, one thread); "
-          f"{res['groups_per_s_materialized']:,.0f} groups/s when the trainer-side Completion "
-          "objects are built too")
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=2))
-    return 0
+    return Outcome(res, f"codec: {res['groups_per_s']:,.0f} groups/s encode+decode (8 x 256 tokens, "
+                   f"{res['message_bytes'] / 1024:.1f} KiB/message, {res['mb_per_s']:.0f} MB/s, one thread); "
+                   f"{res['groups_per_s_materialized']:,.0f} groups/s when the trainer-side Completion "
+                   "objects are built too")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("codec", __doc__, argv, run, flags=lambda p: p.add_argument(
+        "--seconds", type=float, default=3.0, help="Measuring time (default 3)."))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,117 @@
-"""Shared helpers of the run-level benchmarks (throughput, ablation): one local Ray,
-running a configuration through the real orchestrator, hardware description,
-per-run summaries read back from ``metrics.jsonl``."""
+"""The benchmarks' harness: one command line and one way to report (:func:`main`), one
+Ray (:func:`ray_session`), one run of the real pipeline (:func:`run_pipeline`), and the
+hardware every figure names.
+
+Every benchmark runs as ``python -m benchmarks.NAME [flags]`` from the repository root and
+takes, besides its own flags (``--help`` documents each): ``--json PATH`` (its figures),
+``--md PATH`` (its report, which it also prints), and where it has them ``--quick`` (a
+smoke run, what the tests run), ``--out DIR`` (its run folders; its JSON and
+Markdown are written there too, named after it) and pipeline flags after ``--``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import logging
 import os
 import platform
-import statistics
-import sys
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline_rl.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from pipeline_rl.cli import parse_config  # noqa: E402
-from pipeline_rl.config import Config  # noqa: E402
-from pipeline_rl.metrics import read_metrics  # noqa: E402
+
+class BadFlag(ValueError):
+    """A bad flag value, one line naming the flag: :func:`main` exits with it as a usage error (status 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a benchmark's run hands back to :func:`main`: its figures (``--json``; None when
+    a child process already reported them), its Markdown report (``--md``), the exit status,
+    and ``summary``: what to print instead of the report (default: the report)."""
+
+    result: dict[str, Any] | None
+    md: str = ""
+    status: int = 0
+    summary: str | None = None
+
+
+def main(name: str, doc: str | None, argv: list[str] | None, run: Callable[[argparse.Namespace], Outcome], *,
+         flags: Callable[[argparse.ArgumentParser], object] | None = None, quick: str | None = None,
+         run_flags: str | None = None, out: str | None = None, json_path: Path | None = None,
+         md_path: Path | None = None, epilog: str | None = None) -> int:
+    """A benchmark's entry point: parse ``argv`` (its own ``flags`` plus the common ones),
+    ``run`` it, write and print what it reports; returns the exit status. ``quick``,
+    ``run_flags``, ``out``: the help of ``--quick``, of the pipeline flags after ``--``
+    (``args.run_flags``) and the default of ``--out``, each only where given."""
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", epilog=epilog,
+                                description=" ".join((doc or "").split("\n\n")[0].split()))
+    if flags is not None:
+        flags(p)
+    if quick is not None:
+        p.add_argument("--quick", action="store_true", help=quick)
+    if out is not None:
+        p.add_argument("--out", type=Path, default=Path(out), metavar="DIR",
+                       help=f"Run folders and outputs, {name}.json and {name}.md among them (default {out}).")
+    p.add_argument("--json", type=Path, default=json_path, metavar="PATH",
+                   help=f"Write the figures as JSON here (default: {json_path or 'none'}).")
+    p.add_argument("--md", type=Path, default=md_path, metavar="PATH",
+                   help=f"Write the Markdown report here (default: {md_path or 'none'}).")
+    if run_flags is not None:
+        p.add_argument("run_flags", nargs="*", metavar="-- FLAGS", help=run_flags)
+    undocumented = [a.option_strings or a.dest for a in p._actions if not a.help]
+    if undocumented:
+        raise TypeError(f"benchmarks.{name}: flags without help: {undocumented}")
+    args = p.parse_args(argv)
+    try:
+        outcome = run(args)
+    except BadFlag as e:
+        p.error(str(e))
+    if outcome.result is not None:
+        body = json.dumps(outcome.result, indent=1)
+        outputs = [(args.json, body), (args.md, outcome.md)]
+        if out is not None:
+            outputs += [(args.out / f"{name}.json", body), (args.out / f"{name}.md", outcome.md)]
+        write_files(outputs)
+    text = outcome.md if outcome.summary is None else outcome.summary
+    if text:
+        print(text, flush=True)
+    return outcome.status
+
+
+def at_least(args: argparse.Namespace, **lows: float) -> None:
+    """Raise :class:`BadFlag` for the first flag ``--NAME`` (attribute ``NAME``) below its bound."""
+    for attr, low in lows.items():
+        value = getattr(args, attr)
+        if value < low:
+            raise BadFlag(f"--{attr.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def write_files(outputs: list[tuple[Path | None, str]]) -> None:
+    """Write each ``(path, text)`` whose path is given (parents made, a final newline)."""
+    for path, body in outputs:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body + "\n")
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing into files (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def hardware() -> dict[str, Any]:
@@ -37,109 +129,64 @@ def hardware() -> dict[str, Any]:
             "gpu": None, "python": platform.python_version()}
 
 
-def write_files(outputs: list[tuple[Path | None, str]]) -> None:
-    """Write each ``(path, text)`` whose path is given (parents made, a final newline)."""
-    for path, body in outputs:
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(body + "\n")
+def config(argv: list[str], *, evaluation: bool = False) -> Config:
+    """The run configuration of ``argv`` (a bad flag: :class:`BadFlag`); held-out evaluation
+    off unless ``evaluation`` or ``argv`` turns it on (run-level benchmarks compare training
+    speed and reward)."""
+    from pipeline_rl.cli import UsageError, parse_config
+
+    try:
+        return parse_config([*([] if evaluation else ["--eval.every", "0"]), *argv])[0]
+    except UsageError as e:
+        raise BadFlag(str(e)) from None
 
 
-def report(result: dict[str, Any], md: str, json_path: Path | None, md_path: Path | None) -> int:
-    """A benchmark's end: its JSON and Markdown to the paths given, the Markdown printed;
-    returns the exit status (0)."""
-    import json
-
-    write_files([(json_path, json.dumps(result, indent=1)), (md_path, md)])
-    print(md)
-    return 0
+def repo_on_path() -> dict[str, str]:
+    """``PYTHONPATH`` with this repository first: what a process started here (a Ray
+    worker, a child process) needs to import ``benchmarks``."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
 
 
-def config(argv: list[str]) -> Config:
-    """The run configuration of ``argv``, with held-out evaluation off unless ``argv``
-    turns it on (run-level benchmarks compare training speed and reward)."""
-    cfg, _ = parse_config(["--eval.every", "0", *argv])
-    return cfg
-
-
-def start_ray(address: str | None = None, env: dict[str, str] | None = None, *,
-              object_store_bytes: int = 200 * 2**20, log_to_driver: bool = False) -> None:
-    """Join the Ray cluster at ``address``, or start a local Ray with one CPU per core
-    and ``object_store_bytes`` of object store; every worker gets the actors'
-    environment plus ``env``."""
+@contextlib.contextmanager
+def ray_session(address: str | None = None, *, env: dict[str, str] | None = None,
+                object_store_bytes: int = 200 * 2**20, num_cpus: int | None = None,
+                log_to_driver: bool = False) -> Iterator[None]:
+    """Ray for the block, shut down after it: the cluster at ``address``, or a local Ray
+    started as the command starts it (``start_local``; ``num_cpus``, default one per core,
+    and ``object_store_bytes``). Every Ray worker gets the actors' environment, this
+    repository on its path and ``env``."""
     import ray
 
     from pipeline_rl.actors.process import ACTOR_ENV
 
     os.environ.update({k: v for k, v in ACTOR_ENV.items() if k not in os.environ})
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    env_vars = {**ACTOR_ENV, **(env or {})}
+    env_vars = {**ACTOR_ENV, **repo_on_path(), **(env or {})}
     if address:
         ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=log_to_driver)
-        return
-    from pipeline_rl.run.local_ray import start_local   # as the command starts its local Ray
+    else:
+        from pipeline_rl.run.local_ray import start_local
 
-    start_local(num_cpus=os.cpu_count() or 2, object_store_mb=-(-object_store_bytes // 2**20),
-                env=env_vars, logging_level=logging.WARNING, log_to_driver=log_to_driver)
-
-
-def stop_ray() -> None:
-    import ray
-
-    ray.shutdown()
+        start_local(num_cpus=num_cpus or os.cpu_count() or 2, object_store_mb=-(-object_store_bytes // 2**20),
+                    env=env_vars, logging_level=logging.WARNING, log_to_driver=log_to_driver)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
-def run_pipeline(cfg: Config) -> list[dict[str, Any]]:
-    """Run one configuration through the real orchestrator; return its metrics rows."""
+def run_pipeline(cfg: Config, watch: Callable[[Any], contextlib.AbstractContextManager[object]] | None = None
+                 ) -> list[dict[str, Any]]:
+    """Run one configuration through the real orchestrator (as ``launch/async_grpo.py`` does,
+    on the Ray of a :func:`ray_session`); ``watch(orchestrator)``: a context held while it
+    trains. Returns its metrics rows."""
     from pipeline_rl.driver import resolve_model_dir
+    from pipeline_rl.metrics import read_metrics
     from pipeline_rl.run.conductor import Orchestrator
 
     metrics = Path(cfg.out_dir) / "metrics.jsonl"
-    if metrics.exists():
-        metrics.unlink()
-    with Orchestrator(cfg, resolve_model_dir(cfg), threading.Event()) as orch:
+    metrics.unlink(missing_ok=True)
+    with Orchestrator(cfg, resolve_model_dir(cfg), threading.Event()) as orch, \
+            (watch(orch) if watch is not None else contextlib.nullcontext()):
         orch.train()
     return read_metrics(metrics)
-
-
-@dataclass(frozen=True, slots=True)
-class RunSummary:
-    """Steady-state figures of one run (the first ``warmup`` steps left out).
-
-    ``t_gen_s``/``t_train_s``: per step, the time the trainer waited for its batch and
-    the time it spent training (their sum is the step time of a synchronous run)."""
-
-    name: str
-    staleness: int
-    step_time_s: float
-    tokens_per_s: float
-    trainer_idle_frac: float
-    generator_idle_frac: float
-    weight_update_stall_ms: float
-    t_gen_s: float
-    t_train_s: float
-    reward_first: float
-    reward_last: float
-    steps: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def summarize(name: str, staleness: int, rows: list[dict[str, Any]], warmup: int) -> RunSummary:
-    """Medians over the steady-state steps of a run."""
-    steady = rows[warmup:] if len(rows) > warmup + 1 else rows
-    times = [b["time_s"] - a["time_s"] for a, b in zip(steady, steady[1:])] or [steady[0]["step_time_s"]]
-    step = statistics.median(times)
-    idle = statistics.median(r["trainer_idle_frac"] for r in steady)
-    t_train = statistics.median(r.get("train_step_s", 0.0) for r in steady)
-    k = max(1, len(rows) // 5)
-    return RunSummary(
-        name=name, staleness=staleness, step_time_s=step,
-        tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
-        trainer_idle_frac=idle,
-        generator_idle_frac=statistics.median(r.get("generator_idle_frac", 0.0) for r in steady),
-        weight_update_stall_ms=statistics.median(r["weight_update_stall_ms"] for r in steady),
-        t_gen_s=max(0.0, step - t_train), t_train_s=t_train,
-        reward_first=statistics.fmean(r["reward_mean"] for r in rows[:k]),
-        reward_last=statistics.fmean(r["reward_mean"] for r in rows[-k:]), steps=len(rows))

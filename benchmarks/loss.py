@@ -1,6 +1,6 @@
 """Loss benchmark: forward + backward of policy_loss on a [256, 4096] batch, per correction.
 
-Usage: ``python benchmarks/loss.py [--batch 256] [--tokens 4096] [--repeats 21]
+Usage: ``python -m benchmarks.loss [--batch 256] [--tokens 4096] [--repeats 21]
 [--reference] [--quick] [--json PATH]``. One thread. ``logπ`` is a leaf tensor that
 requires grad (the loss alone is timed, not a model). Variants are interleaved
 (rotating order each round) and the median of the repeats is reported, because
@@ -12,18 +12,14 @@ With ``--json`` it writes ``{"ms": {name: ms}, "overhead": {name: fraction}, ...
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline_rl.config import AlgorithmConfig, CorrectionConfig  # noqa: E402
-from pipeline_rl.correction import CORRECTIONS, PolicyBatch, policy_loss  # noqa: E402
+from benchmarks.common import Outcome, main as bench_main
+from pipeline_rl.config import AlgorithmConfig, CorrectionConfig
+from pipeline_rl.correction import CORRECTIONS, PolicyBatch, policy_loss
 
 
 def make_batch(batch: int, tokens: int, seed: int = 0, device: str = "cpu") -> PolicyBatch:
@@ -81,30 +77,29 @@ def measure(batch: int, tokens: int, repeats: int, reference: bool,
     return {"ms": ms, "overhead": overhead, "min_ms": best}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=256, help="Sequences (default 256).")
     p.add_argument("--tokens", type=int, default=4096, help="Padded length (default 4096).")
     p.add_argument("--repeats", type=int, default=21, help="Timed rounds (default 21).")
     p.add_argument("--reference", action="store_true", help="Also time the plain-torch path.")
-    p.add_argument("--quick", action="store_true", help="Tiny smoke run ([16, 256], 3 rounds).")
     p.add_argument("--device", default="cpu", help="cpu (default; fused kernel) or cuda "
                    "(reference path).")
-    p.add_argument("--json", type=Path, default=None, help="Write the result as JSON here.")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Outcome:
     if args.quick:
         args.batch, args.tokens, args.repeats = 16, 256, 3
     res = measure(args.batch, args.tokens, args.repeats, args.reference, args.device)
-    print(f"policy_loss fwd+bwd, [{args.batch}, {args.tokens}], reinforce/token, {args.device}, "
-          f"one thread, median of {args.repeats}:")
-    for name, ms in res["ms"].items():
-        print(f"  {name:18s} {ms:8.3f} ms  overhead {res['overhead'][name]:+7.1%}  "
-              f"(min {res['min_ms'][name]:.3f} ms)")
-    if args.json is not None:
-        out = {**res, "shape": [args.batch, args.tokens], "repeats": args.repeats,
-               "device": args.device}
-        args.json.write_text(json.dumps(out, indent=2))
-    return 0
+    lines = [f"policy_loss fwd+bwd, [{args.batch}, {args.tokens}], reinforce/token, {args.device}, "
+             f"one thread, median of {args.repeats}:"]
+    lines += [f"  {name:18s} {ms:8.3f} ms  overhead {res['overhead'][name]:+7.1%}  (min {res['min_ms'][name]:.3f} ms)"
+              for name, ms in res["ms"].items()]
+    return Outcome({**res, "shape": [args.batch, args.tokens], "repeats": args.repeats, "device": args.device},
+                   "\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("loss", __doc__, argv, run, flags=flags, quick="Tiny smoke run ([16, 256], 3 rounds).")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """pipeline_rl against what a user would run instead: TRL's ``GRPOTrainer``, side by side
 on the same model folder, task, batch, group size, learning rate, sampling and machine.
 
-Systems (``--systems``, default ``trl,s0,s2``): ``trl`` (``benchmarks/peers_trl.py``:
+Systems (``--systems``, default ``trl,s0,s2``): ``trl`` (``python -m benchmarks.peers_trl``:
 synchronous, Hugging Face ``generate``, one process with ``--trl-threads`` torch
 threads), ``s0`` (``launch/async_grpo.py --staleness 0``: synchronous, vLLM and
 DeepSpeed in their own processes), ``s2`` (``--staleness 2``, the default) and any
@@ -32,9 +32,9 @@ Outputs (``--out``, default ``runs/bench_peers``): ``peers.json``, ``peers.md``,
 ``peers.png`` (every run's trailing-mean reward against wall time since its
 command, both systems on one plot), and each run's log and metrics.
 
-Usage: ``python benchmarks/peers.py [--seeds 3] [--steps 400] [--systems trl,s0,s2]
+Usage: ``python -m benchmarks.peers [--seeds 3] [--steps 400] [--systems trl,s0,s2]
 [--target 0.8] [--window 40] [--json PATH] [--md PATH] [--png PATH] [-- --task.* flags]``.
-The heavy-tailed task: ``python benchmarks/peers.py --steps 120 --systems trl,s0,s2,s8
+The heavy-tailed task: ``python -m benchmarks.peers --steps 120 --systems trl,s0,s2,s8
 --lr 5e-5 --max-new-tokens 492 --max-model-len 512 -- --task.name countdown
 --task.digits 3`` (lr 5e-5 for both systems: at 2e-4 the project's run lost the counting
 the long answers need within 20 steps).
@@ -43,8 +43,6 @@ the long answers need within 20 steps).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import re
 import statistics
@@ -55,10 +53,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import ROOT, hardware, write_files  # noqa: E402
-from benchmarks.stats import trailing_mean  # noqa: E402
+from benchmarks.common import ROOT, BadFlag, Outcome, at_least, config, hardware, main as bench_main, pyplot
+from benchmarks.stats import median_range, trailing_mean
 
 SYSTEMS = ("trl", "s0", "s2")   # the default set; any sN (pipeline_rl --staleness N) is accepted
 _DIST_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -150,7 +146,7 @@ def measure(system: str, seed: int, launched: float, curve: Curve | None, wall_s
 def command(system: str, seed: int, s: Settings, run_dir: Path) -> list[str]:
     py = sys.executable
     if system == "trl":
-        return [py, str(ROOT / "benchmarks" / "peers_trl.py"), "--model", s.model_dir,
+        return [py, "-m", "benchmarks.peers_trl", "--model", s.model_dir,
                 "--out", str(run_dir / "metrics.jsonl"), "--seed", str(seed), "--max-steps", str(s.steps),
                 "--prompts", str(s.prompts), "--n", str(s.n), "--lr", str(s.lr),
                 "--temperature", str(s.temperature), "--max-new-tokens", str(s.max_new_tokens),
@@ -206,13 +202,6 @@ def run_one(system: str, seed: int, s: Settings, out: Path, timeout_s: float) ->
 
 # ---------------------------------------------------------------------------- report
 
-def _median_range(values: list[float | None]) -> dict[str, Any]:
-    xs = [v for v in values if v is not None and math.isfinite(v)]
-    if not xs:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
 FIGURES = ("steps_to_target", "train_s_to_target", "wall_s_to_target", "startup_s", "step_time_s",
            "tokens_per_s", "final_reward")
 
@@ -220,7 +209,7 @@ FIGURES = ("steps_to_target", "train_s_to_target", "wall_s_to_target", "startup_
 def summarize(runs: list[RunResult]) -> dict[str, Any]:
     systems = list(dict.fromkeys(r.system for r in runs))
     per: dict[str, dict[str, Any]] = {
-        sys_: {f: _median_range([getattr(r, f) for r in runs if r.system == sys_]) for f in FIGURES}
+        sys_: {f: median_range([getattr(r, f) for r in runs if r.system == sys_]) for f in FIGURES}
         for sys_ in systems}
     for sys_ in systems:
         mine = [r for r in runs if r.system == sys_]
@@ -273,11 +262,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     colors = {"trl": "tab:red", "s0": "tab:blue", "s2": "tab:green", "s8": "tab:purple"}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     seen = set()
@@ -301,9 +286,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 # ---------------------------------------------------------------------------- main
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="pipeline_rl against TRL's GRPOTrainer on the same work "
-                                "(see the module docstring for what is equal and what differs).")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=3, help="Seeds per system (default 3).")
     p.add_argument("--steps", type=int, default=400, help="Steps per run (default 400).")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="Comma list of trl and sN (pipeline_rl "
@@ -311,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=float, default=0.8, help="Reward target (default 0.8).")
     p.add_argument("--window", type=int, default=40, help="Trailing window of the target (default 40 steps).")
     p.add_argument("--prompts", type=int, default=4, help="Prompts per step (default 4).")
-    p.add_argument("--n", type=int, default=8, help="Completions per prompt (default 8).")
+    p.add_argument("--n", type=int, default=8, help="Completions per prompt (default 8; GRPO needs a group).")
     p.add_argument("--lr", type=float, default=2e-4, help="Learning rate (default 2e-4).")
     p.add_argument("--max-new-tokens", type=int, default=16, help="Completion limit (default 16).")
     p.add_argument("--max-model-len", type=int, default=256, help="pipeline_rl's vLLM context length "
@@ -320,45 +303,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2).")
     p.add_argument("--model", default=None, help="Model folder (default: the built-in model).")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="Limit per run (default 1800 s).")
-    p.add_argument("--out", type=Path, default=Path("runs/bench_peers"), help="Run folders and outputs.")
-    p.add_argument("--json", type=Path, default=None, help="Also write the JSON here.")
-    p.add_argument("--md", type=Path, default=None, help="Also write the Markdown here.")
     p.add_argument("--png", type=Path, default=None, help="Also write the plot here.")
-    p.add_argument("task_flags", nargs="*", help="Pipeline --task.* flags after '--' (default: the "
-                   "built-in sort task).")
-    return p
 
 
-def resolve(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[list[str], Settings]:
+def resolve(args: argparse.Namespace) -> tuple[list[str], Settings]:
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     bad = [x for x in systems if not (x == "trl" or re.fullmatch(r"s\d+", x))]
     if bad or not systems:
-        p.error(f"--systems: unknown value(s) {', '.join(bad) or '(none)'} (allowed: trl, sN for a staleness N)")
-    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--window", args.window),
-                        ("--prompts", args.prompts), ("--trl-threads", args.trl_threads)):
-        if value < 1:
-            p.error(f"{flag} must be >= 1, got {value}")
-    if args.n < 2:
-        p.error(f"--n must be >= 2 (GRPO needs a group), got {args.n}")
-    if any(not f.startswith("--task.") for f in args.task_flags[::2]):
-        p.error("only --task.* flags may follow '--' (the rest is fixed for both systems)")
-    from pipeline_rl.cli import UsageError, parse_config
+        raise BadFlag(f"--systems: unknown value(s) {', '.join(bad) or '(none)'} (allowed: trl, sN for a staleness N)")
+    at_least(args, seeds=1, steps=1, window=1, prompts=1, trl_threads=1, n=2)
+    if any(not f.startswith("--task.") for f in args.run_flags[::2]):
+        raise BadFlag("only --task.* flags may follow '--' (the rest is fixed for both systems)")
     from pipeline_rl.driver import resolve_model_dir
 
-    try:
-        cfg, _ = parse_config([*(["--model.path", args.model] if args.model else []), *args.task_flags])
-    except UsageError as e:
-        p.error(str(e))
+    cfg = config([*(["--model.path", args.model] if args.model else []), *args.run_flags])
     model_dir = str(Path(resolve_model_dir(cfg)).resolve())
     return systems, Settings(args.steps, args.prompts, args.n, args.lr, args.max_new_tokens,
                              args.max_model_len, args.temperature,
-                             tuple(args.task_flags), args.trl_threads, model_dir, args.model is None)
+                             tuple(args.run_flags), args.trl_threads, model_dir, args.model is None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    systems, s = resolve(args, p)
+def run(args: argparse.Namespace) -> Outcome:
+    systems, s = resolve(args)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     runs: list[RunResult] = []
@@ -379,14 +345,15 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {**asdict(s), "seeds": list(range(args.seeds)), "target": args.target,
                            "window": args.window, "systems": systems},
               "runs": [asdict(r) for r in runs], "summary": summarize(runs), "curves": curves}
-    text = json.dumps(result)
-    md = markdown(result)
-    write_files([(out / "peers.json", text), (args.json, text), (out / "peers.md", md), (args.md, md)])
     for path in (out / "peers.png", args.png):
         if path is not None:
             plot(result, path)
-    print(md, flush=True)
-    return 0 if all(r.ok for r in runs) else 1
+    return Outcome(result, markdown(result), 0 if all(r.ok for r in runs) else 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("peers", __doc__, argv, run, flags=flags, out="runs/bench_peers",
+                      run_flags="Pipeline --task.* flags, after -- (default: the built-in sort task).")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """One run of TRL's ``GRPOTrainer`` on a pipeline_rl task and model folder: the
-synchronous baseline ``benchmarks/peers.py`` measures the project against.
+synchronous baseline ``python -m benchmarks.peers`` measures the project against.
 
 It trains exactly what ``launch/async_grpo.py`` would with the same flags: the same
 model folder, the same prompts in the same order (the task's training split, prompt
@@ -17,55 +17,50 @@ the step's end), ``time_s`` (since training started, as in the project's
 ``metrics.jsonl``), ``reward_mean``, ``completion_len_mean`` (tokens), ``step_time_s``.
 Needs ``trl`` (``pip install -e '.[peers]'``).
 
-Usage: ``python benchmarks/peers_trl.py --model DIR --out FILE.jsonl [--seed 0]
-[--max-steps 200] [--task sort]``.
+Usage: ``python -m benchmarks.peers_trl --model DIR --out FILE.jsonl [--seed 0]
+[--max-steps 200] [--task sort]``; ``--json``/``--md`` report the run's steps and last reward.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import BadFlag, Outcome, config, main as bench_main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="One TRL GRPOTrainer run on a pipeline_rl task and model.")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model folder.")
     p.add_argument("--out", type=Path, required=True, help="Per-step JSON lines go here.")
     p.add_argument("--task", default="sort", help="pipeline_rl task (--task.name), default sort.")
     p.add_argument("--task-flags", default="", help="Further pipeline_rl --task.* flags, space separated.")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0, help="Seed of TRL and of the task's prompts (default 0).")
+    p.add_argument("--max-steps", type=int, default=200, help="Optimizer steps (default 200).")
     p.add_argument("--prompts", type=int, default=4, help="Prompts per step (default 4).")
     p.add_argument("--n", type=int, default=8, help="Completions per prompt (default 8).")
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-4, help="Constant learning rate (default 2e-4).")
+    p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (default 1).")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="Completion limit (default 16).")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2).")
-    return p
 
 
 def task_and_prompts(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     """The pipeline's task as its rollout workers build it, and the prompts
     (:class:`pipeline_rl.tasks.Prompt`) of ``max_steps`` steps in the order a single
     worker draws them."""
-    from pipeline_rl.cli import parse_config
     from pipeline_rl.tasks import build_task_for_model
 
-    cfg, _ = parse_config(["--task.name", args.task, *args.task_flags.split(), "--seed", str(args.seed),
-                           "--model.path", args.model])
+    cfg = config(["--task.name", args.task, *args.task_flags.split(), "--seed", str(args.seed),
+                  "--model.path", args.model])
     task = build_task_for_model(cfg.task, args.model, seed=args.seed)
     return task, [task.prompt(i) for i in range(args.max_steps * args.prompts)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> Outcome:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -74,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
-        print(f"peers_trl: {e}; install the baseline with: pip install -e '.[peers]'", file=sys.stderr)
-        return 2
+        raise BadFlag(f"{e}; install the baseline with: pip install -e '.[peers]'") from None
 
     task, prompts = task_and_prompts(args)
     by_id = {p.prompt_id: p for p in prompts}
@@ -125,7 +119,13 @@ def main(argv: list[str] | None = None) -> int:
                               callbacks=[StepLog()])
         StepLog.start = StepLog.last = time.time()
         trainer.train()
-    return 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    last = rows[-1]["reward_mean"] if rows else float("nan")
+    return Outcome({"steps": len(rows), "reward_last": last}, f"peers_trl: {len(rows)} steps, last reward {last:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("peers_trl", __doc__, argv, run, flags=flags)
 
 
 if __name__ == "__main__":

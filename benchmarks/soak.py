@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/soak.py [--steps 20000] [--sample-every 100] [--warmup N]
+    python -m benchmarks.soak [--steps 20000] [--sample-every 100] [--warmup N]
                               [--json PATH] [--md PATH] [--actor-env KEY=VALUE ...]
                               [--in-process] [-- PIPELINE FLAGS]
 
@@ -29,10 +29,11 @@ is fitted.
 
 ``--in-process`` is the cheap bisection variant: one ``InprocessEngine`` with a
 ``RolloutWorker`` and an in-process ``ReplayBuffer``/``BufferServer`` in this
-process, and a stand-in trainer loop (take a batch at the current version,
-offer the next version's weights -- alternating between two read-only copies
-of the model's weights, as arrays fetched from Ray's object store are
-read-only -- open the admission budget, poll the worker's stats). No Ray, no
+process (:class:`benchmarks.local.LocalPipeline` without its trainer), and a
+stand-in trainer loop (take a batch at the current version, offer the next
+version's weights -- alternating between two read-only copies of the model's
+weights, as arrays fetched from Ray's object store are read-only -- open the
+admission budget, poll the worker's stats). No Ray, no
 DeepSpeed; the one process sampled is this one. ``--offer-threads N`` offers
 the updates from N threads in turn, as the calls of a threaded Ray actor land
 on the threads of its pool. Flags after ``--`` still
@@ -50,22 +51,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import (BadFlag, Outcome, at_least, config, hardware, main as bench_main, ray_session,
+                               run_pipeline)
+from benchmarks.local import LocalPipeline
 
-from pipeline_rl.config import Config  # noqa: E402
+if TYPE_CHECKING:
+    from pipeline_rl.config import Config
 
-_DEFAULT_FLAGS = ["--staleness", "2"]
 _ACTOR_CLASSES = {"BufferActor": "buffer", "TrainerActor": "trainer", "RolloutActor": "rollout"}
 
 
@@ -124,11 +126,11 @@ def fit_series(series: Series, warmup: int, limit_kib: float) -> Fit:
 
 
 class RssSampler:
-    """Samples the RSS of named processes whenever ``step()`` crosses a multiple of
-    ``every``; runs in a daemon thread that polls ``step()`` every ``poll_s``."""
+    """Samples the RSS of named processes whenever the step crosses a multiple of
+    ``every``; while :meth:`running`, a daemon thread polls the step every ``poll_s``."""
 
-    def __init__(self, step: Any, resolve: Any, every: int, poll_s: float = 0.02) -> None:
-        self._step = step          # () -> int: the current optimizer step
+    def __init__(self, resolve: Callable[[], dict[str, int]], every: int, poll_s: float = 0.02) -> None:
+        self._step: Callable[[], int] = lambda: 0   # the current optimizer step
         self._resolve = resolve    # () -> dict[name, pid]: the processes to sample now
         self.every = every
         self.poll_s = poll_s
@@ -137,13 +139,18 @@ class RssSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
-    def start(self) -> None:
-        self.sample(self._step())
+    @contextlib.contextmanager
+    def running(self, step: Callable[[], int]) -> Iterator[None]:
+        """Sample now, whenever ``step()`` crosses a multiple of ``every`` in the block, and at its end."""
+        self._step = step
+        self.sample(step())
         self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
+        try:
+            yield
+        finally:
+            self.sample(step())
+            self._stop.set()
+            self._thread.join(5.0)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -211,21 +218,10 @@ def actor_pids(job_hex: str) -> dict[str, int]:
     return out
 
 
-def run_pipeline(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[RssSampler, float]:
-    """Run ``cfg`` through the orchestrator on a private local Ray, sampling RSS."""
+def run_real(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[RssSampler, float]:
+    """Run ``cfg`` through the orchestrator on a local Ray started here, sampling RSS."""
     import ray
 
-    from pipeline_rl.actors.process import ACTOR_ENV
-    from pipeline_rl.driver import resolve_model_dir
-    from pipeline_rl.run.conductor import Orchestrator
-
-    env = {**ACTOR_ENV, **actor_env}
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count() or 2, include_dashboard=False,
-             object_store_memory=cfg.ray.object_store_mb * 2**20, runtime_env={"env_vars": env},
-             log_to_driver=False)
-    job_hex = ray.get_runtime_context().get_job_id()
-    driver_pid = os.getpid()
     pids: dict[str, int] = {}
     last_resolve = [0.0]
 
@@ -236,26 +232,17 @@ def run_pipeline(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[Rs
         now = time.monotonic()
         if not pids or now - last_resolve[0] > 60 or not all(psutil.pid_exists(p) for p in pids.values()):
             pids.clear()
-            pids.update(actor_pids(job_hex))
+            pids.update(actor_pids(ray.get_runtime_context().get_job_id()))
             last_resolve[0] = now
-        return {**pids, "driver": driver_pid}
+        return {**pids, "driver": os.getpid()}
 
-    model_dir = resolve_model_dir(cfg)
+    sampler = RssSampler(resolve, every)
     log_path = Path(cfg.out_dir) / "progress.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    try:
+    with ray_session(env=actor_env, object_store_bytes=cfg.ray.object_store_mb * 2**20, num_cpus=cfg.ray.num_cpus):
+        t0 = time.perf_counter()
         with log_path.open("w") as log, contextlib.redirect_stdout(log):
-            with Orchestrator(cfg, model_dir, threading.Event()) as orch:
-                sampler = RssSampler(lambda: orch.version, resolve, every)
-                sampler.start()
-                try:
-                    orch.train()
-                finally:
-                    sampler.sample(orch.version)
-                    sampler.stop()
-    finally:
-        ray.shutdown()
+            run_pipeline(cfg, watch=lambda orch: sampler.running(lambda: orch.version))
     return sampler, time.perf_counter() - t0
 
 
@@ -270,15 +257,8 @@ def run_in_process(cfg: Config, every: int, offer_threads: int = 1) -> tuple[Rss
 
     import numpy as np
 
-    from pipeline_rl.rollout.engine import engine_config
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
-    from pipeline_rl.rollout.worker import RolloutWorker
-    from pipeline_rl.weight_sync.message import WeightUpdate, load_update
-    from pipeline_rl.buffer.replay import ReplayBuffer
-    from pipeline_rl.buffer.server import BufferServer
     from pipeline_rl.actors.process import ACTOR_ENV
-    from pipeline_rl.driver import resolve_model_dir
-    from pipeline_rl.tasks import build_task
+    from pipeline_rl.weight_sync.message import WeightUpdate, load_update
 
     for key, value in ACTOR_ENV.items():
         os.environ.setdefault(key, value)
@@ -286,50 +266,42 @@ def run_in_process(cfg: Config, every: int, offer_threads: int = 1) -> tuple[Rss
     import torch
 
     torch.set_num_threads(1)
-    model_dir = resolve_model_dir(cfg)
-    engine = InprocessEngine(engine_config(cfg.rollout, model_dir, seed=cfg.seed))
-    buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step)
-    server = BufferServer(buffer)
-    worker = RolloutWorker(cfg, 0, model_dir, server.address, buffer, build_task(cfg.task, seed=cfg.seed),
-                           engine=engine)
-    base = load_update(model_dir, 0)
-    variants = []
-    for k in range(2):  # two read-only weight sets, like arrays out of Ray's object store
-        arrays = tuple(np.ascontiguousarray(a + np.float32(1e-6 * k)) for a in base.arrays)
-        for a in arrays:
-            a.setflags(write=False)
-        variants.append(arrays)
-    pools = [ThreadPoolExecutor(1, thread_name_prefix=f"offer-{i}") for i in range(offer_threads)]
-    version = [0]
-    sampler = RssSampler(lambda: version[0], lambda: {"in-process": os.getpid()}, every)
-    loop = threading.Thread(target=worker.run, name="rollout", daemon=True)
-    t0 = time.perf_counter()
-    loop.start()
-    sampler.start()
-    try:
-        while version[0] < cfg.max_steps:
-            groups = buffer.get_batch(cfg.groups_per_step, version[0], timeout_s=cfg.trainer.batch_timeout_s)
-            if groups is None:
-                raise RuntimeError(f"no batch within {cfg.trainer.batch_timeout_s} s at version {version[0]}")
-            del groups
-            nxt = version[0] + 1
-            update = WeightUpdate(nxt, base.names, variants[nxt % 2])
-            if offer_threads > 1:
-                pools[nxt % offer_threads].submit(worker.offer_weights, update).result()
-            else:
-                worker.offer_weights(update)
-            buffer.set_version(nxt)
-            worker.stats()
-            version[0] = nxt
-    finally:
-        sampler.sample(version[0])
-        sampler.stop()
-        worker.stop()
-        loop.join(30.0)
-        worker.close()
-        server.close()
-        for pool in pools:
-            pool.shutdown()
+    with contextlib.closing(LocalPipeline(cfg)) as local:
+        buffer, worker = local.buffer, local.worker
+        base = load_update(local.model_dir, 0)
+        variants = []
+        for k in range(2):  # two read-only weight sets, like arrays out of Ray's object store
+            arrays = tuple(np.ascontiguousarray(a + np.float32(1e-6 * k)) for a in base.arrays)
+            for a in arrays:
+                a.setflags(write=False)
+            variants.append(arrays)
+        pools = [ThreadPoolExecutor(1, thread_name_prefix=f"offer-{i}") for i in range(offer_threads)]
+        version = [0]
+        sampler = RssSampler(lambda: {"in-process": os.getpid()}, every)
+        loop = threading.Thread(target=worker.run, name="rollout", daemon=True)
+        t0 = time.perf_counter()
+        loop.start()
+        try:
+            with sampler.running(lambda: version[0]):
+                while version[0] < cfg.max_steps:
+                    groups = buffer.get_batch(cfg.groups_per_step, version[0], timeout_s=cfg.trainer.batch_timeout_s)
+                    if groups is None:
+                        raise RuntimeError(f"no batch within {cfg.trainer.batch_timeout_s} s at version {version[0]}")
+                    del groups
+                    nxt = version[0] + 1
+                    update = WeightUpdate(nxt, base.names, variants[nxt % 2])
+                    if offer_threads > 1:
+                        pools[nxt % offer_threads].submit(worker.offer_weights, update).result()
+                    else:
+                        worker.offer_weights(update)
+                    buffer.set_version(nxt)
+                    worker.stats()
+                    version[0] = nxt
+        finally:
+            worker.stop()
+            loop.join(30.0)
+            for pool in pools:
+                pool.shutdown()
     return sampler, time.perf_counter() - t0
 
 
@@ -361,18 +333,12 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"soak.py: error: --actor-env expects KEY=VALUE, got {pair!r}")
+            raise BadFlag(f"--actor-env expects KEY=VALUE, got {pair!r}")
         env[key] = value
     return env
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pipeline_flags: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, pipeline_flags = argv[:cut], argv[cut + 1:]
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20_000, help="Optimizer steps to run (default 20000).")
     p.add_argument("--sample-every", type=int, default=None,
                    help="Steps between RSS samples (default: steps/200, at least 10).")
@@ -386,44 +352,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-process", action="store_true", help="One engine + worker + buffer here, no Ray.")
     p.add_argument("--offer-threads", type=int, default=1,
                    help="--in-process: offer updates from this many threads in turn (default 1).")
-    p.add_argument("--json", type=Path, default=None, help="Write samples and fits as JSON here.")
-    p.add_argument("--md", type=Path, default=None, help="Write the Markdown table here.")
-    args = p.parse_args(argv)
-    if args.steps < 2:
-        p.error("--steps must be >= 2")
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    at_least(args, steps=2)
     every = args.sample_every or max(10, args.steps // 200)
     warmup = args.warmup if args.warmup is not None else min(max(500, args.steps // 10), args.steps // 2)
     actor_env = parse_env(args.actor_env)
-
-    from pipeline_rl.cli import parse_config
-
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
         out_dir = args.out_dir or Path(tmp)
-        flags = _DEFAULT_FLAGS + pipeline_flags + ["--max-steps", str(args.steps), "--out-dir", str(out_dir)]
-        cfg, _ = parse_config(flags)
+        flags = ["--staleness", "2", *args.run_flags, "--max-steps", str(args.steps), "--out-dir", str(out_dir)]
+        cfg = config(flags, evaluation=True)
         mode = "in-process" if args.in_process else "pipeline"
         if args.in_process:
             os.environ.update(actor_env)
             sampler, wall_s = run_in_process(cfg, every, max(1, args.offer_threads))
         else:
-            sampler, wall_s = run_pipeline(cfg, every, actor_env)
+            sampler, wall_s = run_real(cfg, every, actor_env)
     fits = [fit_series(s, warmup, args.limit_kib) for s in sampler.series.values()]
     table = markdown(fits, steps=args.steps, warmup=warmup, limit_kib=args.limit_kib, wall_s=wall_s, mode=mode)
-    print(table)
-    if args.md is not None:
-        args.md.write_text(table + "\n")
-    if args.json is not None:
-        from benchmarks.common import hardware
+    return Outcome({
+        "mode": mode, "steps": args.steps, "sample_every": every, "warmup": warmup,
+        "limit_kib_per_1k_steps": args.limit_kib, "wall_s": wall_s, "pipeline_flags": flags,
+        "actor_env": actor_env, "hardware": hardware(),
+        "fits": [asdict(f) for f in fits],
+        "samples": {s.name: s.samples for s in sampler.series.values()},
+        "sample_parts": {s.name: s.parts for s in sampler.series.values()},
+    }, table)
 
-        args.json.write_text(json.dumps({
-            "mode": mode, "steps": args.steps, "sample_every": every, "warmup": warmup,
-            "limit_kib_per_1k_steps": args.limit_kib, "wall_s": wall_s, "pipeline_flags": flags,
-            "actor_env": actor_env, "hardware": hardware(),
-            "fits": [asdict(f) for f in fits],
-            "samples": {s.name: s.samples for s in sampler.series.values()},
-            "sample_parts": {s.name: s.parts for s in sampler.series.values()},
-        }, indent=1))
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("soak", __doc__, argv, run, flags=flags,
+                      run_flags="Pipeline flags (launch/async_grpo.py's), after -- (default: --staleness 2).")
 
 
 if __name__ == "__main__":

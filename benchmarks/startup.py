@@ -17,13 +17,12 @@ vLLM import and engine build are one process's serial work. ``bound_s`` = the co
 Ray line + vLLM import + engine build is what the command cannot beat on this machine
 (the buffer and the trainer start beside the worker, on the other core).
 
-Usage: ``python benchmarks/startup.py [--repeats 3] [--json PATH] [--md PATH]``.
+Usage: ``python -m benchmarks.startup [--repeats 3] [--json PATH] [--md PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -32,9 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import ROOT, hardware, write_files  # noqa: E402
+from benchmarks.common import ROOT, Outcome, at_least, config, hardware, main as bench_main
 
 #: The console line that marks each phase (its first words), in the order printed.
 PHASES = (("ray", "Ray:"), ("buffer", "buffer:"), ("trainer", "trainer:"), ("workers", "rollout:"),
@@ -117,30 +114,23 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Start-up phases of the default run and the bound on them.")
-    p.add_argument("--repeats", type=int, default=3, help="Runs of each measurement (default 3).")
-    p.add_argument("--out", type=Path, default=Path("runs/bench_startup"), help="Run folders and outputs.")
-    p.add_argument("--json", type=Path, default=None, help="Also write the JSON here.")
-    p.add_argument("--md", type=Path, default=None, help="Also write the Markdown here.")
-    args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
-    from pipeline_rl.cli import parse_config
+def run(args: argparse.Namespace) -> Outcome:
+    at_least(args, repeats=1)
     from pipeline_rl.driver import resolve_model_dir
 
-    model_dir = str(resolve_model_dir(parse_config([])[0]))
+    model_dir = str(resolve_model_dir(config([])))
     command = [time_command(args.out / f"run{i}") for i in range(args.repeats)]
     pieces = {name: [time_piece(name, model_dir) for _ in range(args.repeats)] for name in _PIECES}
     # Ray as the command starts it (its own settings), then the worker's serial chain.
     bound = _median([r["ray"] for r in command]) + _median(pieces["import_vllm"]) + _median(pieces["vllm_engine"])
     result = {"hardware": hardware(), "repeats": args.repeats, "command": command, "pieces": pieces,
               "bound_s": round(bound, 2), "first_step_s": _median([r["first_step"] for r in command])}
-    md = markdown(result)
-    body = json.dumps(result, indent=1)
-    write_files([(args.out / "startup.json", body), (args.json, body), (args.out / "startup.md", md), (args.md, md)])
-    print(md)
-    return 0
+    return Outcome(result, markdown(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("startup", __doc__, argv, run, out="runs/bench_startup", flags=lambda p: p.add_argument(
+        "--repeats", type=int, default=3, help="Runs of each measurement (default 3)."))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def trailing_mean(values: Sequence[float], k: int) -> list[float]:
@@ -25,6 +26,14 @@ def trailing_mean(values: Sequence[float], k: int) -> list[float]:
             total -= values[i - k]
         out.append(total / min(i + 1, k))
     return out
+
+
+def median_range(values: Sequence[float | None]) -> dict[str, Any]:
+    """Median, min, max and count of the finite values (None where there is none)."""
+    xs = [v for v in values if v is not None and math.isfinite(v)]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def _betacf(a: float, b: float, x: float) -> float:

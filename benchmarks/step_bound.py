@@ -17,8 +17,9 @@ run's own configuration (the built-in model and task unless flags say otherwise)
 ``bound_step_ms`` = max(trainer step, generated batch at ``k + 1`` in flight): no schedule
 of these two pieces on two cores steps faster. ``--peers FILE`` (a ``benchmarks/peers.py``
 JSON of the same machine) adds TRL's median step time and the ratio of the bound to it.
+Both sides are the pieces of :class:`benchmarks.local.LocalPipeline`, each alone.
 
-Usage: ``python benchmarks/step_bound.py [--batches 30] [--staleness 2] [--peers FILE]
+Usage: ``python -m benchmarks.step_bound [--batches 30] [--staleness 2] [--peers FILE]
 [--json PATH] [-- RUN FLAGS]``.
 """
 
@@ -27,50 +28,50 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
+from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import BadFlag, Outcome, at_least, config, hardware, main as bench_main
+from benchmarks.local import LocalPipeline
+from benchmarks.synthetic import synthetic_groups
 
-from benchmarks.common import hardware, report  # noqa: E402
+if TYPE_CHECKING:
+    from pipeline_rl.config import Config
 
 
 def _ms(xs: list[float]) -> float:
     return round(statistics.median(xs) * 1e3, 2)
 
 
-def generate(cfg: Any, model_dir: str, batches: int, in_flight: int) -> dict[str, float]:
-    """Milliseconds per batch (and per engine step) with ``in_flight`` batches at once."""
-    from pipeline_rl.rollout.engine import GenRequest, SamplingConfig, engine_config
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
-    from pipeline_rl.tasks import build_task_for_model
+def generate(cfg: Config, model_dir: str, batches: int, in_flight: int) -> dict[str, float]:
+    """Milliseconds per batch (and per engine step) with ``in_flight`` batches at once, on a fresh engine."""
+    from pipeline_rl.rollout.engine import GenRequest, SamplingConfig
 
-    engine = InprocessEngine(engine_config(cfg.rollout, model_dir, seed=cfg.seed))
-    task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)
     sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
     per_batch, per_step, round_steps, lengths, prompt_lens, longest = [], [], [], [], [], []
     prompt_id = 0
-    for rnd in range(-1, batches // in_flight):       # round -1 warms the engine up
-        for _ in range(in_flight * cfg.groups_per_step):
-            ids = tuple(engine.encode(task.prompt(prompt_id).text, add_special_tokens=True))
-            prompt_lens.append(len(ids))
-            for i in range(cfg.rollout.n):
-                engine.add(GenRequest(f"{prompt_id}:{i}", ids, sampling))
-            prompt_id += 1
-        t, steps, done = time.perf_counter(), 0, []
-        while engine.num_unfinished():
-            done += [len(s.token_ids) for s in engine.step()]
-            steps += 1
-        dt = time.perf_counter() - t
-        if rnd >= 0:
-            lengths += done
-            longest.append(max(done))
-            per_batch.append(dt / in_flight)
-            per_step.append(dt / steps)
-            round_steps.append(steps)
-    engine.close()
+    with closing(LocalPipeline(cfg, model_dir=model_dir)) as local:
+        engine, task = local.engine, local.task
+        for rnd in range(-1, batches // in_flight):       # round -1 warms the engine up
+            for _ in range(in_flight * cfg.groups_per_step):
+                ids = tuple(engine.encode(task.prompt(prompt_id).text, add_special_tokens=True))
+                prompt_lens.append(len(ids))
+                for i in range(cfg.rollout.n):
+                    engine.add(GenRequest(f"{prompt_id}:{i}", ids, sampling))
+                prompt_id += 1
+            t, steps, done = time.perf_counter(), 0, []
+            while engine.num_unfinished():
+                done += [len(s.token_ids) for s in engine.step()]
+                steps += 1
+            dt = time.perf_counter() - t
+            if rnd >= 0:
+                lengths += done
+                longest.append(max(done))
+                per_batch.append(dt / in_flight)
+                per_step.append(dt / steps)
+                round_steps.append(steps)
     return {"batch_ms": _ms(per_batch), "engine_step_ms": _ms(per_step),
             "engine_steps_per_round": statistics.median(round_steps),
             # a batch's shape: micro-batches are padded to their longest row
@@ -78,22 +79,19 @@ def generate(cfg: Any, model_dir: str, batches: int, in_flight: int) -> dict[str
             "completion_tokens_mean": round(statistics.fmean(lengths), 2)}
 
 
-def train(cfg: Any, model_dir: str, batches: int, prompt_len: int, completion_len: int,
+def train(cfg: Config, model_dir: str, batches: int, prompt_len: int, completion_len: int,
           threads: int) -> float:
     """Median milliseconds of ``Trainer.step`` on run-shaped batches at ``threads`` threads."""
-    from benchmarks.synthetic import synthetic_groups
-    from pipeline_rl.training.trainer import Trainer
-
-    trainer = Trainer(cfg, model_dir, num_threads=threads)   # the Trainer sets the thread count
     times = []
-    for i in range(batches + 5):                       # the first 5: allocator and kernel warm-up
-        groups = synthetic_groups(cfg.groups_per_step, cfg.rollout.n, prompt_len=prompt_len,
-                                  max_completion_len=completion_len, version=trainer.version, seed=i)
-        t = time.perf_counter()
-        trainer.step(groups)
-        if i >= 5:
-            times.append(time.perf_counter() - t)
-    trainer.close()
+    with closing(LocalPipeline(cfg, model_dir=model_dir, trainer_threads=threads)) as local:  # sets the threads
+        trainer = local.trainer
+        for i in range(batches + 5):                       # the first 5: allocator and kernel warm-up
+            groups = synthetic_groups(cfg.groups_per_step, cfg.rollout.n, prompt_len=prompt_len,
+                                      max_completion_len=completion_len, version=trainer.version, seed=i)
+            t = time.perf_counter()
+            trainer.step(groups)
+            if i >= 5:
+                times.append(time.perf_counter() - t)
     return _ms(times)
 
 
@@ -117,26 +115,20 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Each side of a pipeline step alone, and the bound on the step.")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, default=30, help="Batches timed per measurement (default 30).")
     p.add_argument("--staleness", type=int, default=2, help="k: batches in flight = k + 1 (default 2).")
     p.add_argument("--threads", type=int, default=2, help="Trainer threads of the second trainer figure.")
-    p.add_argument("--peers", type=Path, default=None, help="A peers.py JSON: add TRL's step and the ratio.")
-    p.add_argument("--json", type=Path, default=None, help="Also write the JSON here.")
-    p.add_argument("--md", type=Path, default=None, help="Also write the Markdown here.")
-    p.add_argument("run_flags", nargs="*", help="Flags of launch/async_grpo.py after --.")
-    args = p.parse_args(argv)
-    for flag, value, low in (("--batches", args.batches, 1), ("--staleness", args.staleness, 0),
-                             ("--threads", args.threads, 1)):
-        if value < low:
-            p.error(f"{flag} must be >= {low}, got {value}")
+    p.add_argument("--peers", type=Path, default=None, help="A peers JSON: add TRL's step and the ratio.")
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    at_least(args, batches=1, staleness=0, threads=1)
     if args.peers is not None and not args.peers.is_file():
-        p.error(f"--peers: no such file: {args.peers}")
-    from pipeline_rl.cli import parse_config
+        raise BadFlag(f"--peers: no such file: {args.peers}")
     from pipeline_rl.driver import resolve_model_dir
 
-    cfg = parse_config(list(args.run_flags))[0]
+    cfg = config(list(args.run_flags))
     model_dir = str(resolve_model_dir(cfg))
     in_flight = args.staleness + 1
     g1 = generate(cfg, model_dir, args.batches, 1)
@@ -153,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         if trl is not None:
             result.update(peers=str(args.peers), trl_step_ms=round(trl["step_time_s"]["median"] * 1e3, 2))
             result["bound_vs_trl"] = round(result["bound_step_ms"] / result["trl_step_ms"], 2)
-    return report(result, markdown(result), args.json, args.md)
+    return Outcome(result, markdown(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("step_bound", __doc__, argv, run, flags=flags,
+                      run_flags="Flags of launch/async_grpo.py, after --.")
 
 
 if __name__ == "__main__":

@@ -20,25 +20,24 @@ step; T_gen: the rest of the synchronous step). Figures are medians over
 repeats with their min-max spread; every time is a ratio or carries the
 hardware it was measured on.
 
-Usage: ``python benchmarks/throughput.py [--quick] [--repeats 3] [--json PATH]``.
+Usage: ``python -m benchmarks.throughput [--quick] [--repeats 3] [--json PATH]``.
 Writes ``OUT/throughput.json``, ``OUT/throughput.md`` and ``OUT/throughput.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from dataclasses import dataclass
+from contextlib import closing
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RunSummary, config, hardware, run_pipeline, start_ray, stop_ray, summarize  # noqa: E402
+from benchmarks.common import Outcome, config, hardware, main as bench_main, pyplot, ray_session, run_pipeline
+from benchmarks.local import LocalPipeline
+from benchmarks.stats import median_range
 
 ASYNC_STALENESS = (1, 2, 4)
 
@@ -70,6 +69,45 @@ def _untrained_model() -> str:
     return str(out)
 
 
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """Steady-state figures of one run (the first ``warmup`` steps left out).
+
+    ``t_gen_s``/``t_train_s``: per step, the time the trainer waited for its batch and
+    the time it spent training (their sum is the step time of a synchronous run)."""
+
+    name: str
+    staleness: int
+    step_time_s: float
+    tokens_per_s: float
+    trainer_idle_frac: float
+    generator_idle_frac: float
+    weight_update_stall_ms: float
+    t_gen_s: float
+    t_train_s: float
+    reward_first: float
+    reward_last: float
+    steps: int
+
+
+def summarize(name: str, staleness: int, rows: list[dict[str, Any]], warmup: int) -> RunSummary:
+    """Medians over the steady-state steps of a run."""
+    steady = rows[warmup:] if len(rows) > warmup + 1 else rows
+    times = [b["time_s"] - a["time_s"] for a, b in zip(steady, steady[1:])] or [steady[0]["step_time_s"]]
+    step = statistics.median(times)
+    t_train = statistics.median(r.get("train_step_s", 0.0) for r in steady)
+    k = max(1, len(rows) // 5)
+    return RunSummary(
+        name=name, staleness=staleness, step_time_s=step,
+        tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
+        trainer_idle_frac=statistics.median(r["trainer_idle_frac"] for r in steady),
+        generator_idle_frac=statistics.median(r.get("generator_idle_frac", 0.0) for r in steady),
+        weight_update_stall_ms=statistics.median(r["weight_update_stall_ms"] for r in steady),
+        t_gen_s=max(0.0, step - t_train), t_train_s=t_train,
+        reward_first=statistics.fmean(r["reward_mean"] for r in rows[:k]),
+        reward_last=statistics.fmean(r["reward_mean"] for r in rows[-k:]), steps=len(rows))
+
+
 def pipeline_summary(name: str, staleness: int, flags: tuple[str, ...], steps: int, warmup: int,
                      out: Path) -> RunSummary:
     cfg = config([*flags, "--staleness", str(staleness), "--max-steps", str(steps),
@@ -89,49 +127,33 @@ def colocated_summary(flags: tuple[str, ...], steps: int, warmup: int) -> RunSum
 
 
 def _colocated_rows(flags: tuple[str, ...], steps: int) -> list[dict[str, Any]]:
-    """Generate a batch with every core, then train on it with every core; repeat."""
+    """Generate a batch with every core, then train on it with every core (the trainer
+    ranks' step: train, hand the weights to the worker, open the next admission); repeat."""
     cores = str(os.cpu_count() or 1)
     os.environ.update(OMP_NUM_THREADS=cores, MKL_NUM_THREADS=cores, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     import torch
 
     torch.set_num_threads(int(cores))  # before vLLM starts: it freezes the thread count
-    from pipeline_rl.rollout.worker import RolloutWorker
-    from pipeline_rl.training.trainer import Trainer
-    from pipeline_rl.buffer import BufferServer, ReplayBuffer
-    from pipeline_rl.driver import resolve_model_dir
-    from pipeline_rl.tasks import build_task
-
     cfg = config([*flags, "--staleness", "0"])
-    model_dir = resolve_model_dir(cfg)
     gps = cfg.groups_per_step
-    buffer = ReplayBuffer(cfg.buffer.capacity_groups, 0, gps)
-    server = BufferServer(buffer)
-    worker = RolloutWorker(cfg, 0, model_dir, server.address, buffer, build_task(cfg.task, seed=cfg.seed))
-    trainer = Trainer(cfg, model_dir, num_threads=None)
     rows: list[dict[str, Any]] = []
-    start = time.perf_counter()
-    try:
+    with closing(LocalPipeline(cfg, trainer_threads=None)) as local:
+        worker, rank_step = local.worker, local.rank_step
+        start = time.perf_counter()
         for step in range(steps):
             t0 = time.perf_counter()
             before = worker.stats().tokens_generated
             worker.run(max_groups=(step + 1) * gps)
-            groups = buffer.get_batch(gps, trainer.version, timeout_s=600)
-            assert groups is not None
-            t1 = time.perf_counter()
-            res = trainer.step(groups)
-            worker.offer_weights(trainer.weights())
-            buffer.set_version(trainer.version)  # opens the admission budget for the next step
+            rep = rank_step(600.0)
+            assert rep is not None
             t2 = time.perf_counter()
+            t1 = t2 - (rep.wall_s - rep.wait_s)   # the batch in hand: training starts
             tokens = worker.stats().tokens_generated - before
             rows.append({"step": step + 1, "time_s": t2 - start, "step_time_s": t2 - t0,
                          "train_step_s": t2 - t1, "tokens_per_s": tokens / (t2 - t0),
                          "trainer_idle_frac": (t1 - t0) / (t2 - t0),
                          "generator_idle_frac": (t2 - t1) / (t2 - t0),
-                         "weight_update_stall_ms": 0.0, "reward_mean": res.reward_mean})
-    finally:
-        worker.close()
-        server.close()
-        trainer.close()
+                         "weight_update_stall_ms": 0.0, "reward_mean": rep.result.reward_mean})
     return rows
 
 
@@ -151,14 +173,10 @@ def compare(workload: Workload, steps: int, warmup: int, out: Path) -> dict[str,
     s2 = by["async_s2"].step_time_s
     bound = overlap_bound(by["sync_same_placement"])
     speedup_a = by["sync_same_placement"].step_time_s / s2
-    return {"runs": [r.as_dict() for r in runs], "overlap_bound": bound,
+    return {"runs": [asdict(r) for r in runs], "overlap_bound": bound,
             "speedup_vs_same_placement_sync": speedup_a,
             "speedup_vs_best_sync": by["sync_colocated"].step_time_s / s2,
             "fraction_of_bound": speedup_a / bound}
-
-
-def _median_spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def aggregate(repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -170,10 +188,10 @@ def aggregate(repeats: list[dict[str, Any]]) -> dict[str, Any]:
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]
                if isinstance(rows[0][k], (int, float)) and k != "staleness"}
         configs.append({"name": name, "staleness": rows[0]["staleness"], **med,
-                        "step_time_s_spread": _median_spread([r["step_time_s"] for r in rows])})
+                        "step_time_s_spread": median_range([r["step_time_s"] for r in rows])})
     keys = ("speedup_vs_same_placement_sync", "speedup_vs_best_sync", "overlap_bound", "fraction_of_bound")
     return {"configs": configs, **{k: statistics.median(rep[k] for rep in repeats) for k in keys},
-            "spread": {k: _median_spread([rep[k] for rep in repeats]) for k in keys}}
+            "spread": {k: median_range([rep[k] for rep in repeats]) for k in keys}}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -200,11 +218,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     wls = result["workloads"]
     fig, axes = plt.subplots(1, len(wls), figsize=(6 * len(wls), 4), squeeze=False)
     for ax, wl in zip(axes[0], wls):
@@ -224,42 +238,36 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Async vs sync throughput on the same hardware.")
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=24, help="Optimizer steps per run (default 24).")
     p.add_argument("--warmup", type=int, default=4, help="Steps left out of the figures (default 4).")
     p.add_argument("--repeats", type=int, default=3, help="Repeats of the whole comparison (default 3).")
     p.add_argument("--workloads", default="default,longtail", help="Comma list: default, longtail.")
     p.add_argument("--model", default=None, help="Model folder (default: the built-in model).")
-    p.add_argument("--quick", action="store_true", help="Tiny smoke configuration (tests).")
-    p.add_argument("--out", type=Path, default=Path("runs/bench_throughput"), help="Output folder.")
-    p.add_argument("--json", type=Path, default=None, help="Also write the JSON result here.")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Outcome:
     if args.quick:
         args.steps, args.warmup, args.repeats = 4, 1, 1
     chosen = set(args.workloads.split(","))
     result: dict[str, Any] = {"hardware": hardware(), "workloads": []}
-    start_ray()
-    try:
+    with ray_session():
         for wl in [w for w in workloads(args.quick, args.model) if w.name in chosen]:
             reps = [compare(wl, args.steps, args.warmup, args.out / wl.name / f"rep{i}")
                     for i in range(args.repeats)]
             result["workloads"].append({"name": wl.name, "repeats": args.repeats, "steps": args.steps,
                                         "warmup": args.warmup, **aggregate(reps)})
-    finally:
-        stop_ray()
     head = result["workloads"][0]
     result.update({k: head[k] for k in ("configs", "speedup_vs_same_placement_sync",
                                         "speedup_vs_best_sync", "overlap_bound")})
     args.out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result, indent=2)
-    (args.out / "throughput.json").write_text(text)
-    if args.json:
-        args.json.write_text(text)
-    (args.out / "throughput.md").write_text(markdown(result))
     plot(result, args.out / "throughput.png")
-    print(markdown(result))
-    return 0
+    return Outcome(result, markdown(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("throughput", __doc__, argv, run, flags=flags, quick="Tiny smoke configuration (tests).",
+                      out="runs/bench_throughput")
 
 
 if __name__ == "__main__":

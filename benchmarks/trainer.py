@@ -21,28 +21,28 @@ Figures (``--json PATH`` writes them; the three headline keys are always there):
 - background transport per version (``put_s``, ``offer_s``) and ``delivery_s`` (publish call ->
   the worker holding the arrays).
 
-Usage: ``python benchmarks/trainer.py [--duration-s 120] [--workers 1] [--json PATH]``;
+Usage: ``python -m benchmarks.trainer [--duration-s 120] [--workers 1] [--json PATH]``;
 ``--quick`` runs a few seconds (smoke test). One thread per process (2-core machines).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline_rl.config import Config  # noqa: E402
+from benchmarks.common import Outcome, main as bench_main, ray_session
+from benchmarks.local import LocalPipeline
+from benchmarks.synthetic import synthetic_groups
+from pipeline_rl.config import Config
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +67,6 @@ class BenchResult:
     groups_produced: int
     evicted: int
     lag_mean: float
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(getattr(self, k)) for k in self.__dataclass_fields__}
 
 
 class Receiver:
@@ -99,8 +96,6 @@ class Producer(threading.Thread):
         self.produced = 0
 
     def run(self) -> None:
-        from benchmarks.synthetic import synthetic_groups
-
         t0 = time.perf_counter()
         while not self.stop_event.is_set():
             grant = self.buffer.acquire(0, self.cfg.groups_per_step, timeout_s=0.2)
@@ -125,33 +120,24 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
 
     from pipeline_rl.weight_sync.publisher import WeightPublisher
     from pipeline_rl.reports import RankStepReport
-    from pipeline_rl.training.trainer import RankStep, Trainer
-    from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.models.builtin import build_tiny_model
 
     cfg = Config.model_validate({"staleness": staleness, "trainer": {"zero_stage": zero_stage},
                                  "rollout": {"max_new_tokens": max_new_tokens}})
     m = cfg.model
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, \
+            (ray_session(object_store_bytes=100 * 2**20) if workers else contextlib.nullcontext()):
         model_dir = build_tiny_model(Path(tmp) / "builtin", hidden_size=m.hidden_size,
                                      num_layers=m.num_layers, num_heads=m.num_heads,
                                      intermediate_size=m.intermediate_size)
-        trainer = Trainer(cfg, model_dir)
-        params = sum(p.numel() for p in trainer.model.parameters())
-        receivers: list[Any] = []
-        if workers:
-            from ray import cloudpickle
-
-            cloudpickle.register_pickle_by_value(sys.modules[Receiver.__module__])
-            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-                     log_to_driver=False, configure_logging=False)
-            actor = ray.remote(num_cpus=0.01)(Receiver)
-            receivers = [actor.remote() for _ in range(workers)]
+        receivers: list[Any] = [ray.remote(num_cpus=0.01)(Receiver).remote() for _ in range(workers)]
+        if receivers:
             ray.get([r.received.remote() for r in receivers])
         publisher = WeightPublisher(receivers, transport="object_store")
-        buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step)
+        local = LocalPipeline(cfg, model_dir=str(model_dir), publisher=publisher)
+        buffer, rank_step = local.buffer, local.rank_step
+        params = sum(p.numel() for p in local.trainer.model.parameters())
         producer = Producer(buffer, cfg, gen_groups_per_s)
-        rank_step = RankStep(trainer, buffer, publisher)
         published_at: dict[int, float] = {}
         records: list[RankStepReport] = []
         start = 0.0
@@ -177,9 +163,7 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
             got = ray.get(r.received.remote())
             delivery += [t - published_at[v] for v, t in got.items() if v in published_at]
         publisher.close()
-        if workers:
-            ray.shutdown()
-        trainer.close()
+        local.close()
     recs = records[warmup_steps:]
     wall = sum(r.wall_s for r in recs)
     steps = [r.result.step_time_s for r in recs]
@@ -200,35 +184,35 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
         lag_mean=float(np.mean([r.result.lag.mean for r in recs])))
 
 
-def main(argv: list[str] | None = None) -> BenchResult:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--duration-s", type=float, default=120.0, help="Training wall time to measure.")
-    ap.add_argument("--workers", type=int, default=1, help="Ray receiver actors (0: no publishing "
-                    "transport, weights still copied out every step).")
-    ap.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
-    ap.add_argument("--staleness", type=int, default=2)
-    ap.add_argument("--gen-groups-per-s", type=float, default=None,
-                    help="Cap the producer's rate (default: as fast as admission allows).")
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--quick", action="store_true", help="At most 3 s (smoke test).")
-    ap.add_argument("--json", type=Path, default=None, help="Write the figures here.")
-    args = ap.parse_args(argv)
+def flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--duration-s", type=float, default=120.0, help="Training wall time to measure.")
+    p.add_argument("--workers", type=int, default=1, help="Ray receiver actors (0: no publishing "
+                   "transport, weights still copied out every step).")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage (default 0).")
+    p.add_argument("--staleness", type=int, default=2, help="Staleness of the buffer's admission (default 2).")
+    p.add_argument("--gen-groups-per-s", type=float, default=None,
+                   help="Cap the producer's rate (default: as fast as admission allows).")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="Longest generated completion (default 16).")
+
+
+def run_bench(args: argparse.Namespace) -> Outcome:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     res = run(min(args.duration_s, 3.0) if args.quick else args.duration_s, workers=args.workers, zero_stage=args.zero_stage,
               staleness=args.staleness, gen_groups_per_s=args.gen_groups_per_s,
               max_new_tokens=args.max_new_tokens)
-    print(f"trainer: {res.steps} steps in {res.duration_s:.1f} s, {res.params / 1e6:.2f} M params, "
-          f"{res.sequences_per_step} seqs/step | step {res.step_time_s * 1e3:.1f} ms (p90 "
-          f"{res.step_time_p90_s * 1e3:.1f}) | publish on training thread {res.publish_time_s * 1e3:.2f} ms "
-          f"= {res.publish_frac:.1%} of a step | background put "
-          f"{res.put_s * 1e3:.2f} ms, offer {res.offer_s * 1e3:.2f} ms, delivery {res.delivery_s * 1e3:.1f} ms "
-          f"to {res.workers} worker(s), {res.update_bytes / 2**20:.2f} MiB/update, {res.superseded} superseded | "
-          f"idle {res.trainer_idle_frac:.1%} | {res.tokens_per_s:.0f} tokens/s | lag {res.lag_mean:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(res.as_dict(), indent=2))
-    return res
+    return Outcome(asdict(res), f"trainer: {res.steps} steps in {res.duration_s:.1f} s, {res.params / 1e6:.2f} M params, "
+                   f"{res.sequences_per_step} seqs/step | step {res.step_time_s * 1e3:.1f} ms (p90 "
+                   f"{res.step_time_p90_s * 1e3:.1f}) | publish on training thread {res.publish_time_s * 1e3:.2f} ms "
+                   f"= {res.publish_frac:.1%} of a step | background put "
+                   f"{res.put_s * 1e3:.2f} ms, offer {res.offer_s * 1e3:.2f} ms, delivery {res.delivery_s * 1e3:.1f} ms "
+                   f"to {res.workers} worker(s), {res.update_bytes / 2**20:.2f} MiB/update, {res.superseded} superseded | "
+                   f"idle {res.trainer_idle_frac:.1%} | {res.tokens_per_s:.0f} tokens/s | lag {res.lag_mean:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("trainer", __doc__, argv, run_bench, flags=flags, quick="At most 3 s (smoke test).")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

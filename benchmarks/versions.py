@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/versions.py [--steps 20] [--staleness 0 1 2] [--json PATH] [--md PATH]
+    python -m benchmarks.versions [--steps 20] [--staleness 0 1 2] [--json PATH] [--md PATH]
 
 For each staleness ``k`` the real pipeline (orchestrator, trainer, vLLM worker, buffer,
 on one local Ray) runs ``--steps`` steps of the built-in default twice, with
@@ -24,15 +24,11 @@ status is 1 if a check fails.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import config, hardware, run_pipeline, start_ray, stop_ray  # noqa: E402
+from benchmarks.common import BadFlag, Outcome, config, hardware, main as bench_main, ray_session, run_pipeline
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,42 +94,34 @@ def markdown(runs: list[VersionRun], steps: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="Steps per run (even, >= 4; default 20).")
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="Staleness values (default 0 1 2).")
-    p.add_argument("--json", type=Path, default=None, help="Write the figures here.")
-    p.add_argument("--md", type=Path, default=None, help="Write the Markdown table here.")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Outcome:
     if args.steps < 4 or args.steps % 2:
-        p.error("--steps must be even and >= 4")
+        raise BadFlag("--steps must be even and >= 4")
     from pipeline_rl.training.checkpoint import checkpoint_name
 
     runs: list[VersionRun] = []
-    start_ray()
-    try:
-        with tempfile.TemporaryDirectory(prefix="versions_") as tmp:
-            for k in args.staleness:
-                for epochs in (1, 2):
-                    out = Path(tmp) / f"k{k}_e{epochs}"
-                    runs.append(one_run(out, k, epochs, args.steps))
+    with ray_session(), tempfile.TemporaryDirectory(prefix="versions_") as tmp:
+        for k in args.staleness:
+            for epochs in (1, 2):
+                out = Path(tmp) / f"k{k}_e{epochs}"
+                runs.append(one_run(out, k, epochs, args.steps))
+                print(markdown(runs[-1:], args.steps).splitlines()[-1], flush=True)
+                if epochs == 2:
+                    ckpt = out / "checkpoints" / checkpoint_name(args.steps // 2)
+                    runs.append(one_run(Path(tmp) / f"k{k}_e2_resumed", k, 2, args.steps, resume=ckpt))
                     print(markdown(runs[-1:], args.steps).splitlines()[-1], flush=True)
-                    if epochs == 2:
-                        ckpt = out / "checkpoints" / checkpoint_name(args.steps // 2)
-                        runs.append(one_run(Path(tmp) / f"k{k}_e2_resumed", k, 2, args.steps, resume=ckpt))
-                        print(markdown(runs[-1:], args.steps).splitlines()[-1], flush=True)
-    finally:
-        stop_ray()
-    table = markdown(runs, args.steps)
-    print(table)
-    if args.md is not None:
-        args.md.write_text(table + "\n")
-    if args.json is not None:
-        args.json.write_text(json.dumps({
-            "steps": args.steps, "hardware": hardware(),
-            "runs": [{**asdict(r), "evicted_per_group": r.evicted_per_group, "ok": r.ok} for r in runs]},
-            indent=1))
-    return 0 if all(r.ok for r in runs) else 1
+    return Outcome({"steps": args.steps, "hardware": hardware(),
+                    "runs": [{**asdict(r), "evicted_per_group": r.evicted_per_group, "ok": r.ok} for r in runs]},
+                   markdown(runs, args.steps), 0 if all(r.ok for r in runs) else 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("versions", __doc__, argv, run, flags=flags)
 
 
 if __name__ == "__main__":

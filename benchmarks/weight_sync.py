@@ -4,7 +4,7 @@ and per transport (vLLM's weight-transfer API vs Ray's object store).
 
 Usage::
 
-    python benchmarks/weight_sync.py [--models default,large] [--engines inprocess,async]
+    python -m benchmarks.weight_sync [--models default,large] [--engines inprocess,async]
         [--transports vllm,object_store] [--workers 1] [--updates 20] [--warmup 5]
         [--interval-s 0.5] [--max-num-seqs 16] [--max-new-tokens 64] [--prompt-len 16]
         [--quick] [--json PATH] [--md PATH]
@@ -76,7 +76,7 @@ async engine's core process) share the cores, as the trainer and workers of a
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import sys
 import tempfile
@@ -90,11 +90,7 @@ from typing import Any, cast
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import hardware  # noqa: E402
-from benchmarks.common import start_ray as common_start_ray  # noqa: E402
+from benchmarks.common import ROOT, Outcome, at_least, hardware, main as bench_main, ray_session
 
 RESULTS = ROOT / "benchmarks" / "results"
 ENGINES = ("inprocess", "async")
@@ -508,8 +504,7 @@ def _csv(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
+def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", type=_csv(tuple(MODELS)), default=["default", "large"],
                    help="Models (default: default,large). default: the built-in default model; "
                         "large: random-init Llama, hidden 512, 8 layers, 8 heads, MLP 1536 (27 M params); "
@@ -531,46 +526,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=16, help="Random-token prompt length (default 16).")
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="Longest wait for an engine to generate or a version to arrive (default 120).")
-    p.add_argument("--quick", action="store_true", help="5 updates per cell instead of 20.")
-    p.add_argument("--json", type=Path, default=RESULTS / "weight_sync.json", help="JSON output.")
-    p.add_argument("--md", type=Path, default=RESULTS / "weight_sync.md", help="Markdown output.")
     p.add_argument("--ray-logs", action="store_true", help="Show the actors' output on the console.")
-    return p
 
 
-def start_ray(show_logs: bool) -> bool:
+def ray_for_cells(show_logs: bool) -> contextlib.AbstractContextManager[None]:
     """A local Ray (one CPU per core, 1 GiB of object store: a few 110 MB updates stay in
-    memory instead of spilling) unless one is up; True when started here."""
+    memory instead of spilling) unless one is up."""
     import ray
     from ray import cloudpickle
 
     if __name__ != "__main__":   # imported (tests): the actor class travels by value
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
     if ray.is_initialized():
-        return False
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    common_start_ray(env={"PYTHONPATH": path}, object_store_bytes=1 << 30, log_to_driver=show_logs)
-    return True
+        return contextlib.nullcontext()
+    return ray_session(object_store_bytes=1 << 30, log_to_driver=show_logs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> Outcome:
     if args.updates is None:
         args.updates = 5 if args.quick else 20
-    if args.updates < 1 or args.workers < 1 or args.warmup < 0:
-        raise SystemExit("weight_sync: --updates and --workers must be >= 1, --warmup >= 0")
+    at_least(args, updates=1, workers=1, warmup=0)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import ray
     import torch
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(1)
     t_run = time.perf_counter()
-    started = start_ray(args.ray_logs)
     cells: list[dict[str, Any]] = []
     failed: list[dict[str, str]] = []
     models: dict[str, dict[str, Any]] = {}
-    try:
+    with ray_for_cells(args.ray_logs):
         with tempfile.TemporaryDirectory(prefix="weight_sync_") as tmp:
             for name in args.models:
                 spec = MODELS[name]
@@ -603,9 +588,6 @@ def main(argv: list[str] | None = None) -> int:
                               f"{c['bytes_per_update'] / 1e6:.1f} MB | engine start {c['engine_start_s']:.1f} s, "
                               f"cell {c['cell_s']:.1f} s", flush=True)
                 del model
-    finally:
-        if started:
-            ray.shutdown()
     add_ratios(cells)
     result = {
         "hardware": hardware(), "run_s": time.perf_counter() - t_run,
@@ -614,13 +596,14 @@ def main(argv: list[str] | None = None) -> int:
                                                    "prompt_len")},
         "models": models, "cells": cells, "failed": failed,
     }
-    md = markdown(result)
-    print(md, end="")
-    for path, text in ((args.json, json.dumps(result, indent=2)), (args.md, md)):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    print(f"weight_sync: {result['run_s']:.0f} s; wrote {args.json} and {args.md}")
-    return 1 if failed else 0
+    md = markdown(result).rstrip("\n")
+    return Outcome(result, md, 1 if failed else 0,
+                   summary=f"{md}\nweight_sync: {result['run_s']:.0f} s; wrote {args.json} and {args.md}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("weight_sync", __doc__, argv, run, flags=flags, quick="5 updates per cell instead of 20.",
+                      json_path=RESULTS / "weight_sync.json", md_path=RESULTS / "weight_sync.md")
 
 
 if __name__ == "__main__":

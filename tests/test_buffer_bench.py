@@ -1,5 +1,5 @@
-"""Smoke run of benchmarks/buffer.py (--quick): it runs end to end, loses
-nothing and writes the documented JSON keys. No timing assertions."""
+"""Smoke run of ``python -m benchmarks.buffer --quick``, as a user runs it: it runs end to
+end, loses nothing and writes the documented JSON keys. No timing assertions."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_buffer_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "buffer.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "buffer.py"), "--quick", "--json", str(out)],
+    subprocess.run([sys.executable, "-m", "benchmarks.buffer", "--quick", "--json", str(out)],
                    check=True, cwd=ROOT, timeout=120, capture_output=True)
     report = json.loads(out.read_text())
     for key in ("groups_per_s_1", "groups_per_s_4", "bare_zmq_groups_per_s", "lost", "ratio_to_bare",

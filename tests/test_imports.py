@@ -1,19 +1,22 @@
-"""The package's import graph has no cycle, counting every import statement (also those
-inside functions): a cycle means two modules that cannot be read, tested or replaced
-one without the other."""
+"""The import graphs of the package and of the benchmarks have no cycle, counting every
+import statement (also those inside functions): a cycle means two modules that cannot be
+read, tested or replaced one without the other."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "pipeline_rl"
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "pipeline_rl"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path) -> dict[str, Path]:
     out = {}
-    for f in PACKAGE.rglob("*.py"):
-        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+    for f in package.rglob("*.py"):
+        parts = f.relative_to(package.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = f
     return out
@@ -26,20 +29,24 @@ def _owner(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the project modules it imports (``from pkg import sub`` imports ``sub``)."""
-    modules = _modules()
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports (``from pkg import sub`` imports ``sub``;
+    relative imports resolved)."""
+    modules = _modules(package)
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                subs = [f"{node.module}.{a.name}" for a in node.names]
-                targets = [s for s in subs if s in modules] or [node.module]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1]) if node.level else ""
+                module = ".".join(x for x in (base, node.module or "") if x)
+                subs = [f"{module}.{a.name}" for a in node.names]
+                targets = [s for s in subs if s in modules] or [module]
             for t in targets:
-                owner = _owner(t, modules) if t.startswith("pipeline_rl") else None
+                owner = _owner(t, modules) if t.split(".")[0] == package.name else None
                 if owner is not None and owner != name and not name.startswith(owner + "."):
                     graph[name].add(owner)
     return graph
@@ -68,9 +75,29 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle() -> None:
-    cycle = find_cycle(import_graph())
+@pytest.mark.parametrize("package", ["pipeline_rl", "benchmarks"])
+def test_no_import_cycle(package: str) -> None:
+    cycle = find_cycle(import_graph(ROOT / package))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_graph_sees_imports_inside_functions_and_relative_ones(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg.sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("from . import b\n")
+    (pkg / "sub" / "b.py").write_text("from ..a import f\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub"] == {"pkg.sub.b"}
+    assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.a"]
+
+
+def test_the_benchmarks_import_as_a_package() -> None:
+    """``python -m benchmarks.NAME``: no benchmark puts a folder on ``sys.path``."""
+    edits = [f"{p.name}:{i}" for p in sorted((ROOT / "benchmarks").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "sys.path" in line]
+    assert (ROOT / "benchmarks" / "__init__.py").is_file() and not edits, edits
 
 
 def test_the_cycle_finder_finds_one() -> None:
@@ -85,7 +112,7 @@ def test_files_named_in_the_repository_exist() -> None:
     import re
     import subprocess
 
-    root = PACKAGE.parent
+    root = ROOT
     tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
     if not tracked:   # not a git checkout: look at the tree
         tracked = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".venv" not in p.parts]

@@ -4,20 +4,16 @@ DeepSpeed, ZeroMQ) and writes the documented JSON schema."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks import throughput
 
 pytestmark = pytest.mark.slow
 
 
 def test_throughput_quick_writes_schema(tiny_model_dir: str, tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import throughput
-
     out = tmp_path / "tp"
     assert throughput.main(["--quick", "--model", tiny_model_dir, "--out", str(out),
                             "--json", str(tmp_path / "tp.json")]) == 0
