@@ -157,7 +157,7 @@ def ray_session(address: str | None = None, *, env: dict[str, str] | None = None
     repository on its path and ``env``."""
     import ray
 
-    from pipeline_rl.actors.process import ACTOR_ENV
+    from pipeline_rl.runtime_env import ACTOR_ENV
 
     os.environ.update({k: v for k, v in ACTOR_ENV.items() if k not in os.environ})
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

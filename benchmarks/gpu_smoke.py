@@ -190,7 +190,7 @@ def pipeline_builtin(report: Report, root: Path, steps: int) -> None:
 def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int) -> None:
     import dataclasses
 
-    from pipeline_rl.models.archs import QWEN2_0_5B, build_arch_model
+    from benchmarks.archs import QWEN2_0_5B, build_arch_model
 
     shape = dataclasses.replace(QWEN2_0_5B, layers=layers, vocab_size=vocab)
     t = time.perf_counter()

@@ -257,7 +257,7 @@ def run_in_process(cfg: Config, every: int, offer_threads: int = 1) -> tuple[Rss
 
     import numpy as np
 
-    from pipeline_rl.actors.process import ACTOR_ENV
+    from pipeline_rl.runtime_env import ACTOR_ENV
     from pipeline_rl.weight_sync.message import WeightUpdate, load_update
 
     for key, value in ACTOR_ENV.items():

@@ -41,7 +41,7 @@ PHASES = (("ray", "Ray:"), ("buffer", "buffer:"), ("trainer", "trainer:"), ("wor
 _NO_GC = "import gc; gc.disable(); "
 _PIECES = {
     "ray_init": "import os; os.environ['RAY_AUTH_MODE']='disabled'; "   # as the command starts it
-                "from pipeline_rl.actors.process import ACTOR_ENV; from pipeline_rl.run.local_ray import start_local; "
+                "from pipeline_rl.runtime_env import ACTOR_ENV; from pipeline_rl.run.local_ray import start_local; "
                 "start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30)",
     "import_deepspeed": _NO_GC + "import deepspeed",
     "import_vllm": _NO_GC + "import vllm",

@@ -124,7 +124,7 @@ class SyncWorker:
 
     def __init__(self, engine_kind: str, model_dir: str, max_num_seqs: int, max_new_tokens: int,
                  max_model_len: int, prompts: list[list[int]], seed: int) -> None:
-        from pipeline_rl.actors.process import ACTOR_ENV
+        from pipeline_rl.runtime_env import ACTOR_ENV
 
         os.environ.update(ACTOR_ENV)
         import torch

@@ -115,7 +115,8 @@ def _configure_logging(cfg: Config) -> None:
 def run(cfg: Config) -> int:
     """Run a whole training job; returns the process exit status."""
     _configure_logging(cfg)
-    from pipeline_rl.run.conductor import Orchestrator, OrchestratorError
+    from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.supervisor import OrchestratorError
 
     from pipeline_rl.tasks import TaskError
 

@@ -1,31 +1,18 @@
 """Held-out evaluation: what a rollout worker does with a request, and when the driver asks.
 
-**On a worker.** The driver asks a worker to evaluate a list of held-out prompt ids
-(:class:`EvalRequest`); the worker adds, per prompt, one greedy request and ``k``
-sampled ones to the engine it generates training samples with -- the same weights,
-no extra model copy -- and answers with sums (:class:`EvalResult`) that the driver
-adds up over workers. Evaluation requests share the engine's batch with training
-requests: nothing pauses; a weight update landing mid-evaluation is applied to
-them as to any in-flight sequence, and the result says which versions served
-(``version_min`` .. ``version_max``).
+**On a worker.** Asked for held-out prompt ids (:class:`EvalRequest`), a worker adds per
+prompt one greedy request and ``k`` sampled ones to the engine it generates training
+samples with (same weights, same batch: nothing pauses; an update landing mid-evaluation
+applies as to any sequence) and answers with sums (:class:`EvalResult`) naming the
+versions that served (``version_min`` .. ``version_max``). A sample is *solved* when its
+reward is at least :data:`SOLVED`; ``greedy_accuracy``: mean reward of the greedy answers;
+``mean_at_k``: over all ``k`` samples; ``pass_at_k``: share of prompts with a solved sample.
 
-Scores: a sample is *solved* when its reward is at least :data:`SOLVED` (the
-built-in tasks and the dataset task reward 1.0 for a correct answer, 0.0
-otherwise). ``greedy_accuracy``: mean reward of the greedy answers;
-``mean_at_k``: mean reward over all ``k`` samples of every prompt; ``pass_at_k``:
-share of prompts with at least one solved sample among the ``k``.
-
-**In the driver** (:class:`Evaluations`). Every ``--eval.every`` steps (and once at the end) the driver splits the
-``--eval.num_prompts`` held-out prompt ids (the same ones each time: ids
-``0 .. num_prompts-1`` of the task's eval split) over the live rollout workers and
-asks each for its share (``RolloutActor.evaluate``). Training goes on meanwhile;
-the answers are collected after later steps (:meth:`Evaluations.poll`). At most
-one evaluation is in flight: one that is due while the previous is still running
-is skipped (and counted), so evaluation can never fall behind and pile up.
-The final evaluation is waited for (bounded by ``timeout_s``) before the summary.
-
-A worker that dies during an evaluation loses that evaluation (logged; the
-driver's supervision restarts the worker); any other failure is raised.
+**In the driver** (:class:`Evaluations`). Every ``--eval.every`` steps and at the end, the
+same ``--eval.num_prompts`` held-out ids are split over the live workers; training goes on
+and the answers are collected after later steps. At most one evaluation is in flight (a
+due one is skipped and counted meanwhile); the final one is waited for, bounded. A worker
+that dies loses that evaluation (logged); any other failure is raised.
 """
 
 from __future__ import annotations
@@ -251,3 +238,33 @@ class Evaluations:
     @property
     def in_flight_step(self) -> int | None:
         return None if self._in_flight is None else self._in_flight.step
+
+    def after_step(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None]) -> None:
+        """Between two steps: record an evaluation that has finished, launch one that is due."""
+        if not self.enabled:
+            return
+        done = self.poll(0.0)
+        if done is not None:
+            record(done)
+        if self.due(version):
+            self.launch(version, version, workers)
+
+    def finish(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None],
+               timeout_s: float) -> None:
+        """At the end of a run: wait for the evaluation in flight, then evaluate the final
+        weights (unless it already did) and wait; TimeoutError (one line) past ``timeout_s``."""
+        if not self.enabled:
+            return
+        done = self.poll(timeout_s)
+        if done is not None:
+            record(done)
+        if self.in_flight_step is not None:
+            raise TimeoutError(f"the evaluation after step {self.in_flight_step} did not finish "
+                               f"within {timeout_s:.0f} s")
+        if done is None or done.version != version:
+            self.launch(version, version, workers)
+            last = self.poll(timeout_s)
+            if last is not None:
+                record(last)
+            elif self.in_flight_step is not None:
+                raise TimeoutError(f"the final evaluation did not finish within {timeout_s:.0f} s")

@@ -231,15 +231,10 @@ def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] =
 
 
 class WeightSyncLatency:
-    """Weight sync as a user feels it: for each published version ``v``, the time from the
-    trainer's step end (``RankStepReport.step_end_at``) until *every* rollout worker's engine
-    could sample with ``v`` or a newer version (workers apply only the newest they hold, so
-    a skipped version counts as reached by the next one applied). Clocks: ``time.time()``
-    of the processes involved (one machine, or NTP-synchronised nodes).
-
-    Bounded: at most ``keep`` versions wait for their workers, and at most ``keep``
-    applications are remembered per worker; ``all_ms`` keeps every resolved latency of
-    the run (a float per step)."""
+    """Weight sync as a user feels it: per published version ``v``, from the trainer's step
+    end until *every* worker's engine could sample with ``v`` or newer (a skipped version is
+    reached by the next one applied); ``time.time()`` clocks. At most ``keep`` versions and
+    ``keep`` applications per worker are held; ``all_ms``: every resolved latency."""
 
     def __init__(self, workers: int, keep: int = 512) -> None:
         self._keep = keep

@@ -35,7 +35,7 @@ def ray_local() -> Iterator[None]:
     joins it instead of starting its own."""
     import ray
 
-    from pipeline_rl.actors.process import ACTOR_ENV
+    from pipeline_rl.runtime_env import ACTOR_ENV
     from pipeline_rl.run.local_ray import start_local
 
     start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30, log_to_driver=False)

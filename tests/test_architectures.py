@@ -1,7 +1,7 @@
 """Architecture conformance: Llama, Qwen2, Qwen3, Phi-3 and Mistral through the whole stack.
 
-For each architecture of :data:`pipeline_rl.models.archs.ARCHS` (tiny random models built locally by
-:func:`pipeline_rl.models.archs.build_arch_model`, nothing downloaded), checked:
+For each architecture of :data:`benchmarks.archs.ARCHS` (tiny random models built locally by
+:func:`benchmarks.archs.build_arch_model`, nothing downloaded), checked:
 
 - the tokenizer: ``AutoTokenizer`` round-trips prompts and answers and gives the ids
   vLLM's tokenizer gives (transformers 5 builds ``Qwen2Tokenizer`` for Qwen folders);
@@ -41,7 +41,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from pipeline_rl.models.archs import ARCHS, EOS, HF_ARCHITECTURE, IM_START, build_arch_model, write_addition_jsonl  # noqa: E402
+from benchmarks.archs import ARCHS, EOS, HF_ARCHITECTURE, IM_START, build_arch_model, write_addition_jsonl  # noqa: E402
 from pipeline_rl.rollout.engine import (  # noqa: E402
     EngineConfig,
     FinishedSequence,
@@ -501,7 +501,7 @@ def test_launcher_runs_20_steps(arch: str, model_dir: Path, dataset: Path, tmp_p
     # A quiet console: one line per start-up phase on stderr (the step lines go to stdout, the
     # actors' own output to OUT/logs/), at most 10 before the first step.
     before = [ln for ln in stderr.read_text().splitlines()
-              if ln.strip() and not ln.startswith("pipeline_rl.run.conductor: checkpoint saved")]
+              if ln.strip() and not ln.startswith("pipeline_rl.run.checkpoints: checkpoint saved")]
     assert len(before) <= 10, f"{arch}: {len(before)} console lines:\n" + "\n".join(before)
     assert stdout.read_text().startswith("step    1 |"), stdout.read_text()[:500]
     assert {"buffer.log", "rollout-0.log", "trainer-0.log"} <= {f.name for f in (out / "logs").iterdir()}

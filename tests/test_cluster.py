@@ -34,7 +34,7 @@ def two_nodes() -> Iterator[Any]:
     with this process connected as the driver (on the head node)."""
     import ray
 
-    from pipeline_rl.actors.process import ACTOR_ENV
+    from pipeline_rl.runtime_env import ACTOR_ENV
 
     with two_node_cluster(1, {"trainer_node": 1}, {"rollout_node": 1}) as cluster:
         ray.init(address=cluster.address, runtime_env={"env_vars": ACTOR_ENV}, log_to_driver=False)
@@ -79,11 +79,11 @@ def _watch_then_kill_trainer(orch: Any, ckpts_dir: Path, seen: _Seen) -> None:
     checkpoint (or just after, if the save is too quick to catch)."""
     import ray
 
-    seen.buffer_address = str(ray.get(orch._buffer.address.remote(), timeout=30))
-    seen.worker_node = _node_of(orch._workers[0].handle)
-    seen.trainer_node = _node_of(orch._trainers[0])
-    seen.buffer_node = _node_of(orch._buffer)
-    pid = _pid_of(orch._trainers[0])
+    seen.buffer_address = str(ray.get(orch.actors.buffer.address.remote(), timeout=30))
+    seen.worker_node = _node_of(orch.actors.workers[0].handle)
+    seen.trainer_node = _node_of(orch.actors.trainers[0])
+    seen.buffer_node = _node_of(orch.actors.buffer)
+    pid = _pid_of(orch.actors.trainers[0])
     saving, saved = ckpts_dir / "step_000002.partial", ckpts_dir / "step_000002"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -104,7 +104,8 @@ def test_two_nodes_over_tcp_trainer_death_and_resume(two_nodes: Any, tiny_model_
     import ray
 
     from pipeline_rl.training.checkpoint import latest_checkpoint, read_run_state
-    from pipeline_rl.run.conductor import Orchestrator, OrchestratorError
+    from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.supervisor import OrchestratorError
 
     placement = ("--ray.rollout_resource", "rollout_node", "--ray.trainer_resource", "trainer_node")
     cfg = _config(tiny_model_dir, tmp_path / "dies", "--max-steps", "50",

@@ -62,8 +62,8 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
         deadline = time.time() + 300
         while time.time() < deadline:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                pid = ray.get(orch._workers[0].handle.pid.remote())
-                trainer = ray.get(orch._trainers[0].pid.remote())
+                pid = ray.get(orch.actors.workers[0].handle.pid.remote())
+                trainer = ray.get(orch.actors.trainers[0].pid.remote())
                 cores.update(worker=sorted(os.sched_getaffinity(pid)), trainer=sorted(os.sched_getaffinity(trainer)))
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)

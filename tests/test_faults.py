@@ -91,7 +91,8 @@ def test_killed_buffer_is_named(ray_local: None, tiny_model_dir: str, tmp_path: 
     that was waiting on it fails too, but it is not the cause)."""
     import ray
 
-    from pipeline_rl.run.conductor import Orchestrator, OrchestratorError
+    from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.supervisor import OrchestratorError
 
     cfg = tiny_run_config(tiny_model_dir, tmp_path / "run", "--max-steps", "200")
     killed: list[float] = []
@@ -99,7 +100,7 @@ def test_killed_buffer_is_named(ray_local: None, tiny_model_dir: str, tmp_path: 
     def kill_buffer(orch: Any) -> None:
         while orch.steps_done < 3:
             time.sleep(0.01)
-        pid = int(ray.get(orch._buffer.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
+        pid = int(ray.get(orch.actors.buffer.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
         os.kill(pid, signal.SIGKILL)
         killed.append(time.monotonic())
 

@@ -154,3 +154,35 @@ def test_the_driver_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _arity(annotation: str) -> int:
+    """Arguments of ``Remote[[A, B], R]`` as written in a protocol's annotation."""
+    node = ast.parse(annotation, mode="eval").body
+    assert isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple), annotation
+    args = node.slice.elts[0]
+    assert isinstance(args, ast.List), annotation
+    return len(args.elts)
+
+
+def test_actor_protocols_match_the_actors() -> None:
+    """Every member of a handle protocol is a method of its actor taking those arguments
+    (so the driver's typed calls and the actors cannot drift apart)."""
+    import inspect
+
+    from pipeline_rl.actors import handles
+    from pipeline_rl.actors.buffer_actor import BufferActor
+    from pipeline_rl.actors.rollout_actor import RolloutActor
+    from pipeline_rl.actors.trainer_actor import TrainerActor
+
+    for protocol, actor in ((handles.BufferHandle, BufferActor), (handles.RolloutHandle, RolloutActor),
+                            (handles.TrainerHandle, TrainerActor)):
+        members = protocol.__annotations__
+        assert members, protocol
+        for name, annotation in members.items():
+            method = getattr(actor, name, None)
+            assert callable(method), f"{actor.__name__} has no method {name} ({protocol.__name__})"
+            params = list(inspect.signature(method).parameters.values())[1:]   # without self
+            required = sum(p.default is inspect.Parameter.empty for p in params)
+            assert required <= _arity(annotation) <= len(params), \
+                f"{protocol.__name__}.{name}: {annotation} does not fit {actor.__name__}.{name}{inspect.signature(method)}"

@@ -1,11 +1,9 @@
 """The Ray boundary, typed: one protocol per actor, and the actor classes with their resources.
 
-Ray's handles say nothing about the methods behind them, so each actor has a
-protocol here (:class:`BufferHandle`, :class:`RolloutHandle`, :class:`TrainerHandle`)
-whose members are the actor's methods as Ray exposes them (``handle.method.remote(...)``
-returning an ``ObjectRef`` of the method's result). The driver holds handles typed by
-these protocols, so a renamed or re-typed method is a type error at its callers;
-``tests/test_imports.py`` checks that every protocol member matches its actor's method.
+Ray's handles say nothing about their methods, so each actor has a protocol here whose
+members are its methods as Ray exposes them (``handle.method.remote(...)`` -> ``ObjectRef``).
+The driver holds handles typed by these, so a renamed or re-typed method is a type error at
+its callers; ``tests/test_imports.py`` checks every member against its actor's method.
 
 The actor classes are placed by ``pipeline_rl.actors.placement``.
 """

@@ -21,18 +21,12 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline_rl import runtime_env
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
 
 log = logging.getLogger(__name__)
 
-#: Environment of every actor process: one thread per process, vLLM in-process, offline.
-ACTOR_ENV = {
-    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": "cpu",
-    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-    "RAY_DEDUP_LOGS": "0",
-}
 
 
 def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
@@ -40,7 +34,7 @@ def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
     """Call first in an actor's constructor (see the module docstring); ``name`` names
     its log file (``rollout-0``, ``trainer-1``, ``buffer``); ``core``: the core slot the
     process takes (:func:`pin_to_core`), None to leave it unpinned."""
-    os.environ.update(ACTOR_ENV)
+    runtime_env.for_actor()
     gc.disable()   # until end_of_startup(): see there
     if cfg.log_level != "debug":
         redirect_output(Path(cfg.out_dir) / "logs" / f"{name}.log")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+from pipeline_rl import runtime_env
 from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
@@ -90,8 +91,7 @@ class TrainerActor:
         return self._on_torch_thread(lambda: self._setup(master_addr, master_port))
 
     def _setup(self, master_addr: str, master_port: int) -> int:
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                          RANK=str(self._rank), WORLD_SIZE=str(self._world_size), LOCAL_RANK="0")
+        runtime_env.for_rendezvous(master_addr, master_port, self._rank, self._world_size)
         from pipeline_rl.weight_sync.publisher import WeightPublisher
         from pipeline_rl.training.trainer import RankStep, Trainer
 

@@ -34,7 +34,6 @@ float64 for float64 input on the reference path (gradient checks).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 

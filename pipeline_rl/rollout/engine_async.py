@@ -30,7 +30,6 @@ from a half-loaded model). A failure in ``finish_weight_update`` does the same.
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 import time
@@ -42,8 +41,8 @@ from pipeline_rl.rollout.engine import (
     FinishedSequence,
     GenerationEngine,
     GenRequest,
-    set_cpu_env,
 )
+from pipeline_rl import runtime_env
 from pipeline_rl.rollout import vllm_compat as compat
 from pipeline_rl.rollout.engine_inprocess import sampling_params, to_finished
 from pipeline_rl.weight_sync.gloo import (
@@ -82,15 +81,7 @@ class AsyncEngine(GenerationEngine):
     the trainer."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        if cfg.device == "cpu":
-            set_cpu_env()
-            # Eager even for vLLM's few torch.compile'd sampler helpers: on CPU inductor
-            # compiles each with a C++ toolchain on first use, seconds during which the
-            # engine core answers nothing, a weight update included (the engine core
-            # process inherits this; the in-process engine does the same per thread).
-            os.environ["TORCHDYNAMO_DISABLE"] = "1"
-        # The engine core runs in a process of its own (actors inherit 0 for the in-process engine).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        runtime_env.for_async_engine(cfg.device)
         register()
         self.cfg = cfg
         self.kv_policy = cfg.kv_policy

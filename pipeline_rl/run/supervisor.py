@@ -1,24 +1,31 @@
-"""Supervision helpers of the driver: name the actor behind a failure, and notice
-when the run stops making progress.
-
-- :func:`describe_failure` turns whatever a Ray call raised (an exception inside an
-  actor method, possibly raised through another actor's call, or an actor process
-  that died) into one line naming the actor's role and the innermost cause.
-- :class:`Watchdog` bounds the time between two completed steps by
-  ``max(floor_s, factor x median step time)`` (the floor alone before the first
-  step); the driver asks :meth:`Watchdog.overdue` while it waits and, when it
-  answers, reports who waits for what and ends the run.
-"""
+"""Supervision of a run: every failure becomes one line naming the actor's role and the
+innermost cause (:func:`describe_failure`, also through a chain of actor calls), a dead
+rollout worker is restarted, and a run that stops progressing (the :class:`Watchdog`:
+``max(floor_s, factor x median step time)`` between completed steps) says who waits
+for what. No Ray here: actors are typed handles, results come through ``Calls``."""
 
 from __future__ import annotations
 
+import logging
 import re
 import statistics
+import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.calls import first_line
+from pipeline_rl.config import Config
+from pipeline_rl.run.remote_calls import ActorDied, ActorRaised, ActorUnavailable, CallFailed, Calls, NoAnswer
+
+if TYPE_CHECKING:
+    from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
+    from pipeline_rl.reports import RankStepReport
+    from pipeline_rl.run.checkpoints import CheckpointPolicy
+
+log = logging.getLogger("pipeline_rl.run.supervisor")
 
 _RAY_CALL = re.compile(r"ray::(\w+\.\w+)")
 
@@ -96,3 +103,186 @@ class Watchdog:
 
     def overdue(self) -> bool:
         return self.floor_s > 0 and self.waited_s() > self.bound_s()
+
+
+class OrchestratorError(RuntimeError):
+    """The run cannot go on (a trainer died, no batch came in time, start-up failed); the
+    message is the one line the user sees."""
+
+
+_POLL_S = 0.5
+_STOP_GRACE_S = 3.0
+_RESTART_TIMEOUT_S = 300.0  # a restarted rollout worker must have its engine up by then
+
+
+@dataclass(slots=True)
+class WorkerSlot:
+    """A rollout worker as the driver supervises it: its handle, its generation loop's
+    call in flight, and how often its process was restarted."""
+
+    index: int
+    handle: RolloutHandle
+    run_ref: Any = None
+    restarts: int = 0
+
+    def start(self, version: int, groups_per_step: int) -> None:
+        """Start (or restart) its generation loop: group ids continue past a resumed run's,
+        in a fresh range of 2**28 per restart (ids stay unique; prompts do not repeat)."""
+        self.run_ref = self.handle.run.remote((self.restarts << 28) + version * groups_per_step)
+
+
+class Supervisor:
+    """Watches every actor while the driver waits for a step; any failure is one
+    :class:`OrchestratorError` line (actor, cause, checkpoint to resume from): an exception
+    inside an actor method, a dead buffer or trainer, a worker process that died more than
+    ``rollout.max_restarts`` times (before that it is restarted), a stalled run."""
+
+    def __init__(self, cfg: Config, calls: Calls, buffer: BufferHandle, trainers: Sequence[TrainerHandle],
+                 workers: Sequence[WorkerSlot], stop: threading.Event, checkpoints: CheckpointPolicy,
+                 version: Callable[[], int], on_restart: Callable[[int], None] = lambda index: None) -> None:
+        self.cfg, self._calls, self._buffer, self._trainers, self._workers = cfg, calls, buffer, trainers, workers
+        self._stop, self._checkpoints, self._version, self._on_restart = stop, checkpoints, version, on_restart
+        self.watchdog = Watchdog(cfg.watchdog_s)
+        self.abandoned_step = False   # a stop left a train step unfinished: no final checkpoint
+        self._buffer_watch = buffer.watch.remote()   # answers only when the buffer fails or closes
+
+    def fail(self, message: str) -> OrchestratorError:
+        return OrchestratorError(self._checkpoints.resume_hint(message))
+
+    def await_step(self, refs: Sequence[Any]) -> list[RankStepReport] | None:
+        """The step's reports (every rank's); None when a stop request abandoned the step.
+        Checks the buffer, the workers and the watchdog every ``_POLL_S`` while it waits."""
+        pending = list(refs)
+        while pending:
+            if self._stop.is_set():
+                # Let a step already under way finish (a checkpoint taken meanwhile would hold
+                # its weights under the previous version's name); give up on one still waiting.
+                if self._calls.pending(pending, _STOP_GRACE_S):
+                    self.abandoned_step = True
+                    return None
+                break
+            pending = self._calls.pending(pending, _POLL_S)
+            self.check()
+            if pending and self.watchdog.overdue():
+                raise self.fail(self.stalled())
+        try:
+            reports = [self._calls.get(r) for r in refs]
+        except (ActorDied, ActorRaised) as e:
+            raise self.trainer_failure(e) from None
+        done = [r for r in reports if r is not None]
+        if len(done) < len(reports):
+            raise self.fail(f"no batch within --trainer.batch_timeout_s={self.cfg.trainer.batch_timeout_s} "
+                            f"at version {self._version()}")
+        if len({r.result.version for r in done}) != 1:   # ranks step together through their collectives
+            raise OrchestratorError(f"trainer ranks disagree on the version after a step: "
+                                    f"{sorted({r.result.version for r in done})}")
+        return done
+
+    def check(self) -> None:
+        """End the run on a failed buffer or worker; restart a worker whose process died."""
+        self.check_buffer()
+        self.supervise_workers()
+
+    def trainer_failure(self, e: CallFailed) -> OrchestratorError:
+        """The line for a failed trainer call: a dead buffer is named as such (a trainer
+        waiting on it fails too), else the innermost failing actor."""
+        self.check_buffer(probe=True)
+        return self.fail(f"{describe_failure(e.error, 'trainer')} (at version {self._version()})")
+
+    def check_buffer(self, *, probe: bool = False) -> None:
+        """End the run if the buffer's sentinel answered (its receiver thread crashed, or its
+        process died); with ``probe``, also ask it directly."""
+        why: str | None = None
+        if not self._calls.pending([self._buffer_watch], 0):
+            try:
+                why = self._calls.get(self._buffer_watch) or "it closed while the run was going on"
+            except (ActorDied, ActorRaised) as e:
+                why = f"its process died ({e})"
+        elif probe:
+            try:
+                self._calls.get(self._buffer.ping.remote(), timeout_s=2.0)
+            except NoAnswer:
+                pass
+            except (ActorDied, ActorRaised) as e:
+                why = f"its process died ({e})"
+        if why is not None and not self._stop.is_set():
+            raise self.fail(f"replay buffer failed: {why}")
+
+    def stalled(self) -> str:
+        """Who waits for what, in one line, when the watchdog fires."""
+        parts = [f"no step completed for {self.watchdog.waited_s():.0f} s (watchdog bound "
+                 f"{self.watchdog.bound_s():.0f} s, --watchdog-s): the trainer waits for a batch of "
+                 f"{self.cfg.groups_per_step} groups at version {self._version()}"]
+        try:
+            buf = self._calls.get(self._buffer.stats.remote(), timeout_s=2.0)
+            adm = buf.admission
+            parts.append(f"the buffer holds {buf.fill} groups (capacity {buf.capacity}, "
+                         f"{sum(buf.evicted.values())} evicted); admission budget {adm.used}/{adm.limit} "
+                         f"used at version {adm.version}")
+        except CallFailed as e:
+            parts.append(f"the buffer does not answer ({e})")
+        refs = [w.handle.stats.remote() for w in self._workers]
+        late = self._calls.pending(refs, 2.0)
+        for i, ref in enumerate(refs):
+            if ref in late:
+                parts.append(f"rollout worker {i} does not answer")
+                continue
+            st = self._calls.get(ref)
+            parts.append(f"rollout worker {i} holds weights v{st.version}, {st.in_flight_groups} "
+                         f"groups in flight, {st.groups_sent} sent, "
+                         f"{'generating' if st.in_flight_groups else 'idle: no admission'}")
+        return "; ".join(parts)
+
+    def supervise_workers(self) -> None:
+        """Restart the generation loop of a worker whose process died (Ray restarts the
+        process) up to ``rollout.max_restarts`` times; an exception raised inside a
+        worker ends the run."""
+        runs = [w.run_ref for w in self._workers]
+        running = self._calls.pending(runs, 0)
+        for w in self._workers:
+            if w.run_ref in running or self._stop.is_set():
+                continue
+            try:
+                self._calls.get(w.run_ref)
+                why = "its generation loop returned"
+            except ActorDied as e:
+                why = f"its process died ({e})"
+            except CallFailed as e:
+                raise self.fail(f"rollout worker {w.index} failed: {cause_of(e.error)} "
+                                f"(at version {self._version()})") from None
+            self._restart(w, why)
+
+    def _restart(self, w: WorkerSlot, why: str) -> None:
+        if w.restarts >= self.cfg.rollout.max_restarts:
+            raise self.fail(f"rollout worker {w.index} stopped {w.restarts + 1} times, more than "
+                            f"--rollout.max_restarts={self.cfg.rollout.max_restarts} allows: {why}")
+        lost = self._calls.get(self._buffer.worker_lost.remote(w.index))
+        w.restarts += 1
+        self._on_restart(w.index)
+        log.warning("rollout worker %d stopped (%s): restarting, %d in-flight groups lost", w.index, why, lost)
+        if not self._await_restart(w):
+            return
+        try:
+            self._calls.get(self._trainers[0].offer_latest.remote([w.handle]))
+        except (ActorDied, ActorRaised) as e:
+            raise self.trainer_failure(e) from None
+        w.start(self._version(), self.cfg.groups_per_step)
+
+    def _await_restart(self, w: WorkerSlot) -> bool:
+        """Wait until Ray has restarted a worker's process and its engine is up (calls to
+        an actor that is still restarting fail as unavailable); False on a stop request."""
+        deadline = time.monotonic() + _RESTART_TIMEOUT_S
+        while not self._stop.is_set():
+            try:
+                self._calls.get(w.handle.ready.remote(), timeout_s=_POLL_S * 10)
+                return True
+            except NoAnswer:
+                pass
+            except ActorUnavailable:
+                time.sleep(_POLL_S)
+            except CallFailed as e:
+                raise self.fail(f"rollout worker {w.index} could not be restarted: {cause_of(e.error)}") from None
+            if time.monotonic() > deadline:
+                raise self.fail(f"rollout worker {w.index} did not come back within {_RESTART_TIMEOUT_S:.0f} s "
+                                f"of its restart")
+        return False

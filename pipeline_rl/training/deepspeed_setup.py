@@ -10,17 +10,16 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline_rl import runtime_env
 from pipeline_rl.config import Config, Device
 from pipeline_rl.net import free_port
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def pick_device(want: Device, rank: int) -> torch.device:
@@ -93,16 +92,14 @@ def init_distributed(rank: int, world_size: int, master_addr: str | None, master
         if world_size > 1:
             raise ValueError("trainer: master_port (or MASTER_PORT) is required with world_size > 1")
         master_port = free_port()
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+    runtime_env.for_rendezvous(master_addr, master_port, rank, world_size)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                rank=rank, world_size=world_size)
 
 
 def prepare_cpu_deepspeed() -> None:
     """docs/design.md, platform notes: no JIT C++ builds on CPU (shm comm op skipped), extensions under the project."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_ROOT / ".cache" / "torch_extensions"))
+    runtime_env.for_trainer("cpu")
     setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
 
 
@@ -110,10 +107,9 @@ def prepare_cuda_deepspeed() -> None:
     """DeepSpeed picks its accelerator once per process, from ``DS_ACCELERATOR`` when set (the
     test suite and CPU runs set ``cpu``); a CUDA trainer needs DeepSpeed's CUDA accelerator, else
     the engine keeps the model on the CPU. Raises when DeepSpeed already chose another one."""
-    if os.environ.get("DS_ACCELERATOR", "cuda") != "cuda":
-        log.info("trainer: model.device is cuda; DS_ACCELERATOR=%s replaced by cuda",
-                 os.environ["DS_ACCELERATOR"])
-        os.environ["DS_ACCELERATOR"] = "cuda"
+    replaced = runtime_env.for_trainer("cuda")
+    if replaced is not None:
+        log.info("trainer: model.device is cuda; DS_ACCELERATOR=%s replaced by cuda", replaced)
     from deepspeed.accelerator import get_accelerator
 
     name = get_accelerator().device_name()

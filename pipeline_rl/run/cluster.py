@@ -1,0 +1,133 @@
+"""The Ray cluster of a run: the one ``--ray-address`` names (or an embedding program's), or
+a private local one sized for the run; checked to fit every actor; shut down only if started here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline_rl import runtime_env
+from pipeline_rl.config import Config
+from pipeline_rl.resources import CorePlan, GpuPlan, plan_cores
+from pipeline_rl.run.supervisor import OrchestratorError
+
+log = logging.getLogger("pipeline_rl.run.cluster")
+
+
+def say(line: str) -> None:
+    """One progress line on the console (start-up phases), as the step lines are."""
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the actors go on this cluster: ``host`` is the address the buffer binds and
+    the trainers meet at (loopback on one node), ``gpus`` the GPU plan (None: CPU),
+    ``cores`` the core each actor is pinned to (one machine, CPU runs)."""
+
+    node_id: str
+    multi_node: bool
+    host: str
+    gpus: GpuPlan | None
+    cores: CorePlan
+
+
+class Cluster:
+    """Ray for one run (see the module docstring); :meth:`shutdown` is safe to call twice."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self._started = False
+        self._session_dir: str | None = None
+
+    def start(self) -> Placement:
+        """Join or start Ray, check the cluster fits the run (one line naming what is
+        missing otherwise), and plan the placement."""
+        import ray
+
+        if ray.is_initialized():  # an embedding program (a test, a notebook) owns Ray
+            pass
+        elif self.cfg.ray.address:
+            ray.init(address=self.cfg.ray.address, runtime_env={"env_vars": _actor_env()}, log_to_driver=True,
+                     logging_level=self._logging_level())
+            say(f"Ray: joined the cluster at {self.cfg.ray.address}")
+        else:
+            self._start_local()
+        from pipeline_rl.resources import check_cluster
+
+        problem = check_cluster(self.cfg, ray.cluster_resources())
+        if problem:
+            raise OrchestratorError(problem)
+        return self._placement()
+
+    def _start_local(self) -> None:
+        """A private local Ray: no token file in the home folder unless the user chose an
+        auth mode; the actors' output goes to their log files, or to this console with
+        ``--log-level debug``."""
+        from pipeline_rl.run.local_ray import start_local
+
+        runtime_env.for_local_ray()
+        cpus = self._local_cpus()
+        ctx = start_local(num_cpus=cpus, object_store_mb=self.cfg.ray.object_store_mb, env=_actor_env(),
+                          logging_level=self._logging_level(), log_to_driver=self.cfg.log_level == "debug",
+                          dashboard=self.cfg.ray.dashboard)
+        self._started = True
+        say(f"Ray: started locally with {cpus} CPUs")
+        self._session_dir = getattr(ctx, "address_info", {}).get("session_dir")
+
+    def _placement(self) -> Placement:
+        import ray
+
+        from pipeline_rl.actors.placement import gpu_plan
+
+        try:
+            gpus = gpu_plan(self.cfg)
+        except ValueError as e:
+            raise OrchestratorError(str(e)) from None
+        if gpus is not None:
+            say(gpus.describe())
+        alive = len([n for n in ray.nodes() if n.get("Alive")])
+        cores = plan_cores(self.cfg, alive_nodes=alive, on_gpus=gpus is not None)
+        if cores.pinned:
+            log.info("pinning each of %d rollout worker(s) and %d trainer rank(s) to a core of its own",
+                     len(cores.workers), len(cores.ranks))
+        host = ray.util.get_node_ip_address() if alive > 1 else "127.0.0.1"
+        return Placement(ray.get_runtime_context().get_node_id(), alive > 1, host, gpus, cores)
+
+    def _logging_level(self) -> int:
+        return logging.INFO if self.cfg.log_level == "debug" else logging.WARNING
+
+    def _local_cpus(self) -> int:
+        """CPUs of a local Ray: ``--ray.num_cpus``, else this machine's cores, raised to
+        what the actors need (oversubscribing, said in one line) so nothing waits for
+        CPUs that will never come."""
+        from pipeline_rl.resources import cpus_needed
+
+        need = cpus_needed(self.cfg)
+        if self.cfg.ray.num_cpus is not None:
+            return self.cfg.ray.num_cpus
+        have = os.cpu_count() or 1
+        if need > have:
+            log.warning("oversubscribing: %d actors of one CPU each on %d cores (steps will be slower)",
+                        need, have)
+        return max(need, have)
+
+    def shutdown(self) -> None:
+        """Stop the local Ray this run started (a joined or embedding one stays)."""
+        import ray
+
+        if self._started and ray.is_initialized():
+            ray.shutdown()
+            if self._session_dir:  # Ray leaves its plasma store's socket file behind
+                shutil.rmtree(Path(self._session_dir) / "sockets", ignore_errors=True)
+        self._started = False
+
+
+def _actor_env() -> dict[str, Any]:
+    """The environment variables every actor process starts with."""
+    return dict(runtime_env.ACTOR_ENV)

@@ -1,0 +1,158 @@
+"""The run's supervisor without Ray: stand-in actor handles and remote results drive a worker
+death (restarted, then one too many), a trainer death, a buffer death and a stall, and each
+must produce its one line (actor, cause, where to resume from)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pipeline_rl.config import Config
+from pipeline_rl.run.checkpoints import CheckpointPolicy
+from pipeline_rl.run.remote_calls import ActorDied, ActorRaised, CallFailed, NoAnswer
+from pipeline_rl.run.supervisor import OrchestratorError, Supervisor, WorkerSlot
+
+
+class Ref:
+    """A stand-in for a remote result: answered (a value, or a failure) or not yet."""
+
+    def __init__(self, value: Any = None, error: CallFailed | None = None, answered: bool = True) -> None:
+        self.value, self.error, self.answered = value, error, answered
+
+
+class Method:
+    """One actor method as Ray exposes it: ``.remote(...)`` returns a :class:`Ref`."""
+
+    def __init__(self, answer: Callable[..., Ref]) -> None:
+        self.answer = answer
+        self.calls: list[tuple[Any, ...]] = []
+
+    def remote(self, *args: Any) -> Ref:
+        self.calls.append(args)
+        return self.answer(*args)
+
+
+class FakeCalls:
+    def pending(self, refs: Sequence[Any], timeout_s: float) -> list[Any]:
+        return [r for r in refs if not r.answered]
+
+    def get(self, ref: Any, timeout_s: float | None = None) -> Any:
+        if not ref.answered:
+            raise NoAnswer(TimeoutError("no answer"))
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+
+def answered(value: Any = None) -> Callable[..., Ref]:
+    return lambda *args: Ref(value)
+
+
+def silent() -> Callable[..., Ref]:
+    return lambda *args: Ref(answered=False)
+
+
+def died(text: str) -> CallFailed:
+    return ActorDied(RuntimeError(text))
+
+
+class Buffer:
+    def __init__(self, watch: Ref | None = None) -> None:
+        stats = SimpleNamespace(fill=0, capacity=256, evicted={"stale": 0},
+                                admission=SimpleNamespace(used=10, limit=10, version=3))
+        self.watch = Method(lambda: watch or Ref(answered=False))
+        self.ping = Method(answered(True))
+        self.stats = Method(answered(stats))
+        self.worker_lost = Method(answered(2))
+
+
+class Worker:
+    def __init__(self, run: Ref) -> None:
+        stats = SimpleNamespace(version=3, in_flight_groups=2, groups_sent=5)
+        self.run = Method(lambda *args: run)
+        self.ready = Method(answered(True))
+        self.stats = Method(answered(stats))
+
+
+class Trainer:
+    def __init__(self, step: Ref | None = None) -> None:
+        self.offer_latest = Method(answered(None))
+        self.train_step = Method(lambda *args: step or Ref(answered=False))
+
+
+def supervisor(tmp_path: Path, buffer: Buffer, workers: list[Worker], trainer: Trainer | None = None,
+               **flags: Any) -> tuple[Supervisor, list[WorkerSlot], list[int]]:
+    cfg = Config.model_validate({"out_dir": str(tmp_path), **flags})
+    slots = [WorkerSlot(i, w) for i, w in enumerate(workers)]   # type: ignore[arg-type]
+    for s in slots:
+        s.start(3, cfg.groups_per_step)
+    restarted: list[int] = []
+    sup = Supervisor(cfg, FakeCalls(), buffer, [trainer or Trainer()], slots,  # type: ignore[arg-type]
+                     threading.Event(), CheckpointPolicy(cfg, tmp_path), lambda: 3, restarted.append)
+    return sup, slots, restarted
+
+
+def test_a_dead_worker_is_restarted(tmp_path: Path) -> None:
+    worker = Worker(Ref(error=died("The actor died unexpectedly")))
+    trainer = Trainer()
+    sup, slots, restarted = supervisor(tmp_path, Buffer(), [worker], trainer)
+    worker_run_after = Ref(answered=False)
+    worker.run.answer = lambda *args: worker_run_after
+    sup.check()
+    assert restarted == [0] and slots[0].restarts == 1 and slots[0].run_ref is worker_run_after
+    assert trainer.offer_latest.calls == [([worker],)]      # the newest weights, at once
+    assert worker.run.calls[-1] == ((1 << 28) + 3 * 4,)      # a fresh range of group ids
+
+
+def test_a_worker_that_dies_once_too_often_ends_the_run(tmp_path: Path) -> None:
+    sup, _, _ = supervisor(tmp_path, Buffer(), [Worker(Ref(error=died("The actor died unexpectedly")))],
+                           rollout={"max_restarts": 0})
+    with pytest.raises(OrchestratorError) as e:
+        sup.check()
+    assert str(e.value) == ("rollout worker 0 stopped 1 times, more than --rollout.max_restarts=0 allows: "
+                            "its process died (RuntimeError: The actor died unexpectedly); "
+                            "no checkpoint was saved yet")
+
+
+def test_an_exception_inside_a_worker_ends_the_run(tmp_path: Path) -> None:
+    sup, _, _ = supervisor(tmp_path, Buffer(), [Worker(Ref(error=ActorRaised(ValueError("bad engine step"))))])
+    with pytest.raises(OrchestratorError, match=r"^rollout worker 0 failed: ValueError: bad engine step "
+                                                r"\(at version 3\); no checkpoint was saved yet$"):
+        sup.check()
+
+
+def test_a_dead_trainer_ends_the_run(tmp_path: Path) -> None:
+    step = Ref(error=died("The actor died unexpectedly before finishing this task"))
+    sup, _, _ = supervisor(tmp_path, Buffer(), [Worker(Ref(answered=False))], Trainer(step))
+    with pytest.raises(OrchestratorError) as e:
+        sup.await_step([step])
+    assert str(e.value) == ("trainer failed: RuntimeError: The actor died unexpectedly before finishing "
+                            "this task (at version 3); no checkpoint was saved yet")
+
+
+def test_a_dead_buffer_is_named_as_the_buffer(tmp_path: Path) -> None:
+    buffer = Buffer(watch=Ref(error=died("The actor died because its node died")))
+    sup, _, _ = supervisor(tmp_path, buffer, [Worker(Ref(answered=False))])
+    with pytest.raises(OrchestratorError) as e:
+        sup.await_step([Ref(answered=False)])
+    assert str(e.value).startswith("replay buffer failed: its process died (RuntimeError: The actor died "
+                                   "because its node died); ")
+
+
+def test_a_stall_says_who_waits_for_what(tmp_path: Path) -> None:
+    sup, _, _ = supervisor(tmp_path, Buffer(), [Worker(Ref(answered=False))], watchdog_s=0.01)
+    sup.watchdog.touch()
+    with pytest.raises(OrchestratorError) as e:
+        sup.await_step([Ref(answered=False)])
+    line = str(e.value)
+    assert line.startswith("no step completed for ") and "\n" not in line
+    for part in ("the trainer waits for a batch of 4 groups at version 3",
+                 "the buffer holds 0 groups (capacity 256, 0 evicted); admission budget 10/10 used at version 3",
+                 "rollout worker 0 holds weights v3, 2 groups in flight, 5 sent, generating",
+                 "no checkpoint was saved yet"):
+        assert part in line, line
