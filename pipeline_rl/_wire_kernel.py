@@ -36,6 +36,8 @@ ERRORS: dict[int, tuple[str, str]] = {
     -9: ("bad_value", "log-probs must be <= 0 and not NaN"),
     -10: ("bad_value", "non-finite reward"),
     -11: ("bad_value", "unknown finish code"),
+    -12: ("length_mismatch", "mask does not hold sum(lengths) entries"),
+    -13: ("bad_value", "mask values must be 0 or 1"),
 }
 
 _LOGP_SLACK = np.float32(1e-3)  # float32 rounding of a log-prob of ~0 may land just above 0
@@ -101,4 +103,54 @@ def scan_group(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, logp
         return -8
     if bad:
         return -9
+    return oldest
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def scan_masked_group(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                      versions: np.ndarray, rewards: np.ndarray, finish: np.ndarray, mask: np.ndarray,
+                      max_length: int, num_finish: int) -> int:  # pragma: no cover - compiled
+    """:func:`scan_group` for a group with a loss mask (multi-turn episodes): log-probs,
+    versions (non-negative, non-decreasing within a completion) and the oldest version
+    are checked and found on the model's tokens (``mask == 1``) only; token ids and
+    the mask itself everywhere."""
+    total = 0
+    for c in range(lengths.shape[0]):
+        if lengths[c] < 0 or lengths[c] > max_length:
+            return -1
+        total += lengths[c]
+    if tokens.shape[0] != total:
+        return -2
+    if logprobs.shape[0] != total:
+        return -3
+    if versions.shape[0] != total:
+        return -4
+    if mask.shape[0] != total:
+        return -12
+    if _min_i32(prompt) < 0:
+        return -5
+    if _min_i32(tokens) < 0:
+        return -6
+    oldest = NEWEST
+    start = 0
+    for c in range(lengths.shape[0]):
+        last = -1
+        for t in range(start, start + lengths[c]):
+            if mask[t] > 1:
+                return -13
+            if mask[t] == 0:
+                continue
+            if versions[t] < 0:
+                return -7
+            if versions[t] < last:
+                return -8
+            if not logprobs[t] <= _LOGP_SLACK:
+                return -9
+            last = versions[t]
+            oldest = min(oldest, versions[t])
+        start += lengths[c]
+        if not np.isfinite(rewards[c]):
+            return -10
+        if finish[c] >= num_finish:
+            return -11
     return oldest

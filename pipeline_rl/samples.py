@@ -13,13 +13,15 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-FinishReason = Literal["stop", "length", "abort"]
-FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
+#: Why a completion (or episode) ended: the model stopped, a token cap, aborted, a turn cap.
+FinishReason = Literal["stop", "length", "abort", "turns"]
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "turns")
 
 NEWEST_VERSION = 2**31 - 1  # oldest version of a group with no tokens: never stale
 I32 = npt.NDArray[np.int32]
 F32 = npt.NDArray[np.float32]
-_I32_LE, _F32_LE = np.dtype("<i4"), np.dtype("<f4")
+U8 = npt.NDArray[np.uint8]
+_I32_LE, _F32_LE, _U8 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("u1")
 _ARRAY_FIELDS = (("token_ids", _I32_LE), ("logprobs", _F32_LE), ("versions", _I32_LE))
 
 
@@ -36,14 +38,17 @@ def wire_array(a: object, dtype: np.dtype, what: str) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Completion:
-    """One sampled completion of a prompt.
+    """One sampled completion of a prompt -- or a whole episode of several turns: the
+    model's turns and the environment's replies in order.
 
-    Invariants: ``token_ids``, ``logprobs`` and ``versions`` share one length
-    (the completion length, possibly 0); ``logprobs``
-    are the behaviour log-probs of the sampled tokens after temperature (<= 0,
-    may be ``-inf`` only if the sampler produced an impossible token);
-    ``versions[t]`` is the policy version of the weights that produced token t,
-    non-decreasing along the sequence; ``reward`` is finite.
+    Invariants: ``token_ids``, ``logprobs``, ``versions`` (and ``mask``, when given)
+    share one length (possibly 0). ``mask[t]`` is 1 where the model sampled token t and 0
+    where the environment wrote it; None means every token is the model's. On model
+    tokens: ``logprobs`` are the behaviour log-probs after temperature (<= 0, ``-inf``
+    only if the sampler produced an impossible token) and ``versions[t]`` the policy
+    version of the weights that produced token t, non-decreasing along the model's
+    tokens; on environment tokens both are placeholders (0, and the version before) that
+    no loss, correction, lag or diagnostic reads. ``reward`` is finite.
 
     The three arrays are stored 1-D, C-contiguous, as little-endian int32 /
     float32 / int32 (converted on construction when they are not), so the wire
@@ -55,33 +60,46 @@ class Completion:
     versions: I32
     reward: float
     finish_reason: FinishReason
+    mask: U8 | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in _ARRAY_FIELDS:
             object.__setattr__(self, name, wire_array(getattr(self, name), dtype, f"Completion.{name}"))
+        if self.mask is not None:
+            mask = wire_array(self.mask, _U8, "Completion.mask")
+            if mask.size and mask.max() > 1:
+                raise ValueError("Completion.mask holds values other than 0 and 1")
+            object.__setattr__(self, "mask", None if mask.all() else mask)
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
     @property
+    def model_versions(self) -> I32:
+        """The versions of the model's tokens (all of them, without a mask)."""
+        return self.versions if self.mask is None else self.versions[self.mask != 0]
+
+    @property
     def min_version(self) -> int | None:
-        return int(self.versions.min()) if self.versions.size else None
+        v = self.model_versions
+        return int(v.min()) if v.size else None
 
     @property
     def num_versions(self) -> int:
-        """How many distinct policy versions produced this completion's tokens."""
-        return int(np.unique(self.versions).size)
+        """How many distinct policy versions produced this completion's model tokens."""
+        return int(np.unique(self.model_versions).size)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class GroupColumns:
     """A group's completions as flat arrays (the wire layout): completion ``i`` is
     ``token_ids[ends[i-1]:ends[i]]`` (likewise ``logprobs``, ``versions``), with
-    ``ends = cumsum(lengths)``. ``finish`` indexes :data:`FINISH_REASONS`.
+    ``ends = cumsum(lengths)``. ``finish`` indexes :data:`FINISH_REASONS`; ``mask``
+    (None: all model tokens) marks the model's tokens, as in :class:`Completion`.
 
     Invariants: ``lengths``, ``rewards`` and ``finish`` share one length (the number
-    of completions, >= 1); ``token_ids``, ``logprobs`` and ``versions`` have
+    of completions, >= 1); ``token_ids``, ``logprobs``, ``versions`` (and ``mask``) have
     ``lengths.sum()`` entries.
     """
 
@@ -91,12 +109,15 @@ class GroupColumns:
     versions: I32
     rewards: npt.NDArray[np.float64]
     finish: npt.NDArray[np.uint8]
+    mask: U8 | None = None
 
     def completions(self) -> tuple[Completion, ...]:
         ends = np.cumsum(self.lengths).tolist()
         starts = [0, *ends[:-1]]
+        m = self.mask
         return tuple(
-            Completion(self.token_ids[s:e], self.logprobs[s:e], self.versions[s:e], r, FINISH_REASONS[f])
+            Completion(self.token_ids[s:e], self.logprobs[s:e], self.versions[s:e], r, FINISH_REASONS[f],
+                       None if m is None else m[s:e])
             for s, e, r, f in zip(starts, ends, self.rewards.tolist(), self.finish.tolist()))
 
 
@@ -173,11 +194,12 @@ class Group:
 
     @property
     def oldest_version(self) -> int:
-        """Oldest token version in the group (a group with no tokens counts as
+        """Oldest version of the group's model tokens (a group without any counts as
         the newest possible, so it is never stale)."""
         if self._oldest is None:  # computed once (the wire decoder passes it in)
             if self._columns is not None:
-                v = self._columns.versions
+                m, v = self._columns.mask, self._columns.versions
+                v = v if m is None else v[m != 0]
                 self._oldest = int(v.min()) if v.size else NEWEST_VERSION
             else:
                 versions = [c.min_version for c in self.completions if c.num_tokens]

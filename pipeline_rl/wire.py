@@ -15,6 +15,11 @@ list)::
      rewards      <f8 bytes [n],
      finish       u1  bytes [n]]              index into FINISH_REASONS
 
+A group with environment tokens (multi-turn episodes) travels as schema version
+:data:`SCHEMA_MASKED`: the same fields plus ``mask u1 bytes [sum(lengths)]`` (1 on the
+model's tokens). Log-probs and versions are checked, and the oldest version found, on
+the model's tokens only; a version 1 message decodes with every token the model's.
+
 Decoding validates everything and raises :class:`WireError` (one line naming
 what is wrong) on any problem; it never executes code from the message (no
 pickle) and never trusts a length it has not checked.
@@ -40,6 +45,7 @@ import numpy as np
 from pipeline_rl.samples import FINISH_REASONS, Completion, Group, GroupColumns
 
 SCHEMA_VERSION = 1  # written as a msgpack positive fixint: must stay <= 127
+SCHEMA_MASKED = 2   # the same fields plus a per-token loss mask (multi-turn episodes)
 _FIELDS = 11
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -77,7 +83,7 @@ def encode_group(group: Group) -> bytes:
     cols = group.columns
     if cols is not None:  # decoded earlier: the flat arrays are already the wire layout
         return _pack(group, cols.token_ids.shape[0], cols.lengths, [cols.token_ids], [cols.logprobs],
-                     [cols.versions], cols.rewards, cols.finish)
+                     [cols.versions], cols.rewards, cols.finish, None if cols.mask is None else [cols.mask])
     comps = group.completions
     if not comps:
         raise WireError("empty_group", f"group {group.group_id} has no completions")
@@ -91,13 +97,16 @@ def encode_group(group: Group) -> bytes:
     except KeyError as e:
         raise WireError("bad_finish_reason", f"unknown finish reason {e.args[0]!r}") from None
     count = len(comps)
+    masks = None if all(c.mask is None for c in comps) else \
+        [np.ones(len(c.token_ids), np.uint8) if c.mask is None else c.mask for c in comps]
     # Completion stores its arrays contiguous in the wire dtypes: their bytes go as they are.
     return _pack(group, sum(lengths), struct.pack(f"<{count}i", *lengths), tokens, [c.logprobs for c in comps],
-                 [c.versions for c in comps], struct.pack(f"<{count}d", *[c.reward for c in comps]), finish)
+                 [c.versions for c in comps], struct.pack(f"<{count}d", *[c.reward for c in comps]), finish, masks)
 
 
 def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buffer],
-          logprobs: Sequence[_Buffer], versions: Sequence[_Buffer], rewards: _Buffer, finish: _Buffer) -> bytes:
+          logprobs: Sequence[_Buffer], versions: Sequence[_Buffer], rewards: _Buffer, finish: _Buffer,
+          masks: Sequence[_Buffer] | None) -> bytes:
     """The msgpack array of the module docstring, written directly so that the token
     arrays are copied once, straight into the message: a fixarray header, the
     schema version as a fixint, the three ids as ``uint 64`` (0xcf), then each
@@ -106,8 +115,9 @@ def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buf
     concatenation of their parts (``num_tokens`` entries of 4 bytes each);
     ``finish`` holds one byte per completion."""
     prompt = group.prompt_ids  # contiguous <i4 (a Group invariant)
+    fields, schema = (_FIELDS, SCHEMA_VERSION) if masks is None else (_FIELDS + 1, SCHEMA_MASKED)
     try:
-        head = _HEAD.pack(0x90 | _FIELDS, SCHEMA_VERSION, 0xCF, group.group_id, 0xCF, group.prompt_id,
+        head = _HEAD.pack(0x90 | fields, schema, 0xCF, group.group_id, 0xCF, group.prompt_id,
                           0xCF, group.worker_id, 0xC6, prompt.nbytes)
     except struct.error:
         raise WireError("bad_type", f"group {group.group_id}: ids must be integers in 0..2**64-1 "
@@ -118,6 +128,8 @@ def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buf
     parts: list[Any] = [head, prompt, _BIN32.pack(0xC6, 4 * count), lengths,
                         tok_head, *tokens, tok_head, *logprobs, tok_head, *versions,
                         _BIN32.pack(0xC6, 8 * count), rewards, _BIN32.pack(0xC6, count), finish]
+    if masks is not None:
+        parts += [_BIN32.pack(0xC6, num_tokens), *masks]
     return b"".join(parts)
 
 
@@ -147,13 +159,14 @@ def _ids(msg: list[object]) -> tuple[int, int, int]:
 
 
 def _arrays(msg: list[object]) -> list[np.ndarray]:
-    """Fields 4..10 as arrays (zero-copy views of the unpacked bytes)."""
+    """Fields 4.. as arrays (zero-copy views of the unpacked bytes)."""
+    layout = _ARRAY_LAYOUT if len(msg) == _FIELDS else (*_ARRAY_LAYOUT, (_U8, "mask"))
     try:
         if all(type(b) is bytes for b in msg[4:]):
-            return [np.frombuffer(b, dtype) for b, (dtype, _) in zip(msg[4:], _ARRAY_LAYOUT)]  # type: ignore[call-overload]
+            return [np.frombuffer(b, dtype) for b, (dtype, _) in zip(msg[4:], layout)]  # type: ignore[call-overload]
     except ValueError:  # a size that is not a multiple of the item size: named below
         pass
-    return [_array(b, dtype, what) for b, (dtype, what) in zip(msg[4:], _ARRAY_LAYOUT)]
+    return [_array(b, dtype, what) for b, (dtype, what) in zip(msg[4:], layout)]
 
 
 def _int_field(value: object, what: str) -> int:
@@ -174,12 +187,14 @@ def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -
         raise WireError("not_msgpack", f"{type(e).__name__}: {e}"[:200]) from None
     if not isinstance(msg, list) or not msg:
         raise WireError("bad_type", f"top level must be a non-empty array, got {type(msg).__name__}")
-    if msg[0] != SCHEMA_VERSION or type(msg[0]) is not int:
-        raise WireError("schema_version", f"got {msg[0]!r}, this receiver speaks {SCHEMA_VERSION}")
-    if len(msg) != _FIELDS:
-        raise WireError("bad_type", f"expected {_FIELDS} fields, got {len(msg)}")
+    if msg[0] not in (SCHEMA_VERSION, SCHEMA_MASKED) or type(msg[0]) is not int:
+        raise WireError("schema_version", f"got {msg[0]!r}, this receiver speaks {SCHEMA_VERSION} and {SCHEMA_MASKED}")
+    fields = _FIELDS if msg[0] == SCHEMA_VERSION else _FIELDS + 1
+    if len(msg) != fields:
+        raise WireError("bad_type", f"expected {fields} fields, got {len(msg)}")
     group_id, prompt_id, worker_id = _ids(msg)
-    prompt, lengths, tokens, logprobs, versions, rewards, finish = _arrays(msg)
+    prompt, lengths, tokens, logprobs, versions, rewards, finish, *masked = _arrays(msg)
+    mask = masked[0] if masked else None
     n = lengths.shape[0]
     if not 1 <= n <= limits.max_completions:
         raise WireError("bad_size", f"{n} completions, allowed 1..{limits.max_completions}")
@@ -189,8 +204,12 @@ def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -
         if arr.shape[0] != n:
             raise WireError("length_mismatch", f"{what} has {arr.shape[0]} entries, expected {n}")
     kernel = _kernel()
-    oldest = kernel.scan_group(prompt, lengths, tokens, logprobs, versions, rewards, finish,
-                               limits.max_completion_tokens, len(FINISH_REASONS))
+    if mask is None:
+        oldest = kernel.scan_group(prompt, lengths, tokens, logprobs, versions, rewards, finish,
+                                   limits.max_completion_tokens, len(FINISH_REASONS))
+    else:
+        oldest = kernel.scan_masked_group(prompt, lengths, tokens, logprobs, versions, rewards, finish, mask,
+                                          limits.max_completion_tokens, len(FINISH_REASONS))
     if oldest < 0:
         reason, detail = kernel.ERRORS[oldest]
         if reason == "length_mismatch":
@@ -198,7 +217,7 @@ def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -
                       f"{logprobs.shape[0]} log-probs, {versions.shape[0]} versions)"
         raise WireError(reason, detail)
     return Group.from_columns(group_id, prompt_id, worker_id, prompt,
-                              GroupColumns(lengths, tokens, logprobs, versions, rewards, finish),
+                              GroupColumns(lengths, tokens, logprobs, versions, rewards, finish, mask),
                               oldest_version=oldest)
 
 

@@ -32,7 +32,7 @@ Alignment (the one place off-by-ones hide): a sequence is ``prompt_ids + token_i
 ``L = P + T``. The model's logits at position ``i`` predict token ``i + 1``, so the trainer's
 per-token tensors have length ``L - 1`` ("target" positions ``j = i``, predicting
 ``input_ids[j + 1]``), and completion token ``t`` (``0 <= t < T``) sits at target position
-``P - 1 + t``. ``mask[j] = 1`` exactly on those ``T`` positions.
+``P - 1 + t``. ``mask[j] = 1`` exactly on those ``T`` positions that hold the model's tokens (an episode's environment tokens: 0).
 """
 
 from __future__ import annotations
@@ -148,6 +148,12 @@ class _Row:
     advantage: float
     index: int
     group: int     # the row's group: its position in the batch
+    model: np.ndarray | None = None   # 1 on the model's tokens (None: all of them)
+
+    def loss_mask(self) -> np.ndarray | float:
+        """What the loss mask holds on this row's completion tokens: 1, or 0 on the
+        environment's tokens of an episode (they are inputs, never targets)."""
+        return 1.0 if self.model is None else self.model.astype(np.float32)
 
     @property
     def length(self) -> int:
@@ -197,7 +203,7 @@ def _sorted_rows(groups: Sequence[Group], advantages: Sequence[np.ndarray], micr
         if g.prompt_ids.shape[0] < 1:
             raise ValueError(f"group {g.group_id}: empty prompt")
         for c, a in zip(g.completions, adv, strict=True):
-            rows.append(_Row(g.prompt_ids, c.token_ids, c.logprobs, float(a), len(rows), k))
+            rows.append(_Row(g.prompt_ids, c.token_ids, c.logprobs, float(a), len(rows), k, c.mask))
     rows.sort(key=lambda r: -r.length)  # stable: ties keep their flat order
     return rows
 
@@ -245,8 +251,8 @@ def _pad(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
         p, t = r.prompt.shape[0], r.tokens.shape[0]
         ids[i, :p] = r.prompt
         ids[i, p:p + t] = r.tokens
-        mask[i, p - 1:p - 1 + t] = 1.0
-        behav[i, p - 1:p - 1 + t] = r.logprobs
+        mask[i, p - 1:p - 1 + t] = r.loss_mask()
+        behav[i, p - 1:p - 1 + t] = r.logprobs * mask[i, p - 1:p - 1 + t]
     return MicroBatch(
         input_ids=torch.from_numpy(ids), mask=torch.from_numpy(mask), behav_logp=torch.from_numpy(behav),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
@@ -270,8 +276,8 @@ def _pad_shared(rows: Sequence[_Row], pad_id: int) -> SharedPromptBatch:
     for i, r in enumerate(rows):
         t = r.tokens.shape[0]
         ids[i, :t] = r.tokens
-        mask[i, :t] = 1.0
-        behav[i, :t] = r.logprobs
+        mask[i, :t] = r.loss_mask()
+        behav[i, :t] = r.logprobs * mask[i, :t]
     return SharedPromptBatch(
         prompt_ids=torch.from_numpy(prompt_ids),
         prompt_lens=torch.tensor([prompts[g].shape[0] for g in groups], dtype=torch.int64),
@@ -289,8 +295,10 @@ def lag_stats(groups: Sequence[Group], trainer_version: int) -> LagStats:
         for c in g.completions:
             if c.num_tokens == 0:
                 continue
-            lags.append(max(0, trainer_version - int(c.versions.min())))
-            mixed += int(c.versions[0] != c.versions[-1])
+            v = c.model_versions
+            if v.size:
+                lags.append(max(0, trainer_version - int(v.min())))
+                mixed += int(v[0] != v[-1])
     if not lags:
         return LagStats(0.0, 0, (), 0.0)
     hist = np.bincount(np.asarray(lags, dtype=np.int64))

@@ -299,8 +299,8 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, groups: Sequence[Group]) -> list[list[np.ndarray]]:
         """The trainer's log-probs of every completion token under the current weights, at the
-        sampling temperature: ``out[g][c]`` has one value per token of completion ``c`` of group
-        ``g``. Collective under ZeRO-3."""
+        sampling temperature: ``out[g][c]`` has one value per model token of completion ``c`` of
+        group ``g`` (an episode's environment tokens have none). Collective under ZeRO-3."""
         zeros = [np.zeros(len(g.completions), dtype=np.float32) for g in groups]
         flat: dict[int, np.ndarray] = {}
         for mb in self._micro_batches(groups, zeros):
