@@ -96,10 +96,28 @@ class TaskConfig(Section):
     system_prompt: str | None = Field(None, description="System message put before every prompt by "
                                       "the chat template (needs --task.chat_template auto and a "
                                       "tokenizer with a template).")
-    reward: str | None = Field(None, description="Plug-in reward MODULE:FUNCTION, a callable "
-                               "f(prompt, completion, meta) -> float in [0, 1] that replaces the "
-                               "task's reward; imported at start-up, so the module must be importable "
-                               "(installed or on PYTHONPATH) on every node.")
+    reward: str | None = Field(None, description="Replace the task's reward. MODULE:FUNCTION: a "
+                               "callable f(prompt, completion, meta) -> float in [0, 1] (def or async "
+                               "def), imported at start-up, so the module must be importable (installed "
+                               "or on PYTHONPATH) on every node. http(s)://HOST:PORT/PATH: a remote "
+                               "reward; each group's completions are one POST of a JSON list "
+                               "[{\"prompt\": ..., \"completion\": ..., \"answer\": ... or null}, ...] "
+                               "(prompt as written, before any chat template; answer: the reference "
+                               "answer) answered by a JSON list of as many numbers, in order; "
+                               "keep-alive, retried 3 times with back-off on connection errors and "
+                               "5xx; at start-up a POST of [] must be answered with a JSON list.")
+    reward_concurrency: int = Field(64, ge=1, le=4096, description="Reward calls a rollout worker "
+                                    "keeps in flight at most: threads for a def reward or a remote "
+                                    "one (one connection each), concurrent calls of an async def one "
+                                    "(on the worker's event loop). Rewards never hold up generation.")
+    reward_timeout_s: float = Field(60.0, gt=0.0, le=86_400.0, description="A reward call running "
+                                    "longer scores 0 and is counted (reward_timeouts); for a remote "
+                                    "reward also the socket timeout of each attempt.")
+    reward_errors: Literal["zero", "fail"] = Field(
+        "zero", description="A reward that raises, returns a non-number (or non-finite) or times "
+        "out: zero scores that completion 0 (the first failure is one console line, the rest are "
+        "counted on the step lines and in metrics.jsonl; a reward that fails on its first 32 calls "
+        "without one success ends the run); fail ends the run at the first failure.")
     digits: int = Field(4, ge=1, le=12, description="Built-in tasks: operand digits / list length.")
     num_prompts: int = Field(100_000, ge=1, description="Built-in tasks: size of the prompt pool.")
 
@@ -124,15 +142,15 @@ class TaskConfig(Section):
 
     @model_validator(mode="after")
     def _template_and_reward(self) -> "TaskConfig":
-        """The system prompt needs a template; the reward is spelt MODULE:FUNCTION (it is
-        imported when the task is built, before anything starts)."""
+        """The system prompt needs a template; the reward is spelt MODULE:FUNCTION or
+        http(s)://HOST:PORT/PATH (it is imported or probed when the task is built, before
+        anything starts)."""
         if self.system_prompt and self.chat_template == "none":
             raise ValueError("task.system_prompt: needs --task.chat_template auto (got none)")
-        from pipeline_rl.tasks.plugin import REWARD_SPEC  # torch-free, stdlib only
+        from pipeline_rl.tasks.plugin import check_reward_spec  # torch-free, stdlib only
 
-        spec = self.reward
-        if spec is not None and not REWARD_SPEC.match(spec):
-            raise ValueError(f"task.reward: expected MODULE:FUNCTION (e.g. my_rewards:score), got {spec!r}")
+        if self.reward is not None:
+            check_reward_spec(self.reward)
         return self
 
 

@@ -39,7 +39,11 @@ class StepMetrics:
     snapshot; ``evicted``: groups dropped as stale so far (cumulative); ``entropy``: the policy's
     per-token entropy on the batch's sampled tokens (mean ``-log π``, nats; a collapse
     towards 0 means the policy stopped exploring); ``weight_sync_ms``: the mean
-    :class:`WeightSyncLatency` of the versions every worker reached in the last window.
+    :class:`WeightSyncLatency` of the versions every worker reached in the last window;
+    ``reward_errors`` / ``reward_timeouts``: completions scored 0 so far because their reward
+    failed (raised, returned a non-number) / timed out (cumulative, all workers);
+    ``reward_s``: the mean duration of a reward call and ``reward_busy_frac`` the share of
+    the workers' time with a reward call in flight, over the last window.
     """
 
     step: int
@@ -61,6 +65,10 @@ class StepMetrics:
     completion_len_mean: float
     entropy: float = 0.0
     weight_sync_ms: float = 0.0
+    reward_errors: int = 0
+    reward_timeouts: int = 0
+    reward_s: float = 0.0
+    reward_busy_frac: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_record(self) -> dict[str, Any]:
@@ -179,11 +187,15 @@ class MetricsLogger:
 
 
 def progress_line(m: StepMetrics) -> str:
-    """One line per step: step, reward, tokens/s, lag, buffer fill, mismatch KL."""
+    """One line per step: step, reward, tokens/s, lag, buffer fill, mismatch KL; the reward
+    failures so far, once there are any."""
+    failed = (f" | reward errors {m.reward_errors + m.reward_timeouts}"
+              f"{f' ({m.reward_timeouts} timed out)' if m.reward_timeouts else ''}"
+              if m.reward_errors or m.reward_timeouts else "")
     return (f"step {m.step:4d} | reward {m.reward_mean:.3f} | {m.tokens_per_s:7.0f} tok/s | "
             f"lag {m.lag_mean:.2f} (max {m.lag_max}) | buffer {m.buffer_fill:3d} | "
             f"kl {m.mismatch_kl:+.1e} | ent {m.entropy:.2f} | mixed {m.mixed_version_frac:.2f} | "
-            f"idle {m.trainer_idle_frac:.2f} | {m.time_s:6.1f}s")
+            f"idle {m.trainer_idle_frac:.2f} | {m.time_s:6.1f}s{failed}")
 
 
 def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] = (),
@@ -211,6 +223,9 @@ def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] =
         ("evicted groups", f"{last.evicted}"),
         ("trainer idle", f"{statistics.fmean(m.trainer_idle_frac for m in history):.2f}"),
         ("weight-update stall", f"{statistics.fmean(m.weight_update_stall_ms for m in history):.1f} ms"),
+        ("reward call (mean) / workers' time in rewards", f"{statistics.fmean(m.reward_s for m in history) * 1e3:.1f} "
+                                                          f"ms / {statistics.fmean(m.reward_busy_frac for m in history):.2f}"),
+        ("reward errors / timeouts (scored 0)", f"{last.reward_errors} / {last.reward_timeouts}"),
     ]
     if sync_ms:
         rows.append(("weight sync, step end -> every worker on it (p50 / p90)",

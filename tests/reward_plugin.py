@@ -1,6 +1,8 @@
-"""Plug-in rewards for tests/test_tasks.py (``--task.reward reward_plugin:NAME``)."""
+"""Plug-in rewards for tests/test_tasks.py and tests/test_rewards.py (``--task.reward reward_plugin:NAME``)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from pipeline_rl.tasks import Prompt
 
@@ -28,3 +30,28 @@ class Scorer:
     @staticmethod
     def score(prompt: str, completion: str, meta: Prompt) -> float:
         return 0.5
+
+
+# --- for tests/test_rewards.py ----------------------------------------------------------------
+
+async def async_half(prompt: str, completion: str, meta: Prompt) -> float:
+    """An ``async def`` reward that waits 0.2 s (a remote judge) and scores 0.5."""
+    await asyncio.sleep(0.2)
+    return 0.5
+
+
+def picky(prompt: str, completion: str, meta: Prompt) -> object:
+    """Fails in every way a reward can, by completion: "raise" raises, "text" returns a
+    string, "nan" a NaN; anything else scores 1."""
+    if completion == "raise":
+        raise ValueError("no digits here")
+    return {"text": "0.5", "nan": float("nan")}.get(completion, 1)
+
+
+async def flaky_async(prompt: str, completion: str, meta: Prompt) -> float:
+    """An ``async def`` reward that raises on every third prompt, else scores whether the
+    answer appears in the completion (a real run's reward, with failures)."""
+    await asyncio.sleep(0.002)
+    if meta.prompt_id % 3 == 0:
+        raise ValueError("judge unavailable")
+    return float(meta.answer in completion)

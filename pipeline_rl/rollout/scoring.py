@@ -1,35 +1,97 @@
 """Rewards and sends of a rollout worker's finished groups (``pipeline_rl.rollout.worker``),
-in its thread pool, off the engine's critical path.
+off the engine's critical path.
 
-A reward function that raises (or returns a non-finite value) is logged with the
-prompt id and scores 0; it stops the worker only if it has failed on its
-first ``REWARD_FAILURES_FATAL`` calls without a single success.
+Where rewards run: on one asyncio event loop, in a thread of the worker's own
+(``rewards-N``); the engine loop only hands over finished groups and evaluations.
+
+- the task's own (built-in) reward: on that loop, once per group (it is pure and fast,
+  and never raises: the ``Task`` contract);
+- a plug-in ``def`` reward: once per completion, on a pool of ``--task.reward_concurrency``
+  threads;
+- a plug-in ``async def`` reward: once per completion, on the loop;
+- a remote reward (:class:`~pipeline_rl.tasks.base.BatchReward`): once per group, on the
+  thread pool (one keep-alive connection per thread).
+
+At most ``reward_concurrency`` calls are in flight. A call not done after
+``--task.reward_timeout_s`` scores 0 and is counted as a timeout (an ``async def`` one is
+cancelled; a thread cannot be, so its slot is freed only when it returns). Scored groups
+are sent by one sending thread (a full buffer blocks it, never the loop).
+
+Failures -- a call that raises, a value that is not a finite number, a timeout -- score
+that completion 0 and are counted (``RewardTally``); the first one is kept as one line
+naming the reward, the prompt and the error (``WorkerStats.rewards.first_error``: the
+driver prints it). With ``--task.reward_errors fail`` it stops the worker instead; so
+does a reward that failed on its first ``REWARD_FAILURES_FATAL`` completions without a
+single success.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import inspect
 import logging
 import math
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from pipeline_rl.calls import first_line
+from pipeline_rl.config import TaskConfig
+from pipeline_rl.evaluation import PendingEval
 from pipeline_rl.rollout.engine import FinishedSequence
 from pipeline_rl.rollout.ports import SenderLike
 from pipeline_rl.rollout.worker_stats import Counters
 from pipeline_rl.samples import I32, Completion, Group
-from pipeline_rl.tasks.base import Prompt, RewardFn
+from pipeline_rl.tasks.base import BatchReward, Prompt, RewardFn, Task
+from pipeline_rl.tasks.chat import plugin_reward
 
 log = logging.getLogger(__name__)
 
 #: A reward function that failed this many times without ever succeeding ends the run.
 REWARD_FAILURES_FATAL = 32
 
+#: One reward call: ``(prompt, completions) -> one value per completion`` (or an awaitable of it).
+Call = Callable[[Prompt, Sequence[str]], list[object] | Awaitable[list[object]]]
+
 
 class RewardFailed(RuntimeError):
-    """The task's reward function fails on every call (it never returned a score)."""
+    """The task's reward fails on every call, or failed once under ``--task.reward_errors fail``."""
+
+
+@dataclass(frozen=True, slots=True)
+class RewardSource:
+    """What scores completions and how: ``name`` (how messages name it), ``call`` (one
+    call), ``per_completion`` (one call per completion, else one per group), ``on_pool``
+    (run on the thread pool, else on the event loop)."""
+
+    name: str
+    call: Call
+    per_completion: bool
+    on_pool: bool
+
+
+def reward_source(cfg: TaskConfig, task: Task, reward_fn: RewardFn | None = None) -> RewardSource:
+    """How a worker scores ``task``: ``reward_fn`` when given (tests, benchmarks), else its
+    plug-in (``--task.reward``), else its own reward (see the module docstring)."""
+    fn = reward_fn if reward_fn is not None else plugin_reward(task)
+    if fn is None:
+        own = task.reward
+        return RewardSource(f"of the {task.name} task", lambda p, ts: [own(p.text, t, p) for t in ts], False, False)
+    name = cfg.reward if reward_fn is None and cfg.reward else getattr(fn, "__qualname__", repr(fn))
+    if isinstance(fn, BatchReward):
+        return RewardSource(name, fn.score_batch, False, True)
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    if is_async:
+        async def one(p: Prompt, ts: Sequence[str]) -> list[object]:
+            return [await fn(p.text, ts[0], p)]  # type: ignore[misc]
+        return RewardSource(name, one, True, False)
+    return RewardSource(name, lambda p, ts: [fn(p.text, ts[0], p)], True, True)
 
 
 @dataclass(slots=True)
@@ -43,45 +105,200 @@ class PendingGroup:
 
 
 class Scorer:
-    """Scores a finished group's completions with ``reward_fn`` and sends the group (pool
-    threads), counting into the worker's counters under its lock; ``fail`` stops the worker."""
+    """Scores finished groups and evaluations and sends the groups (see the module
+    docstring), counting into the worker's counters under its lock; ``fail`` stops the
+    worker. Any thread may hand work over; :meth:`drain` waits for all of it."""
 
-    def __init__(self, worker_id: int, n: int, reward_fn: RewardFn, sender: SenderLike,
+    def __init__(self, worker_id: int, n: int, cfg: TaskConfig, source: RewardSource, sender: SenderLike,
                  counters: Counters, lock: threading.Lock, fail: Callable[[BaseException], None]) -> None:
-        self.worker_id, self.n, self._reward_fn, self._sender = worker_id, n, reward_fn, sender
+        self.worker_id, self.n, self.source, self._sender = worker_id, n, source, sender
+        self._timeout_s, self._fail_fast = cfg.reward_timeout_s, cfg.reward_errors == "fail"
         self._c, self._lock, self._fail = counters, lock, fail
+        self._pool = ThreadPoolExecutor(cfg.reward_concurrency, thread_name_prefix=f"reward-{worker_id}")
+        self._sends = ThreadPoolExecutor(1, thread_name_prefix=f"send-{worker_id}")
+        self._slots = asyncio.Semaphore(cfg.reward_concurrency)
+        self._jobs: set[Future[None]] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"rewards-{worker_id}", daemon=True)
+        self._thread.start()
 
-    def score_and_send(self, pending: PendingGroup) -> None:
-        completions = tuple(
-            Completion(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
-                       reward=self.reward(pending.prompt, s.text), finish_reason=s.finish_reason)
-            for s in (pending.done[i] for i in range(self.n)))
-        group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id,
-                      worker_id=self.worker_id,
+    # -- handing work over (any thread) ---------------------------------------------------
+    def group_done(self, pending: PendingGroup) -> None:
+        """Score ``pending``'s ``n`` completions, then send the group."""
+        self._submit(self._score_and_send(pending))
+
+    def eval_done(self, pending: PendingEval, version: int) -> None:
+        """Score every answer of ``pending`` and set its future (``version``: the serving one)."""
+        self._submit(self._score_eval(pending, version))
+
+    def drain(self) -> None:
+        """Wait until every group handed over is scored and sent (failures went to ``fail``)."""
+        while True:
+            with self._lock:
+                jobs = list(self._jobs)
+            if not jobs:
+                return
+            for job in jobs:
+                try:
+                    job.result()
+                except Exception:  # noqa: BLE001 -- already handed to fail()
+                    pass
+
+    def close(self) -> None:
+        """Cancel what is still running, stop the loop and release the threads (a reward
+        thread still running is left to finish on its own)."""
+        if self._loop.is_closed():
+            return
+        if self._thread.is_alive():
+            with contextlib.suppress(TimeoutError):
+                asyncio.run_coroutine_threadsafe(_cancel_all(), self._loop).result(timeout=5.0)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5.0)
+        self._loop.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._sends.shutdown(wait=True, cancel_futures=True)
+
+    def _submit(self, job: Coroutine[Any, Any, None]) -> None:
+        fut = asyncio.run_coroutine_threadsafe(job, self._loop)
+        with self._lock:
+            self._jobs.add(fut)
+        fut.add_done_callback(self._job_done)
+
+    def _job_done(self, fut: Future[None]) -> None:
+        with self._lock:
+            self._jobs.discard(fut)
+        err = None if fut.cancelled() else fut.exception()
+        if err is not None:
+            self._fail(err)
+
+    # -- on the loop ----------------------------------------------------------------------
+    async def _score_and_send(self, pending: PendingGroup) -> None:
+        seqs = [pending.done[i] for i in range(self.n)]
+        rewards = await self.score(pending.prompt, [s.text for s in seqs])
+        completions = tuple(Completion(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
+                                       reward=r, finish_reason=s.finish_reason) for s, r in zip(seqs, rewards))
+        group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id, worker_id=self.worker_id,
                       prompt_ids=_i32(pending.prompt_ids), completions=completions)
-        self._sender.send(group)
+        await self._loop.run_in_executor(self._sends, self._sender.send, group)
         with self._lock:
             self._c.groups_sent += 1
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
+    async def _score_eval(self, pending: PendingEval, version: int) -> None:
         try:
-            value = float(self._reward_fn(prompt.text, completion, prompt))
-            if not math.isfinite(value):
-                raise ValueError(f"non-finite reward {value}")
-            with self._lock:
-                self._c.reward_ok += 1
-            return value
-        except Exception as e:  # a user's reward function must never kill the worker...
-            with self._lock:
-                self._c.reward_errors += 1
-                hopeless = not self._c.reward_ok and self._c.reward_errors >= REWARD_FAILURES_FATAL
-            log.warning("worker %d: reward function failed on prompt %d (scored 0): %s: %s",
-                        self.worker_id, prompt.prompt_id, type(e).__name__, e)
-            if hopeless:  # ...unless it has never once worked: then nothing can be learned
-                self._fail(RewardFailed(f"the reward function failed on all of its first "
-                                        f"{REWARD_FAILURES_FATAL} calls; last: {type(e).__name__}: "
-                                        f"{str(e).splitlines()[0] if str(e) else ''}"))
-            return 0.0
+            k1 = pending.request.k + 1
+            scored = await asyncio.gather(*(self.score(p, [pending.texts[(i, j)] for j in range(k1)])
+                                            for i, p in enumerate(pending.prompts)))
+            by_answer = {(p.prompt_id, pending.texts[(i, j)]): r for i, (p, rs) in
+                         enumerate(zip(pending.prompts, scored)) for j, r in enumerate(rs)}
+            result = pending.score(lambda p, text: by_answer[(p.prompt_id, text)], version)
+        except BaseException as e:
+            pending.future.set_exception(e)
+            raise
+        pending.future.set_result(result)
+
+    async def score(self, prompt: Prompt, texts: Sequence[str]) -> list[float]:
+        """The rewards of ``texts`` (completions of ``prompt``), failures scored 0."""
+        if not self.source.per_completion:
+            return await self._call(prompt, texts)
+        parts = await asyncio.gather(*(self._call(prompt, [t]) for t in texts))
+        return [r for part in parts for r in part]
+
+    async def _call(self, prompt: Prompt, texts: Sequence[str]) -> list[float]:
+        await self._slots.acquire()
+        start = self._began()
+        task = asyncio.ensure_future(self._invoke(prompt, texts))
+        task.add_done_callback(lambda t: self._ended(t, start))
+        done, _ = await asyncio.wait({task}, timeout=self._timeout_s)
+        if not done:
+            if not self.source.on_pool:
+                task.cancel()
+            return self._failed(prompt, len(texts), TimeoutError(f"no answer within {self._timeout_s:g} s "
+                                                                 f"(--task.reward_timeout_s)"), timeout=True)
+        try:
+            values = task.result()
+            if len(values) != len(texts):
+                raise ValueError(f"{len(values)} scores for {len(texts)} completions")
+        except Exception as e:  # a user's reward must never kill the worker (see _failed)
+            return self._failed(prompt, len(texts), e)
+        return [self._checked(prompt, v) for v in values]
+
+    async def _invoke(self, prompt: Prompt, texts: Sequence[str]) -> list[object]:
+        out = (await self._loop.run_in_executor(self._pool, self.source.call, prompt, texts)
+               if self.source.on_pool else self.source.call(prompt, texts))
+        return list(await out if inspect.isawaitable(out) else out)
+
+    def _checked(self, prompt: Prompt, value: object) -> float:
+        """``value`` as a finite float, counted as a success; else a failure scored 0."""
+        try:
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+                raise TypeError(f"returned {type(value).__name__} {value!r:.40}, not a number")
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError(f"returned {number}, not a finite number")
+        except Exception as e:  # noqa: BLE001 -- a bad value: counted as the reward's failure
+            return self._failed(prompt, 1, e)[0]
+        with self._lock:
+            self._c.reward_ok += 1
+        return number
+
+    def _failed(self, prompt: Prompt, count: int, err: BaseException, *, timeout: bool = False) -> list[float]:
+        """Count ``count`` completions of ``prompt`` as failed (``err``) and score them 0;
+        the first failure is kept as a line; stop the worker if the policy says so."""
+        line = (f"reward {self.source.name} failed on prompt {prompt.prompt_id} "
+                f"({_short(prompt.question)}): {first_line(err)}")
+        with self._lock:
+            c = self._c
+            if timeout:
+                c.reward_timeouts += count
+            else:
+                c.reward_errors += count
+            first = c.reward_first_error is None
+            if first:
+                c.reward_first_error = line
+            hopeless = not c.reward_ok and c.reward_errors + c.reward_timeouts >= REWARD_FAILURES_FATAL
+        (log.warning if first else log.debug)("worker %d: %s (scored 0)", self.worker_id, line)
+        if self._fail_fast:
+            self._fail(RewardFailed(f"{line} (--task.reward_errors fail)"))
+        elif hopeless:
+            self._fail(RewardFailed(f"the reward {self.source.name} failed on all of its first "
+                                    f"{REWARD_FAILURES_FATAL} completions; last: {line}"))
+        return [0.0] * count
+
+    def _began(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            if not self._c.reward_in_flight:
+                self._c.reward_busy_since = now
+            self._c.reward_in_flight += 1
+        return now
+
+    def _ended(self, task: asyncio.Future[list[object]], start: float) -> None:
+        """A call returned (or was cancelled): free its slot, count its time."""
+        self._slots.release()
+        if not task.cancelled():
+            task.exception()  # retrieved: a call past its timeout may fail unobserved
+        now = time.perf_counter()
+        with self._lock:
+            c = self._c
+            c.reward_calls += 1
+            c.reward_s += now - start
+            c.reward_in_flight -= 1
+            if not c.reward_in_flight:
+                c.reward_busy_s += now - c.reward_busy_since
+
+
+async def _cancel_all() -> None:
+    """Cancel every task of the running loop but the caller, and let them finish."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """``text`` quoted on one line, cut to ``limit`` characters."""
+    one = " ".join(text.split())
+    return repr(one if len(one) <= limit else one[:limit - 3] + "...")
 
 
 def _i32(ids: tuple[int, ...]) -> I32:

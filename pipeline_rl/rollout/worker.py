@@ -8,7 +8,7 @@ The loop (one thread, the only one touching the engine)::
                                                      the answer is taken at a later pass
     add n requests per admitted group
     one engine step -> finished sequences
-    a group whose n sequences finished -> reward pool (threads) -> GroupSender
+    a group whose n sequences finished -> rewards (their own thread, scoring.py) -> GroupSender
 
 Invariants:
 
@@ -29,8 +29,9 @@ Invariants:
   actor's concurrent method -- while the engine keeps stepping; a bad payload
   raises ``WeightUpdateError`` there and is never applied. Only the newest
   staged update is kept; the loop makes it live between two steps.
-- Rewards run in a thread pool, off the engine's critical path
-  (``pipeline_rl.rollout.scoring``: a failing reward function scores 0). A send that
+- Rewards run off the engine's critical path, at most ``--task.reward_concurrency`` calls
+  at a time (``pipeline_rl.rollout.scoring``: a failing reward scores 0 and is counted,
+  or stops the worker under ``--task.reward_errors fail``). A send that
   fails (buffer gone, backpressure timeout) stops the worker with that error,
   and so does :meth:`RolloutWorker.fail` (the actor calls it when new weights
   cannot be taken).
@@ -42,13 +43,13 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.rollout.engine_factory import build_engine
 from pipeline_rl.rollout.ports import AdmissionSource, SenderLike, connect_sender
-from pipeline_rl.rollout.scoring import PendingGroup, Scorer
+from pipeline_rl.rollout.scoring import PendingGroup, Scorer, reward_source
 from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
 from pipeline_rl.evaluation import EVAL_PREFIX, EvalRequest, EvalResult, PendingEval
 from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id
@@ -80,7 +81,7 @@ class RolloutWorker:
                  admission: AdmissionSource, task: Task, *, reward_fn: RewardFn | None = None,
                  eval_task: Task | None = None,
                  engine: GenerationEngine | None = None, sender: SenderLike | None = None,
-                 reward_threads: int = 2, poll_s: float = 0.005, acquire_hold_s: float = 0.5,
+                 poll_s: float = 0.005, acquire_hold_s: float = 0.5,
                  idle_wait_s: float = 0.05, gpu_memory: float | None = None) -> None:
         self.cfg = cfg
         self.worker_id = worker_id
@@ -93,8 +94,6 @@ class RolloutWorker:
         self._sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens,
                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                         top_k=cfg.rollout.top_k)
-        self._pool = ThreadPoolExecutor(max_workers=reward_threads, thread_name_prefix=f"reward-{worker_id}")
-        self._futures: set[Future[None]] = set()
         self._pending: dict[int, PendingGroup] = {}
         self._granted = 0  # admitted groups not started yet
         self._min_version = 0
@@ -106,7 +105,7 @@ class RolloutWorker:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._c = Counters()
-        self._scorer = Scorer(worker_id, self.n, reward_fn if reward_fn is not None else task.reward,
+        self._scorer = Scorer(worker_id, self.n, cfg.task, reward_source(cfg.task, task, reward_fn),
                               self._sender, self._c, self._lock, self.fail)
         self._heap = HeapTrimmer()   # free C-heap pages back to the OS every few seconds
         self._eval_task = eval_task
@@ -367,17 +366,7 @@ class RolloutWorker:
         pending = self._evals[eval_id]
         if pending.add(i, j, seq.text, int(seq.token_ids.shape[0]), seq.versions):
             del self._evals[eval_id]
-            fut = self._pool.submit(self._score_eval, pending)
-            self._futures.add(fut)
-            fut.add_done_callback(self._on_sent)
-
-    def _score_eval(self, pending: PendingEval) -> None:
-        try:
-            result = pending.score(self._scorer.reward, self._engine.version)
-        except BaseException as e:
-            pending.future.set_exception(e)
-            raise
-        pending.future.set_result(result)
+            self._scorer.eval_done(pending, self._engine.version)
 
     def _cancel_evals(self) -> None:
         with self._lock:
@@ -400,42 +389,25 @@ class RolloutWorker:
             self._c.tokens += seq.token_ids.shape[0]
         if len(group.done) == self.n:
             del self._pending[gid]
-            fut = self._pool.submit(self._scorer.score_and_send, group)
-            self._futures.add(fut)
-            fut.add_done_callback(self._on_sent)
-
-    def _on_sent(self, fut: Future[None]) -> None:
-        with self._lock:
-            self._futures.discard(fut)
-            err = fut.exception()
-            if err is not None and self._error is None:
-                self._error = err
-        if err is not None:
-            self._wake.set()
+            self._scorer.group_done(group)
 
     def _raise_background_error(self) -> None:
         if self._error is not None:
             raise self._error
 
     def _drain(self) -> None:
-        """Wait for the groups handed to the pool to be scored and sent."""
-        while True:
-            with self._lock:
-                futures = list(self._futures)
-            if not futures:
-                break
-            for f in futures:
-                f.result()
+        """Wait for the groups handed to the scorer to be scored and sent."""
+        self._scorer.drain()
         self._raise_background_error()
 
     def close(self, *, close_engine: bool = True) -> None:
-        """Stop, release the pool, the sender and (unless told not to: a shared
+        """Stop, release the scorer, the sender and (unless told not to: a shared
         engine) the engine."""
         self.stop()
         if self._pending:  # started, never to be sent
             self._admission.release(self.worker_id, len(self._pending))
             self._pending.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._scorer.close()
         self._sender.close()
         if close_engine:
             self._engine.close()

@@ -4,6 +4,7 @@ applied updates it remembers."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,6 +23,30 @@ class AppliedAt:
 
 
 @dataclass(frozen=True, slots=True)
+class RewardTally:
+    """A worker's reward calls so far (see the fields). A completion fails when its call
+    raised, returned a non-number or a non-finite one, or ran past ``--task.reward_timeout_s``."""
+
+    calls: int = 0          # calls ended: one per completion, or per group (built-in, remote)
+    seconds: float = 0.0    # their summed duration
+    busy_s: float = 0.0     # wall time with at least one call in flight
+    errors: int = 0         # completions scored 0 because their call failed (not by timeout)
+    timeouts: int = 0       # completions scored 0 because their call timed out
+    first_error: str | None = None  # the first failure, one line (None while none)
+
+    def minus(self, old: "RewardTally") -> "RewardTally":
+        """What happened since ``old`` (an earlier tally of the same worker), never negative."""
+        return RewardTally(max(0, self.calls - old.calls), max(0.0, self.seconds - old.seconds),
+                           max(0.0, self.busy_s - old.busy_s), max(0, self.errors - old.errors),
+                           max(0, self.timeouts - old.timeouts), self.first_error)
+
+    def plus(self, other: "RewardTally") -> "RewardTally":
+        return RewardTally(self.calls + other.calls, self.seconds + other.seconds, self.busy_s + other.busy_s,
+                           self.errors + other.errors, self.timeouts + other.timeouts,
+                           self.first_error or other.first_error)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStats:
     """A snapshot of one worker. ``stall_ms``: for the most recent applied updates (at
     most ``STALL_WINDOW``, oldest first), the time no engine step could run;
@@ -32,7 +57,8 @@ class WorkerStats:
     sends were blocked by a full buffer (in the reward/send threads, not the
     engine's); ``heap_trim_s``: time spent handing free heap pages back to the OS
     (``HeapTrimmer``, on the engine's thread between steps); ``applied``: when the most
-    recent applied updates went live (at most ``STALL_WINDOW``, oldest first)."""
+    recent applied updates went live (at most ``STALL_WINDOW``, oldest first); ``rewards``:
+    its reward calls (:class:`RewardTally`)."""
 
     worker_id: int
     version: int
@@ -46,12 +72,17 @@ class WorkerStats:
     stall_ms: tuple[float, ...]
     updates_applied: int
     updates_rejected: int
-    reward_errors: int
     send_wait_s: float
     in_flight_groups: int
     stall_ms_total: float = 0.0
     heap_trim_s: float = 0.0
     applied: tuple[AppliedAt, ...] = ()
+    rewards: RewardTally = RewardTally()
+
+    @property
+    def reward_errors(self) -> int:
+        """Completions scored 0 because their reward failed (raised, non-number, timed out)."""
+        return self.rewards.errors + self.rewards.timeouts
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,8 +101,15 @@ class Counters:
     idle_s: float = 0.0
     elapsed_s: float = 0.0
     updates_rejected: int = 0
+    reward_ok: int = 0              # completions a reward call scored (a number came back)
+    reward_calls: int = 0           # the fields of RewardTally, as counted
+    reward_s: float = 0.0
+    reward_busy_s: float = 0.0
     reward_errors: int = 0
-    reward_ok: int = 0
+    reward_timeouts: int = 0
+    reward_first_error: str | None = None
+    reward_in_flight: int = 0       # reward calls running now
+    reward_busy_since: float = 0.0  # perf_counter() when reward_in_flight last left 0
     updates_applied: int = 0
     stall_ms_total: float = 0.0
     stall_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
@@ -81,12 +119,14 @@ class Counters:
                  heap_trim_s: float) -> WorkerStats:
         """These counts as :class:`WorkerStats` (the caller holds the worker's lock)."""
         c = self
+        busy = c.reward_busy_s + (time.perf_counter() - c.reward_busy_since if c.reward_in_flight else 0.0)
+        rewards = RewardTally(c.reward_calls, c.reward_s, busy, c.reward_errors, c.reward_timeouts,
+                              c.reward_first_error)
         return WorkerStats(
             worker_id=worker_id, version=version, groups_started=c.groups_started,
             groups_sent=c.groups_sent, tokens_generated=c.tokens, steps=c.steps, step_s=c.step_s,
             idle_s=c.idle_s, elapsed_s=c.elapsed_s, stall_ms=tuple(c.stall_ms),
             updates_applied=c.updates_applied, stall_ms_total=c.stall_ms_total,
             updates_rejected=c.updates_rejected,
-            reward_errors=c.reward_errors, send_wait_s=send_wait_s,
-            in_flight_groups=in_flight_groups, heap_trim_s=heap_trim_s,
-            applied=tuple(c.applied))
+            send_wait_s=send_wait_s, in_flight_groups=in_flight_groups, heap_trim_s=heap_trim_s,
+            applied=tuple(c.applied), rewards=rewards)

@@ -6,10 +6,13 @@ Statistics are polled at most every ``_STATS_EVERY_S`` and never waited for: a p
 answers are taken at a later step once all are in (a worker silent for 2 s is left out
 of that window), and each step carries the last completed window's rates. A poll calls
 into every worker and the buffer: once a step, it cost them more than it was worth.
+A worker's first reward failure is printed once (a warning line on the console), the
+rest are counted on the step lines.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
@@ -26,6 +29,7 @@ from pipeline_rl.metrics import (
     read_history,
     summary_table,
 )
+from pipeline_rl.rollout.worker_stats import RewardTally
 from pipeline_rl.run.remote_calls import CallFailed, Calls
 from pipeline_rl.run.supervisor import WorkerSlot
 
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
     from pipeline_rl.buffer.types import BufferStats
     from pipeline_rl.evaluation import EvalMetrics
     from pipeline_rl.reports import RankStepReport
+
+log = logging.getLogger(__name__)
 
 _STATS_EVERY_S = 0.25      # worker and buffer statistics: one poll at most this often
 _HISTORY_STEPS = 1000      # steps of metrics the driver keeps in memory
@@ -46,6 +52,7 @@ class _Seen:
     tokens: int = 0
     idle_s: float = 0.0
     stalls: int = 0
+    rewards: RewardTally = RewardTally()
 
 
 @dataclass(slots=True)
@@ -56,18 +63,22 @@ class _Delta:
     idle_s: float = 0.0
     stalls_ms: list[float] = field(default_factory=list)
     answered: int = 0
+    rewards: RewardTally = RewardTally()
 
 
 @dataclass(frozen=True, slots=True)
 class _Rates:
     """The workers' generation over the last completed window: tokens per second, the share
     of time their engines idled, the mean weight-update stall (ms), the mean weight sync
-    (ms, :class:`WeightSyncLatency`) of the versions resolved in it."""
+    (ms, :class:`WeightSyncLatency`) of the versions resolved in it, the mean duration of
+    a reward call (s) and the share of time the workers had a reward call in flight."""
 
     tokens_per_s: float = 0.0
     idle_frac: float = 0.0
     stall_ms: float = 0.0
     sync_ms: float = 0.0
+    reward_s: float = 0.0
+    reward_busy_frac: float = 0.0
 
 
 class _StatsPoll:
@@ -82,6 +93,7 @@ class _StatsPoll:
         self.rates = _Rates()
         self.buffer: BufferStats | None = None
         self.sync = WeightSyncLatency(len(workers))
+        self.rewards = RewardTally()   # the run's reward calls, all workers (first lives included)
 
     def restarted(self, index: int) -> None:
         self._seen[index] = _Seen()
@@ -115,11 +127,14 @@ class _StatsPoll:
         self._window_start = self._sent
         if window <= 0 or not delta.answered:
             return
+        r = delta.rewards
         self.rates = _Rates(
             tokens_per_s=delta.tokens / window,
             idle_frac=min(1.0, delta.idle_s / (window * delta.answered)),
             stall_ms=statistics.fmean(delta.stalls_ms) if delta.stalls_ms else self.rates.stall_ms,
-            sync_ms=statistics.fmean(synced) if synced else self.rates.sync_ms)
+            sync_ms=statistics.fmean(synced) if synced else self.rates.sync_ms,
+            reward_s=r.seconds / r.calls if r.calls else self.rates.reward_s,
+            reward_busy_frac=min(1.0, r.busy_s / (window * delta.answered)))
 
     def _count(self, i: int, ref: Any, delta: _Delta) -> None:
         try:
@@ -132,7 +147,14 @@ class _StatsPoll:
         new = st.updates_applied - seen.stalls  # stall_ms holds the most recent ones only
         delta.stalls_ms += list(st.stall_ms[-new:]) if new > 0 else []
         delta.answered += 1
+        rewards = st.rewards.minus(seen.rewards)
+        delta.rewards = delta.rewards.plus(rewards)
+        self.rewards = self.rewards.plus(rewards)
+        if st.rewards.first_error and not seen.rewards.first_error:
+            log.warning("rollout worker %d: %s (scored 0; further reward failures are counted on the "
+                        "step lines)", i, st.rewards.first_error)
         seen.tokens, seen.idle_s, seen.stalls = st.tokens_generated, st.idle_s, st.updates_applied
+        seen.rewards = st.rewards
         for applied in st.applied:
             self.sync.applied(i, applied.version, applied.at)
 
@@ -185,6 +207,8 @@ class StepRecorder:
             mixed_version_frac=statistics.fmean(r.mixed_version_frac for r in res),
             trainer_idle_frac=min(1.0, max(r.wait_s for r in reports) / step_wall) if step_wall else 0.0,
             weight_update_stall_ms=rates.stall_ms, weight_sync_ms=rates.sync_ms,
+            reward_errors=self._stats.rewards.errors, reward_timeouts=self._stats.rewards.timeouts,
+            reward_s=rates.reward_s, reward_busy_frac=rates.reward_busy_frac,
             step_time_s=step_wall, loss=float(res[0].loss), buffer_fill=buf.fill,
             completion_len_mean=sum(r.num_tokens for r in res) / max(1, sum(r.num_seqs for r in res)),
             entropy=statistics.fmean(r.entropy for r in res),

@@ -4,8 +4,9 @@ Built-in (CPU default): ``addition``, ``sort`` and ``countdown`` (:mod:`pipeline
 User data: ``dataset``, a local JSONL / JSON / Parquet / Arrow / CSV file (or a
 ``save_to_disk`` folder) scored by math answer matching
 (:mod:`pipeline_rl.tasks.dataset`, :mod:`pipeline_rl.tasks.math_reward`).
-Over any task: the tokenizer's chat template and a plug-in reward
-(:mod:`pipeline_rl.tasks.chat`, :mod:`pipeline_rl.tasks.plugin`).
+Over any task: the tokenizer's chat template and a plug-in reward, local or remote
+(:mod:`pipeline_rl.tasks.chat`, :mod:`pipeline_rl.tasks.plugin`,
+:mod:`pipeline_rl.tasks.remote_reward`).
 Importing this package imports no torch, ``datasets`` or transformers.
 """
 
@@ -15,17 +16,17 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.tasks.base import Prompt, RewardFn, Split, Task, TaskError
+from pipeline_rl.tasks.base import BatchReward, Prompt, RewardFn, Split, Task, TaskError
 from pipeline_rl.tasks.builtin import AdditionTask, CountdownTask, SortTask
-from pipeline_rl.tasks.chat import ConfiguredTask, Renderer, chat_renderer, has_chat_template
+from pipeline_rl.tasks.chat import ConfiguredTask, Renderer, chat_renderer, has_chat_template, plugin_reward
 from pipeline_rl.tasks.dataset import DatasetTask, Encoder, load_dataset_task, prompt_tokens
 from pipeline_rl.tasks.plugin import resolve_reward
 
 if TYPE_CHECKING:
     from pipeline_rl.config import EvalConfig, TaskConfig
 
-__all__ = ["AdditionTask", "ConfiguredTask", "CountdownTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
-           "TaskError", "build_task", "build_task_for_model", "longest_prompt", "resolve_reward",
+__all__ = ["AdditionTask", "BatchReward", "ConfiguredTask", "CountdownTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
+           "TaskError", "build_task", "build_task_for_model", "longest_prompt", "plugin_reward", "resolve_reward",
            "check_tokenizer", "task_tokenizer"]
 
 
@@ -76,8 +77,9 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
       when ``evaluation`` is on (``every > 0``) without ``evaluation.dataset``;
       ``split="eval"`` with ``evaluation.dataset`` reads that file whole.
 
-    - ``task.reward`` is resolved first (a bad spec is a one-line :class:`TaskError`
-      naming the flag) and replaces the task's reward (``task.reward(...)`` calls it).
+    - ``task.reward`` is resolved first (a bad spec, or a remote reward that fails its
+      start-up probe, is a one-line :class:`TaskError` naming the flag) and replaces the
+      task's reward (``task.reward(...)`` calls it; :func:`plugin_reward` returns it).
     - With a ``tokenizer`` that has a chat template and ``chat_template=auto``,
       ``prompt(i).text`` is the rendered prompt (see :mod:`pipeline_rl.tasks.chat`);
       the template is tried on prompt 0 here, so a failing one is an error now.
@@ -90,7 +92,7 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
 
     The task is returned unwrapped when neither a template nor a plug-in reward applies.
     """
-    reward_fn = resolve_reward(cfg.reward) if cfg.reward is not None else None
+    reward_fn = resolve_reward(cfg.reward, cfg.reward_timeout_s) if cfg.reward is not None else None
     render = task_renderer(cfg, tokenizer)
     check = tokenizer is not None and max_prompt_tokens is not None
     base: Task

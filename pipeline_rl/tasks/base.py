@@ -10,6 +10,7 @@ counter walks the pool in epochs). Rewards are floats in ``[0, 1]``.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Literal, Protocol, runtime_checkable
 
@@ -58,8 +59,19 @@ class Prompt:
 
 #: Any callable scoring one completion of a prompt, called as ``f(meta.text,
 #: completion, meta)``; must return a float in [0, 1]. ``meta.question`` is the
-#: prompt before any chat template, ``meta.answer`` the reference answer.
+#: prompt before any chat template, ``meta.answer`` the reference answer. A plug-in
+#: (``--task.reward``) may be ``async def``; a ``def`` one must be thread-safe (a rollout
+#: worker calls it from up to ``--task.reward_concurrency`` threads at once).
 RewardFn = Callable[[str, str, Prompt], float]
+
+
+@runtime_checkable
+class BatchReward(Protocol):
+    """A reward that scores a group's completions in one call (the remote reward: one
+    request per group). ``score_batch(meta, completions)`` returns one value per
+    completion, in order; the caller checks each is a finite number."""
+
+    def score_batch(self, meta: Prompt, completions: Sequence[str]) -> list[object]: ...
 
 
 @runtime_checkable

@@ -18,6 +18,9 @@ encoded without adding special tokens (:attr:`Prompt.templated`).
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeGuard, runtime_checkable
 
@@ -89,7 +92,20 @@ class ConfiguredTask:
 
     def reward(self, prompt: str, completion: str, meta: Prompt) -> float:
         """The plug-in reward when set (it may raise: the rollout worker counts and logs
-        that and scores 0), else the base task's."""
-        if self.reward_fn is not None:
-            return self.reward_fn(prompt, completion, meta)
-        return self.base.reward(prompt, completion, meta)
+        that and scores 0; an ``async def`` one is run to its end here), else the base task's.
+        A rollout worker calls the plug-in itself (:func:`plugin_reward`), concurrently."""
+        if self.reward_fn is None:
+            return self.base.reward(prompt, completion, meta)
+        value = self.reward_fn(prompt, completion, meta)
+        if inspect.isawaitable(value):
+            return asyncio.run(_awaited(value))
+        return value
+
+
+async def _awaited(value: Awaitable[float]) -> float:
+    return await value
+
+
+def plugin_reward(task: Task) -> RewardFn | None:
+    """The plug-in reward (``--task.reward``) that replaced ``task``'s own, or None."""
+    return task.reward_fn if isinstance(task, ConfiguredTask) else None

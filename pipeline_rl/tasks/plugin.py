@@ -1,6 +1,7 @@
 """Plug-in rewards: ``--task.reward MODULE:FUNCTION`` names a Python callable
-``f(prompt: str, completion: str, meta: Prompt) -> float`` that replaces a task's
-built-in reward.
+``f(prompt: str, completion: str, meta: Prompt) -> float`` (or an ``async def`` one)
+that replaces a task's built-in reward; ``--task.reward http(s)://HOST:PORT/PATH`` names
+a remote one (:mod:`pipeline_rl.tasks.remote_reward`, probed once here).
 
 The spec is resolved when the task is built, which the driver does before any
 process starts: a spec that is malformed, names a module that cannot be
@@ -19,6 +20,7 @@ import inspect
 import re
 
 from pipeline_rl.tasks.base import RewardFn, TaskError
+from pipeline_rl.tasks.remote_reward import REMOTE_SPEC, RemoteReward
 
 #: ``dotted.module:dotted.attribute``, identifiers only.
 REWARD_SPEC = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")
@@ -50,11 +52,23 @@ def _takes_three_args(fn: object) -> bool:
     return True
 
 
-def resolve_reward(spec: str) -> RewardFn:
-    """The callable ``spec`` (``MODULE:FUNCTION``) names; raises a one-line :class:`TaskError`
-    naming ``task.reward`` when it cannot be resolved."""
-    if not REWARD_SPEC.match(spec):
-        raise TaskError(f"task.reward: expected MODULE:FUNCTION (e.g. my_rewards:score), got {spec!r}")
+def check_reward_spec(spec: str) -> None:
+    """A one-line :class:`TaskError` naming ``task.reward`` unless ``spec`` is spelt
+    ``MODULE:FUNCTION`` or ``http(s)://HOST:PORT/PATH``."""
+    if not (REWARD_SPEC.match(spec) or REMOTE_SPEC.match(spec)):
+        raise TaskError(f"task.reward: expected MODULE:FUNCTION (e.g. my_rewards:score) or "
+                        f"http(s)://HOST:PORT/PATH, got {spec!r}")
+
+
+def resolve_reward(spec: str, timeout_s: float = 60.0) -> RewardFn:
+    """The callable ``spec`` (``MODULE:FUNCTION``) names, or the remote reward at the URL
+    ``spec`` (probed once; ``timeout_s``: its per-call timeout); raises a one-line
+    :class:`TaskError` naming ``task.reward`` when it cannot be resolved or reached."""
+    check_reward_spec(spec)
+    if REMOTE_SPEC.match(spec):
+        remote = RemoteReward(spec, timeout_s)
+        remote.probe()
+        return remote
     module, _, attr_path = spec.partition(":")
     obj = _import(module)
     for part in attr_path.split("."):
