@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import json
 import logging
 import os
@@ -179,14 +180,17 @@ def run_pipeline(cfg: Config, watch: Callable[[Any], contextlib.AbstractContextM
                  ) -> list[dict[str, Any]]:
     """Run one configuration through the real orchestrator (as ``launch/async_grpo.py`` does,
     on the Ray of a :func:`ray_session`); ``watch(orchestrator)``: a context held while it
-    trains. Returns its metrics rows."""
+    trains. Returns its metrics rows. A benchmark's ``--out-dir`` is its own: a run there
+    before (a re-run cell, a repeat) is cleared first, unless this one resumes it."""
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.metrics import read_metrics
     from pipeline_rl.run.conductor import Orchestrator
 
-    metrics = Path(cfg.out_dir) / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)
+    if cfg.out_dir is not None and not cfg.resume:
+        for name in ("run.json", "metrics.jsonl", "eval.jsonl", "checkpoints", "tb"):
+            target = Path(cfg.out_dir) / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     with Orchestrator(cfg, resolve_model_dir(cfg), threading.Event()) as orch, \
             (watch(orch) if watch is not None else contextlib.nullcontext()):
         orch.train()
-    return read_metrics(metrics)
+    return read_metrics(orch.out / "metrics.jsonl")

@@ -237,7 +237,7 @@ def run_real(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[RssSam
         return {**pids, "driver": os.getpid()}
 
     sampler = RssSampler(resolve, every)
-    log_path = Path(cfg.out_dir) / "progress.log"
+    log_path = Path(cfg.out_dir or "runs") / "progress.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with ray_session(env=actor_env, object_store_bytes=cfg.ray.object_store_mb * 2**20, num_cpus=cfg.ray.num_cpus):
         t0 = time.perf_counter()

@@ -327,7 +327,10 @@ class Config(Section):
     staleness: int = Field(2, ge=0, le=1_000_000, description="Largest lag (trainer version - "
                            "oldest token version) a trained sample may have; 0 = synchronous.")
     max_steps: int = Field(400, ge=1, description="Optimizer steps to run.")
-    out_dir: str = Field("runs/latest", description="Metrics, TensorBoard logs and checkpoints.")
+    out_dir: str | None = Field(None, description="The run's folder (metrics, evaluations, TensorBoard "
+                                "logs, actor logs, checkpoints); it must not hold another run. Unset: a "
+                                "new runs/<date>-<time>, with runs/latest pointing at it (a --resume "
+                                "continues in its checkpoint's run folder).")
     seed: int = Field(0, ge=0, description="Random seed.")
     resume: str | None = Field(None, description="Checkpoint folder to resume from.")
     log_level: Literal["info", "debug"] = Field(

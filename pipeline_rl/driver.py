@@ -116,8 +116,9 @@ def run(cfg: Config) -> int:
     """Run a whole training job; returns the process exit status."""
     _configure_logging(cfg)
     from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.run_folder import open_run_folder
+    from pipeline_rl.run.startup import resume_version
     from pipeline_rl.run.supervisor import OrchestratorError
-
     from pipeline_rl.tasks import TaskError
 
     for warning in cfg.warnings():
@@ -125,13 +126,15 @@ def run(cfg: Config) -> int:
     try:
         model_dir = resolve_model_dir(cfg)
         check_task(cfg, model_dir)
-    except (TaskError, OSError, ValueError) as e:
+        folder = open_run_folder(cfg.out_dir, cfg.resume, resume_version(cfg))
+    except (TaskError, OSError, ValueError, OrchestratorError) as e:
         print(f"async_grpo.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    print(folder.line(), file=sys.stderr, flush=True)
     stop = _StopFlag()
     stop.install()
     try:
-        with Orchestrator(cfg, model_dir, stop.event) as orch:
+        with Orchestrator(cfg, model_dir, stop.event, folder) as orch:
             orch.train()
     except OrchestratorError as e:
         print(f"async_grpo.py: error: {e}", file=sys.stderr)

@@ -239,6 +239,20 @@ class Evaluations:
     def in_flight_step(self) -> int | None:
         return None if self._in_flight is None else self._in_flight.step
 
+    def baseline(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None],
+                 timeout_s: float) -> None:
+        """Before the first step: evaluate the starting weights and wait, so no update can
+        land mid-evaluation (``version_max == version``); the workers generate training
+        samples meanwhile. TimeoutError (one line) past ``timeout_s``."""
+        if not self.enabled:
+            return
+        self.launch(version, version, workers)
+        done = self.poll(timeout_s)
+        if done is None and self.in_flight_step is not None:
+            raise TimeoutError(f"the evaluation of the starting weights did not finish within {timeout_s:.0f} s")
+        if done is not None:
+            record(done)
+
     def after_step(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None]) -> None:
         """Between two steps: record an evaluation that has finished, launch one that is due."""
         if not self.enabled:

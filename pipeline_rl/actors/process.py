@@ -37,7 +37,7 @@ def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
     runtime_env.for_actor()
     gc.disable()   # until end_of_startup(): see there
     if cfg.log_level != "debug":
-        redirect_output(Path(cfg.out_dir) / "logs" / f"{name}.log")
+        redirect_output(Path(cfg.out_dir or ".") / "logs" / f"{name}.log")
     if core is not None:
         pin_to_core(core)
     if not uses_torch:

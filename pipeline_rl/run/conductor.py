@@ -23,7 +23,8 @@ from pipeline_rl.metrics import StepMetrics
 from pipeline_rl.run.checkpoints import CheckpointPolicy
 from pipeline_rl.run.cluster import Cluster, say
 from pipeline_rl.run.recorder import StepRecorder
-from pipeline_rl.run.startup import Actors, start_actors, stop_actors
+from pipeline_rl.run.run_folder import RunFolder, open_run_folder
+from pipeline_rl.run.startup import Actors, resume_version, start_actors, stop_actors
 from pipeline_rl.run.remote_calls import CallFailed, RayCalls
 from pipeline_rl.run.supervisor import OrchestratorError, Supervisor, WorkerSlot
 
@@ -38,12 +39,14 @@ _EVAL_FINAL_TIMEOUT_S = 300.0  # the end-of-run evaluation must finish by then
 class Orchestrator:
     """Starts Ray and every actor on enter, runs steps in :meth:`train`, stops all on exit."""
 
-    def __init__(self, cfg: Config, model_dir: str, stop: threading.Event) -> None:
+    def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder | None = None) -> None:
+        """``folder``: the run folder (:func:`open_run_folder`), opened here when not given."""
+        self.folder = folder or open_run_folder(cfg.out_dir, cfg.resume, resume_version(cfg))
         # Actors may run in another working directory: they get the run folder absolute.
-        self.cfg = cfg.model_copy(update={"out_dir": str(Path(cfg.out_dir).resolve())})
+        self.cfg = cfg.model_copy(update={"out_dir": str(self.folder.path.resolve())})
         self.model_dir = model_dir
         self.stop = stop
-        self.out = Path(cfg.out_dir)
+        self.out = Path(self.cfg.out_dir or ".")   # absolute: trainers save checkpoints there
         self.version = 0
         self._calls = RayCalls()
         self._cluster = Cluster(self.cfg)
@@ -69,7 +72,7 @@ class Orchestrator:
         where = self._cluster.start()
         actors = start_actors(self.cfg, self.model_dir, where, self.stop, self._note_started)
         self._actors, self.version = actors, actors.version
-        self._recorder = StepRecorder(self.out, self._calls, actors.workers, actors.buffer)
+        self._recorder = StepRecorder(self.folder, self._calls, actors.workers, actors.buffer)
         self._supervisor = Supervisor(self.cfg, self._calls, actors.buffer, actors.trainers, actors.workers,
                                       self.stop, self._checkpoints, lambda: self.version,
                                       self._recorder.worker_restarted)
@@ -106,10 +109,9 @@ class Orchestrator:
     def train(self) -> list[StepMetrics]:
         """Run steps until ``max_steps`` (or a stop request); checkpoint; print a summary."""
         rec, sup = self._parts()
-        first_step = self.version
         evals = Evaluations(self.cfg.eval, rec.since_start)
-        if evals.enabled and self.version < self.cfg.max_steps:
-            evals.launch(self.version, self.version, self._live_workers())   # the starting point
+        if self.version < self.cfg.max_steps:
+            self._evaluate_start(evals)
         sup.watchdog.touch()  # start-up has its own bounds: not a stall
         refs = self._submit_step() if self._more_steps() else None
         while refs is not None:
@@ -129,10 +131,17 @@ class Orchestrator:
                 self.checkpoint()
             if between and self._more_steps():
                 refs = self._submit_step()
-        self._end(evals, first_step)
+        self._end(evals)
         return self.history
 
-    def _end(self, evals: Evaluations, first_step: int) -> None:
+    def _evaluate_start(self, evals: Evaluations) -> None:
+        """The starting point, on the starting weights alone (no step runs meanwhile)."""
+        try:
+            evals.baseline(self.version, self._live_workers(), self._parts()[0].log_eval, _EVAL_FINAL_TIMEOUT_S)
+        except TimeoutError as e:
+            raise OrchestratorError(str(e)) from None
+
+    def _end(self, evals: Evaluations) -> None:
         """The final checkpoint, evaluation and summary (none after an abandoned step)."""
         rec, sup = self._parts()
         if sup.abandoned_step:
@@ -147,7 +156,7 @@ class Orchestrator:
                 evals.finish(self.version, self._live_workers(), rec.log_eval, _EVAL_FINAL_TIMEOUT_S)
             except TimeoutError as e:
                 raise OrchestratorError(str(e)) from None
-        print(rec.summary(first_step), flush=True)
+        print(rec.summary(), flush=True)
 
     def _parts(self) -> tuple[StepRecorder, Supervisor]:
         assert self._recorder is not None and self._supervisor is not None, "use it as: with ... as orch"

@@ -18,7 +18,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.metrics import (
@@ -31,6 +30,7 @@ from pipeline_rl.metrics import (
 )
 from pipeline_rl.rollout.worker_stats import RewardTally
 from pipeline_rl.run.remote_calls import CallFailed, Calls
+from pipeline_rl.run.run_folder import RunFolder
 from pipeline_rl.run.supervisor import WorkerSlot
 
 if TYPE_CHECKING:
@@ -164,8 +164,10 @@ class StepRecorder:
     docstring); keeps the most recent ``_HISTORY_STEPS`` rows in memory (the whole record
     is ``OUT_DIR/metrics.jsonl``)."""
 
-    def __init__(self, out: Path, calls: Calls, workers: Sequence[WorkerSlot], buffer: BufferHandle) -> None:
-        self.out = out
+    def __init__(self, folder: RunFolder, calls: Calls, workers: Sequence[WorkerSlot], buffer: BufferHandle) -> None:
+        """``folder``: the run's; a resumed run's clock goes on from the time it had reached."""
+        self.out = out = folder.path
+        self._elapsed_before = folder.elapsed_s
         self._workers = workers
         self.start = self._last_step_end = time.perf_counter()
         self._stats = _StatsPoll(calls, workers, buffer, self.start)
@@ -175,7 +177,7 @@ class StepRecorder:
         self.steps_done = 0
 
     def since_start(self) -> float:
-        return time.perf_counter() - self.start
+        return self._elapsed_before + time.perf_counter() - self.start
 
     def worker_restarted(self, index: int) -> None:
         self._stats.restarted(index)
@@ -224,11 +226,11 @@ class StepRecorder:
     def log_eval(self, metrics: EvalMetrics) -> None:
         self._logger.log_eval(metrics)
 
-    def summary(self, first_step: int) -> str:
+    def summary(self) -> str:
         """The run's summary table, from its whole record read back (flushed first)."""
         self._logger.close()
-        history = read_history(self.out / "metrics.jsonl")[-self.steps_done:]
-        ran = [e for e in read_evals(self.out / "eval.jsonl") if e.step >= first_step]
+        history = read_history(self.out / "metrics.jsonl")   # the folder holds this run only
+        ran = read_evals(self.out / "eval.jsonl")
         return summary_table(history, ran, self._stats.sync.all_ms)
 
     def close(self) -> None:

@@ -77,7 +77,7 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     workers = [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory))
                for i in range(cfg.rollout.num_workers)]
     started(None, [], workers)
-    buffer = classes.new_buffer(cfg, where.host, _resume_version(cfg))
+    buffer = classes.new_buffer(cfg, where.host, resume_version(cfg))
     n = cfg.trainer.num_ranks
     trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory) for r in range(n)]
     started(buffer, trainers, workers)
@@ -95,7 +95,7 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     return Actors(buffer, trainers, workers, version)
 
 
-def _resume_version(cfg: Config) -> int:
+def resume_version(cfg: Config) -> int:
     """The version a ``--resume`` checkpoint holds (0 for a fresh run); a bad checkpoint
     fails here, before the buffer and the trainers start."""
     if not cfg.resume:
