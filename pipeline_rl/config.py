@@ -118,6 +118,21 @@ class TaskConfig(Section):
         "out: zero scores that completion 0 (the first failure is one console line, the rest are "
         "counted on the step lines and in metrics.jsonl; a reward that fails on its first 32 calls "
         "without one success ends the run); fail ends the run at the first failure.")
+    env: str | None = Field(None, description="Multi-turn episodes with an environment MODULE:CLASS "
+                            "(pipeline_rl.tasks.env.Environment: reset(prompt), step(turn) -> EnvReply; "
+                            "a class: one instance per episode; an instance: shared). Unset: the task's "
+                            "own environment (--task.name calc), else single-turn completions.")
+    max_turns: int = Field(4, ge=1, le=1024, description="Episodes: model turns at most; an episode "
+                           "still going after that many ends (finish reason 'turns').")
+    env_concurrency: int = Field(64, ge=1, le=4096, description="Episodes: environment calls a rollout "
+                                 "worker keeps in flight at most (threads for def methods, concurrent "
+                                 "calls of async def ones); a slow environment never holds up generation.")
+    env_timeout_s: float = Field(60.0, gt=0.0, le=86_400.0, description="Episodes: an environment call "
+                                 "running longer ends its episode as failed.")
+    env_errors: Literal["zero", "fail"] = Field(
+        "zero", description="Episodes: an environment that raises, answers with something that is not "
+        "an EnvReply, or times out: zero ends that episode with reward 0 (counted like a reward failure, "
+        "the first one a console line); fail ends the run at the first.")
     digits: int = Field(4, ge=1, le=12, description="Built-in tasks: operand digits / list length.")
     num_prompts: int = Field(100_000, ge=1, description="Built-in tasks: size of the prompt pool.")
 
@@ -147,10 +162,12 @@ class TaskConfig(Section):
         anything starts)."""
         if self.system_prompt and self.chat_template == "none":
             raise ValueError("task.system_prompt: needs --task.chat_template auto (got none)")
-        from pipeline_rl.tasks.plugin import check_reward_spec  # torch-free, stdlib only
+        from pipeline_rl.tasks.plugin import REWARD_SPEC, check_reward_spec  # torch-free, stdlib only
 
         if self.reward is not None:
             check_reward_spec(self.reward)
+        if self.env is not None and not REWARD_SPEC.match(self.env):
+            raise ValueError(f"task.env: expected MODULE:CLASS (e.g. my_envs:Game), got {self.env!r}")
         return self
 
 

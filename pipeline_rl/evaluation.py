@@ -115,6 +115,7 @@ class PendingEval:
     prompts: tuple[Prompt, ...]
     future: Future[EvalResult] = field(default_factory=Future)
     texts: dict[tuple[int, int], str] = field(default_factory=dict)
+    rewards: dict[tuple[int, int], float] = field(default_factory=dict)   # answers that came scored
     greedy_tokens: int = 0
     version_min: int = 2**31 - 1
     version_max: int = -1
@@ -123,9 +124,13 @@ class PendingEval:
     def expected(self) -> int:
         return len(self.prompts) * (1 + self.request.k)
 
-    def add(self, prompt_index: int, sample: int, text: str, num_tokens: int, versions: np.ndarray) -> bool:
-        """Record one finished sequence; True when every sequence is in."""
+    def add(self, prompt_index: int, sample: int, text: str, num_tokens: int, versions: np.ndarray,
+            reward: float | None = None) -> bool:
+        """Record one finished answer (``reward``: when it came scored, as an episode's may);
+        True when every answer is in."""
         self.texts[(prompt_index, sample)] = text
+        if reward is not None:
+            self.rewards[(prompt_index, sample)] = reward
         if sample == 0:
             self.greedy_tokens += num_tokens
         if versions.size:
@@ -134,13 +139,17 @@ class PendingEval:
         return len(self.texts) == self.expected
 
     def score(self, reward: RewardOf, version_now: int) -> EvalResult:
-        """Score every answer with ``reward(prompt, text)`` and sum up."""
+        """Score every answer (``reward(prompt, text)``, unless it came scored) and sum up."""
         k = self.request.k
         greedy = sampled = 0.0
         passed = 0
-        for i, prompt in enumerate(self.prompts):
-            greedy += reward(prompt, self.texts[(i, 0)])
-            rs = [reward(prompt, self.texts[(i, j)]) for j in range(1, k + 1)]
+        def of(i: int, j: int) -> float:
+            known = self.rewards.get((i, j))
+            return reward(self.prompts[i], self.texts[(i, j)]) if known is None else known
+
+        for i in range(len(self.prompts)):
+            greedy += of(i, 0)
+            rs = [of(i, j) for j in range(1, k + 1)]
             sampled += sum(rs)
             passed += int(max(rs) >= SOLVED)
         lo = self.version_min if self.version_max >= 0 else version_now

@@ -45,6 +45,7 @@ from pipeline_rl.calls import first_line
 from pipeline_rl.config import TaskConfig
 from pipeline_rl.evaluation import PendingEval
 from pipeline_rl.rollout.engine import FinishedSequence
+from pipeline_rl.rollout.episodes import Episode
 from pipeline_rl.rollout.ports import SenderLike
 from pipeline_rl.rollout.worker_stats import Counters
 from pipeline_rl.samples import I32, Completion, Group
@@ -102,6 +103,7 @@ class PendingGroup:
     prompt: Prompt
     prompt_ids: tuple[int, ...]
     done: dict[int, FinishedSequence] = field(default_factory=dict)
+    episodes: dict[int, Episode] = field(default_factory=dict)   # multi-turn: its finished episodes
 
 
 class Scorer:
@@ -126,6 +128,11 @@ class Scorer:
     def group_done(self, pending: PendingGroup) -> None:
         """Score ``pending``'s ``n`` completions, then send the group."""
         self._submit(self._score_and_send(pending))
+
+    def episodes_done(self, pending: PendingGroup) -> None:
+        """Score ``pending``'s ``n`` finished episodes (those the environment did not score:
+        by the reward, on the model's text), then send the group."""
+        self._submit(self._score_episodes(pending))
 
     def eval_done(self, pending: PendingEval, version: int) -> None:
         """Score every answer of ``pending`` and set its future (``version``: the serving one)."""
@@ -183,13 +190,27 @@ class Scorer:
         with self._lock:
             self._c.groups_sent += 1
 
+    async def _score_episodes(self, pending: PendingGroup) -> None:
+        episodes = [pending.episodes[i] for i in range(self.n)]
+        unscored = [e for e in episodes if e.reward is None]
+        for e, r in zip(unscored, await self.score(pending.prompt, [e.text for e in unscored]) if unscored else []):
+            e.reward = r
+        group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id, worker_id=self.worker_id,
+                      prompt_ids=_i32(pending.prompt_ids),
+                      completions=tuple(e.completion(e.reward if e.reward is not None else 0.0) for e in episodes))
+        await self._loop.run_in_executor(self._sends, self._sender.send, group)
+        with self._lock:
+            self._c.groups_sent += 1
+
     async def _score_eval(self, pending: PendingEval, version: int) -> None:
         try:
             k1 = pending.request.k + 1
+            todo = [(i, p) for i, p in enumerate(pending.prompts)
+                    if any((i, j) not in pending.rewards for j in range(k1))]   # episodes come scored
             scored = await asyncio.gather(*(self.score(p, [pending.texts[(i, j)] for j in range(k1)])
-                                            for i, p in enumerate(pending.prompts)))
-            by_answer = {(p.prompt_id, pending.texts[(i, j)]): r for i, (p, rs) in
-                         enumerate(zip(pending.prompts, scored)) for j, r in enumerate(rs)}
+                                            for i, p in todo))
+            by_answer = {(p.prompt_id, pending.texts[(i, j)]): r for (i, p), rs in
+                         zip(todo, scored) for j, r in enumerate(rs)}
             result = pending.score(lambda p, text: by_answer[(p.prompt_id, text)], version)
         except BaseException as e:
             pending.future.set_exception(e)
@@ -246,6 +267,13 @@ class Scorer:
         the first failure is kept as a line; stop the worker if the policy says so."""
         line = (f"reward {self.source.name} failed on prompt {prompt.prompt_id} "
                 f"({_short(prompt.question)}): {first_line(err)}")
+        self.failure(line, count, timeout=timeout)
+        return [0.0] * count
+
+    def failure(self, line: str, count: int = 1, *, timeout: bool = False, fail_fast: bool | None = None) -> None:
+        """Count ``count`` completions scored 0 by a failure (``line``: what failed, one line);
+        the first is kept for the driver to print; stop the worker if the policy says so
+        (``fail_fast``: this failure's own policy, default the reward's)."""
         with self._lock:
             c = self._c
             if timeout:
@@ -257,12 +285,12 @@ class Scorer:
                 c.reward_first_error = line
             hopeless = not c.reward_ok and c.reward_errors + c.reward_timeouts >= REWARD_FAILURES_FATAL
         (log.warning if first else log.debug)("worker %d: %s (scored 0)", self.worker_id, line)
-        if self._fail_fast:
-            self._fail(RewardFailed(f"{line} (--task.reward_errors fail)"))
+        if self._fail_fast if fail_fast is None else fail_fast:
+            flag = "--task.reward_errors" if fail_fast is None else "--task.env_errors"
+            self._fail(RewardFailed(f"{line} ({flag} fail)"))
         elif hopeless:
             self._fail(RewardFailed(f"the reward {self.source.name} failed on all of its first "
                                     f"{REWARD_FAILURES_FATAL} completions; last: {line}"))
-        return [0.0] * count
 
     def _began(self) -> float:
         now = time.perf_counter()

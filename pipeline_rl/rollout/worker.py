@@ -10,6 +10,10 @@ The loop (one thread, the only one touching the engine)::
     one engine step -> finished sequences
     a group whose n sequences finished -> rewards (their own thread, scoring.py) -> GroupSender
 
+With an environment (``--task.env``, or a multi-turn task's own) a group is ``n``
+episodes (``pipeline_rl.rollout.episodes``): each finished turn goes to its environment
+off the loop, and the loop adds the next turn when the reply is in.
+
 Invariants:
 
 - The engine is kept full: while the budget grants groups, the worker keeps
@@ -19,22 +23,15 @@ Invariants:
 - Weight updates never stop or drain a sequence: sequences in flight continue
   under the new weights (KV policy from ``rollout.kv_policy``) and their tokens'
   versions change at the step where the update took effect.
-- New weights arrive through vLLM's weight-transfer calls, which the trainer
-  makes (``init_weight_transfer_engine`` / ``start_weight_update`` /
-  ``update_weights`` / ``finish_weight_update``, forwarded to the engine; per update
-  the three in one call, :meth:`RolloutWorker.receive_update`), or as
-  an offer through Ray's object store (:meth:`RolloutWorker.offer_weights`).
-  Either way they are received, validated and staged (the costly part of a
-  reload) in the caller's thread -- any thread but the loop's, e.g. a Ray
-  actor's concurrent method -- while the engine keeps stepping; a bad payload
-  raises ``WeightUpdateError`` there and is never applied. Only the newest
-  staged update is kept; the loop makes it live between two steps.
-- Rewards run off the engine's critical path, at most ``--task.reward_concurrency`` calls
-  at a time (``pipeline_rl.rollout.scoring``: a failing reward scores 0 and is counted,
-  or stops the worker under ``--task.reward_errors fail``). A send that
-  fails (buffer gone, backpressure timeout) stops the worker with that error,
-  and so does :meth:`RolloutWorker.fail` (the actor calls it when new weights
-  cannot be taken).
+- New weights arrive through vLLM's weight-transfer calls the trainer makes (forwarded
+  to the engine; per update in one call, :meth:`RolloutWorker.receive_update`), or as an
+  offer through Ray's object store (:meth:`RolloutWorker.offer_weights`); either way
+  received, validated and staged (the costly part) in the caller's thread while the
+  engine keeps stepping; a bad payload raises ``WeightUpdateError`` there, never applied.
+  Only the newest staged update is kept; the loop makes it live between two steps.
+- Rewards run off the engine's critical path (``pipeline_rl.rollout.scoring``). A send
+  that fails stops the worker with that error, and so does :meth:`RolloutWorker.fail`
+  (the actor calls it when new weights cannot be taken).
 """
 
 from __future__ import annotations
@@ -42,24 +39,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
+import numpy as np
 from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.rollout.engine_factory import build_engine
+from pipeline_rl.rollout.episodes import Episode, EpisodeDriver
 from pipeline_rl.rollout.ports import AdmissionSource, SenderLike, connect_sender
 from pipeline_rl.rollout.scoring import PendingGroup, Scorer, reward_source
 from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
 from pipeline_rl.evaluation import EVAL_PREFIX, EvalRequest, EvalResult, PendingEval
-from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id
-from pipeline_rl.evaluation import request_id as eval_request_id
+from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id, request_id as eval_request_id
 from pipeline_rl.actors.process import HeapTrimmer
 from pipeline_rl.weight_sync.gloo import receive_in_one_call
 from pipeline_rl.weight_sync.message import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
 from pipeline_rl.tasks.base import RewardFn, Task
+from pipeline_rl.tasks.env import resolve_env, task_env_factory
 
 if TYPE_CHECKING:
     from pipeline_rl.buffer.types import Admission
@@ -113,6 +113,10 @@ class RolloutWorker:
         self._evals: dict[int, PendingEval] = {}           # started (loop thread only)
         self._loop_done = False                            # run() returned (until it runs again)
         self._greedy = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
+        factory = resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
+        self._episodes = None if factory is None else EpisodeDriver(
+            factory, cfg.task, self._engine, cfg.rollout.max_model_len, str(worker_id), self._wake.set,
+            self._episode_ended, lambda line: self._scorer.failure(line, fail_fast=cfg.task.env_errors == "fail"))
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:
@@ -172,9 +176,8 @@ class RolloutWorker:
         return receive_in_one_call(self, update_info, weight_version)
 
     def evaluate(self, request: EvalRequest) -> Future[EvalResult]:
-        """Evaluate held-out prompts (see ``pipeline_rl.evaluation``) beside
-        training generation; the future is set when every answer is scored, or fails
-        when the worker stops first. Any thread."""
+        """Evaluate held-out prompts (``pipeline_rl.evaluation``) beside training; the future is
+        set when every answer is scored, or fails when the worker stops first. Any thread."""
         if self._eval_task is None:
             raise ValueError(f"worker {self.worker_id}: no evaluation task was given")
         prompts = tuple(self._eval_task.prompt(i) for i in request.prompt_ids)
@@ -208,9 +211,8 @@ class RolloutWorker:
 
     # -- the loop (one thread) -----------------------------------------------------------
     def run(self, max_groups: int | None = None) -> WorkerStats:
-        """Generate until :meth:`stop` (also when called before ``run``: a stopped
-        worker stays stopped), or until ``max_groups`` groups were started and all of
-        them were sent. Raises the first send error."""
+        """Generate until :meth:`stop` (also when called before ``run``: a stopped worker stays
+        stopped), or until ``max_groups`` groups were started and sent. Raises the first send error."""
         start = time.perf_counter()
         with self._lock:
             self._loop_done = False
@@ -220,11 +222,13 @@ class RolloutWorker:
                 self._apply_offered()
                 self._heap.maybe_trim()
                 self._start_evals()
+                if self._episodes is not None:
+                    self._episodes.pump()
                 self._admit(max_groups)
                 if self._engine.num_unfinished():
                     self._step()
                 elif (max_groups is not None and self._c.groups_started >= max_groups
-                      and not self._granted and self._asking is None):
+                      and not self._granted and self._asking is None and not self._waiting_envs()):
                     break
                 else:
                     self._idle()
@@ -293,7 +297,7 @@ class RolloutWorker:
         Only with nothing to step does the loop wait for the answer (``idle_wait_s`` at a
         time, counted as idle): no polling, no latency lost to it at any staleness."""
         self._poll_answer(0.0)
-        free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished()
+        free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished() - self._waiting_envs()
         room = -(-free // self.n) - self._granted
         if max_groups is not None:
             room = min(room, max_groups - self._c.groups_started - self._granted)
@@ -342,7 +346,12 @@ class RolloutWorker:
         # A chat template writes its own special tokens (BOS included) into the text.
         prompt_ids = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
         self._pending[group_id] = PendingGroup(group_id, prompt, prompt_ids)
-        self._engine.add_copies([f"{group_id}:{i}" for i in range(self.n)], prompt_ids, self._sampling)
+        ids = [f"{group_id}:{i}" for i in range(self.n)]
+        if self._episodes is None:
+            self._engine.add_copies(ids, prompt_ids, self._sampling)
+        else:
+            for key in ids:
+                self._episodes.start(key, prompt, prompt_ids, self._sampling)
         with self._lock:
             self._c.groups_started += 1
 
@@ -357,14 +366,17 @@ class RolloutWorker:
             self._evals[req.eval_id] = pending
             for i, prompt in enumerate(pending.prompts):
                 ids = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
-                self._engine.add(GenRequest(eval_request_id(req.eval_id, i, 0), ids, self._greedy))
-                for j in range(1, req.k + 1):
-                    self._engine.add(GenRequest(eval_request_id(req.eval_id, i, j), ids, self._sampling))
+                for j in range(req.k + 1):
+                    rid, sampling = eval_request_id(req.eval_id, i, j), self._greedy if j == 0 else self._sampling
+                    (self._episodes.start(rid, prompt, ids, sampling) if self._episodes is not None
+                     else self._engine.add(GenRequest(rid, ids, sampling)))
 
-    def _collect_eval(self, seq: FinishedSequence) -> None:
-        eval_id, i, j = parse_eval_request_id(seq.request_id)
+    def _answered(self, key: str, text: str, versions: np.ndarray, reward: float | None = None) -> None:
+        """An evaluation answer is in (``versions``: its model tokens'); the last one hands
+        the evaluation to the scorer."""
+        eval_id, i, j = parse_eval_request_id(key)
         pending = self._evals[eval_id]
-        if pending.add(i, j, seq.text, int(seq.token_ids.shape[0]), seq.versions):
+        if pending.add(i, j, text, int(versions.shape[0]), versions, reward):
             del self._evals[eval_id]
             self._scorer.eval_done(pending, self._engine.version)
 
@@ -378,9 +390,29 @@ class RolloutWorker:
             if not pending.future.done():
                 pending.future.set_exception(RuntimeError(f"worker {self.worker_id} stopped during an evaluation"))
 
+    def _waiting_envs(self) -> int:
+        return self._episodes.waiting if self._episodes is not None else 0
+
+    def _episode_ended(self, ep: Episode) -> None:
+        """A finished episode: into its evaluation, or its group (complete: to the scorer)."""
+        if ep.key.startswith(EVAL_PREFIX):
+            self._answered(ep.key, ep.text, ep.completion(0.0).model_versions, ep.reward)
+            return
+        gid, idx = (int(x) for x in ep.key.split(":"))
+        group = self._pending[gid]
+        group.episodes[idx] = ep
+        if len(group.episodes) == self.n:
+            del self._pending[gid]
+            self._scorer.episodes_done(group)
+
     def _collect(self, seq: FinishedSequence) -> None:
+        if self._episodes is not None and "#" in seq.request_id:
+            with self._lock:
+                self._c.tokens += seq.token_ids.shape[0]
+            self._episodes.collect(seq)
+            return
         if seq.request_id.startswith(EVAL_PREFIX):
-            self._collect_eval(seq)
+            self._answered(seq.request_id, seq.text, seq.versions)
             return
         gid, idx = (int(x) for x in seq.request_id.split(":"))
         group = self._pending[gid]
@@ -408,6 +440,8 @@ class RolloutWorker:
             self._admission.release(self.worker_id, len(self._pending))
             self._pending.clear()
         self._scorer.close()
+        if self._episodes is not None:
+            self._episodes.close()
         self._sender.close()
         if close_engine:
             self._engine.close()

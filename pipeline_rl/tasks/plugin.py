@@ -31,14 +31,22 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
-def _import(module: str) -> object:
+def import_attribute(spec: str, flag: str) -> object:
+    """What ``MODULE:ATTR.PATH`` names; a one-line :class:`TaskError` naming ``flag`` when
+    the module cannot be imported or has no such attribute."""
+    module, _, attr_path = spec.partition(":")
     try:
-        return importlib.import_module(module)
+        obj = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        raise TaskError(f"task.reward: cannot import module '{module}' ({_first_line(e)}; "
+        raise TaskError(f"{flag}: cannot import module '{module}' ({_first_line(e)}; "
                         f"is it installed or on PYTHONPATH?)") from None
     except Exception as e:  # user code failing at import: report it, never crash with a traceback
-        raise TaskError(f"task.reward: importing module '{module}' failed: {_first_line(e)}") from None
+        raise TaskError(f"{flag}: importing module '{module}' failed: {_first_line(e)}") from None
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise TaskError(f"{flag}: module '{module}' has no attribute '{attr_path}'")
+        obj = getattr(obj, part)
+    return obj
 
 
 def _takes_three_args(fn: object) -> bool:
@@ -69,12 +77,7 @@ def resolve_reward(spec: str, timeout_s: float = 60.0) -> RewardFn:
         remote = RemoteReward(spec, timeout_s)
         remote.probe()
         return remote
-    module, _, attr_path = spec.partition(":")
-    obj = _import(module)
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise TaskError(f"task.reward: module '{module}' has no attribute '{attr_path}'")
-        obj = getattr(obj, part)
+    obj = import_attribute(spec, "task.reward")
     if not callable(obj):
         raise TaskError(f"task.reward: '{spec}' is not callable (it is a {type(obj).__name__})")
     if not _takes_three_args(obj):

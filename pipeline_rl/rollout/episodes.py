@@ -1,0 +1,231 @@
+"""Multi-turn episodes in the rollout worker: the episode driver.
+
+An episode starts from a prompt: its environment is reset, then the engine generates the
+model's turn; the finished turn goes to the environment, whose reply is appended, and the
+engine generates the next turn from the whole sequence; until the environment says
+``done``, the model has taken ``--task.max_turns`` turns (finish reason ``turns``; the
+environment still sees the last one, and may score it), or the context is full (``length``). A group is still ``n`` episodes of one prompt.
+
+Token in, token out (:class:`Episode`): the sequence is the engine's own token ids of each
+turn, with their behaviour log-probs and the versions that sampled them, and the reply's
+token ids (encoded once, never decoded again) with a loss mask of 0. Versions grow along
+the model's tokens: every turn is sampled after the one before it.
+
+Environment calls run off the engine loop (:class:`EnvCalls`: ``async def`` methods on an
+event loop of their own, others on a pool of ``--task.env_concurrency`` threads, each
+bounded by ``--task.env_timeout_s``); replies come back to the engine loop through
+:meth:`EpisodeDriver.replies`, so a slow environment delays its own episode, never
+generation. A failing environment (raises, answers with something that is not an
+``EnvReply``, times out) ends its episode with reward 0 and is reported like a failed
+reward (``--task.env_errors fail``: it ends the run instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from pipeline_rl.calls import first_line
+from pipeline_rl.config import TaskConfig
+from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
+from pipeline_rl.samples import Completion, FinishReason
+from pipeline_rl.tasks.base import Prompt
+from pipeline_rl.tasks.env import EnvFactory, Environment, EnvReply
+
+
+@dataclass(slots=True)
+class Episode:
+    """One episode in flight (engine loop only). ``key`` is the request id of its turns
+    without the turn number. Invariants: ``tokens``, ``logprobs``, ``versions`` and ``mask``
+    have one entry per token after the prompt; the model's tokens (mask 1) keep the
+    engine's log-probs and versions, non-decreasing; the environment's (mask 0) hold 0
+    and the version before them."""
+
+    key: str
+    prompt: Prompt
+    prompt_ids: tuple[int, ...]
+    env: Environment
+    sampling: SamplingConfig
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)   # the model's turns, decoded
+    turns: int = 0
+    reward: float | None = None
+    finish: FinishReason = "stop"                     # stop: the environment ended it
+    failed: str | None = None                         # the environment's failure, one line
+
+    def add_turn(self, seq: FinishedSequence) -> None:
+        self.tokens += seq.token_ids.tolist()
+        self.logprobs += seq.logprobs.tolist()
+        self.versions += seq.versions.tolist()
+        self.mask += [1] * len(seq.token_ids)
+        self.texts.append(seq.text)
+        self.turns += 1
+
+    def add_reply(self, ids: list[int]) -> None:
+        last = self.versions[-1] if self.versions else 0
+        self.tokens += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [last] * len(ids)
+        self.mask += [0] * len(ids)
+
+    @property
+    def text(self) -> str:
+        """The model's turns, as the task's reward reads them when the environment gives none."""
+        return "".join(self.texts)
+
+    def completion(self, reward: float) -> Completion:
+        return Completion(np.array(self.tokens, np.int32), np.array(self.logprobs, np.float32),
+                          np.array(self.versions, np.int32), reward, self.finish, np.array(self.mask, np.uint8))
+
+
+class EnvCalls:
+    """Environment calls off the engine loop (see the module docstring): ``call(fn, arg,
+    done)`` runs ``fn(arg)`` and hands ``done`` its result, or the exception it raised, on
+    the calls' own thread."""
+
+    def __init__(self, concurrency: int, timeout_s: float, name: str) -> None:
+        self._timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"env-{name}")
+        self._slots = asyncio.Semaphore(concurrency)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"envs-{name}", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[Any], Any], arg: Any, done: Callable[[Any], None]) -> None:
+        asyncio.run_coroutine_threadsafe(self._run(fn, arg, done), self._loop)
+
+    async def _run(self, fn: Callable[[Any], Any], arg: Any, done: Callable[[Any], None]) -> None:
+        async with self._slots:
+            done(await self._outcome(fn, arg))
+
+    async def _outcome(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        try:
+            if inspect.iscoroutinefunction(fn):
+                out = await asyncio.wait_for(fn(arg), self._timeout_s)
+            else:
+                out = await asyncio.wait_for(self._loop.run_in_executor(self._pool, fn, arg), self._timeout_s)
+                if inspect.isawaitable(out):
+                    out = await asyncio.wait_for(out, self._timeout_s)
+        except asyncio.TimeoutError:
+            out = TimeoutError(f"no answer within {self._timeout_s:g} s (--task.env_timeout_s)")
+        except Exception as e:  # noqa: BLE001 -- an environment's failure ends its episode
+            out = e
+        return out
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """An episode whose environment answered: ``reply`` is None after ``reset``."""
+
+    episode: Episode
+    reply: EnvReply | None
+
+
+class EpisodeDriver:
+    """Runs a worker's episodes (see the module docstring): environments off the loop,
+    turns on ``engine``; ``ended(episode)`` takes every finished one (reward set when the
+    environment gave one). Everything on the engine loop, except what says otherwise."""
+
+    def __init__(self, factory: EnvFactory, cfg: TaskConfig, engine: GenerationEngine, max_model_len: int,
+                 name: str, wake: Callable[[], None], ended: Callable[[Episode], None],
+                 failed: Callable[[str], None]) -> None:
+        self.factory, self.cfg, self._engine, self._max_len = factory, cfg, engine, max_model_len
+        self._wake, self._ended, self._failed = wake, ended, failed
+        self.env_name = cfg.env or getattr(factory, "__qualname__", type(factory).__name__)
+        self._calls = EnvCalls(cfg.env_concurrency, cfg.env_timeout_s, name)
+        self._ready: deque[Ready] = deque()
+        self._lock = threading.Lock()
+        self._live: dict[str, Episode] = {}
+        self.waiting = 0   # episodes whose environment has not answered yet
+
+    def start(self, key: str, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
+        """A new episode: its environment is made and reset off the loop, then its first turn."""
+        episode = Episode(key, prompt, prompt_ids, self.factory(), sampling)
+        self._live[key] = episode
+        self._ask(episode, episode.env.reset, prompt, reset=True)
+
+    def collect(self, seq: FinishedSequence) -> None:
+        """A finished turn (request id ``KEY#TURN``): to the environment, off the loop."""
+        episode = self._live[seq.request_id.rpartition("#")[0]]
+        episode.add_turn(seq)
+        self._ask(episode, episode.env.step, seq.text, reset=False)
+
+    def pump(self) -> None:
+        """Go on with every episode whose environment answered: its next turn, or its end."""
+        with self._lock:
+            ready = list(self._ready)
+            self._ready.clear()
+        self.waiting -= len(ready)
+        for r in ready:
+            episode, reply = r.episode, r.reply
+            if reply is not None and (reply.done or episode.turns >= self.cfg.max_turns):
+                if episode.failed is None:   # the environment ended it, or the turn cap did
+                    episode.finish = "stop" if reply.done else "turns"
+                episode.reward = reply.reward
+                self._end(episode)
+                continue
+            if reply is not None:
+                ids = list(reply.token_ids) if reply.token_ids is not None else \
+                    self._engine.encode(reply.text, add_special_tokens=False)
+                episode.add_reply(ids)
+            self._next_turn(episode)
+
+    def _next_turn(self, episode: Episode) -> None:
+        room = self._max_len - len(episode.prompt_ids) - len(episode.tokens)
+        if room <= 0:
+            episode.finish = "length"
+            self._end(episode)
+            return
+        sampling = replace(episode.sampling, max_new_tokens=min(episode.sampling.max_new_tokens, room))
+        self._engine.add(GenRequest(f"{episode.key}#{episode.turns}", episode.prompt_ids + tuple(episode.tokens),
+                                    sampling))
+
+    def _end(self, episode: Episode) -> None:
+        del self._live[episode.key]
+        self._ended(episode)
+
+    def _ask(self, episode: Episode, fn: Callable[[Any], Any], arg: Any, *, reset: bool) -> None:
+        self.waiting += 1
+
+        def answered(out: Any) -> None:   # on the calls' thread
+            if isinstance(out, BaseException):
+                out = self._fail(episode, f"raised on prompt {episode.prompt.prompt_id}: {first_line(out)}")
+            elif not reset and not isinstance(out, EnvReply):
+                out = self._fail(episode, f"answered prompt {episode.prompt.prompt_id} with a "
+                                          f"{type(out).__name__}, not an EnvReply")
+            with self._lock:
+                self._ready.append(Ready(episode, out if isinstance(out, EnvReply) else None))
+            self._wake()
+
+        self._calls.call(fn, arg, answered)
+
+    def _fail(self, episode: Episode, what: str) -> EnvReply:
+        """The episode ends with reward 0; the failure is reported (one line)."""
+        episode.failed = f"environment {self.env_name} {what}"
+        episode.finish = "abort"
+        self._failed(episode.failed)
+        return EnvReply(reward=0.0, done=True)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def close(self) -> None:
+        self._calls.close()
