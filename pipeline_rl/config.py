@@ -76,11 +76,13 @@ class ModelConfig(Section):
 class TaskConfig(Section):
     """What the policy is trained on."""
 
-    name: Literal["addition", "sort", "countdown", "dataset"] = Field(
+    name: Literal["addition", "sort", "countdown", "calc", "dataset"] = Field(
         "sort", description="Built-in verifiable task (sort: 'sort 5193=' -> '1359'; addition: "
         "'12+34=' -> '46'; countdown: 'countdown 003=' -> '003 002 001 000', heavy-tailed lengths "
         "of 4-492 tokens with --task.digits 3, so give it --rollout.max_new_tokens 492 "
-        "--rollout.max_model_len 512), or 'dataset' for --task.dataset.")
+        "--rollout.max_model_len 512; calc: multi-turn with a calculator tool, 'calc 4821*7396=' -> "
+        "the call '[4821*7396]', the tool's reply '=35655316;', then '35655316'; --task.digits "
+        "1-6), or 'dataset' for --task.dataset.")
     dataset: str | None = Field(None, description="Local data file: .jsonl, .json, .parquet, .arrow, "
                                 ".csv, or a datasets save_to_disk folder (nothing is downloaded), with "
                                 "the --task.prompt_field and --task.answer_field columns; math "

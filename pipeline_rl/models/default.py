@@ -64,7 +64,7 @@ def default_model_dir(cfg: "ModelConfig", task: "TaskConfig | None" = None, *,
     """A ready Hugging Face folder for the built-in model, warm-started on ``task``.
 
     ``task`` defaults to ``TaskConfig()``; for a built-in task (``addition``,
-    ``sort``) the model is warm-started with ``recipe`` (default:
+    ``sort``, ``countdown``, ``calc``) the model is warm-started with ``recipe`` (default:
     :func:`~pipeline_rl.models.warmstart.recipe_for` the task); for ``dataset``
     it is left at its random initialisation. Raises ValueError when
     ``cfg.path`` is set (that model is the user's, not built here).
@@ -75,7 +75,7 @@ def default_model_dir(cfg: "ModelConfig", task: "TaskConfig | None" = None, *,
         raise ValueError(f"model.path is set ({cfg.path}); default_model_dir builds only the built-in model")
     task_cfg = task if task is not None else TaskConfig()
     label: str
-    if task_cfg.name in ("addition", "sort", "countdown"):
+    if task_cfg.name in ("addition", "sort", "countdown", "calc"):
         recipe = recipe if recipe is not None else recipe_for(task_cfg.name, task_cfg.digits, seed=seed)
         label, digits = task_cfg.name, task_cfg.digits
     else:  # a dataset: nothing to warm-start on, the built-in model stays at its random init
@@ -129,17 +129,20 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
     import torch
     from transformers import LlamaForCausalLM
 
+    from pipeline_rl.models.episodes import probe_episodes
     from pipeline_rl.tasks import TaskError, build_task
+    from pipeline_rl.tasks.env import task_env_factory
     from pipeline_rl.tasks.builtin import countdown_answer_tokens
 
     model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     task = build_task(task_cfg, seed=0)
     losses = warm_start(model, task, recipe)
     budget = countdown_answer_tokens(task_cfg.digits) if task_cfg.name == "countdown" else 16
+    measure = probe_episodes if task_env_factory(task) is not None else probe   # multi-turn: episodes
     try:   # measured on held-out prompts (a 1-digit task may have none)
-        result = probe(model, build_task(task_cfg, seed=0, split="eval"), max_new_tokens=budget)
+        result = measure(model, build_task(task_cfg, seed=0, split="eval"), max_new_tokens=budget)
     except TaskError:
-        result = probe(model, task, max_new_tokens=budget)
+        result = measure(model, task, max_new_tokens=budget)
     model.save_pretrained(out)
     info.update(recipe=asdict(recipe), final_loss=sum(losses[-20:]) / min(20, len(losses)),
                 probe=asdict(result))

@@ -11,6 +11,10 @@ answer more) and about 25-30% of its samples are right. RL with the exact-match 
 which held-out greedy accuracy shows (measured by the run's own evaluation,
 ``--eval.every``).
 
+A multi-turn task (``calc``) shows whole episodes (:func:`demonstration`): the model's
+turns, each ending with ``<eos>``, are trained on; the environment's replies between them
+are in the input only, as the rollout worker appends them (loss mask 0).
+
 Another recipe (``smoothing > 0``) spreads part of each answer digit's target
 over the ten digits: the model then ranks the right digit first (greedy
 accuracy ~1.0) but samples a wholly right answer rarely, a noisy imitator that
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from pipeline_rl.models.builtin import EOS, PAD, char_vocab
 from pipeline_rl.tasks.base import Prompt, Task
+from pipeline_rl.tasks.calc import Part
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +95,26 @@ def sample(model: "PreTrainedModel", task: Task, prompts: Sequence[Prompt], *, n
     import torch
 
     prompt_ids = [encode(p.text) for p in prompts for _ in range(n)]
+    out, stopped = generate(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                            generator=generator)
+    batch = out.shape[0]
+    mask = torch.zeros(batch, max_new_tokens)
+    for b in range(batch):
+        row = out[b].tolist()
+        length = row.index(EOS_ID) + 1 if EOS_ID in row else max_new_tokens
+        mask[b, :length] = 1.0
+    texts = [decode(out[b].tolist()) for b in range(batch)]  # as vLLM's skip_special_tokens text
+    metas = [p for p in prompts for _ in range(n)]
+    rewards = torch.tensor([task.reward(m.text, txt, m) for m, txt in zip(metas, texts)])
+    return Rollouts(prompt_ids, out, mask, texts, rewards, stopped)
+
+
+def generate(model: "PreTrainedModel", prompt_ids: list[list[int]], *, max_new_tokens: int,
+             temperature: float, generator: "torch.Generator") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Sampled continuations ``[B, max_new_tokens]`` of token-id prompts (``PAD_ID`` after a
+    row's ``<eos>``) and whether each row stopped with ``<eos>`` ``[B]``."""
+    import torch
+
     ids, att = _left_pad(prompt_ids)                       # [B, P]
     batch = ids.shape[0]
     out = torch.full((batch, max_new_tokens), PAD_ID, dtype=torch.long)
@@ -114,15 +139,7 @@ def sample(model: "PreTrainedModel", task: Task, prompts: Sequence[Prompt], *, n
             res = model(input_ids=nxt[:, None], attention_mask=att, position_ids=step_pos,
                         past_key_values=past, use_cache=True)
             past, logits = res.past_key_values, res.logits[:, -1]
-    mask = torch.zeros(batch, max_new_tokens)
-    for b in range(batch):
-        row = out[b].tolist()
-        length = row.index(EOS_ID) + 1 if EOS_ID in row else max_new_tokens
-        mask[b, :length] = 1.0
-    texts = [decode(out[b].tolist()) for b in range(batch)]  # as vLLM's skip_special_tokens text
-    metas = [p for p in prompts for _ in range(n)]
-    rewards = torch.tensor([task.reward(m.text, txt, m) for m, txt in zip(metas, texts)])
-    return Rollouts(prompt_ids, out, mask, texts, rewards, stopped)
+    return out, stopped
 
 
 def completion_logprobs(model: "PreTrainedModel", prompt_ids: list[list[int]],
@@ -181,24 +198,50 @@ def decoy_answer(task_name: str, prompt: Prompt) -> str:
     return prompt.answer[::-1]
 
 
-def _soft_targets(examples: Sequence[tuple[str, str]], smoothing: float,
+def demonstration(task: Task, prompt: Prompt, decoy: bool) -> tuple[Part, ...]:
+    """What the warm start trains on after ``prompt``: a multi-turn task's own
+    ``demonstration(prompt, decoy)`` (model turns and environment replies; a wrapper's
+    ``base`` is looked through), else one model turn, the answer or :func:`decoy_answer`."""
+    seen: object | None = task
+    while seen is not None:
+        show = getattr(seen, "demonstration", None)
+        if callable(show):
+            parts: tuple[Part, ...] = show(prompt, decoy)
+            return parts
+        seen = getattr(seen, "base", None)
+    return ((decoy_answer(task.name, prompt) if decoy else prompt.answer, True),)
+
+
+def _example_ids(text: str, parts: Sequence[Part]) -> tuple[list[int], list[bool]]:
+    """Token ids of a prompt and its parts (each model part followed by ``<eos>``), and
+    which of them are trained on (the model's; never the prompt's or an environment's)."""
+    ids = encode(text)
+    trained = [False] * len(ids)
+    for part, by_model in parts:
+        piece = encode(part) + ([EOS_ID] if by_model else [])
+        ids += piece
+        trained += [by_model] * len(piece)
+    return ids, trained
+
+
+def _soft_targets(examples: Sequence[tuple[str, Sequence[Part]]], smoothing: float,
                   vocab_size: int) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
     """Inputs ``[B, L]``, soft targets ``[B, L, V]`` and loss mask ``[B, L]`` for teacher forcing
-    on ``(prompt text, target answer)`` pairs."""
+    on ``(prompt text, parts)`` examples (:func:`demonstration`)."""
     import torch
 
     digit_list = [_VOCAB[str(d)] for d in range(10)]
     digit_set, digit_ids = set(digit_list), torch.tensor(digit_list)
-    seqs = [(encode(text), encode(answer) + [EOS_ID]) for text, answer in examples]
-    width = max(len(a) + len(b) for a, b in seqs)
+    seqs = [_example_ids(text, parts) for text, parts in examples]
+    width = max(len(full) for full, _ in seqs)
     ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
     targets = torch.zeros((len(seqs), width, vocab_size))
     mask = torch.zeros((len(seqs), width))
-    for i, (prompt, answer) in enumerate(seqs):
-        full = prompt + answer
+    for i, (full, trained) in enumerate(seqs):
         ids[i, :len(full)] = torch.tensor(full)
-        for j, tok in enumerate(answer):
-            pos = len(prompt) - 1 + j        # logits at pos predict token pos + 1
+        for pos, tok in enumerate(full[1:]):    # logits at pos predict token pos + 1
+            if not trained[pos + 1]:
+                continue
             mask[i, pos] = 1.0
             if tok in digit_set and smoothing > 0:
                 targets[i, pos, digit_ids] = smoothing / 10
@@ -235,7 +278,7 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
             for i in ids_:
                 p = task.prompt(i)
                 decoy = recipe.decoy_frac > 0 and rng.random() < recipe.decoy_frac
-                examples.append((p.text, decoy_answer(task.name, p) if decoy else p.answer))
+                examples.append((p.text, demonstration(task, p, decoy)))
             opt.zero_grad()
             losses.append(_accumulate(model, examples, recipe, vocab))
             opt.step()
@@ -243,13 +286,16 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
     return losses
 
 
-def _accumulate(model: "PreTrainedModel", examples: list[tuple[str, str]], recipe: WarmStartRecipe,
-                vocab: int) -> float:
+def _accumulate(model: "PreTrainedModel", examples: list[tuple[str, tuple[Part, ...]]],
+                recipe: WarmStartRecipe, vocab: int) -> float:
     """Backward of the batch's loss (mean over all its answer tokens) in ``recipe.micro_batches``
     chunks of examples of similar length (sorted by length, so little is padded); returns the loss."""
     import torch
 
-    order = sorted(examples, key=lambda e: len(e[0]) + len(e[1])) if recipe.micro_batches > 1 else examples
+    def length(example: tuple[str, tuple[Part, ...]]) -> int:
+        return len(example[0]) + sum(len(text) + by_model for text, by_model in example[1])
+
+    order = sorted(examples, key=length) if recipe.micro_batches > 1 else examples
     size = -(-len(order) // recipe.micro_batches)
     chunks = [order[i:i + size] for i in range(0, len(order), size)]
     built = [_soft_targets(chunk, recipe.smoothing, vocab) for chunk in chunks]
@@ -274,6 +320,11 @@ def recipe_for(task_name: str, digits: int, *, target_reward: float = 0.25,
     0.23 and 0.33, too close to the 0.3 a skill-gaining demo should start under; with 500
     steps the right answers are learnt less well and RL ends less sharp.) The default run's RL
     then turns the skill into the model's first choice (README, "What the default run shows").
+
+    ``calc`` (4 digits) takes the same recipe, on whole episodes (:func:`demonstration`):
+    measured on 256 held-out prompts (transformers episodes), the model calls the tool in
+    about 0.21-0.25 of its samples, and its calls and copies are right (sampled episode
+    reward 0.24); greedy 0.0 (the decoy). 196 s on one idle core.
     """
     if not 0.0 < target_reward < 1.0:
         raise ValueError(f"target_reward must be in (0, 1) (got {target_reward})")

@@ -1,6 +1,7 @@
 """Verifiable tasks: deterministic prompt pools with programmatic rewards.
 
-Built-in (CPU default): ``addition``, ``sort`` and ``countdown`` (:mod:`pipeline_rl.tasks.builtin`).
+Built-in (CPU default): ``addition``, ``sort`` and ``countdown`` (:mod:`pipeline_rl.tasks.builtin`),
+and ``calc``, multi-turn with a calculator tool (:mod:`pipeline_rl.tasks.calc`).
 User data: ``dataset``, a local JSONL / JSON / Parquet / Arrow / CSV file (or a
 ``save_to_disk`` folder) scored by math answer matching
 (:mod:`pipeline_rl.tasks.dataset`, :mod:`pipeline_rl.tasks.math_reward`).
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.tasks.base import BatchReward, Prompt, RewardFn, Split, Task, TaskError
 from pipeline_rl.tasks.builtin import AdditionTask, CountdownTask, SortTask
+from pipeline_rl.tasks.calc import CalcTask
 from pipeline_rl.tasks.chat import ConfiguredTask, Renderer, chat_renderer, has_chat_template, plugin_reward
 from pipeline_rl.tasks.dataset import DatasetTask, Encoder, load_dataset_task, prompt_tokens
 from pipeline_rl.tasks.plugin import resolve_reward
@@ -25,7 +27,7 @@ from pipeline_rl.tasks.plugin import resolve_reward
 if TYPE_CHECKING:
     from pipeline_rl.config import EvalConfig, TaskConfig
 
-__all__ = ["AdditionTask", "BatchReward", "ConfiguredTask", "CountdownTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
+__all__ = ["AdditionTask", "CalcTask", "BatchReward", "ConfiguredTask", "CountdownTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
            "TaskError", "build_task", "build_task_for_model", "longest_prompt", "plugin_reward", "resolve_reward",
            "check_tokenizer", "task_tokenizer"]
 
@@ -39,6 +41,8 @@ def longest_prompt(cfg: "TaskConfig") -> str | None:
         return f"sort {nines}="
     if cfg.name == "countdown":
         return f"countdown {nines}="
+    if cfg.name == "calc":
+        return f"calc {nines}*{nines}="
     return None
 
 
@@ -107,7 +111,8 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
                                  max_prompt_tokens=max_prompt_tokens, render=render,
                                  split=split if split_rows else None)
     else:
-        builtin = AdditionTask if cfg.name == "addition" else SortTask if cfg.name == "sort" else CountdownTask
+        builtin = AdditionTask if cfg.name == "addition" else SortTask if cfg.name == "sort" else (
+            CalcTask if cfg.name == "calc" else CountdownTask)
         base = builtin(cfg.digits, cfg.num_prompts, seed, split)
         if tokenizer is not None and max_prompt_tokens is not None:
             _check_builtin_fits(cfg, tokenizer, max_prompt_tokens, render)

@@ -5,6 +5,13 @@ prompt for an id is a pure function of ``(seed, prompt_id)``: every rollout
 worker, on every node, sees the same prompt for the same id, with no state
 shared between them. Ids outside ``[0, num_prompts)`` wrap around (an endless
 counter walks the pool in epochs). Rewards are floats in ``[0, 1]``.
+
+Multi-turn tasks: a task may also define ``env_factory()``, returning the
+:data:`~pipeline_rl.tasks.env.EnvFactory` that makes each of its episodes' environment
+(``None``, or no such method: a single-turn task). It is optional, not part of the
+:class:`Task` protocol; read it with :func:`pipeline_rl.tasks.env.task_env_factory` (which
+looks through wrappers). The rollout worker and the held-out evaluation use it when
+``--task.env`` is not given. Built in: ``calc`` (:mod:`pipeline_rl.tasks.calc`).
 """
 
 from __future__ import annotations
