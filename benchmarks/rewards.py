@@ -4,23 +4,27 @@ Usage::
 
     python -m benchmarks.rewards [--steps 200] [--repeats 1] [--json PATH] [--md PATH]
 
-Three runs of the real pipeline (the default run: built-in model, sort task,
+Four runs of the real pipeline (the default run: built-in model, sort task,
 ``--staleness 2``; held-out evaluation off) on one local Ray, back to back, the same
-reward in all three (exact match with the sort task's answer), reached three ways:
+reward in all four (exact match with the sort task's answer), reached in three ways:
 
 - ``instant``: the task's own reward;
 - ``plugin-50ms``: a plug-in ``def`` reward (``--task.reward benchmarks.rewards:sleepy``)
   that sleeps 50 ms per completion first, as a reward model or a sandbox would;
 - ``remote-20ms``: a remote reward (``--task.reward http://127.0.0.1:PORT/score``) served by
-  this process (``http.server``), answering each group's batch after 20 ms.
+  this process (``http.server``), answering each group's batch after 20 ms;
+- ``plugin-50ms-s4``: ``plugin-50ms`` at ``--staleness 4`` (not part of the acceptance): a
+  reward's latency ages every sample, so it spends the staleness budget (at most
+  ``(staleness + 1) x groups per step`` groups granted ahead of the trainer, docs/design.md
+  section 2), and a larger budget buys the time back.
 
-Both slow arms run at the default ``--task.reward_concurrency`` (64) and
+The slow arms run at the default ``--task.reward_concurrency`` (64) and
 ``--task.reward_timeout_s``. Reported per run: steps per second over the steps after the
 first ``WARMUP`` (from the recorder's clock), the mean reward call and the share of the
 worker's time with a reward in flight (from ``metrics.jsonl``), reward failures, and the
-training reward; and each slow arm's steps per second as a ratio of ``instant``'s
-(acceptance: at least 0.8). With ``--repeats`` the rounds rotate the order of the arms and
-the figures are medians.
+training reward; and each slow arm's steps per second as a ratio of ``instant``'s in the
+same round (acceptance, for ``plugin-50ms`` and ``remote-20ms``: at least 0.8). With
+``--repeats`` the rounds rotate the order of the arms and the figures are medians.
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ def median_run(runs: list[RewardRun]) -> RewardRun:
                      reward_last=last.reward_last)
 
 
-def markdown(runs: dict[str, RewardRun], ratios: dict[str, float]) -> str:
+def markdown(runs: dict[str, RewardRun], ratios: dict[str, float], accepted: bool) -> str:
     lines = ["| reward | steps | steps/s | x instant | reward call (mean) | worker time in rewards "
              "| failures | train reward first -> last 10% |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -138,14 +142,14 @@ def markdown(runs: dict[str, RewardRun], ratios: dict[str, float]) -> str:
         ratio = f"{ratios[r.name]:.2f}" if r.name in ratios else "1"
         lines.append(f"| {r.name} | {r.steps} | {r.steps_per_s:.2f} | {ratio} | {r.reward_call_ms:.1f} ms "
                      f"| {r.reward_busy_frac:.2f} | {r.reward_failures} | {r.reward_first:.3f} -> {r.reward_last:.3f} |")
-    verdict = "pass" if all(v >= ACCEPT for v in ratios.values()) else "FAIL"
-    lines += ["", f"Acceptance (each slow arm at least {ACCEPT}x the instant arm's steps/s): {verdict}."]
+    lines += ["", f"Acceptance (plugin-50ms and remote-20ms at least {ACCEPT}x the instant arm's steps/s): "
+              f"{'pass' if accepted else 'FAIL'}."]
     return "\n".join(lines)
 
 
 def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="Steps per run (default 200).")
-    p.add_argument("--repeats", type=int, default=1, help="Rounds of the three runs, each in a rotated "
+    p.add_argument("--repeats", type=int, default=1, help="Rounds of the four runs, each in a rotated "
                    "order; figures are medians over rounds.")
 
 
@@ -154,22 +158,26 @@ def run(args: argparse.Namespace) -> Outcome:
     rounds: list[dict[str, RewardRun]] = []
     with ray_session(), remote_reward() as url, tempfile.TemporaryDirectory(prefix="rewards_") as tmp:
         arms = {"instant": [], "plugin-50ms": ["--task.reward", "benchmarks.rewards:sleepy"],
-                "remote-20ms": ["--task.reward", url]}
+                "remote-20ms": ["--task.reward", url],
+                "plugin-50ms-s4": ["--task.reward", "benchmarks.rewards:sleepy", "--staleness", "4"]}
         names = list(arms)
         for r in range(args.repeats):
-            order = names[r % 3:] + names[:r % 3]
+            order = names[r % len(names):] + names[:r % len(names)]
             rounds.append({n: one_run(n, Path(tmp) / f"{n}_{r}", args.steps, arms[n]) for n in order})
     runs = {n: median_run([rd[n] for rd in rounds]) for n in names}
-    base = runs["instant"].steps_per_s
-    ratios = {n: runs[n].steps_per_s / base if base else 0.0 for n in names[1:]}
-    table = markdown(runs, ratios)
+    # Each slow arm against the instant arm of its own round (runs close in time share the
+    # machine's load), the median over rounds.
+    ratios = {n: statistics.median(rd[n].steps_per_s / rd["instant"].steps_per_s if rd["instant"].steps_per_s
+                                   else 0.0 for rd in rounds) for n in names[1:]}
+    accepted = all(ratios[n] >= ACCEPT for n in ("plugin-50ms", "remote-20ms"))
+    table = markdown(runs, ratios, accepted)
     if args.repeats > 1:
         table += "\n\n" + f"Medians over {args.repeats} rounds (orders rotated); per round, steps/s: " + "; ".join(
             ", ".join(f"{n} {rd[n].steps_per_s:.2f}" for n in names) for rd in rounds) + "."
-    return Outcome({"hardware": hardware(), "steps": args.steps, "warmup": WARMUP, "ratios": ratios,
+    return Outcome({"hardware": hardware(), "steps": args.steps, "warmup": WARMUP, "ratios": ratios, "accepted": accepted,
                     "runs": {k: asdict(v) for k, v in runs.items()},
                     "rounds": [{k: asdict(v) for k, v in rd.items()} for rd in rounds]}, table,
-                   status=0 if all(v >= ACCEPT for v in ratios.values()) else 1)
+                   status=0 if accepted else 1)
 
 
 def main(argv: list[str] | None = None) -> int:
