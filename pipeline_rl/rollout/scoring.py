@@ -104,6 +104,7 @@ class PendingGroup:
     prompt_ids: tuple[int, ...]
     done: dict[int, FinishedSequence] = field(default_factory=dict)
     episodes: dict[int, Episode] = field(default_factory=dict)   # multi-turn: its finished episodes
+    early: dict[int, Future[list[float]]] = field(default_factory=dict)   # rewards begun per completion
 
 
 class Scorer:
@@ -125,6 +126,13 @@ class Scorer:
         self._thread.start()
 
     # -- handing work over (any thread) ---------------------------------------------------
+    def completion_done(self, pending: PendingGroup, index: int) -> None:
+        """One completion of ``pending`` finished: a per-completion reward starts scoring it
+        now, while its siblings are still generating (the group waits for it when done)."""
+        if self.source.per_completion:
+            text = pending.done[index].text
+            pending.early[index] = asyncio.run_coroutine_threadsafe(self._call(pending.prompt, [text]), self._loop)
+
     def group_done(self, pending: PendingGroup) -> None:
         """Score ``pending``'s ``n`` completions, then send the group."""
         self._submit(self._score_and_send(pending))
@@ -181,7 +189,11 @@ class Scorer:
     # -- on the loop ----------------------------------------------------------------------
     async def _score_and_send(self, pending: PendingGroup) -> None:
         seqs = [pending.done[i] for i in range(self.n)]
-        rewards = await self.score(pending.prompt, [s.text for s in seqs])
+        if pending.early:
+            parts = await asyncio.gather(*(asyncio.wrap_future(pending.early[i]) for i in range(self.n)))
+            rewards = [r for part in parts for r in part]
+        else:
+            rewards = await self.score(pending.prompt, [s.text for s in seqs])
         completions = tuple(Completion(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
                                        reward=r, finish_reason=s.finish_reason) for s, r in zip(seqs, rewards))
         group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id, worker_id=self.worker_id,

@@ -417,6 +417,7 @@ class RolloutWorker:
         gid, idx = (int(x) for x in seq.request_id.split(":"))
         group = self._pending[gid]
         group.done[idx] = seq
+        self._scorer.completion_done(group, idx)
         with self._lock:
             self._c.tokens += seq.token_ids.shape[0]
         if len(group.done) == self.n:
