@@ -121,20 +121,17 @@ class TaskConfig(Section):
         "counted on the step lines and in metrics.jsonl; a reward that fails on its first 32 calls "
         "without one success ends the run); fail ends the run at the first failure.")
     env: str | None = Field(None, description="Multi-turn episodes with an environment MODULE:CLASS "
-                            "(pipeline_rl.tasks.env.Environment: reset(prompt), step(turn) -> EnvReply; "
-                            "a class: one instance per episode; an instance: shared). Unset: the task's "
-                            "own environment (--task.name calc), else single-turn completions.")
-    max_turns: int = Field(4, ge=1, le=1024, description="Episodes: model turns at most; an episode "
-                           "still going after that many ends (finish reason 'turns').")
-    env_concurrency: int = Field(64, ge=1, le=4096, description="Episodes: environment calls a rollout "
-                                 "worker keeps in flight at most (threads for def methods, concurrent "
-                                 "calls of async def ones); a slow environment never holds up generation.")
+                            "(pipeline_rl.tasks.env.Environment; a class: one instance per episode, an "
+                            "instance: shared). Unset: the task's own (--task.name calc), else single-turn.")
+    max_turns: int = Field(4, ge=1, le=1024, description="Episodes: model turns at most (then finish "
+                           "reason 'turns').")
+    env_concurrency: int = Field(64, ge=1, le=4096, description="Episodes: environment calls in flight "
+                                 "per worker at most (threads, or concurrent async calls).")
     env_timeout_s: float = Field(60.0, gt=0.0, le=86_400.0, description="Episodes: an environment call "
                                  "running longer ends its episode as failed.")
     env_errors: Literal["zero", "fail"] = Field(
-        "zero", description="Episodes: an environment that raises, answers with something that is not "
-        "an EnvReply, or times out: zero ends that episode with reward 0 (counted like a reward failure, "
-        "the first one a console line); fail ends the run at the first.")
+        "zero", description="Episodes: an environment that raises, answers with no EnvReply or times "
+        "out: zero ends that episode with reward 0 (counted like a reward failure); fail ends the run.")
     digits: int = Field(4, ge=1, le=12, description="Built-in tasks: operand digits / list length.")
     num_prompts: int = Field(100_000, ge=1, description="Built-in tasks: size of the prompt pool.")
 
