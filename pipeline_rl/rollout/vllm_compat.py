@@ -80,9 +80,13 @@ def complete_backend(cls: type) -> type:
     return cls
 
 
+class UnusedBackendMethod(RuntimeError):
+    """A weight-transfer base method this project's backend never implements was called."""
+
+
 def _unused(owner: str, name: str) -> Any:
     def stub(*_args: Any, **_kwargs: Any) -> None:
-        raise NotImplementedError(f"{owner}.{name} is not part of pipeline_rl's weight transfer")
+        raise UnusedBackendMethod(f"{owner}.{name} is not part of pipeline_rl's weight transfer")
     return stub
 
 
