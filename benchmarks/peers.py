@@ -5,18 +5,27 @@ Systems (``--systems``, default ``trl,s0,s2``): ``trl`` (``python -m benchmarks.
 synchronous, Hugging Face ``generate``, one process with ``--trl-threads`` torch
 threads), ``s0`` (``launch/async_grpo.py --staleness 0``: synchronous, vLLM and
 DeepSpeed in their own processes), ``s2`` (``--staleness 2``, the default) and any
-other ``sN`` (``--staleness N``).
+other ``sN`` (``--staleness N``), each with the project's default held-out evaluation
+(as users run it; TRL evaluates nothing), or without it as ``sN-noeval``
+(``--eval.every 0``: what evaluation costs, both arms in one run).
 Every run is a fresh process started by this script with the same settings:
 ``--prompts`` x ``--n`` completions per step (default 4 x 8 = 32), lr 2e-4 constant,
 temperature 1, top-p 1, at most ``--max-new-tokens`` new tokens, group mean/std
-advantages, token-normalised loss, no KL, no evaluation, ``--steps`` steps, seeds
-``0 .. --seeds - 1``. Runs are interleaved (seed-major) so a drift of the machine
-touches every system alike.
+advantages, token-normalised loss, no KL, ``--steps`` steps, seeds
+``0 .. --seeds - 1`` (with the defaults, the project's runs are its default command).
+Runs are interleaved (seed-major) so a drift of the machine touches every system alike.
+
+How each side is installed (``benchmarks/peers_env.py``; the report names each side's
+environment and the versions it imports): TRL in a virtual environment of its own, built
+once from TRL's pins under ``.cache/peers-trl-venv`` (torch 2.13.0 CPU, no vLLM), as its
+users install it; the project in its own ``.venv``. ``--trl-env project`` runs TRL from the
+project's environment instead (the suite's quick test: nothing to build, offline).
 
 What differs, and why (the script cannot make these equal):
 
 - the generator: vLLM (pipeline_rl) against ``transformers.generate`` (TRL without
   vLLM: TRL's vLLM path needs a CUDA server or colocated GPU engine);
+- the environments: each side its own (above), with the same torch and transformers;
 - the processes: pipeline_rl runs a rollout worker and a trainer on one core each;
   TRL runs one process, given both cores' worth of threads (``--trl-threads 2``);
 - random streams: same seeds, but the two sample with different generators, so
@@ -54,17 +63,22 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, BadFlag, Outcome, at_least, config, hardware, main as bench_main, pyplot
+from benchmarks.peers_env import describe
 from benchmarks.stats import median_range, trailing_mean
 
 SYSTEMS = ("trl", "s0", "s2")   # the default set; any sN (pipeline_rl --staleness N) is accepted
 _DIST_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                        "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"})
 LABEL = {"trl": "TRL GRPOTrainer (sync, HF generate)"}
+NOEVAL = "-noeval"
 
 
 def label(system: str) -> str:
-    """``trl`` or ``sN`` (pipeline_rl at staleness N), as the report names it."""
-    return LABEL.get(system, f"pipeline_rl --staleness {system[1:]}")
+    """``trl``, ``sN`` or ``sN-noeval`` (pipeline_rl at staleness N), as the report names it."""
+    if system in LABEL:
+        return LABEL[system]
+    staleness = system[1:].removesuffix(NOEVAL)
+    return f"pipeline_rl --staleness {staleness}" + (" --eval.every 0" if system.endswith(NOEVAL) else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +96,7 @@ class Settings:
     trl_threads: int
     model_dir: str
     builtin: bool  # model_dir is the built-in model (no --model given)
+    trl_python: str = sys.executable  # the interpreter TRL runs in (its own environment, or the project's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,21 +161,22 @@ def measure(system: str, seed: int, launched: float, curve: Curve | None, wall_s
 def command(system: str, seed: int, s: Settings, run_dir: Path) -> list[str]:
     py = sys.executable
     if system == "trl":
-        return [py, "-m", "benchmarks.peers_trl", "--model", s.model_dir,
+        return [s.trl_python, "-m", "benchmarks.peers_trl", "--model", s.model_dir,
                 "--out", str(run_dir / "metrics.jsonl"), "--seed", str(seed), "--max-steps", str(s.steps),
                 "--prompts", str(s.prompts), "--n", str(s.n), "--lr", str(s.lr),
                 "--temperature", str(s.temperature), "--max-new-tokens", str(s.max_new_tokens),
                 "--threads", str(s.trl_threads), f"--task-flags={' '.join(s.task_flags)}"]
-    staleness = system[1:]
+    staleness = system[1:].removesuffix(NOEVAL)
     # The built-in model is what the plain command uses (no --model.path: the folder is the
     # same, and the command a user runs skips the checks of a user's folder).
     model = [] if s.builtin else ["--model.path", s.model_dir]
+    evaluation = ["--eval.every", "0"] if system.endswith(NOEVAL) else []
     return [py, str(ROOT / "launch" / "async_grpo.py"), "--staleness", staleness, "--seed", str(seed),
             "--max-steps", str(s.steps), "--out-dir", str(run_dir), *model,
             "--rollout.n", str(s.n), "--trainer.batch_size", str(s.prompts * s.n),
             "--trainer.lr", str(s.lr), "--rollout.temperature", str(s.temperature),
             "--rollout.max_new_tokens", str(s.max_new_tokens),
-            "--rollout.max_model_len", str(s.max_model_len), "--eval.every", "0",
+            "--rollout.max_model_len", str(s.max_model_len), *evaluation,
             "--trainer.checkpoint_every", "0", *s.task_flags]
 
 
@@ -242,6 +258,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{st['temperature']}, at most {st['max_new_tokens']} new tokens, {st['steps']} steps, seeds "
              f"{', '.join(map(str, st['seeds']))}; target: trailing {st['window']}-step mean reward >= "
              f"{st['target']}. Medians (range) over seeds.", "",
+             *(f"- {describe(label(side) if side == 'trl' else side, info)}"
+               for side, info in result.get("installs", {}).items()), "",
              "| system | reached | steps to target | training time to target (s) | wall time to target, "
              "start-up incl. (s) | start-up (s) | step time (s) | tokens/s | final reward |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -301,6 +319,9 @@ def flags(p: argparse.ArgumentParser) -> None:
                    "(default 256; HF generate has no such limit): at least prompt + --max-new-tokens.")
     p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (default 1).")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (default 2).")
+    p.add_argument("--trl-env", choices=("clean", "project"), default="clean",
+                   help="TRL's environment: clean (default: its own, built once from its pins under "
+                   ".cache/peers-trl-venv, no vLLM) or project (this one; the suite's quick test).")
     p.add_argument("--model", default=None, help="Model folder (default: the built-in model).")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="Limit per run (default 1800 s).")
     p.add_argument("--png", type=Path, default=None, help="Also write the plot here.")
@@ -308,9 +329,10 @@ def flags(p: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> tuple[list[str], Settings]:
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
-    bad = [x for x in systems if not (x == "trl" or re.fullmatch(r"s\d+", x))]
+    bad = [x for x in systems if not (x == "trl" or re.fullmatch(r"s\d+(-noeval)?", x))]
     if bad or not systems:
-        raise BadFlag(f"--systems: unknown value(s) {', '.join(bad) or '(none)'} (allowed: trl, sN for a staleness N)")
+        raise BadFlag(f"--systems: unknown value(s) {', '.join(bad) or '(none)'} (allowed: trl, sN for a "
+                      "staleness N, sN-noeval)")
     at_least(args, seeds=1, steps=1, window=1, prompts=1, trl_threads=1, n=2)
     if any(not f.startswith("--task.") for f in args.run_flags[::2]):
         raise BadFlag("only --task.* flags may follow '--' (the rest is fixed for both systems)")
@@ -318,9 +340,26 @@ def resolve(args: argparse.Namespace) -> tuple[list[str], Settings]:
 
     cfg = config([*(["--model.path", args.model] if args.model else []), *args.run_flags])
     model_dir = str(Path(resolve_model_dir(cfg)).resolve())
+    trl_python = sys.executable
+    if "trl" in systems and args.trl_env == "clean":
+        from benchmarks.peers_env import trl_python as clean_python
+
+        trl_python = str(clean_python(log=lambda line: print(line, flush=True)))
     return systems, Settings(args.steps, args.prompts, args.n, args.lr, args.max_new_tokens,
                              args.max_model_len, args.temperature,
-                             tuple(args.run_flags), args.trl_threads, model_dir, args.model is None)
+                             tuple(args.run_flags), args.trl_threads, model_dir, args.model is None, trl_python)
+
+
+def installs(systems: list[str], s: Settings) -> dict[str, Any]:
+    """How each side is installed: its environment and the versions it imports."""
+    from benchmarks.peers_env import PROJECT_MODULES, TRL_MODULES, installed
+
+    out: dict[str, Any] = {}
+    if "trl" in systems:
+        out["trl"] = installed(s.trl_python, TRL_MODULES)
+    if any(x != "trl" for x in systems):
+        out["pipeline_rl"] = installed(sys.executable, PROJECT_MODULES)
+    return out
 
 
 def run(args: argparse.Namespace) -> Outcome:
@@ -341,7 +380,7 @@ def run(args: argparse.Namespace) -> Outcome:
                   f"{_f(res.startup_s, '.1f')} s, target at step {res.steps_to_target} "
                   f"({_f(res.train_s_to_target, '.1f')} s training, {_f(res.wall_s_to_target, '.1f')} s wall)"
                   + (f"; {res.error}" if res.error else ""), flush=True)
-    result = {"hardware": hardware(),
+    result = {"hardware": hardware(), "installs": installs(systems, s),
               "settings": {**asdict(s), "seeds": list(range(args.seeds)), "target": args.target,
                            "window": args.window, "systems": systems},
               "runs": [asdict(r) for r in runs], "summary": summarize(runs), "curves": curves}

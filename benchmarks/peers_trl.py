@@ -15,7 +15,9 @@ batch. Generation is Hugging Face ``generate`` (TRL without vLLM); the process u
 Each step appends a JSON line to ``--out``: ``step``, ``unix_time_s`` (wall clock at
 the step's end), ``time_s`` (since training started, as in the project's
 ``metrics.jsonl``), ``reward_mean``, ``completion_len_mean`` (tokens), ``step_time_s``.
-Needs ``trl`` (``pip install -e '.[peers]'``).
+Needs ``trl``: ``benchmarks.peers`` runs it in TRL's own environment (``benchmarks/peers_env.py``:
+TRL's pins and pydantic, for the task code it reads from ``pipeline_rl``); ``pip install -e
+'.[peers]'`` adds TRL to the project's.
 
 Usage: ``python -m benchmarks.peers_trl --model DIR --out FILE.jsonl [--seed 0]
 [--max-steps 200] [--task sort]``; ``--json``/``--md`` report the run's steps and last reward.

@@ -1,15 +1,19 @@
-"""benchmarks/peers.py: the figures of a run from its curve, bad flags, and (slow) a real
-side-by-side on a tiny model -- TRL's GRPOTrainer and the project's pipeline (Ray, vLLM,
-DeepSpeed, ZeroMQ), each in its own process, with the JSON, Markdown and PNG outputs."""
+"""benchmarks/peers.py: the figures of a run from its curve, bad flags, how each side is
+installed, and (slow) a real side-by-side on a tiny model -- TRL's GRPOTrainer and the
+project's pipeline (Ray, vLLM, DeepSpeed, ZeroMQ), each in its own process, with the JSON,
+Markdown and PNG outputs. The side-by-side runs TRL from the project's environment
+(``--trl-env project``): the clean one (``benchmarks/peers_env.py``) is built by the
+benchmark itself, minutes of downloads the suite does not make."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks import peers
+from benchmarks import peers, peers_env
 
 
 def test_trailing_mean_uses_full_windows_only() -> None:
@@ -31,6 +35,20 @@ def test_figures_of_a_run() -> None:
     assert not failed.ok and failed.error == "exit status 1"
 
 
+def test_each_side_names_its_environment_and_versions() -> None:
+    assert peers.label("s2") == "pipeline_rl --staleness 2"
+    assert peers.label("s2-noeval") == "pipeline_rl --staleness 2 --eval.every 0"
+    s = peers.Settings(4, 2, 4, 2e-4, 16, 256, 1.0, (), 2, "/m", True, "/venv/bin/python")
+    assert peers.command("trl", 0, s, Path("/r"))[0] == "/venv/bin/python"
+    assert "--eval.every" not in peers.command("s2", 0, s, Path("/r"))
+    assert peers.command("s2-noeval", 0, s, Path("/r"))[-4:-2] == ["--eval.every", "0"]
+    pins = peers_env.pins()
+    assert "trl==1.16.0" in pins and any(p.startswith("transformers==") for p in pins)
+    assert not any(p.startswith("vllm") for p in pins) and peers_env.TORCH in peers_env.stamp()
+    info = {"prefix": "/v", "versions": {"torch": "2.13.0+cpu", "trl": "1.16.0", "vllm": None}}
+    assert peers_env.describe("TRL", info) == "TRL: /v (torch 2.13.0+cpu, trl 1.16.0; no vllm)"
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--systems", "trl,vllm"], "--systems: unknown value(s) vllm"),
     (["--seeds", "0"], "--seeds must be >= 1"),
@@ -47,7 +65,7 @@ def test_bad_flag_is_one_line_error(argv: list[str], message: str, capsys: pytes
 @pytest.mark.slow
 def test_trl_and_pipeline_side_by_side_on_a_tiny_model(tiny_model_dir: str, tmp_path: Path) -> None:
     out = tmp_path / "peers"
-    code = peers.main(["--model", tiny_model_dir, "--systems", "trl,s2", "--seeds", "1", "--steps", "3",
+    code = peers.main(["--model", tiny_model_dir, "--systems", "trl,s2", "--trl-env", "project", "--seeds", "1", "--steps", "3",
                        "--window", "2", "--target", "0", "--max-new-tokens", "8", "--prompts", "2", "--n", "4",
                        "--timeout-s", "600", "--out", str(out)])
     logs = {p.name: p.read_text()[-2000:] for p in out.glob("*/console.log")}
@@ -57,5 +75,6 @@ def test_trl_and_pipeline_side_by_side_on_a_tiny_model(tiny_model_dir: str, tmp_
     for r in result["runs"]:
         assert r["ok"] and r["startup_s"] > 0 and r["tokens_per_s"] > 0 and r["wall_s_to_target"] > r["train_s_to_target"]
     assert set(result["summary"]["ratios_vs_trl"]) == {"s2"}
-    assert "TRL GRPOTrainer" in (out / "peers.md").read_text()
+    md = (out / "peers.md").read_text()
+    assert "TRL GRPOTrainer" in md and f"pipeline_rl: {sys.prefix} (" in md
     assert (out / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
