@@ -7,9 +7,14 @@ applies as to any sequence) and answers with sums (:class:`EvalResult`) naming t
 versions that served (``version_min`` .. ``version_max``). A sample is *solved* when its
 reward is at least :data:`SOLVED`; ``greedy_accuracy``: mean reward of the greedy answers;
 ``mean_at_k``: over all ``k`` samples; ``pass_at_k``: share of prompts with a solved sample.
+An evaluation is a side-stream (:class:`EvalFeed`): at most :data:`STREAM_SHARE` of the
+engine's sequences at a time, so training generation keeps the rest and the trainer keeps
+stepping; only the starting evaluation, which the first step waits for, takes the engine
+at once (``EvalRequest.stream`` False).
 
-**In the driver** (:class:`Evaluations`). Every ``--eval.every`` steps and at the end, the
-same ``--eval.num_prompts`` held-out ids are split over the live workers; training goes on
+**In the driver** (:class:`Evaluations`). At the start (as soon as the workers generate;
+the first step waits for it), every ``--eval.every`` steps and at the end, the same
+``--eval.num_prompts`` held-out ids are split over the live workers; training goes on
 and the answers are collected after later steps. At most one evaluation is in flight (a
 due one is skipped and counted meanwhile); the final one is waited for, bounded. A worker
 that dies loses that evaluation (logged); any other failure is raised.
@@ -18,8 +23,10 @@ that dies loses that evaluation (logged); any other failure is raised.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,16 +46,21 @@ RewardOf = Callable[[Prompt, str], float]
 SOLVED = 1.0 - 1e-6
 #: Request ids of evaluation sequences start with this (training ids are ``GROUP:INDEX``).
 EVAL_PREFIX = "eval:"
+#: Share of a worker's engine sequences (``--rollout.max_num_seqs``) a side-stream
+#: evaluation holds at most at a time; training generation keeps the rest.
+STREAM_SHARE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
 class EvalRequest:
     """Evaluate the eval-split prompts ``prompt_ids``: one greedy sample and ``k`` sampled
-    at the rollout temperature each. ``eval_id`` tells concurrent requests apart."""
+    at the rollout temperature each. ``eval_id`` tells concurrent requests apart;
+    ``stream``: a side-stream (:class:`EvalFeed`), else every sequence at once."""
 
     eval_id: int
     prompt_ids: tuple[int, ...]
     k: int
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -114,6 +126,7 @@ class PendingEval:
     request: EvalRequest
     prompts: tuple[Prompt, ...]
     future: Future[EvalResult] = field(default_factory=Future)
+    encoded: dict[int, tuple[int, ...]] = field(default_factory=dict)    # prompt index -> its token ids
     texts: dict[tuple[int, int], str] = field(default_factory=dict)
     rewards: dict[tuple[int, int], float] = field(default_factory=dict)   # answers that came scored
     greedy_tokens: int = 0
@@ -159,6 +172,64 @@ class PendingEval:
                           version_min=lo, version_max=hi)
 
 
+class EvalFeed:
+    """A worker's evaluations on their way into its engine. :meth:`ask` from any thread;
+    the rest from the worker's loop. :meth:`due` yields the sequences to add now,
+    ``(pending, prompt index, sample)``, sample 0 the greedy one: all of a request that
+    is not a stream, otherwise as many as keep the streams' unanswered sequences at
+    ``slots`` at most (queued evaluations go in order)."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = max(1, slots)
+        self._lock = threading.Lock()
+        self._asked: deque[PendingEval] = deque()
+        self._started: dict[int, PendingEval] = {}
+        self._next: deque[tuple[PendingEval, int, int]] = deque()   # sequences of started evaluations, not added
+        self._streaming = 0   # stream sequences added, not answered
+
+    def ask(self, pending: PendingEval) -> None:
+        with self._lock:
+            self._asked.append(pending)
+
+    def due(self) -> Iterator[tuple[PendingEval, int, int]]:
+        while True:
+            if self._next:
+                pending, i, j = self._next[0]
+                if pending.request.stream and self._streaming >= self.slots:
+                    return
+                self._next.popleft()
+                self._streaming += pending.request.stream
+                yield pending, i, j
+                continue
+            with self._lock:
+                if not self._asked:
+                    return
+                pending = self._asked.popleft()
+            self._started[pending.request.eval_id] = pending
+            k = pending.request.k
+            self._next.extend((pending, i, j) for i in range(len(pending.prompts)) for j in range(k + 1))
+
+    def answered(self, eval_id: int, prompt_index: int, sample: int, text: str, num_tokens: int,
+                 versions: np.ndarray, reward: float | None = None) -> PendingEval | None:
+        """Record one answer (:meth:`PendingEval.add`); the evaluation once all are in."""
+        pending = self._started[eval_id]
+        self._streaming -= pending.request.stream
+        if not pending.add(prompt_index, sample, text, num_tokens, versions, reward):
+            return None
+        del self._started[eval_id]
+        return pending
+
+    def close(self) -> list[PendingEval]:
+        """Forget every evaluation asked for and not answered; returns them."""
+        with self._lock:
+            waiting = list(self._asked) + list(self._started.values())
+            self._asked.clear()
+        self._started.clear()
+        self._next.clear()
+        self._streaming = 0
+        return waiting
+
+
 log = logging.getLogger("pipeline_rl.evaluation")
 
 
@@ -192,6 +263,7 @@ class Evaluations:
         self._clock = clock
         self._next_id = 0
         self._in_flight: _InFlight | None = None
+        self._start = False    # the starting evaluation is in flight, not awaited yet
         self.skipped = 0
         self.lost = 0
 
@@ -202,9 +274,10 @@ class Evaluations:
     def due(self, step: int) -> bool:
         return self.enabled and step % self.cfg.every == 0
 
-    def launch(self, step: int, version: int, workers: Sequence[Any]) -> bool:
-        """Ask ``workers`` (Ray handles of rollout actors) to evaluate; False (and counted
-        as skipped) while the previous evaluation is still running."""
+    def launch(self, step: int, version: int, workers: Sequence[Any], *, stream: bool = True) -> bool:
+        """Ask ``workers`` (Ray handles of rollout actors) to evaluate (``stream``: as a
+        side-stream, :class:`EvalFeed`); False (and counted as skipped) while the previous
+        evaluation is still running."""
         if self._in_flight is not None:
             self.skipped += 1
             log.info("evaluation after step %d skipped: the one after step %d is still running",
@@ -213,7 +286,7 @@ class Evaluations:
         shares = split_prompts(self.cfg.num_prompts, len(workers))
         eval_id = self._next_id
         self._next_id += 1
-        refs = [w.evaluate.remote(EvalRequest(eval_id, share, self.cfg.k)) for w, share in zip(workers, shares)]
+        refs = [w.evaluate.remote(EvalRequest(eval_id, share, self.cfg.k, stream)) for w, share in zip(workers, shares)]
         self._in_flight = _InFlight(eval_id, step, version, time.monotonic(), refs)
         return True
 
@@ -248,29 +321,36 @@ class Evaluations:
     def in_flight_step(self) -> int | None:
         return None if self._in_flight is None else self._in_flight.step
 
-    def baseline(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None],
-                 timeout_s: float) -> None:
-        """Before the first step: evaluate the starting weights and wait, so no update can
-        land mid-evaluation (``version_max == version``); the workers generate training
-        samples meanwhile. TimeoutError (one line) past ``timeout_s``."""
-        if not self.enabled:
+    def begin_start(self, version: int, workers: Sequence[Any]) -> None:
+        """As soon as the workers generate: evaluate the starting weights (``version``), all
+        at once (not a side-stream: the first step waits for it, :meth:`await_start`, so no
+        update can land mid-evaluation and ``version_max == version``); the workers generate
+        training samples beside it."""
+        if self.enabled:
+            self._start = self.launch(version, version, workers, stream=False)
+
+    def await_start(self, record: Callable[[EvalMetrics], None], timeout_s: float) -> None:
+        """Wait for the evaluation :meth:`begin_start` launched (if any) and record it;
+        TimeoutError (one line) past ``timeout_s``."""
+        if not self._start:
             return
-        self.launch(version, version, workers)
+        self._start = False
         done = self.poll(timeout_s)
         if done is None and self.in_flight_step is not None:
             raise TimeoutError(f"the evaluation of the starting weights did not finish within {timeout_s:.0f} s")
         if done is not None:
             record(done)
 
-    def after_step(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None]) -> None:
-        """Between two steps: record an evaluation that has finished, launch one that is due."""
-        if not self.enabled:
-            return
-        done = self.poll(0.0)
-        if done is not None:
-            record(done)
+    def start_due(self, version: int, workers: Sequence[Any]) -> None:
+        """After the step that made ``version``, before the next goes out: launch the
+        evaluation due now, if any."""
         if self.due(version):
             self.launch(version, version, workers)
+
+    def collect(self, record: Callable[[EvalMetrics], None]) -> None:
+        """Between two steps: record the evaluation in flight if it has finished."""
+        if self.enabled and (done := self.poll(0.0)) is not None:
+            record(done)
 
     def finish(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None],
                timeout_s: float) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline_rl.evaluation import (
-    EvalRequest, EvalResult, PendingEval, parse_request_id, request_id,
+    EvalFeed, EvalRequest, EvalResult, PendingEval, parse_request_id, request_id,
 )
 from pipeline_rl.config import EvalConfig
 from pipeline_rl.evaluation import Evaluations, split_prompts
@@ -44,6 +44,27 @@ def test_pending_eval_scores_greedy_mean_and_pass_at_k() -> None:
         EvalRequest(0, (0,), k=0)
 
 
+def test_feed_streams_an_evaluation_beside_training_and_the_start_at_once() -> None:
+    """A side-stream keeps at most ``slots`` sequences unanswered; a request that is not a
+    stream (the starting evaluation) goes in whole; stopping hands back what is unanswered."""
+    prompts = tuple(Prompt(i, str(i), "x") for i in range(3))
+    feed = EvalFeed(slots=2)
+    start, stream = PendingEval(EvalRequest(0, (0, 1, 2), k=1, stream=False), prompts), \
+        PendingEval(EvalRequest(1, (0, 1, 2), k=1), prompts)
+    feed.ask(start)
+    feed.ask(stream)
+    first = [(p.request.eval_id, i, j) for p, i, j in feed.due()]
+    assert first == [(0, i, j) for i in range(3) for j in range(2)] + [(1, 0, 0), (1, 0, 1)]
+    assert list(feed.due()) == []                            # the stream's two slots are taken
+    v = np.array([0], dtype=np.int32)
+    assert all(feed.answered(0, i, j, "x", 1, v) is None for i, j in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)])
+    assert feed.answered(0, 2, 1, "x", 1, v) is start        # the start complete; no stream slot freed
+    assert list(feed.due()) == []
+    assert feed.answered(1, 0, 0, "x", 1, v) is None
+    assert [(i, j) for _, i, j in feed.due()] == [(1, 0)]    # one answer in, one sequence out
+    assert feed.close() == [stream] and list(feed.due()) == []
+
+
 def test_schedule_skips_while_one_is_in_flight() -> None:
     class _Ref:
         pass
@@ -60,7 +81,8 @@ def test_schedule_skips_while_one_is_in_flight() -> None:
     ev = Evaluations(EvalConfig(every=5, num_prompts=10, k=2), clock=lambda: 0.0)
     assert ev.due(0) and ev.due(10) and not ev.due(7)
     ws = [_Worker(), _Worker()]
-    assert ev.launch(0, 0, ws) and ev.in_flight_step == 0
+    assert ev.launch(0, 0, ws, stream=False) and ev.in_flight_step == 0
     assert [r.prompt_ids for w in ws for r in w.asked] == [tuple(range(5)), tuple(range(5, 10))]
+    assert not any(r.stream for w in ws for r in w.asked)
     assert not ev.launch(5, 5, ws) and ev.skipped == 1
     assert not Evaluations(EvalConfig(every=0), clock=lambda: 0.0).due(0)

@@ -41,7 +41,6 @@ import threading
 import time
 
 import numpy as np
-from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +50,7 @@ from pipeline_rl.rollout.episodes import Episode, EpisodeDriver
 from pipeline_rl.rollout.ports import AdmissionSource, SenderLike, connect_sender
 from pipeline_rl.rollout.scoring import PendingGroup, Scorer, reward_source
 from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
-from pipeline_rl.evaluation import EVAL_PREFIX, EvalRequest, EvalResult, PendingEval
+from pipeline_rl.evaluation import EVAL_PREFIX, STREAM_SHARE, EvalFeed, EvalRequest, EvalResult, PendingEval
 from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id, request_id as eval_request_id
 from pipeline_rl.actors.process import HeapTrimmer
 from pipeline_rl.weight_sync.gloo import receive_in_one_call
@@ -109,8 +108,7 @@ class RolloutWorker:
                               self._sender, self._c, self._lock, self.fail)
         self._heap = HeapTrimmer()   # free C-heap pages back to the OS every few seconds
         self._eval_task = eval_task
-        self._eval_queue: deque[PendingEval] = deque()     # asked for, not started (any thread)
-        self._evals: dict[int, PendingEval] = {}           # started (loop thread only)
+        self._evals = EvalFeed(int(cfg.rollout.max_num_seqs * STREAM_SHARE))
         self._loop_done = False                            # run() returned (until it runs again)
         self._greedy = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
         factory = resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
@@ -186,7 +184,7 @@ class RolloutWorker:
             if self._stop.is_set() or self._loop_done:   # no loop will start it: fail now, never hang
                 pending.future.set_exception(RuntimeError(f"worker {self.worker_id} is stopped"))
                 return pending.future
-            self._eval_queue.append(pending)
+            self._evals.ask(pending)
         self._wake.set()
         return pending.future
 
@@ -356,36 +354,27 @@ class RolloutWorker:
             self._c.groups_started += 1
 
     def _start_evals(self) -> None:
-        """Add the sequences of newly asked-for evaluations to the engine."""
-        while True:
-            with self._lock:
-                if not self._eval_queue:
-                    return
-                pending = self._eval_queue.popleft()
-            req = pending.request
-            self._evals[req.eval_id] = pending
-            for i, prompt in enumerate(pending.prompts):
-                ids = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
-                for j in range(req.k + 1):
-                    rid, sampling = eval_request_id(req.eval_id, i, j), self._greedy if j == 0 else self._sampling
-                    (self._episodes.start(rid, prompt, ids, sampling) if self._episodes is not None
-                     else self._engine.add(GenRequest(rid, ids, sampling)))
+        """Add the evaluation sequences due now (``EvalFeed``: a side-stream a few at a time)."""
+        for pending, i, j in self._evals.due():
+            prompt = pending.prompts[i]
+            ids = pending.encoded.get(i)
+            if ids is None:
+                ids = pending.encoded[i] = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
+            rid, sampling = eval_request_id(pending.request.eval_id, i, j), self._greedy if j == 0 else self._sampling
+            (self._episodes.start(rid, prompt, ids, sampling) if self._episodes is not None
+             else self._engine.add(GenRequest(rid, ids, sampling)))
 
     def _answered(self, key: str, text: str, versions: np.ndarray, reward: float | None = None) -> None:
         """An evaluation answer is in (``versions``: its model tokens'); the last one hands
         the evaluation to the scorer."""
-        eval_id, i, j = parse_eval_request_id(key)
-        pending = self._evals[eval_id]
-        if pending.add(i, j, text, int(versions.shape[0]), versions, reward):
-            del self._evals[eval_id]
-            self._scorer.eval_done(pending, self._engine.version)
+        done = self._evals.answered(*parse_eval_request_id(key), text, int(versions.shape[0]), versions, reward)
+        if done is not None:
+            self._scorer.eval_done(done, self._engine.version)
 
     def _cancel_evals(self) -> None:
         with self._lock:
             self._loop_done = True
-            waiting = list(self._eval_queue) + list(self._evals.values())
-            self._eval_queue.clear()
-        self._evals.clear()
+            waiting = self._evals.close()
         for pending in waiting:
             if not pending.future.done():
                 pending.future.set_exception(RuntimeError(f"worker {self.worker_id} stopped during an evaluation"))

@@ -55,6 +55,7 @@ class Orchestrator:
         self._actors: Actors | None = None
         self._supervisor: Supervisor | None = None
         self._recorder: StepRecorder | None = None
+        self._evals = Evaluations(self.cfg.eval, lambda: self._parts()[0].since_start())
 
     def __enter__(self) -> "Orchestrator":
         try:
@@ -72,6 +73,9 @@ class Orchestrator:
         where = self._cluster.start()
         actors = start_actors(self.cfg, self.model_dir, where, self.stop, self._note_started)
         self._actors, self.version = actors, actors.version
+        # The starting evaluation goes out first: it runs while the driver builds its records.
+        if self.version < self.cfg.max_steps:
+            self._evals.begin_start(self.version, self._live_workers())
         self._recorder = StepRecorder(self.folder, self._calls, actors.workers, actors.buffer)
         self._supervisor = Supervisor(self.cfg, self._calls, actors.buffer, actors.trainers, actors.workers,
                                       self.stop, self._checkpoints, lambda: self.version,
@@ -108,10 +112,8 @@ class Orchestrator:
 
     def train(self) -> list[StepMetrics]:
         """Run steps until ``max_steps`` (or a stop request); checkpoint; print a summary."""
-        rec, sup = self._parts()
-        evals = Evaluations(self.cfg.eval, rec.since_start)
-        if self.version < self.cfg.max_steps:
-            self._evaluate_start(evals)
+        rec, sup, evals = *self._parts(), self._evals
+        self._evaluate_start(evals)
         sup.watchdog.touch()  # start-up has its own bounds: not a stall
         refs = self._submit_step() if self._more_steps() else None
         while refs is not None:
@@ -121,23 +123,23 @@ class Orchestrator:
             self.version = reports[0].result.version   # the trainer owns the version
             # The next step goes out before this one is logged: the driver's bookkeeping
             # (worker and buffer stats, the metrics sinks) overlaps the trainer's work instead
-            # of leaving it idle. Not when a checkpoint or an evaluation must see these weights.
+            # of leaving it idle. A due evaluation is asked for first, then runs beside the
+            # training steps; a checkpoint must see these weights.
             save = self._checkpoints.due(self.version) and self.version < self.cfg.max_steps
-            between = save or evals.due(self.version)
-            refs = self._submit_step() if self._more_steps() and not between else None
+            evals.start_due(self.version, self._live_workers())
+            refs = self._submit_step() if self._more_steps() and not save else None
             sup.watchdog.step_done(rec.record(reports, self.version).step_time_s)
-            evals.after_step(self.version, self._live_workers(), rec.log_eval)
+            evals.collect(rec.log_eval)
             if save:
                 self.checkpoint()
-            if between and self._more_steps():
-                refs = self._submit_step()
+                refs = self._submit_step() if self._more_steps() else None
         self._end(evals)
         return self.history
 
     def _evaluate_start(self, evals: Evaluations) -> None:
-        """The starting point, on the starting weights alone (no step runs meanwhile)."""
+        """The starting point, on the starting weights alone: the first step waits for it."""
         try:
-            evals.baseline(self.version, self._live_workers(), self._parts()[0].log_eval, _EVAL_FINAL_TIMEOUT_S)
+            evals.await_start(self._parts()[0].log_eval, _EVAL_FINAL_TIMEOUT_S)
         except TimeoutError as e:
             raise OrchestratorError(str(e)) from None
 
