@@ -1,21 +1,23 @@
 """Where the time from the command to the first step goes, and what bounds it.
 
-Two measurements, each in fresh processes on an otherwise idle machine:
+Two measurements, each in fresh processes:
 
-1. **The real command** (``launch/async_grpo.py --max-steps 3 --eval.every 0`` on the
-   built-in model, ``--repeats`` times): the wall clock of each start-up phase line the
-   driver prints (Ray, buffer, trainer, workers, training) and of the first step's line,
-   from the command.
-2. **The pieces alone**, one process at a time on an idle core: ``import ray`` plus
-   the start of a local Ray as the command starts it (``ray_start.start_local``); ``import deepspeed``; ``import vllm``; building the rollout
-   worker's vLLM engine (``InprocessEngine``: the rest of vLLM's imports, the model, the KV cache)
-   after ``import vllm``; the last three with the garbage collector off, as the actors
-   run them.
+1. **The real command** (``launch/async_grpo.py --max-steps 3``, every other flag at its
+   default, the built-in model, ``--repeats`` times): the wall clock of each start-up
+   phase line the driver prints (Ray, buffer, trainer, workers, training), of the
+   starting evaluation's line and of the first step's line, from the command.
+2. **The pieces alone**, one process at a time: ``import ray`` plus the start of a local
+   Ray as the command starts it (``local_ray.start_local``); ``import vllm``; building the
+   rollout worker's vLLM engine (``InprocessEngine``: the rest of vLLM's imports, the
+   model, the KV cache) after ``import vllm``; the trainer's whole start (its imports,
+   torch, transformers and DeepSpeed, and its DeepSpeed engine: ``Trainer``); all but
+   Ray's with the garbage collector off, as the actors run them.
 
-The rollout worker is the critical path: it cannot start before Ray is up, and its
-vLLM import and engine build are one process's serial work. ``bound_s`` = the command's
-Ray line + vLLM import + engine build is what the command cannot beat on this machine
-(the buffer and the trainer start beside the worker, on the other core).
+Bounds: ``slowest_actor_s``, the slowest actor's own start (the rollout worker's vLLM
+import + engine build, or the trainer's, whichever is longer), which no command that
+starts that actor can beat; ``chain_s`` = the command's Ray line + the rollout worker's
+start, the serial chain of this design (an actor starts once Ray is up; the buffer and
+the trainer start beside the worker, on the other core).
 
 Usage: ``python -m benchmarks.startup [--repeats 3] [--json PATH] [--md PATH]``.
 """
@@ -35,7 +37,7 @@ from benchmarks.common import ROOT, Outcome, at_least, config, hardware, main as
 
 #: The console line that marks each phase (its first words), in the order printed.
 PHASES = (("ray", "Ray:"), ("buffer", "buffer:"), ("trainer", "trainer:"), ("workers", "rollout:"),
-          ("training", "training:"), ("first_step", "step    1 "))
+          ("training", "training:"), ("start_eval", "eval after step 0 "), ("first_step", "step    1 "))
 
 #: The actors import and build with the garbage collector off (``setup_actor_process``).
 _NO_GC = "import gc; gc.disable(); "
@@ -43,12 +45,15 @@ _PIECES = {
     "ray_init": "import os; os.environ['RAY_AUTH_MODE']='disabled'; "   # as the command starts it
                 "from pipeline_rl.runtime_env import ACTOR_ENV; from pipeline_rl.run.local_ray import start_local; "
                 "start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30)",
-    "import_deepspeed": _NO_GC + "import deepspeed",
     "import_vllm": _NO_GC + "import vllm",
     "vllm_engine": _NO_GC + "import vllm; t = time.perf_counter(); "   # its build after ``import vllm``
                    "from pipeline_rl.rollout.engine import EngineConfig; "
                    "from pipeline_rl.rollout.engine_inprocess import InprocessEngine; "
                    "InprocessEngine(EngineConfig(model_dir={model_dir!r}))",
+    "trainer_start": _NO_GC + "from pipeline_rl import runtime_env; from pipeline_rl.net import free_port; "
+                     "port = free_port(); runtime_env.for_rendezvous('127.0.0.1', port, 0, 1); "
+                     "from pipeline_rl.config import Config; from pipeline_rl.training.trainer import Trainer; "
+                     "Trainer(Config(), {model_dir!r}, master_addr='127.0.0.1', master_port=port)",
 }
 
 
@@ -60,14 +65,14 @@ def _piece_code(name: str, model_dir: str) -> str:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    from pipeline_rl.runtime_env import ACTOR_ENV
+
+    return {**os.environ, **ACTOR_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DS_ACCELERATOR": "cpu"}
 
 
 def time_command(out_dir: Path) -> dict[str, float]:
     """Seconds from the command to each phase line of one real run."""
-    cmd = [sys.executable, str(ROOT / "launch" / "async_grpo.py"), "--max-steps", "3", "--eval.every", "0",
-           "--trainer.checkpoint_every", "0", "--out-dir", str(out_dir)]
+    cmd = [sys.executable, str(ROOT / "launch" / "async_grpo.py"), "--max-steps", "3", "--out-dir", str(out_dir)]
     start = time.perf_counter()
     seen: dict[str, float] = {}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -108,9 +113,11 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "Pieces alone (fresh process, idle machine; seconds):", "", "| piece | s |", "|---|---:|"]
     for name, xs in pieces.items():
         lines.append(f"| {name} | {_median(xs)} |")
-    lines += ["", "Bound (the command's Ray line, then vLLM import + engine build, one serial chain): "
-              f"**{result['bound_s']} s**; command to first step: **{result['first_step_s']} s** "
-              f"({result['first_step_s'] / result['bound_s']:.2f}x the bound)."]
+    first, slowest, chain = result["first_step_s"], result["slowest_actor_s"], result["chain_s"]
+    lines += ["", f"Command to first step: **{first} s**. The slowest actor's own start (the rollout "
+              f"worker's vLLM import + engine build, or the trainer's start, alone): **{slowest} s**, the "
+              f"command at **{first / slowest:.2f}x** it; the chain Ray line + the rollout worker's start: "
+              f"{chain} s, the command at {first / chain:.2f}x it."]
     return "\n".join(lines)
 
 
@@ -121,10 +128,12 @@ def run(args: argparse.Namespace) -> Outcome:
     model_dir = str(resolve_model_dir(config([])))
     command = [time_command(args.out / f"run{i}") for i in range(args.repeats)]
     pieces = {name: [time_piece(name, model_dir) for _ in range(args.repeats)] for name in _PIECES}
-    # Ray as the command starts it (its own settings), then the worker's serial chain.
-    bound = _median([r["ray"] for r in command]) + _median(pieces["import_vllm"]) + _median(pieces["vllm_engine"])
+    rollout = _median(pieces["import_vllm"]) + _median(pieces["vllm_engine"])
     result = {"hardware": hardware(), "repeats": args.repeats, "command": command, "pieces": pieces,
-              "bound_s": round(bound, 2), "first_step_s": _median([r["first_step"] for r in command])}
+              "slowest_actor_s": round(max(rollout, _median(pieces["trainer_start"])), 2),
+              # Ray as the command starts it (its own line), then the worker's serial chain.
+              "chain_s": round(_median([r["ray"] for r in command]) + rollout, 2),
+              "first_step_s": _median([r["first_step"] for r in command])}
     return Outcome(result, markdown(result))
 
 

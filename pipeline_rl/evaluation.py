@@ -31,13 +31,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from pipeline_rl.config import EvalConfig
 from pipeline_rl.metrics import EvalMetrics
 from pipeline_rl.tasks.base import Prompt
 
 if TYPE_CHECKING:
+    import numpy as np
     from ray import ObjectRef
 
 #: Scores one answer: ``(prompt, completion text) -> reward``.

@@ -11,11 +11,11 @@ from benchmarks import startup
 def test_report_names_every_phase_and_the_bound() -> None:
     run = {name: float(i + 1) for i, (name, _) in enumerate(startup.PHASES)}
     result = {"hardware": {"cpu": "x", "cores": 2, "memory_gib": 1.0}, "repeats": 1, "command": [run],
-              "pieces": {"ray_init": [2.0], "import_vllm": [3.0], "vllm_engine": [4.0]},
-              "bound_s": 9.0, "first_step_s": 6.0}
+              "pieces": {"ray_init": [2.0], "import_vllm": [3.0], "vllm_engine": [4.0], "trainer_start": [5.0]},
+              "slowest_actor_s": 7.0, "chain_s": 8.75, "first_step_s": 8.4}
     md = startup.markdown(result)
     assert all(f"| {name} | " in md for name, _ in startup.PHASES)
-    assert "**9.0 s**" in md and "0.67x the bound" in md
+    assert "**7.0 s**, the command at **1.20x** it" in md and "8.75 s, the command at 0.96x it" in md
 
 
 def test_bad_repeats_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,7 +1,9 @@
 """Starting and stopping a run's actors, with typed handles. Workers (vLLM), buffer and
 trainers (DeepSpeed) start at once (the workers find the buffer by name), the workers first:
 theirs is the longest start, and Ray hands its pre-started processes to the first actors
-asking. Every wait says what it waits for; a failure or ``_TIMEOUT_S`` ends the run in one line.
+asking. The trainers are asked to start DeepSpeed as soon as they exist (on one node; across
+nodes once they name their node), not after the buffer is up. Every wait says what it waits
+for; a failure or ``_TIMEOUT_S`` ends the run in one line.
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     n = cfg.trainer.num_ranks
     trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory) for r in range(n)]
     started(buffer, trainers, workers)
+    setups = _setup_trainers(trainers, where, wait)
     address = wait([buffer.address.remote()], "the replay buffer to bind its socket", "replay buffer")[0]
     say(f"buffer: listening on {address}")
-    version = _start_trainers(cfg, trainers, where, wait)
+    version = _start_trainers(cfg, trainers, setups, wait)
     wait([w.handle.ready.remote() for w in workers], f"{len(workers)} rollout worker(s) to start vLLM",
          "rollout worker")
     say(f"rollout: {len(workers)} vLLM worker(s) ready ({cfg.rollout.dtype})")
@@ -108,14 +111,19 @@ def resume_version(cfg: Config) -> int:
         raise OrchestratorError(f"--resume: {e}") from None
 
 
-def _start_trainers(cfg: Config, trainers: list[TrainerHandle], where: Placement, wait: StartupWait) -> int:
-    """Rendezvous and DeepSpeed on every rank, then the resumed checkpoint; the version."""
-    n = cfg.trainer.num_ranks
+def _setup_trainers(trainers: list[TrainerHandle], where: Placement, wait: StartupWait) -> list[Any]:
+    """Ask every rank to join the rendezvous and build its DeepSpeed engine (not waited for)."""
     master = (wait([trainers[0].node_ip.remote()], "the trainer to start", "trainer")[0]
               if where.multi_node else "127.0.0.1")
     port = free_port()
-    versions = wait([t.setup.remote(master, port) for t in trainers], f"{n} trainer rank(s) to start DeepSpeed",
-                    "trainer")
+    return [t.setup.remote(master, port) for t in trainers]
+
+
+def _start_trainers(cfg: Config, trainers: list[TrainerHandle], setups: list[Any], wait: StartupWait) -> int:
+    """Wait for DeepSpeed on every rank (:func:`_setup_trainers`), then load the resumed
+    checkpoint; the version."""
+    n = cfg.trainer.num_ranks
+    versions = wait(setups, f"{n} trainer rank(s) to start DeepSpeed", "trainer")
     say(f"trainer: {n} rank(s) ready (DeepSpeed ZeRO-{cfg.trainer.zero_stage})")
     if cfg.resume:
         versions = wait([t.load_checkpoint.remote(cfg.resume) for t in trainers],
