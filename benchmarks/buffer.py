@@ -12,13 +12,18 @@ all producers are connected until the consumer holds the last group.
     python -m benchmarks.buffer --json runs/bench/buffer.json
     python -m benchmarks.buffer --quick          # a few hundred groups, seconds
 
-Timings on a shared 2-core machine are noisy: compare figures from one run.
+Timings on a shared 2-core machine are noisy: compare figures from one run. The buffer's
+path is CPU-bound there (producers, both ZeroMQ I/O threads, the receiver and the consumer
+share the cores), so other work on the machine lowers its figure; the report gives the
+cores other processes used during each round (``other_cores``, from /proc/stat).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -65,6 +70,7 @@ class Report:
     ratio_to_bare_min: float
     ratio_to_bare_max: float
     lost: int
+    other_cores: list[float]  # per round: cores used by other processes on the machine meanwhile
     runs: list[RunResult]
 
 
@@ -156,6 +162,29 @@ def run_bare(producers: int, count: int, n: int, tokens: int, hwm: int) -> RunRe
                      total - received)
 
 
+def _cpu_clock() -> tuple[float, float, float]:
+    """Wall seconds; CPU seconds the machine has run (all but idle and I/O wait, from
+    /proc/stat; 0 where there is none); CPU seconds of this process and its reaped children."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        busy = 0.0
+    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    return time.perf_counter(), busy, own
+
+
+def _round(total: int, shape: tuple[int, int, int]) -> tuple[tuple[RunResult, ...], float]:
+    """The four runs of one round, and the cores other processes used meanwhile."""
+    wall, busy, own = _cpu_clock()
+    runs = (run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
+            run_bare(1, total, *shape), run_bare(4, total // 4, *shape))
+    wall2, busy2, own2 = _cpu_clock()
+    return runs, max(0.0, (busy2 - busy) - (own2 - own)) / (wall2 - wall)
+
+
 def _median_run(runs: list[RunResult]) -> RunResult:
     return sorted(runs, key=lambda r: r.groups_per_s)[len(runs) // 2]
 
@@ -174,8 +203,7 @@ def flags(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Outcome:
     total, repeats = (400, 1) if args.quick else (args.groups, args.repeats)
     shape = (args.n, args.tokens, args.hwm)
-    rounds = [(run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
-               run_bare(1, total, *shape), run_bare(4, total // 4, *shape)) for _ in range(repeats)]
+    rounds, other = zip(*(_round(total, shape) for _ in range(repeats)))
     one, four, bare1, bare4 = (_median_run([r[i] for r in rounds]) for i in range(4))
     ratios = sorted(r[1].groups_per_s / r[3].groups_per_s for r in rounds)
     report = Report(
@@ -186,14 +214,17 @@ def run(args: argparse.Namespace) -> Outcome:
         bare_zmq_groups_per_s_1=bare1.groups_per_s, bare_zmq_groups_per_s=bare4.groups_per_s,
         bare_zmq_mb_per_s=bare4.mb_per_s, ratio_to_bare=ratios[len(ratios) // 2],
         ratio_to_bare_min=ratios[0], ratio_to_bare_max=ratios[-1],
-        lost=sum(r.lost for rnd in rounds for r in rnd[:2]), runs=[r for rnd in rounds for r in rnd])
+        lost=sum(r.lost for rnd in rounds for r in rnd[:2]), other_cores=list(other),
+        runs=[r for rnd in rounds for r in rnd])
     lines = [f"{repeats} round(s), medians:"]
     lines += [f"buffer   {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s"
               for r in (one, four)]
     lines += [f"bare ZMQ {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s"
               for r in (bare1, bare4)]
     lines += [f"lost: {report.lost}", f"buffer (4 producers) / bare ZMQ (4 producers), same round: median "
-              f"{report.ratio_to_bare:.2f} (range {ratios[0]:.2f}-{ratios[-1]:.2f})"]
+              f"{report.ratio_to_bare:.2f} (range {ratios[0]:.2f}-{ratios[-1]:.2f})",
+              f"other processes used {sorted(other)[len(other) // 2]:.2f} cores (median; range "
+              f"{min(other):.2f}-{max(other):.2f}) of {os.cpu_count()} while it ran"]
     return Outcome(asdict(report), "\n".join(lines))
 
 

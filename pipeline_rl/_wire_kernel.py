@@ -18,9 +18,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from pipeline_rl.samples import NEWEST_VERSION as NEWEST  # a group without tokens: never stale
+
+# One signature per kernel: the decoder's arrays are read-only views of a message at any
+# alignment (``wire._in_place``), aligned or not field by field. Typed as read-only and
+# unaligned, every such mix (and any writable or aligned array) converts to the one
+# compiled version, instead of numba compiling one per combination of alignments.
+_I4, _F4, _F8, _U1 = (types.Array(t, 1, "C", readonly=True, aligned=False)
+                      for t in (types.int32, types.float32, types.float64, types.uint8))
+_SCAN = types.int64(_I4, _I4, _I4, _F4, _I4, _F8, _U1, types.int64, types.int64)
+_SCAN_MASKED = types.int64(_I4, _I4, _I4, _F4, _I4, _F8, _U1, _U1, types.int64, types.int64)
 
 
 # code -> (reason, one-line detail); reasons match wire.WireError's tags
@@ -52,68 +61,11 @@ def _min_i32(a: np.ndarray) -> Any:  # pragma: no cover - compiled
     return m
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def scan_group(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
-               versions: np.ndarray, rewards: np.ndarray, finish: np.ndarray,
-               max_length: int, num_finish: int) -> int:  # pragma: no cover - compiled
-    """Validate one group (shapes: lengths/rewards/finish [n], the rest [sum(lengths)],
-    prompt [P]); see the module docstring for the result.
-
-    The per-token checks are branch-free reductions over whole arrays (min, a
-    count of bad log-probs, a count of version drops) so that they vectorise:
-    ~0.4 us for 2048 tokens where an early-exit loop took ~2 us. A drop at a
-    completion boundary is allowed, so those are subtracted from the count."""
-    n = lengths.shape[0]
-    total = 0
-    for c in range(n):
-        if lengths[c] < 0 or lengths[c] > max_length:
-            return -1
-        total += lengths[c]
-    if tokens.shape[0] != total:
-        return -2
-    if logprobs.shape[0] != total:
-        return -3
-    if versions.shape[0] != total:
-        return -4
-    if _min_i32(prompt) < 0:
-        return -5
-    if _min_i32(tokens) < 0:
-        return -6
-    if _min_i32(versions) < 0:
-        return -7
-    drops = np.int32(0)
-    for t in range(1, total):
-        drops += np.int32(versions[t] < versions[t - 1])
-    bad = np.int32(0)
-    for t in range(total):
-        bad += np.int32(not logprobs[t] <= _LOGP_SLACK)  # NaN fails this too
-    oldest = NEWEST
-    start = 0
-    for c in range(n):
-        if lengths[c] > 0:
-            oldest = min(oldest, versions[start])
-            if start > 0 and versions[start] < versions[start - 1]:
-                drops -= 1  # between two completions: allowed
-        start += lengths[c]
-        if not np.isfinite(rewards[c]):
-            return -10
-        if finish[c] >= num_finish:
-            return -11
-    if drops:
-        return -8
-    if bad:
-        return -9
-    return oldest
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def scan_masked_group(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
-                      versions: np.ndarray, rewards: np.ndarray, finish: np.ndarray, mask: np.ndarray,
-                      max_length: int, num_finish: int) -> int:  # pragma: no cover - compiled
-    """:func:`scan_group` for a group with a loss mask (multi-turn episodes): log-probs,
-    versions (non-negative, non-decreasing within a completion) and the oldest version
-    are checked and found on the model's tokens (``mask == 1``) only; token ids and
-    the mask itself everywhere."""
+@njit(inline="always")
+def _sizes(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+           versions: np.ndarray, max_length: int) -> Any:  # pragma: no cover - compiled
+    """sum(lengths), or the code (< 0) of the first problem with the completion lengths,
+    the per-token array sizes or the (prompt and completion) token ids."""
     total = 0
     for c in range(lengths.shape[0]):
         if lengths[c] < 0 or lengths[c] > max_length:
@@ -125,12 +77,76 @@ def scan_masked_group(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarra
         return -3
     if versions.shape[0] != total:
         return -4
-    if mask.shape[0] != total:
-        return -12
     if _min_i32(prompt) < 0:
         return -5
     if _min_i32(tokens) < 0:
         return -6
+    return total
+
+
+@njit(inline="always")
+def _completion(rewards: np.ndarray, finish: np.ndarray, c: int, num_finish: int) -> Any:  # pragma: no cover
+    """0, or the code of completion ``c``'s problem with its reward or finish code."""
+    if not np.isfinite(rewards[c]):
+        return -10
+    if finish[c] >= num_finish:
+        return -11
+    return 0
+
+
+@njit(_SCAN, cache=True, nogil=True, boundscheck=False)
+def scan_group(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+               versions: np.ndarray, rewards: np.ndarray, finish: np.ndarray,
+               max_length: int, num_finish: int) -> int:  # pragma: no cover - compiled
+    """Validate one group (shapes: lengths/rewards/finish [n], the rest [sum(lengths)],
+    prompt [P]); see the module docstring for the result.
+
+    The per-token checks are branch-free reductions over whole arrays (min, a
+    count of bad log-probs, a count of version drops) so that they vectorise:
+    ~0.4 us for 2048 tokens where an early-exit loop took ~2 us. A drop at a
+    completion boundary is allowed, so those are subtracted from the count."""
+    total = _sizes(prompt, lengths, tokens, logprobs, versions, max_length)
+    if total < 0:
+        return total
+    if _min_i32(versions) < 0:
+        return -7
+    drops = np.int32(0)
+    for t in range(1, total):
+        drops += np.int32(versions[t] < versions[t - 1])
+    bad = np.int32(0)
+    for t in range(total):
+        bad += np.int32(not logprobs[t] <= _LOGP_SLACK)  # NaN fails this too
+    oldest = NEWEST
+    start = 0
+    for c in range(lengths.shape[0]):
+        if lengths[c] > 0:
+            oldest = min(oldest, versions[start])
+            if start > 0 and versions[start] < versions[start - 1]:
+                drops -= 1  # between two completions: allowed
+        start += lengths[c]
+        err = _completion(rewards, finish, c, num_finish)
+        if err:
+            return err
+    if drops:
+        return -8
+    if bad:
+        return -9
+    return oldest
+
+
+@njit(_SCAN_MASKED, cache=True, nogil=True, boundscheck=False)
+def scan_masked_group(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+                      versions: np.ndarray, rewards: np.ndarray, finish: np.ndarray, mask: np.ndarray,
+                      max_length: int, num_finish: int) -> int:  # pragma: no cover - compiled
+    """:func:`scan_group` for a group with a loss mask (multi-turn episodes): log-probs,
+    versions (non-negative, non-decreasing within a completion) and the oldest version
+    are checked and found on the model's tokens (``mask == 1``) only; token ids and
+    the mask itself everywhere."""
+    total = _sizes(prompt, lengths, tokens, logprobs, versions, max_length)
+    if total < 0:
+        return total
+    if mask.shape[0] != total:
+        return -12
     oldest = NEWEST
     start = 0
     for c in range(lengths.shape[0]):
@@ -149,8 +165,7 @@ def scan_masked_group(prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarra
             last = versions[t]
             oldest = min(oldest, versions[t])
         start += lengths[c]
-        if not np.isfinite(rewards[c]):
-            return -10
-        if finish[c] >= num_finish:
-            return -11
+        err = _completion(rewards, finish, c, num_finish)
+        if err:
+            return err
     return oldest

@@ -24,10 +24,13 @@ Decoding validates everything and raises :class:`WireError` (one line naming
 what is wrong) on any problem; it never executes code from the message (no
 pickle) and never trusts a length it has not checked.
 
-Cost (8 x 256 tokens, one core): encode ~7 us -- the message is written in one
-copy (``_pack``); decode ~9 us -- msgpack, seven zero-copy ``frombuffer`` views
-and one compiled pass (``_wire_kernel.scan_group``) that checks every token
-and finds the oldest version the buffer needs.
+Cost (8 x 256 tokens, one core): encode ~6 us -- the message is written in one
+copy (``_pack``); decode ~7 us -- a message in the encoder's own layout is read
+where it lies (``_in_place``: seven zero-copy ``frombuffer`` views into the
+message, no msgpack objects, no copy; any other msgpack encoding of the fields is
+parsed by msgpack), then one compiled pass (``_wire_kernel.scan_group``) checks
+every token and finds the oldest version the buffer needs. A decoded group's
+arrays are read-only views that keep the message alive.
 """
 
 from __future__ import annotations
@@ -87,9 +90,9 @@ def encode_group(group: Group) -> bytes:
     comps = group.completions
     if not comps:
         raise WireError("empty_group", f"group {group.group_id} has no completions")
-    tokens = [c.token_ids for c in comps]
-    lengths = [len(a) for a in tokens]
-    if [len(c.logprobs) for c in comps] != lengths or [len(c.versions) for c in comps] != lengths:
+    tokens, logprobs, versions = [c.token_ids for c in comps], [c.logprobs for c in comps], [c.versions for c in comps]
+    lengths = list(map(len, tokens))
+    if list(map(len, logprobs)) != lengths or list(map(len, versions)) != lengths:
         raise WireError("length_mismatch", f"group {group.group_id}: token, logprob and "
                         "version arrays differ in length")
     try:
@@ -97,11 +100,12 @@ def encode_group(group: Group) -> bytes:
     except KeyError as e:
         raise WireError("bad_finish_reason", f"unknown finish reason {e.args[0]!r}") from None
     count = len(comps)
-    masks = None if all(c.mask is None for c in comps) else \
-        [np.ones(len(c.token_ids), np.uint8) if c.mask is None else c.mask for c in comps]
+    masks = [c.mask for c in comps if c.mask is not None] or None  # none (single-turn): schema 1
+    if masks is not None:
+        masks = [np.ones(n, np.uint8) if c.mask is None else c.mask for c, n in zip(comps, lengths)]
     # Completion stores its arrays contiguous in the wire dtypes: their bytes go as they are.
-    return _pack(group, sum(lengths), struct.pack(f"<{count}i", *lengths), tokens, [c.logprobs for c in comps],
-                 [c.versions for c in comps], struct.pack(f"<{count}d", *[c.reward for c in comps]), finish, masks)
+    return _pack(group, sum(lengths), struct.pack(f"<{count}i", *lengths), tokens, logprobs, versions,
+                 struct.pack(f"<{count}d", *[c.reward for c in comps]), finish, masks)
 
 
 def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buffer],
@@ -135,6 +139,7 @@ def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buf
 
 _HEAD = struct.Struct(">BBBQBQBQBI")  # fixarray, fixint schema, 3 x (uint 64 tag, id), bin 32 tag + size
 _BIN32 = struct.Struct(">BI")          # bin 32 tag + size
+_IDS = struct.Struct(">BBBQBQBQ")      # decoding: the head up to the prompt's bin 32 tag
 
 
 def _array(buf: object, dtype: np.dtype, what: str) -> np.ndarray:
@@ -148,25 +153,60 @@ def _array(buf: object, dtype: np.dtype, what: str) -> np.ndarray:
 _ARRAY_LAYOUT: tuple[tuple[np.dtype, str], ...] = (
     (_I32, "prompt_ids"), (_I32, "lengths"), (_I32, "token_ids"), (_F32, "logprobs"),
     (_I32, "versions"), (_F64, "rewards"), (_U8, "finish"))
+# schema -> its array fields, in message order after the three ids
+_LAYOUTS = {SCHEMA_VERSION: _ARRAY_LAYOUT, SCHEMA_MASKED: (*_ARRAY_LAYOUT, (_U8, "mask"))}
+# the encoder's own head (fixarray of the field count, schema) -> (dtype, item size) per array field
+_IN_PLACE = {(0x90 | (4 + len(layout)), schema): tuple((d, d.itemsize) for d, _ in layout)
+             for schema, layout in _LAYOUTS.items()}
+
+_Fields = tuple[int, int, int, list[np.ndarray]]  # group, prompt and worker id; the arrays
 
 
-def _ids(msg: list[object]) -> tuple[int, int, int]:
-    ids = msg[1:4]
-    if all(type(v) is int and 0 <= v <= _ID_MAX for v in ids):  # type: ignore[operator]
-        return ids[0], ids[1], ids[2]  # type: ignore[return-value]
-    return (_int_field(msg[1], "group_id"), _int_field(msg[2], "prompt_id"),
-            _int_field(msg[3], "worker_id"))
-
-
-def _arrays(msg: list[object]) -> list[np.ndarray]:
-    """Fields 4.. as arrays (zero-copy views of the unpacked bytes)."""
-    layout = _ARRAY_LAYOUT if len(msg) == _FIELDS else (*_ARRAY_LAYOUT, (_U8, "mask"))
+def _in_place(raw: bytes | memoryview) -> _Fields | None:
+    """A message in the encoder's own layout (:func:`_pack`), read where it lies: the ids
+    and read-only views of the arrays inside ``raw`` -- no copy, no msgpack objects (the
+    views keep ``raw`` alive and have whatever alignment their offsets give). None for
+    any other layout, valid msgpack or not: :func:`_unpacked` then reads it."""
+    size = len(raw)
+    if size < _IDS.size:
+        return None
+    raw = memoryview(raw).toreadonly()  # a ZeroMQ frame's buffer is writable: the arrays must not be
+    head, schema, tag1, group_id, tag2, prompt_id, tag3, worker_id = _IDS.unpack_from(raw)
+    layout = _IN_PLACE.get((head, schema))
+    if layout is None or not tag1 == tag2 == tag3 == 0xCF or group_id | prompt_id | worker_id > _ID_MAX:
+        return None
+    arrays, at = [], _IDS.size
     try:
-        if all(type(b) is bytes for b in msg[4:]):
-            return [np.frombuffer(b, dtype) for b, (dtype, _) in zip(msg[4:], layout)]  # type: ignore[call-overload]
-    except ValueError:  # a size that is not a multiple of the item size: named below
-        pass
-    return [_array(b, dtype, what) for b, (dtype, what) in zip(msg[4:], layout)]
+        for dtype, itemsize in layout:
+            tag, nbytes = _BIN32.unpack_from(raw, at)  # struct.error past the end
+            at += 5
+            if tag != 0xC6 or nbytes % itemsize:
+                return None
+            arrays.append(np.frombuffer(raw, dtype, nbytes // itemsize, at))  # ValueError past the end
+            at += nbytes
+    except (struct.error, ValueError):
+        return None
+    return (group_id, prompt_id, worker_id, arrays) if at == size else None
+
+
+def _unpacked(raw: bytes | memoryview, limits: WireLimits) -> _Fields:
+    """Any other message: msgpack parses it and each field is checked (WireError names
+    the first problem); the arrays are views of the unpacked bytes."""
+    try:
+        msg = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True,
+                              max_bin_len=limits.max_message_bytes, max_array_len=64,
+                              max_map_len=0, max_str_len=0, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise WireError("not_msgpack", f"{type(e).__name__}: {e}"[:200]) from None
+    if not isinstance(msg, list) or not msg:
+        raise WireError("bad_type", f"top level must be a non-empty array, got {type(msg).__name__}")
+    layout = _LAYOUTS.get(msg[0]) if type(msg[0]) is int else None
+    if layout is None:
+        raise WireError("schema_version", f"got {msg[0]!r}, this receiver speaks {SCHEMA_VERSION} and {SCHEMA_MASKED}")
+    if len(msg) != 4 + len(layout):
+        raise WireError("bad_type", f"expected {4 + len(layout)} fields, got {len(msg)}")
+    return (_int_field(msg[1], "group_id"), _int_field(msg[2], "prompt_id"), _int_field(msg[3], "worker_id"),
+            [_array(b, dtype, what) for b, (dtype, what) in zip(msg[4:], layout)])
 
 
 def _int_field(value: object, what: str) -> int:
@@ -176,25 +216,15 @@ def _int_field(value: object, what: str) -> int:
 
 
 def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> Group:
-    """Parse and validate one message. Raises WireError naming the first problem."""
+    """Parse and validate one message. Raises WireError naming the first problem.
+
+    The group's arrays may be read-only views of ``raw`` (module docstring): ``raw`` must
+    not change afterwards (a received ZeroMQ frame never does)."""
     if len(raw) > limits.max_message_bytes:
         raise WireError("oversized", f"{len(raw)} bytes > limit {limits.max_message_bytes}")
-    try:
-        msg = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True,
-                              max_bin_len=limits.max_message_bytes, max_array_len=64,
-                              max_map_len=0, max_str_len=0, max_ext_len=0)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise WireError("not_msgpack", f"{type(e).__name__}: {e}"[:200]) from None
-    if not isinstance(msg, list) or not msg:
-        raise WireError("bad_type", f"top level must be a non-empty array, got {type(msg).__name__}")
-    if msg[0] not in (SCHEMA_VERSION, SCHEMA_MASKED) or type(msg[0]) is not int:
-        raise WireError("schema_version", f"got {msg[0]!r}, this receiver speaks {SCHEMA_VERSION} and {SCHEMA_MASKED}")
-    fields = _FIELDS if msg[0] == SCHEMA_VERSION else _FIELDS + 1
-    if len(msg) != fields:
-        raise WireError("bad_type", f"expected {fields} fields, got {len(msg)}")
-    group_id, prompt_id, worker_id = _ids(msg)
-    prompt, lengths, tokens, logprobs, versions, rewards, finish, *masked = _arrays(msg)
-    mask = masked[0] if masked else None
+    group_id, prompt_id, worker_id, arrays = _in_place(raw) or _unpacked(raw, limits)
+    prompt, lengths, tokens, logprobs, versions, rewards, finish = arrays[:7]
+    mask = arrays[7] if len(arrays) > 7 else None
     n = lengths.shape[0]
     if not 1 <= n <= limits.max_completions:
         raise WireError("bad_size", f"{n} completions, allowed 1..{limits.max_completions}")
@@ -204,12 +234,8 @@ def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -
         if arr.shape[0] != n:
             raise WireError("length_mismatch", f"{what} has {arr.shape[0]} entries, expected {n}")
     kernel = _kernel()
-    if mask is None:
-        oldest = kernel.scan_group(prompt, lengths, tokens, logprobs, versions, rewards, finish,
-                                   limits.max_completion_tokens, len(FINISH_REASONS))
-    else:
-        oldest = kernel.scan_masked_group(prompt, lengths, tokens, logprobs, versions, rewards, finish, mask,
-                                          limits.max_completion_tokens, len(FINISH_REASONS))
+    scan = kernel.scan_group if mask is None else kernel.scan_masked_group  # arguments in the layout's order
+    oldest = scan(*arrays, limits.max_completion_tokens, len(FINISH_REASONS))
     if oldest < 0:
         reason, detail = kernel.ERRORS[oldest]
         if reason == "length_mismatch":

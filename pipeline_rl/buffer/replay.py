@@ -72,12 +72,6 @@ from pipeline_rl.calls import in_daemon_thread
 STRAGGLER_WAIT_S = 60.0
 
 @dataclass(slots=True)
-class _Entry:
-    group: Group
-    oldest: int  # oldest token version, computed once at put time
-
-
-@dataclass(slots=True)
 class _Step:
     """The assembled batch of one multi-rank optimizer step; slice r -> None once taken."""
 
@@ -113,7 +107,12 @@ class ReplayBuffer:
         self.straggler_wait_s = straggler_wait_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified on any change a waiter can use
-        self._queue: deque[_Entry] = deque()
+        # The stored groups by oldest token version (the hand-out order), each version's in
+        # arrival order, with their arrival numbers: a batch is taken from the lowest versions
+        # and eviction drops whole versions -- O(batch + versions), not O(fill).
+        self._queue: dict[int, deque[tuple[int, Group]]] = {}
+        self._fill = 0      # groups stored
+        self._arrivals = 0  # groups ever stored: the next arrival number
         self._steps: dict[int, _Step] = {}
         self._wants: list[int] = []  # batch sizes (groups) trainer ranks are waiting for
         self._held = 0
@@ -137,7 +136,7 @@ class ReplayBuffer:
         stored = 0
         with self._lock:
             for group in groups:
-                if not self._wait_locked(lambda: len(self._queue) < self.capacity, deadline, "full"):
+                if not self._wait_locked(lambda: self._fill < self.capacity, deadline, "full"):
                     break
                 self._append_locked(group)
                 stored += 1
@@ -145,7 +144,7 @@ class ReplayBuffer:
                 self._c.bytes_in += nbytes * stored // len(groups)
             # Only a waiting trainer rank can use new groups (admission and room do
             # not grow with a put); wake it once its batch is complete, not per put.
-            if self._wants and len(self._queue) >= min(self._wants):
+            if self._wants and self._fill >= min(self._wants):
                 self._changed.notify_all()
         return stored
 
@@ -153,12 +152,12 @@ class ReplayBuffer:
         """Wait up to ``timeout_s`` until at least one group fits (time spent is
         counted as ``full_wait_s``). False when still full, or closed."""
         with self._lock:
-            return self._wait_locked(lambda: len(self._queue) < self.capacity,
+            return self._wait_locked(lambda: self._fill < self.capacity,
                                      time.monotonic() + timeout_s, "full")
 
     def free_slots(self) -> int:
         """Groups that fit right now (a racy hint for a single producer thread)."""
-        return self.capacity - len(self._queue)
+        return self.capacity - self._fill
 
     def reject(self, reason: str, count: int = 1) -> None:
         """Count messages the receiver refused (they never entered the buffer)."""
@@ -174,9 +173,15 @@ class ReplayBuffer:
                 self._c.disconnections += 1
 
     def _append_locked(self, group: Group) -> None:
-        self._queue.append(_Entry(group, group.oldest_version))
+        oldest = group.oldest_version
+        same = self._queue.get(oldest)
+        if same is None:
+            same = self._queue[oldest] = deque()
+        same.append((self._arrivals, group))
+        self._arrivals += 1
+        self._fill += 1
         self._c.groups_in += 1
-        self._grants.receive(group.worker_id, group.oldest_version + self.staleness)
+        self._grants.receive(group.worker_id, oldest + self.staleness)
 
     # ---------------------------------------------------------------- admission
     def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Admission:
@@ -290,8 +295,8 @@ class ReplayBuffer:
                 return self._take_slice_locked(step, version, rank, num_groups)
             if self._closed:
                 return None
-            if len(self._queue) >= total:
-                if self._grants.straggler_due(version) and len(self._queue) < self.capacity:
+            if self._fill >= total:
+                if self._grants.straggler_due(version) and self._fill < self.capacity:
                     straggle_until = straggle_until or time.monotonic() + self.straggler_wait_s
                     if time.monotonic() < straggle_until:
                         self._wait_straggler_locked(total, version, straggle_until if deadline is None
@@ -311,7 +316,7 @@ class ReplayBuffer:
                     continue
             self._wants.append(total)
             try:
-                if not self._wait_locked(lambda: len(self._queue) >= total or version in self._steps,
+                if not self._wait_locked(lambda: self._fill >= total or version in self._steps,
                                          deadline, None):
                     return None
             finally:
@@ -324,7 +329,7 @@ class ReplayBuffer:
         self._wants.append(total)
         try:
             self._wait_locked(lambda: (not self._grants.straggler_due(version)
-                                       or len(self._queue) >= self.capacity
+                                       or self._fill >= self.capacity
                                        or version in self._steps), until, None)
         finally:
             self._wants.remove(total)
@@ -348,28 +353,31 @@ class ReplayBuffer:
         """Evict the stale groups, then take the ``total`` most urgent fresh ones
         (lowest oldest token version; arrival order among equals). The batch and the
         groups left queued keep arrival order. None (nothing taken) if too few remain."""
-        queue, limit = self._queue, self.staleness
-        fresh = [e for e in queue if version - e.oldest <= limit]
-        stale = len(queue) - len(fresh)
+        queue, lowest = self._queue, version - self.staleness  # the oldest version still fresh
+        stale = sum(len(queue.pop(v)) for v in [v for v in queue if v < lowest])
         if stale:
+            self._fill -= stale
             self._c.evicted["stale"] = self._c.evicted.get("stale", 0) + stale
-            queue.clear()
-            queue.extend(fresh)
             self._changed.notify_all()  # evictions freed room and budget
-        if len(fresh) < total:
+        if self._fill < total:
             return None
-        order = sorted(range(len(fresh)), key=lambda i: fresh[i].oldest)  # stable
-        chosen = set(order[:total])
-        taken = [fresh[i] for i in sorted(chosen)]  # the batch keeps arrival order
-        queue.clear()
-        queue.extend(e for i, e in enumerate(fresh) if i not in chosen)
+        taken: list[tuple[int, Group]] = []
         hist = self._c.lag_histogram
-        for entry in taken:
-            lag = max(0, version - entry.oldest)
-            hist[lag] = hist.get(lag, 0) + 1
+        for oldest in sorted(queue):  # most urgent first
+            same = queue[oldest]
+            count = min(len(same), total - len(taken))
+            taken += [same.popleft() for _ in range(count)]
+            lag = max(0, version - oldest)
+            hist[lag] = hist.get(lag, 0) + count
+            if not same:
+                del queue[oldest]
+            if len(taken) == total:
+                break
+        taken.sort()  # the batch keeps arrival order (arrival numbers are unique)
+        self._fill -= total
         self._c.groups_out += total
         self._changed.notify_all()
-        return [e.group for e in taken]
+        return [group for _, group in taken]
 
     # ---------------------------------------------------------------- common
     def _wait_locked(self, ready: Callable[[], bool], deadline: float | None, counter: str | None) -> bool:
@@ -395,7 +403,7 @@ class ReplayBuffer:
             c = self._c
             return BufferStats(
                 groups_in=c.groups_in, groups_out=c.groups_out, evicted=dict(c.evicted),
-                rejected=dict(c.rejected), fill=len(self._queue), held=self._held,
+                rejected=dict(c.rejected), fill=self._fill, held=self._held,
                 capacity=self.capacity, full_wait_s=c.full_wait_s, consumer_wait_s=c.consumer_wait_s,
                 lag_histogram=dict(c.lag_histogram), bytes_in=c.bytes_in,
                 straggler_wait_s=c.straggler_wait_s, straggler_timeouts=c.straggler_timeouts,
@@ -414,7 +422,7 @@ class ReplayBuffer:
         return self._closed
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return self._fill
 
     def close(self) -> None:
         """Wake every waiter; later puts return False and get_batch returns None."""

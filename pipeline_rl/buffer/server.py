@@ -11,7 +11,8 @@ Memory bound. With ``C`` = capacity in groups, ``M`` = the hard per-message
 cap (``2 * max_message_bytes``; ZeroMQ drops a connection that sends more),
 ``P`` = connected producers and ``K`` = the kernel socket buffer size (each
 side; Linux doubles the value set), the bytes held for samples are at most
-``C * M`` (stored groups; a decoded group takes about its message size) plus
+``C * M`` (stored groups; a decoded group holds its message -- its arrays are views
+of it -- or, for a message under 8 KiB, the 8 KiB ZeroMQ buffer it arrived in) plus
 ``P * ((SNDHWM + RCVHWM) * M + 4 * K)`` in flight -- whatever producers try
 to send. With the defaults (16 + 16 messages, 1 MiB buffers) and 25 KB groups
 (8 x 256 tokens) that is about ``C * 25 KB + P * 4.8 MB``; the worst case
