@@ -109,3 +109,41 @@ def test_grpo_probe_runs(warm_dir: Path) -> None:
     res = grpo_probe(warm_dir, task, RLProbeConfig(steps=3, groups=2, n=4, lag=1, probe_every=3))
     assert len(res.rewards) == 3 and all(0.0 <= r <= 1.0 for r in res.rewards)
     assert len(res.probes) == 1 and res.steps_to(2.0) is None
+
+
+def test_closed_loop_stops_at_the_first_chunk_that_reaches_the_target(tmp_path: Path) -> None:
+    """After ``steps`` steps, chunks of ``chunk`` steps each end with a check; the first
+    check at or above ``stop_reward`` ends training (else ``max_chunks`` does)."""
+    from transformers import LlamaForCausalLM
+
+    from pipeline_rl.models.warmstart import warm_start
+
+    task = build_task(TaskConfig(name="sort", digits=3))
+    recipe = WarmStartRecipe(steps=2, batch_size=4, smoothing=0.0, stop_reward=0.5, chunk=3, max_chunks=5)
+    assert recipe.closed_loop and not WarmStartRecipe().closed_loop
+    folder = build_tiny_model(tmp_path / "m")
+    for scores, want in (([0.1, 0.3, 0.6, 0.9], [(5, 0.1), (8, 0.3), (11, 0.6)]),
+                         ([0.0] * 9, [(2 + 3 * k, 0.0) for k in range(1, 6)])):
+        model = LlamaForCausalLM.from_pretrained(folder)
+        seen = iter(scores)
+        checks: list[tuple[int, float]] = []
+        losses = warm_start(model, task, recipe, check=lambda m: next(seen), checks=checks)
+        assert checks == want and len(losses) == want[-1][0]
+        assert not model.training
+
+
+def test_closed_loop_build_records_its_checks(tmp_path: Path) -> None:
+    """The cached build runs the real check (sampled reward on training prompts) and records
+    it; open-loop recipes keep the cache keys they had before the closed loop existed."""
+    from pipeline_rl.models.default import _key
+
+    quick = WarmStartRecipe(steps=20, batch_size=16, lr=3e-3, smoothing=0.0, decoy_frac=0.75,
+                            stop_reward=1.0, chunk=5, max_chunks=2, probe_prompts=8, probe_tokens=6)
+    folder = default_model_dir(ModelConfig(), TaskConfig(name="sort", digits=3), recipe=quick, cache_dir=tmp_path)
+    info = json.loads((folder / INFO_FILE).read_text())
+    assert info["steps"] == 30 and [s for s, _ in info["checks"]] == [25, 30]
+    assert all(0.0 <= r <= 1.0 for _, r in info["checks"])
+    assert _key(ModelConfig(), "sort", 4, recipe_for("sort", 4)) == "fb9541a0de76"   # unchanged caches
+    assert _key(ModelConfig(), "calc", 4, recipe_for("calc", 4)) == "58727ff3fc54"
+    countdown = recipe_for("countdown", 3)
+    assert countdown.closed_loop and countdown.version >= 4 and countdown.probe_tokens == 492

@@ -52,6 +52,9 @@ def _key(cfg: "ModelConfig", task_name: str, digits: int, recipe: WarmStartRecip
     recipe_spec = asdict(recipe) if recipe is not None else None
     if recipe_spec is not None and recipe_spec["micro_batches"] == 1:
         del recipe_spec["micro_batches"]   # same weights, same key as before the field existed
+    if recipe_spec is not None and recipe is not None and not recipe.closed_loop:   # open loop: its old key
+        for name in ("stop_reward", "chunk", "max_chunks", "probe_prompts", "probe_tokens"):
+            del recipe_spec[name]
     spec = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
             "mlp": cfg.intermediate_size, "vocab": VOCAB_SIZE, "task": task_name, "digits": digits,
             "recipe": recipe_spec}
@@ -136,7 +139,8 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
 
     model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     task = build_task(task_cfg, seed=0)
-    losses = warm_start(model, task, recipe)
+    checks: list[tuple[int, float]] = []
+    losses = warm_start(model, task, recipe, checks=checks)
     budget = countdown_answer_tokens(task_cfg.digits) if task_cfg.name == "countdown" else 16
     measure = probe_episodes if task_env_factory(task) is not None else probe   # multi-turn: episodes
     try:   # measured on held-out prompts (a 1-digit task may have none)
@@ -144,5 +148,8 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
     except TaskError:
         result = measure(model, task, max_new_tokens=budget)
     model.save_pretrained(out)
-    info.update(recipe=asdict(recipe), final_loss=sum(losses[-20:]) / min(20, len(losses)),
-                probe=asdict(result))
+    info.update(recipe=asdict(recipe), steps=len(losses), checks=checks,
+                final_loss=sum(losses[-20:]) / min(20, len(losses)), probe=asdict(result))
+    if recipe.closed_loop and not (checks and checks[-1][1] >= recipe.stop_reward):
+        log.warning("warm start %s: no check reached sampled reward %.2f in %d chunks (%s)", out.name,
+                    recipe.stop_reward, recipe.max_chunks, checks)
