@@ -384,6 +384,9 @@ def recipe_for(task_name: str, digits: int, *, target_reward: float = 0.25,
     (sampled, 492 tokens), stopping at the first check >= ``0.8 * target_reward`` (0.2).
     The fixed 600-step recipe it replaces (version 3) gave held-out sampled 0.18 here and
     0.0 on another x86 machine (other weights: sha256 bd52a38c... here, 66e6bddf... there).
+    Forcing AVX2 kernels here rebuilds that machine's weights bit for bit (66e6bddf..., 272 s):
+    its loss spiked in the last steps at the constant 1e-3 (mean of the last 20: 0.24, against
+    0.008 with this machine's kernels), and 600 steps ended inside the spike: probe 0.0, 0.0.
     Measured on this AMD EPYC (AVX-512) with its own kernels and with AVX2 forced
     (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, as on a machine without AVX-512):
     other weights (sha256 03214ecd... and db874635...), both stopped at the first check
