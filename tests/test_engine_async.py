@@ -18,9 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-
-from test_engine_inprocess import (  # noqa: E402,F401 - the fixtures are shared with the in-process engine's tests
+from test_engine_inprocess import (  # noqa: F401 - the fixtures are shared with the in-process engine's tests
     TEMPERATURE,
     TOL,
     _hf_keep_logprobs,
@@ -29,10 +27,10 @@ from test_engine_inprocess import (  # noqa: E402,F401 - the fixtures are shared
     model_dirs,
 )
 
-from pipeline_rl.rollout.engine import FinishedSequence, GenRequest, SamplingConfig  # noqa: E402
-from pipeline_rl.rollout.engine_async import AsyncEngine, transfer_backend  # noqa: E402
-from pipeline_rl.weight_sync.gloo import BACKEND  # noqa: E402
-from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, as_checked, load_update  # noqa: E402
+from pipeline_rl.rollout.engine import FinishedSequence, GenRequest, SamplingConfig
+from pipeline_rl.rollout.engine_async import AsyncEngine, transfer_backend
+from pipeline_rl.weight_sync.gloo import BACKEND
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, as_checked, load_update
 
 PROMPTS = ("12+34=", "sort 5193=", "hello", "7+8=")
 

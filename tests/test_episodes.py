@@ -13,15 +13,13 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm")
+from test_rollout_worker import MAX_SEQS, _Rig, engine, model_dirs  # noqa: F401 - shared fixtures
 
-from test_rollout_worker import MAX_SEQS, _Rig, engine, model_dirs  # noqa: E402,F401 - shared fixtures
-
-from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine  # noqa: E402
-from pipeline_rl.rollout.scoring import RewardFailed  # noqa: E402
-from pipeline_rl.tasks.base import Prompt  # noqa: E402
-from pipeline_rl.tasks.env import EnvReply  # noqa: E402
-from pipeline_rl.weight_sync.message import load_update  # noqa: E402
+from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine
+from pipeline_rl.rollout.scoring import RewardFailed
+from pipeline_rl.tasks.base import Prompt
+from pipeline_rl.tasks.env import EnvReply
+from pipeline_rl.weight_sync.message import load_update
 
 REPLY_IDS = (40, 41, 42)
 

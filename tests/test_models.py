@@ -41,7 +41,6 @@ def test_tokenizer_round_trips_in_transformers(tmp_path: Path) -> None:
 
 
 def test_tokenizer_round_trips_in_vllm(tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
     from vllm.tokenizers import get_tokenizer
 
     tok = get_tokenizer(str(build_tiny_model(tmp_path / "m")))

@@ -7,10 +7,6 @@ import json
 import math
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("vllm")
-
 
 def test_rollout_benchmark_quick(tmp_path: Path) -> None:
     from benchmarks import rollout

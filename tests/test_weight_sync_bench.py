@@ -10,9 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-pytest.importorskip("ray")
-
 
 def test_weight_sync_benchmark_tiny(tmp_path: Path) -> None:
     from benchmarks import weight_sync as module

@@ -186,18 +186,23 @@ def test_offline_install_from_a_wheelhouse(tmp_path: Path) -> None:
 
 def test_gpu_set_up_keeps_the_machines_torch_or_says_why(tmp_path: Path) -> None:
     """On an NVIDIA machine (a stand-in nvidia-smi here) whose Python is itself a virtual
-    environment with a torch (the project's, 2.13.0+cpu), set-up makes an environment that
-    sees that torch and, finding no vLLM built for it, stops with one line before installing."""
+    environment with a torch, set-up makes an environment that sees that torch. Where no vLLM
+    is built for it (the project's CPU torch, 2.13.0+cpu) it stops with one line before
+    installing; where one is (a GPU image's torch), it keeps the torch, asks for that vLLM
+    and, with no package index here, fails installing it in one line."""
     torch = distribution("torch").version
-    if Version(torch).public in wh.VLLM_FOR_TORCH:
-        pytest.skip(f"this environment's torch {torch} has a vLLM: set-up would go on to install it")
+    vllm = wh.VLLM_FOR_TORCH.get(Version(torch).public)
     venv = tmp_path / "gpu-env"
     env = machine_env(tmp_path, gpu=True, PYTHON=sys.executable)
     out = run(["bash", str(ROOT / "scripts" / "setup.sh"), "--venv", str(venv)], env, cwd=tmp_path)
     assert out.returncode == 1, out.stderr
-    assert out.stderr.splitlines()[-1] == (
-        f"setup.sh: FAILED: no vLLM release set-up knows is built for this machine's torch {torch}; "
-        "supported: torch 2.11.0 (vLLM 0.26.0), torch 2.14.0 (vLLM 0.33.0)")
+    if vllm is None:
+        assert out.stderr.splitlines()[-1] == (
+            f"setup.sh: FAILED: no vLLM release set-up knows is built for this machine's torch {torch}; "
+            "supported: torch 2.11.0 (vLLM 0.26.0), torch 2.14.0 (vLLM 0.33.0)")
+    else:
+        assert f"keeping this machine's torch {torch}; vLLM {vllm} is built for it" in out.stderr, out.stderr
+        assert out.stderr.splitlines()[-1].startswith("setup.sh: FAILED: installing the project"), out.stderr
     assert "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
     probe = run([str(venv / "bin" / "python"), "-c", "import torch; print(torch.__file__)"], cwd=tmp_path)
     assert probe.stdout.startswith(sysconfig.get_paths()["purelib"]), probe
