@@ -202,8 +202,8 @@ class Group:
                 v = v if m is None else v[m != 0]
                 self._oldest = int(v.min()) if v.size else NEWEST_VERSION
             else:
-                versions = [c.min_version for c in self.completions if c.num_tokens]
-                self._oldest = min(v for v in versions if v is not None) if versions else NEWEST_VERSION
+                versions = [v for c in self.completions if (v := c.min_version) is not None]
+                self._oldest = min(versions, default=NEWEST_VERSION)
         return self._oldest
 
     @property

@@ -13,7 +13,7 @@ import torch
 from pipeline_rl.config import AlgorithmConfig, CorrectionConfig
 from pipeline_rl.correction import CORRECTIONS, PolicyBatch, policy_loss
 from pipeline_rl.correction import fused
-from pipeline_rl.samples import Completion, Group
+from pipeline_rl.samples import NEWEST_VERSION, Completion, Group
 from pipeline_rl.training.batching import build_micro_batches, lag_stats
 from pipeline_rl.wire import SCHEMA_MASKED, WireError, decode_group, encode_group
 
@@ -65,6 +65,16 @@ def test_the_validator_checks_model_tokens_only() -> None:
     raw[-1] = 2                                                   # the last mask byte
     with pytest.raises(WireError, match="mask values"):
         decode_group(bytes(raw))
+
+
+def test_a_group_without_model_tokens_is_never_stale_built_or_decoded() -> None:
+    """An episode of environment tokens only (the model's first turn aborted): its group's
+    oldest version is the newest possible, in memory as over the wire."""
+    only_env = episode([([], [20, 21])])
+    g = Group(1, 1, 1, np.array([1]), (only_env, episode(THREE_TURNS)))
+    assert Group(1, 1, 1, np.array([1]), (only_env,)).oldest_version == NEWEST_VERSION
+    assert g.oldest_version == 3 == decode_group(encode_group(g)).oldest_version
+    assert decode_group(encode_group(Group(1, 1, 1, np.array([1]), (only_env,)))).oldest_version == NEWEST_VERSION
 
 
 def test_batches_mask_environment_tokens_and_lag_reads_model_versions() -> None:

@@ -155,6 +155,11 @@ class _Row:
         environment's tokens of an episode (they are inputs, never targets)."""
         return 1.0 if self.model is None else self.model.astype(np.float32)
 
+    def behaviour(self) -> np.ndarray:
+        """The behaviour log-probs of this row's completion tokens, 0 on the environment's
+        (they have none; whatever the message carried there is not read)."""
+        return self.logprobs if self.model is None else np.where(self.model != 0, self.logprobs, 0.0)
+
     @property
     def length(self) -> int:
         return int(self.prompt.shape[0] + self.tokens.shape[0])
@@ -252,7 +257,7 @@ def _pad(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
         ids[i, :p] = r.prompt
         ids[i, p:p + t] = r.tokens
         mask[i, p - 1:p - 1 + t] = r.loss_mask()
-        behav[i, p - 1:p - 1 + t] = r.logprobs * mask[i, p - 1:p - 1 + t]
+        behav[i, p - 1:p - 1 + t] = r.behaviour()
     return MicroBatch(
         input_ids=torch.from_numpy(ids), mask=torch.from_numpy(mask), behav_logp=torch.from_numpy(behav),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
@@ -277,7 +282,7 @@ def _pad_shared(rows: Sequence[_Row], pad_id: int) -> SharedPromptBatch:
         t = r.tokens.shape[0]
         ids[i, :t] = r.tokens
         mask[i, :t] = r.loss_mask()
-        behav[i, :t] = r.logprobs * mask[i, :t]
+        behav[i, :t] = r.behaviour()
     return SharedPromptBatch(
         prompt_ids=torch.from_numpy(prompt_ids),
         prompt_lens=torch.tensor([prompts[g].shape[0] for g in groups], dtype=torch.int64),
@@ -293,8 +298,6 @@ def lag_stats(groups: Sequence[Group], trainer_version: int) -> LagStats:
     mixed = 0
     for g in groups:
         for c in g.completions:
-            if c.num_tokens == 0:
-                continue
             v = c.model_versions
             if v.size:
                 lags.append(max(0, trainer_version - int(v.min())))
