@@ -202,7 +202,7 @@ class Group:
                 v = v if m is None else v[m != 0]
                 self._oldest = int(v.min()) if v.size else NEWEST_VERSION
             else:
-                versions = [v for c in self.completions if (v := c.min_version) is not None]
+                versions = [low for c in self.completions if (low := c.min_version) is not None]
                 self._oldest = min(versions, default=NEWEST_VERSION)
         return self._oldest
 
