@@ -16,7 +16,7 @@ import pytest
 from test_rollout_worker import MAX_SEQS, _Rig, engine, model_dirs  # noqa: F401 - shared fixtures
 
 from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine
-from pipeline_rl.rollout.scoring import RewardFailed
+from pipeline_rl.rollout.scoring import REWARD_FAILURES_FATAL, RewardFailed
 from pipeline_rl.tasks.base import Prompt
 from pipeline_rl.tasks.env import EnvReply
 from pipeline_rl.weight_sync.message import load_update
@@ -140,6 +140,19 @@ def test_a_bad_environment_ends_its_episodes_and_says_so(engine: GenerationEngin
     line = stats.rewards.first_error
     assert line is not None and line.startswith(f"environment test_episodes:{env} ") and what in line
     assert stats.reward_errors == 2 * len(groups[0].completions)
+
+
+def test_a_failing_environment_is_not_taken_for_a_reward_that_never_answers(engine: GenerationEngine,
+                                                                           model_dirs: tuple) -> None:
+    """Under ``--task.env_errors zero`` (the default) an environment failing on every episode
+    scores them 0 and the worker goes on past the reward's never-answered limit."""
+    rig = _rig(engine, model_dirs, "Raises")
+    try:
+        stats = rig.worker.run(max_groups=9)
+        groups = rig.received(9)
+    finally:
+        rig.close()
+    assert stats.reward_errors == 9 * len(groups[0].completions) > REWARD_FAILURES_FATAL
 
 
 def test_env_errors_fail_ends_the_worker(engine: GenerationEngine, model_dirs: tuple) -> None:

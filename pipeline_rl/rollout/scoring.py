@@ -115,7 +115,8 @@ class Scorer:
     def __init__(self, worker_id: int, n: int, cfg: TaskConfig, source: RewardSource, sender: SenderLike,
                  counters: Counters, lock: threading.Lock, fail: Callable[[BaseException], None]) -> None:
         self.worker_id, self.n, self.source, self._sender = worker_id, n, source, sender
-        self._timeout_s, self._fail_fast = cfg.reward_timeout_s, cfg.reward_errors == "fail"
+        self._timeout_s = cfg.reward_timeout_s
+        self._fail_fast = {"reward": cfg.reward_errors == "fail", "env": cfg.env_errors == "fail"}
         self._c, self._lock, self._fail = counters, lock, fail
         self._pool = ThreadPoolExecutor(cfg.reward_concurrency, thread_name_prefix=f"reward-{worker_id}")
         self._sends = ThreadPoolExecutor(1, thread_name_prefix=f"send-{worker_id}")
@@ -194,22 +195,21 @@ class Scorer:
             rewards = [r for part in parts for r in part]
         else:
             rewards = await self.score(pending.prompt, [s.text for s in seqs])
-        completions = tuple(Completion(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
-                                       reward=r, finish_reason=s.finish_reason) for s, r in zip(seqs, rewards))
-        group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id, worker_id=self.worker_id,
-                      prompt_ids=_i32(pending.prompt_ids), completions=completions)
-        await self._loop.run_in_executor(self._sends, self._sender.send, group)
-        with self._lock:
-            self._c.groups_sent += 1
+        await self._send(pending, tuple(Completion(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
+                                                   reward=r, finish_reason=s.finish_reason)
+                                        for s, r in zip(seqs, rewards)))
 
     async def _score_episodes(self, pending: PendingGroup) -> None:
         episodes = [pending.episodes[i] for i in range(self.n)]
-        unscored = [e for e in episodes if e.reward is None]
-        for e, r in zip(unscored, await self.score(pending.prompt, [e.text for e in unscored]) if unscored else []):
-            e.reward = r
+        unscored = [e.text for e in episodes if e.reward is None]
+        scored = iter(await self.score(pending.prompt, unscored) if unscored else [])
+        await self._send(pending, tuple(e.completion(next(scored) if e.reward is None else e.reward)
+                                        for e in episodes))
+
+    async def _send(self, pending: PendingGroup, completions: tuple[Completion, ...]) -> None:
+        """``pending``'s group of scored ``completions`` to the buffer, on the send thread."""
         group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id, worker_id=self.worker_id,
-                      prompt_ids=_i32(pending.prompt_ids),
-                      completions=tuple(e.completion(e.reward if e.reward is not None else 0.0) for e in episodes))
+                      prompt_ids=_i32(pending.prompt_ids), completions=completions)
         await self._loop.run_in_executor(self._sends, self._sender.send, group)
         with self._lock:
             self._c.groups_sent += 1
@@ -282,10 +282,11 @@ class Scorer:
         self.failure(line, count, timeout=timeout)
         return [0.0] * count
 
-    def failure(self, line: str, count: int = 1, *, timeout: bool = False, fail_fast: bool | None = None) -> None:
+    def failure(self, line: str, count: int = 1, *, timeout: bool = False, env: bool = False) -> None:
         """Count ``count`` completions scored 0 by a failure (``line``: what failed, one line);
-        the first is kept for the driver to print; stop the worker if the policy says so
-        (``fail_fast``: this failure's own policy, default the reward's)."""
+        the first is kept for the driver to print; stop the worker if the policy says so:
+        ``--task.env_errors`` for an environment's failure (``env``), else ``--task.reward_errors``
+        and a reward that never once answered."""
         with self._lock:
             c = self._c
             if timeout:
@@ -295,11 +296,10 @@ class Scorer:
             first = c.reward_first_error is None
             if first:
                 c.reward_first_error = line
-            hopeless = not c.reward_ok and c.reward_errors + c.reward_timeouts >= REWARD_FAILURES_FATAL
+            hopeless = not env and not c.reward_ok and c.reward_errors + c.reward_timeouts >= REWARD_FAILURES_FATAL
         (log.warning if first else log.debug)("worker %d: %s (scored 0)", self.worker_id, line)
-        if self._fail_fast if fail_fast is None else fail_fast:
-            flag = "--task.reward_errors" if fail_fast is None else "--task.env_errors"
-            self._fail(RewardFailed(f"{line} ({flag} fail)"))
+        if self._fail_fast["env" if env else "reward"]:
+            self._fail(RewardFailed(f"{line} (--task.{'env' if env else 'reward'}_errors fail)"))
         elif hopeless:
             self._fail(RewardFailed(f"the reward {self.source.name} failed on all of its first "
                                     f"{REWARD_FAILURES_FATAL} completions; last: {line}"))

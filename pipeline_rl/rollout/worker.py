@@ -114,7 +114,7 @@ class RolloutWorker:
         factory = resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
         self._episodes = None if factory is None else EpisodeDriver(
             factory, cfg.task, self._engine, cfg.rollout.max_model_len, str(worker_id), self._wake.set,
-            self._episode_ended, lambda line: self._scorer.failure(line, fail_fast=cfg.task.env_errors == "fail"))
+            self._episode_ended, lambda line: self._scorer.failure(line, env=True))
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:
