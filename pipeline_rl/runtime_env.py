@@ -59,10 +59,13 @@ def for_trainer(device: str) -> str | None:
     return replaced if replaced not in (None, "cuda") else None
 
 
-def for_rendezvous(master_addr: str, master_port: int, rank: int, world_size: int) -> None:
-    """Where torch.distributed's ranks meet (``env://``); one process is one rank."""
+def for_rendezvous(master_addr: str, master_port: int, rank: int, world_size: int,
+                   local_rank: int | None = None) -> None:
+    """Where torch.distributed's ranks meet (``env://``); one process is one rank.
+    ``local_rank``: its device index on its node (None: as inherited, else 0)."""
+    local = str(local_rank) if local_rank is not None else os.environ.get("LOCAL_RANK", "0")
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=local)
 
 
 def for_local_ray() -> None:

@@ -91,7 +91,8 @@ class TrainerActor:
         return self._on_torch_thread(lambda: self._setup(master_addr, master_port))
 
     def _setup(self, master_addr: str, master_port: int) -> int:
-        runtime_env.for_rendezvous(master_addr, master_port, self._rank, self._world_size)
+        # Ray shows each rank only its own device: local rank 0, whatever the driver inherited
+        runtime_env.for_rendezvous(master_addr, master_port, self._rank, self._world_size, local_rank=0)
         from pipeline_rl.weight_sync.publisher import WeightPublisher
         from pipeline_rl.training.trainer import RankStep, Trainer
 
