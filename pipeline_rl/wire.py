@@ -49,7 +49,6 @@ from pipeline_rl.samples import FINISH_REASONS, Completion, Group, GroupColumns
 
 SCHEMA_VERSION = 1  # written as a msgpack positive fixint: must stay <= 127
 SCHEMA_MASKED = 2   # the same fields plus a per-token loss mask (multi-turn episodes)
-_FIELDS = 11
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 _F64 = np.dtype("<f8")
@@ -92,17 +91,17 @@ def encode_group(group: Group) -> bytes:
         raise WireError("empty_group", f"group {group.group_id} has no completions")
     tokens, logprobs, versions = [c.token_ids for c in comps], [c.logprobs for c in comps], [c.versions for c in comps]
     lengths = list(map(len, tokens))
-    if list(map(len, logprobs)) != lengths or list(map(len, versions)) != lengths:
-        raise WireError("length_mismatch", f"group {group.group_id}: token, logprob and "
-                        "version arrays differ in length")
+    masked = any(c.mask is not None for c in comps)   # none (single-turn): schema 1
+    if list(map(len, logprobs)) != lengths or list(map(len, versions)) != lengths or (masked and [
+            n if c.mask is None else len(c.mask) for c, n in zip(comps, lengths)] != lengths):
+        raise WireError("length_mismatch", f"group {group.group_id}: token, logprob, version and "
+                        "mask arrays differ in length")
     try:
         finish = bytes([_FINISH_CODE[c.finish_reason] for c in comps])
     except KeyError as e:
         raise WireError("bad_finish_reason", f"unknown finish reason {e.args[0]!r}") from None
     count = len(comps)
-    masks = [c.mask for c in comps if c.mask is not None] or None  # none (single-turn): schema 1
-    if masks is not None:
-        masks = [np.ones(n, np.uint8) if c.mask is None else c.mask for c, n in zip(comps, lengths)]
+    masks = [b"\x01" * n if c.mask is None else c.mask for c, n in zip(comps, lengths)] if masked else None
     # Completion stores its arrays contiguous in the wire dtypes: their bytes go as they are.
     return _pack(group, sum(lengths), struct.pack(f"<{count}i", *lengths), tokens, logprobs, versions,
                  struct.pack(f"<{count}d", *[c.reward for c in comps]), finish, masks)
@@ -119,7 +118,8 @@ def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buf
     concatenation of their parts (``num_tokens`` entries of 4 bytes each);
     ``finish`` holds one byte per completion."""
     prompt = group.prompt_ids  # contiguous <i4 (a Group invariant)
-    fields, schema = (_FIELDS, SCHEMA_VERSION) if masks is None else (_FIELDS + 1, SCHEMA_MASKED)
+    schema = SCHEMA_VERSION if masks is None else SCHEMA_MASKED
+    fields = 4 + len(_LAYOUTS[schema])   # the three ids and the schema, then the arrays
     try:
         head = _HEAD.pack(0x90 | fields, schema, 0xCF, group.group_id, 0xCF, group.prompt_id,
                           0xCF, group.worker_id, 0xC6, prompt.nbytes)
@@ -139,7 +139,7 @@ def _pack(group: Group, num_tokens: int, lengths: _Buffer, tokens: Sequence[_Buf
 
 _HEAD = struct.Struct(">BBBQBQBQBI")  # fixarray, fixint schema, 3 x (uint 64 tag, id), bin 32 tag + size
 _BIN32 = struct.Struct(">BI")          # bin 32 tag + size
-_IDS = struct.Struct(">BBBQBQBQ")      # decoding: the head up to the prompt's bin 32 tag
+_IDS = struct.Struct(_HEAD.format[:-2])  # decoding: the head up to the prompt's bin 32 tag
 
 
 def _array(buf: object, dtype: np.dtype, what: str) -> np.ndarray:
@@ -240,7 +240,8 @@ def decode_group(raw: bytes | memoryview, limits: WireLimits = DEFAULT_LIMITS) -
         reason, detail = kernel.ERRORS[oldest]
         if reason == "length_mismatch":
             detail += f" ({int(lengths.astype(np.int64).sum())}; got {tokens.shape[0]} token ids, "\
-                      f"{logprobs.shape[0]} log-probs, {versions.shape[0]} versions)"
+                      f"{logprobs.shape[0]} log-probs, {versions.shape[0]} versions"\
+                      f"{'' if mask is None else f', {mask.shape[0]} mask entries'})"
         raise WireError(reason, detail)
     return Group.from_columns(group_id, prompt_id, worker_id, prompt,
                               GroupColumns(lengths, tokens, logprobs, versions, rewards, finish, mask),

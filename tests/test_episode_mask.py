@@ -4,6 +4,7 @@ and every diagnostic, and contribute exactly nothing to any of them."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,17 @@ def test_the_validator_checks_model_tokens_only() -> None:
     raw[-1] = 2                                                   # the last mask byte
     with pytest.raises(WireError, match="mask values"):
         decode_group(bytes(raw))
+
+
+def test_a_mask_of_another_length_than_its_tokens_is_refused_at_encode() -> None:
+    """Each completion's mask, not only the group's total, must match its tokens: else the
+    receiver would read every later completion's mask shifted."""
+    full = episode(THREE_TURNS)
+    assert full.mask is not None
+    a = dataclasses.replace(full, mask=full.mask[:-1])                                  # the totals
+    b = dataclasses.replace(full, mask=np.concatenate([full.mask, [1]]).astype(np.uint8))  # still agree
+    with pytest.raises(WireError, match="differ in length"):
+        encode_group(Group(1, 1, 1, np.array([1]), (a, b)))
 
 
 def test_a_group_without_model_tokens_is_never_stale_built_or_decoded() -> None:

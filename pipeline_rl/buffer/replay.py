@@ -111,8 +111,7 @@ class ReplayBuffer:
         # arrival order, with their arrival numbers: a batch is taken from the lowest versions
         # and eviction drops whole versions -- O(batch + versions), not O(fill).
         self._queue: dict[int, deque[tuple[int, Group]]] = {}
-        self._fill = 0      # groups stored
-        self._arrivals = 0  # groups ever stored: the next arrival number
+        self._fill = 0      # groups stored (arrival numbers: the buffer's groups_in count)
         self._steps: dict[int, _Step] = {}
         self._wants: list[int] = []  # batch sizes (groups) trainer ranks are waiting for
         self._held = 0
@@ -177,8 +176,7 @@ class ReplayBuffer:
         same = self._queue.get(oldest)
         if same is None:
             same = self._queue[oldest] = deque()
-        same.append((self._arrivals, group))
-        self._arrivals += 1
+        same.append((self._c.groups_in, group))
         self._fill += 1
         self._c.groups_in += 1
         self._grants.receive(group.worker_id, oldest + self.staleness)

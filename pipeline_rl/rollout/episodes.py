@@ -223,9 +223,5 @@ class EpisodeDriver:
         self._failed(episode.failed)
         return EnvReply(reward=0.0, done=True)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._live)
-
     def close(self) -> None:
         self._calls.close()

@@ -22,6 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pipeline_rl.metrics import read_metrics
+
 RUNS = Path("runs")
 MARKER = "run.json"
 
@@ -113,7 +115,7 @@ def _continue(path: Path, version: int) -> RunFolder:
 def _keep(file: Path, keep: Callable[[dict[str, Any]], bool]) -> tuple[list[dict[str, Any]], int]:
     if not file.exists():
         return [], 0
-    rows = [json.loads(x) for x in file.read_text().splitlines() if x.strip()]
+    rows = read_metrics(file)
     kept = [r for r in rows if keep(r)]
     if len(kept) < len(rows):
         file.write_text("".join(json.dumps(r) + "\n" for r in kept))
