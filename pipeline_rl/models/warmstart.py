@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from pipeline_rl.models.builtin import EOS, PAD, char_vocab
-from pipeline_rl.tasks.base import Prompt, Task
-from pipeline_rl.tasks.calc import Part
+from pipeline_rl.tasks.base import Part, Prompt, Task, task_method
 
 if TYPE_CHECKING:
     import torch
@@ -214,13 +213,10 @@ def demonstration(task: Task, prompt: Prompt, decoy: bool) -> tuple[Part, ...]:
     """What the warm start trains on after ``prompt``: a multi-turn task's own
     ``demonstration(prompt, decoy)`` (model turns and environment replies; a wrapper's
     ``base`` is looked through), else one model turn, the answer or :func:`decoy_answer`."""
-    seen: object | None = task
-    while seen is not None:
-        show = getattr(seen, "demonstration", None)
-        if callable(show):
-            parts: tuple[Part, ...] = show(prompt, decoy)
-            return parts
-        seen = getattr(seen, "base", None)
+    show = task_method(task, "demonstration")
+    if show is not None:
+        parts: tuple[Part, ...] = show(prompt, decoy)
+        return parts
     return ((decoy_answer(task.name, prompt) if decoy else prompt.answer, True),)
 
 

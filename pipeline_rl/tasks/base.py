@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 #: Which prompts a task serves: ``train`` (the default) or the held-out ``eval`` split.
 Split = Literal["train", "eval"]
@@ -126,3 +126,22 @@ def is_held_out(question: str) -> bool:
     dataset is on one side only: training never sees an evaluation prompt."""
     digest = hashlib.blake2b(question.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % 1000 < HELD_OUT_PER_MILLE
+
+
+#: One part of an episode as the warm start shows it: ``(text, by_model)``. A model part
+#: is trained on and ends with ``<eos>`` (the end of its turn); an environment part
+#: (``by_model`` False) is read, never trained on, exactly as an episode's environment
+#: tokens carry a loss mask of 0.
+Part = tuple[str, bool]
+
+
+def task_method(task: object, name: str) -> Callable[..., Any] | None:
+    """``task``'s method ``name``, looking through wrappers that hold the task as ``base``
+    (:class:`~pipeline_rl.tasks.chat.ConfiguredTask`); None when no layer has it."""
+    seen: object | None = task
+    while seen is not None:
+        method = getattr(seen, name, None)
+        if callable(method):
+            return method
+        seen = getattr(seen, "base", None)
+    return None

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from pipeline_rl.tasks.base import Prompt, TaskError
+from pipeline_rl.tasks.base import Part, Prompt, TaskError
 from pipeline_rl.tasks.builtin import _SeededTask, exact_match
 from pipeline_rl.tasks.env import EnvFactory, ToolEnv
 
@@ -46,12 +46,6 @@ REPLY = "={result};"
 
 #: Most operand digits a ``calc`` prompt takes (the product then has up to 12 digits).
 MAX_DIGITS = 6
-
-#: One part of an episode as the warm start shows it: ``(text, by_model)``. A model part
-#: is trained on and ends with ``<eos>`` (the end of its turn); an environment part
-#: (``by_model`` False) is read, never trained on, exactly as an episode's environment
-#: tokens carry a loss mask of 0.
-Part = tuple[str, bool]
 
 
 def _apply(op: Callable[[int, int], int], sign: str) -> Callable[[str], str]:

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
-from pipeline_rl.tasks.base import Prompt, TaskError
+from pipeline_rl.tasks.base import Prompt, TaskError, task_method
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +111,6 @@ def task_env_factory(task: object) -> EnvFactory | None:
     or None for a single-turn task (no such method, or it returns None). A wrapper that
     holds the task as ``base`` (:class:`~pipeline_rl.tasks.chat.ConfiguredTask`) is looked
     through. Call it where episodes run (the rollout worker): the factory need not pickle."""
-    seen: object | None = task
-    while seen is not None:
-        make = getattr(seen, "env_factory", None)
-        if callable(make):
-            factory: EnvFactory | None = make()
-            return factory
-        seen = getattr(seen, "base", None)
-    return None
+    make = task_method(task, "env_factory")
+    factory: EnvFactory | None = make() if make is not None else None
+    return factory
