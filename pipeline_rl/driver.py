@@ -81,16 +81,16 @@ def check_task(cfg: Config, model_dir: str) -> None:
     Adjusts ``cfg.eval`` in place: a training dataset too small to give any row to the
     held-out split turns evaluation off (one warning line); ``num_prompts`` is capped at
     the held-out pool's size."""
-    from pipeline_rl.tasks import TaskError, build_task, check_tokenizer
+    from pipeline_rl.tasks import TaskError, build_task, check_tokenizer, plugin_reward
 
     tokenizer = check_tokenizer(cfg.task, model_dir)
     limit = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
-    build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, max_prompt_tokens=limit, evaluation=cfg.eval)
+    train = build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, max_prompt_tokens=limit, evaluation=cfg.eval)
     if not cfg.eval.every:
         return
     try:
         held_out = build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, max_prompt_tokens=limit,
-                              split="eval", evaluation=cfg.eval)
+                              split="eval", evaluation=cfg.eval, reward_fn=plugin_reward(train))
     except TaskError as e:
         if cfg.task.name != "dataset" or cfg.eval.dataset is not None:
             raise

@@ -42,13 +42,14 @@ class RolloutActor:
         share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``)."""
         setup_actor_process(cfg, f"rollout-{worker_id}", core=core)
         from pipeline_rl.rollout.worker import RolloutWorker
-        from pipeline_rl.tasks import build_task_for_model, task_tokenizer
+        from pipeline_rl.tasks import build_task_for_model, plugin_reward, task_tokenizer
 
         # The model's tokenizer (loaded once): prompts reach the engine rendered by its chat template.
         tokenizer = task_tokenizer(cfg.task, model_dir)
         task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed, evaluation=cfg.eval, tokenizer=tokenizer)
         eval_task = (build_task_for_model(cfg.task, model_dir, seed=cfg.seed, split="eval",
-                                          evaluation=cfg.eval, tokenizer=tokenizer) if cfg.eval.every else None)
+                                          evaluation=cfg.eval, tokenizer=tokenizer, reward_fn=plugin_reward(task))
+                     if cfg.eval.every else None)   # the plug-in reward resolved (a remote one probed) once
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager")
         admission = RayAdmission(buffer_name)
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,

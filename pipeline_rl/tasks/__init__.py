@@ -73,7 +73,7 @@ def _check_builtin_fits(cfg: "TaskConfig", tokenizer: Encoder, max_prompt_tokens
 
 def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = None,
                max_prompt_tokens: int | None = None, split: Split = "train",
-               evaluation: "EvalConfig | None" = None) -> Task:
+               evaluation: "EvalConfig | None" = None, reward_fn: RewardFn | None = None) -> Task:
     """The task a config names, as the rollout workers must see it.
 
     - ``split``: ``train`` prompts, or the held-out ``eval`` ones. Built-in tasks always
@@ -83,7 +83,9 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
 
     - ``task.reward`` is resolved first (a bad spec, or a remote reward that fails its
       start-up probe, is a one-line :class:`TaskError` naming the flag) and replaces the
-      task's reward (``task.reward(...)`` calls it; :func:`plugin_reward` returns it).
+      task's reward (``task.reward(...)`` calls it; :func:`plugin_reward` returns it);
+      ``reward_fn``: that reward already resolved (another split's :func:`plugin_reward`),
+      so a process resolves, and probes, it once.
     - With a ``tokenizer`` that has a chat template and ``chat_template=auto``,
       ``prompt(i).text`` is the rendered prompt (see :mod:`pipeline_rl.tasks.chat`);
       the template is tried on prompt 0 here, so a failing one is an error now.
@@ -96,7 +98,8 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
 
     The task is returned unwrapped when neither a template nor a plug-in reward applies.
     """
-    reward_fn = resolve_reward(cfg.reward, cfg.reward_timeout_s) if cfg.reward is not None else None
+    if reward_fn is None and cfg.reward is not None:
+        reward_fn = resolve_reward(cfg.reward, cfg.reward_timeout_s)
     render = task_renderer(cfg, tokenizer)
     check = tokenizer is not None and max_prompt_tokens is not None
     base: Task
@@ -202,10 +205,10 @@ def check_tokenizer(cfg: "TaskConfig", model_dir: str) -> Encoder:
 def build_task_for_model(cfg: "TaskConfig", model_dir: str, *, seed: int = 0,
                          max_prompt_tokens: int | None = None, split: Split = "train",
                          evaluation: "EvalConfig | None" = None,
-                         tokenizer: Encoder | None = None) -> Task:
+                         tokenizer: Encoder | None = None, reward_fn: RewardFn | None = None) -> Task:
     """:func:`build_task` with the tokenizer of the model in ``model_dir`` (see
     :func:`task_tokenizer`; pass ``tokenizer`` to reuse one already loaded), so prompts
     get its chat template."""
     tok = tokenizer if tokenizer is not None else task_tokenizer(cfg, model_dir, max_prompt_tokens=max_prompt_tokens)
     return build_task(cfg, seed=seed, tokenizer=tok, max_prompt_tokens=max_prompt_tokens if tok is not None else None,
-                      split=split, evaluation=evaluation)
+                      split=split, evaluation=evaluation, reward_fn=reward_fn)
