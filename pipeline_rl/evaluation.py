@@ -39,10 +39,10 @@ if TYPE_CHECKING:
     import numpy as np
     from ray import ObjectRef
 
-#: Scores one answer: ``(prompt, completion text) -> reward``.
-RewardOf = Callable[[Prompt, str], float]
 #: Reward at or above which a sample counts as solved (for pass@k).
 SOLVED = 1.0 - 1e-6
+#: Scores one answer: ``(prompt, completion text) -> reward``.
+RewardOf = Callable[[Prompt, str], float]
 #: Request ids of evaluation sequences start with this (training ids are ``GROUP:INDEX``).
 EVAL_PREFIX = "eval:"
 #: Share of a worker's engine sequences (``--rollout.max_num_seqs``) a side-stream
@@ -127,7 +127,7 @@ class PendingEval:
     future: Future[EvalResult] = field(default_factory=Future)
     encoded: dict[int, tuple[int, ...]] = field(default_factory=dict)    # prompt index -> its token ids
     texts: dict[tuple[int, int], str] = field(default_factory=dict)
-    rewards: dict[tuple[int, int], float] = field(default_factory=dict)   # answers that came scored
+    rewards: dict[tuple[int, int], float] = field(default_factory=dict)   # (prompt index, sample) -> reward
     greedy_tokens: int = 0
     version_min: int = 2**31 - 1
     version_max: int = -1
@@ -150,14 +150,21 @@ class PendingEval:
             self.version_max = max(self.version_max, int(versions.max()))
         return len(self.texts) == self.expected
 
-    def score(self, reward: RewardOf, version_now: int) -> EvalResult:
-        """Score every answer (``reward(prompt, text)``, unless it came scored) and sum up."""
+    def unscored(self, prompt_index: int) -> list[int]:
+        """The samples of prompt ``prompt_index`` without a reward yet (0: the greedy one)."""
+        return [j for j in range(1 + self.request.k) if (prompt_index, j) not in self.rewards]
+
+    def score(self, reward: RewardOf | None = None, *, version_now: int) -> EvalResult:
+        """Sum up: each answer's reward from :attr:`rewards` (it came scored, or the worker
+        scored it), else ``reward(prompt, text)`` (None: every answer must be in :attr:`rewards`)."""
         k = self.request.k
         greedy = sampled = 0.0
         passed = 0
         def of(i: int, j: int) -> float:
             known = self.rewards.get((i, j))
-            return reward(self.prompts[i], self.texts[(i, j)]) if known is None else known
+            if known is None and reward is not None:
+                return reward(self.prompts[i], self.texts[(i, j)])
+            return self.rewards[(i, j)]
 
         for i in range(len(self.prompts)):
             greedy += of(i, 0)

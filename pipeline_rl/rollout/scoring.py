@@ -216,14 +216,13 @@ class Scorer:
 
     async def _score_eval(self, pending: PendingEval, version: int) -> None:
         try:
-            k1 = pending.request.k + 1
-            todo = [(i, p) for i, p in enumerate(pending.prompts)
-                    if any((i, j) not in pending.rewards for j in range(k1))]   # episodes come scored
-            scored = await asyncio.gather(*(self.score(p, [pending.texts[(i, j)] for j in range(k1)])
-                                            for i, p in todo))
-            by_answer = {(p.prompt_id, pending.texts[(i, j)]): r for (i, p), rs in
-                         zip(todo, scored) for j, r in enumerate(rs)}
-            result = pending.score(lambda p, text: by_answer[(p.prompt_id, text)], version)
+            todo = [(i, js) for i in range(len(pending.prompts))   # the answers not scored yet (an
+                    if (js := pending.unscored(i))]                # episode's may come scored)
+            scored = await asyncio.gather(*(self.score(pending.prompts[i], [pending.texts[(i, j)] for j in js])
+                                            for i, js in todo))
+            for (i, js), rs in zip(todo, scored):
+                pending.rewards.update(((i, j), r) for j, r in zip(js, rs))
+            result = pending.score(version_now=version)
         except BaseException as e:
             pending.future.set_exception(e)
             raise
