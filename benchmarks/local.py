@@ -52,7 +52,7 @@ class LocalPipeline:
         from pipeline_rl.rollout.engine import engine_config
         from pipeline_rl.rollout.engine_inprocess import InprocessEngine
 
-        return InprocessEngine(engine_config(self.cfg.rollout, self.model_dir, seed=self.cfg.seed))
+        return InprocessEngine(engine_config(self.cfg.rollout, self.model_dir, seed=self.cfg.seed, fault=self.cfg.fault))
 
     @cached_property
     def task(self) -> Task:
@@ -62,15 +62,13 @@ class LocalPipeline:
 
     @cached_property
     def buffer(self) -> ReplayBuffer:
-        from pipeline_rl.buffer import ReplayBuffer
-
-        return ReplayBuffer(self.cfg.buffer.capacity_groups, self.cfg.staleness, self.cfg.groups_per_step)
+        return self.server.buffer
 
     @cached_property
     def server(self) -> BufferServer:
-        from pipeline_rl.buffer import BufferServer
+        from pipeline_rl.buffer.server import configured_server
 
-        return BufferServer(self.buffer)
+        return configured_server(self.cfg)
 
     @cached_property
     def worker(self) -> RolloutWorker:

@@ -31,14 +31,10 @@ class BufferActor:
     def __init__(self, cfg: Config, bind_host: str, start_version: int = 0) -> None:
         setup_actor_process(cfg, "buffer", uses_torch=False)
         self._fault = cfg.fault
-        from pipeline_rl.buffer import BufferServer, ReplayBuffer
-        from pipeline_rl.wire import WireLimits
+        from pipeline_rl.buffer.server import configured_server
 
-        self._buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step,
-                                    num_ranks=cfg.trainer.num_ranks, start_version=start_version)
-        address = cfg.buffer.address or f"tcp://{bind_host}:*"
-        limits = WireLimits(max_message_bytes=int(cfg.buffer.max_message_mb * 2**20))
-        self._server = BufferServer(self._buffer, address, limits=limits)
+        self._server = configured_server(cfg, bind_host, start_version)
+        self._buffer = self._server.buffer
         end_of_startup()
 
     def address(self) -> str:

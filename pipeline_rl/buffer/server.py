@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -42,6 +43,9 @@ from pipeline_rl.buffer.replay import ReplayBuffer
 from pipeline_rl.buffer.types import check_address
 from pipeline_rl.samples import Group
 from pipeline_rl.wire import DEFAULT_LIMITS, WireError, WireLimits, decode_group, prepare_decoder
+
+if TYPE_CHECKING:
+    from pipeline_rl.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -196,3 +200,14 @@ class BufferServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def configured_server(cfg: Config, bind_host: str = "127.0.0.1", start_version: int = 0) -> BufferServer:
+    """A run's buffer and its server as the configuration sizes them (the buffer actor's,
+    and the benchmarks' in-process pipeline's): capacity, staleness, batch, ranks,
+    ``--buffer.address`` (else a free port on ``bind_host``) and the message-size limit.
+    The buffer is the server's ``buffer``."""
+    buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step,
+                          num_ranks=cfg.trainer.num_ranks, start_version=start_version)
+    limits = WireLimits(max_message_bytes=int(cfg.buffer.max_message_mb * 2**20))
+    return BufferServer(buffer, cfg.buffer.address or f"tcp://{bind_host}:*", limits=limits)
