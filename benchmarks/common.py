@@ -158,10 +158,10 @@ def ray_session(address: str | None = None, *, env: dict[str, str] | None = None
     repository on its path and ``env``."""
     import ray
 
-    from pipeline_rl.runtime_env import ACTOR_ENV
+    from pipeline_rl.runtime_env import ACTOR_ENV, for_local_ray
 
     os.environ.update({k: v for k, v in ACTOR_ENV.items() if k not in os.environ})
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for_local_ray()
     env_vars = {**ACTOR_ENV, **repo_on_path(), **(env or {})}
     if address:
         ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=log_to_driver)
@@ -185,9 +185,10 @@ def run_pipeline(cfg: Config, watch: Callable[[Any], contextlib.AbstractContextM
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.metrics import read_metrics
     from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.run_folder import RUN_ENTRIES
 
     if cfg.out_dir is not None and not cfg.resume:
-        for name in ("run.json", "metrics.jsonl", "eval.jsonl", "checkpoints", "tb"):
+        for name in RUN_ENTRIES:
             target = Path(cfg.out_dir) / name
             shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     with Orchestrator(cfg, resolve_model_dir(cfg), threading.Event()) as orch, \

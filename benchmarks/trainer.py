@@ -42,6 +42,7 @@ import numpy as np
 from benchmarks.common import Outcome, main as bench_main, ray_session
 from benchmarks.local import LocalPipeline
 from benchmarks.synthetic import synthetic_groups
+from pipeline_rl import runtime_env
 from pipeline_rl.config import Config
 
 
@@ -197,7 +198,7 @@ def flags(p: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> Outcome:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    runtime_env.for_local_ray()
     res = run(min(args.duration_s, 3.0) if args.quick else args.duration_s, workers=args.workers, zero_stage=args.zero_stage,
               staleness=args.staleness, gen_groups_per_s=args.gen_groups_per_s,
               max_new_tokens=args.max_new_tokens)

@@ -43,14 +43,15 @@ class Orchestrator:
         """``folder``: the run folder (:func:`open_run_folder`), opened here when not given."""
         self.folder = folder or open_run_folder(cfg.out_dir, cfg.resume, resume_version(cfg))
         # Actors may run in another working directory: they get the run folder absolute.
-        self.cfg = cfg.model_copy(update={"out_dir": str(self.folder.path.resolve())})
+        self.out = self.folder.path.resolve()   # trainers save checkpoints there
+        self.cfg = cfg.model_copy(update={"out_dir": str(self.out)})
         self.model_dir = model_dir
         self.stop = stop
-        self.out = Path(self.cfg.out_dir or ".")   # absolute: trainers save checkpoints there
         self.version = 0
         self._calls = RayCalls()
         self._cluster = Cluster(self.cfg)
         self._checkpoints = CheckpointPolicy(self.cfg, self.out)
+        # the actors as start-up creates them, to stop them if it fails half-way
         self._started: tuple[BufferHandle | None, list[TrainerHandle], list[WorkerSlot]] = (None, [], [])
         self._actors: Actors | None = None
         self._supervisor: Supervisor | None = None
@@ -165,20 +166,20 @@ class Orchestrator:
         return self._recorder, self._supervisor
 
     def _live_workers(self) -> list[RolloutHandle]:
-        return [w.handle for w in self._started[2]]
+        return [w.handle for w in self.actors.workers]
 
     def _more_steps(self) -> bool:
         return self.version < self.cfg.max_steps and not self.stop.is_set()
 
     def _submit_step(self) -> list[Any]:
         """Start one pipeline step on every trainer rank (the supervisor awaits it)."""
-        return [t.train_step.remote(self.cfg.trainer.batch_timeout_s) for t in self._started[1]]
+        return [t.train_step.remote(self.cfg.trainer.batch_timeout_s) for t in self.actors.trainers]
 
     def checkpoint(self) -> Path:
         """Save a resumable checkpoint of every rank under ``OUT_DIR/checkpoints``."""
         rec, sup = self._parts()
         try:
-            path = self._checkpoints.save(self._started[1], self.version, self._calls)
+            path = self._checkpoints.save(self.actors.trainers, self.version, self._calls)
         except CallFailed as e:
             raise sup.trainer_failure(e) from None
         sup.watchdog.touch()

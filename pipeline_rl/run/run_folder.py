@@ -26,6 +26,8 @@ from pipeline_rl.metrics import read_metrics
 
 RUNS = Path("runs")
 MARKER = "run.json"
+#: What a run writes into its folder (a new run into a used folder clears these first).
+RUN_ENTRIES = (MARKER, "metrics.jsonl", "eval.jsonl", "checkpoints", "tb")
 
 
 class RunFolderError(ValueError):
