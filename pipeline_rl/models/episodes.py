@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from pipeline_rl.models.builtin import EOS
-from pipeline_rl.models.warmstart import EOS_ID, Probe, decode, encode, generate
+from pipeline_rl.models.warmstart import EOS_ID, Probe, decode, encode, generate, last_prompts
 from pipeline_rl.tasks.base import Prompt, Task
 from pipeline_rl.tasks.env import EnvFactory, EnvReply, task_env_factory
 
@@ -109,8 +109,7 @@ def probe_episodes(model: "PreTrainedModel", task: Task, *, num_prompts: int = 2
     make_env = task_env_factory(task)
     if make_env is None:
         raise ValueError(f"task {task.name} supplies no environment: probe it with warmstart.probe")
-    start = max(0, task.num_prompts - num_prompts)
-    prompts = [task.prompt(start + i) for i in range(num_prompts)]
+    prompts = last_prompts(task, num_prompts)
     g = torch.Generator().manual_seed(seed)
     runs = [run_episodes(model, prompts, make_env, max_turns=max_turns, max_new_tokens=max_new_tokens,
                          temperature=t, generator=g) for t in (1.0, 1e-5)]

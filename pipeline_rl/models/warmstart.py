@@ -328,9 +328,7 @@ def sampled_reward(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe
     the prompts RL starts on."""
     import torch
 
-    start = max(0, task.num_prompts - recipe.probe_prompts)
-    prompts = [task.prompt(start + i) for i in range(min(recipe.probe_prompts, task.num_prompts))]
-    got = sample(model, task, prompts, n=1, max_new_tokens=recipe.probe_tokens, temperature=1.0,
+    got = sample(model, task, last_prompts(task, min(recipe.probe_prompts, task.num_prompts)), n=1, max_new_tokens=recipe.probe_tokens, temperature=1.0,
                  generator=torch.Generator().manual_seed(recipe.seed))
     return float(got.rewards.mean())
 
@@ -417,13 +415,18 @@ class Probe:
     examples: tuple[str, ...]
 
 
+def last_prompts(task: Task, k: int) -> list[Prompt]:
+    """The ``k`` prompts at the end of ``task``'s pool (ids ``num_prompts - k`` on), where probes look."""
+    start = max(0, task.num_prompts - k)
+    return [task.prompt(start + i) for i in range(k)]
+
+
 def probe(model: "PreTrainedModel", task: Task, *, num_prompts: int = 256, max_new_tokens: int = 16,
           seed: int = 0) -> Probe:
     """Measure ``model`` on prompts from the end of the task's pool (ids ``num_prompts - k``...)."""
     import torch
 
-    start = max(0, task.num_prompts - num_prompts)
-    prompts = [task.prompt(start + i) for i in range(num_prompts)]
+    prompts = last_prompts(task, num_prompts)
     g = torch.Generator().manual_seed(seed)
     hot = sample(model, task, prompts, n=1, max_new_tokens=max_new_tokens, temperature=1.0, generator=g)
     cold = sample(model, task, prompts, n=1, max_new_tokens=max_new_tokens, temperature=1e-5, generator=g)

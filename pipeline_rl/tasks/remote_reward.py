@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from pipeline_rl.calls import first_line
 from pipeline_rl.tasks.base import Prompt, TaskError
 
 #: ``http(s)://HOST[:PORT][/PATH]``.
@@ -100,9 +101,9 @@ class RemoteReward:
         try:
             self._post(b"[]", None, min(self.timeout_s, PROBE_TIMEOUT_S))
         except (_Retry, RemoteRewardError, OSError) as e:
-            why = str(e) if isinstance(e, (_Retry, RemoteRewardError)) else f"{type(e).__name__}: {e}"
+            why = str(e).splitlines()[0] if isinstance(e, (_Retry, RemoteRewardError)) and str(e) else first_line(e)
             raise TaskError(f"task.reward: the remote reward {self.url} failed its start-up check "
-                            f"(POST []): {why.splitlines()[0] if why else type(e).__name__}") from None
+                            f"(POST []): {why}") from None
         finally:
             self._drop()
 
