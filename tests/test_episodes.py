@@ -112,9 +112,10 @@ def test_versions_grow_over_updates_within_and_between_turns(engine: GenerationE
         threading.Thread(target=updates, daemon=True).start()
         rig.worker.run(max_groups=24)
         groups = rig.received(24)
-        done.wait(10)
     finally:
+        done.wait(10)
         rig.close()
+        engine.apply_staged()          # an update offered after the worker's last step
         engine.load_update(load_update(model_dirs[0], engine.version + 1))
     spans = 0
     for g in groups:
