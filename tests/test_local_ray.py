@@ -12,6 +12,7 @@ import os
 import pytest
 
 from pipeline_rl.run import local_ray as ray_start
+from pipeline_rl.run import ray_agents
 
 
 class _Accessor:
@@ -70,3 +71,77 @@ def test_environment_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     with ray_start.environment({"PIPELINE_RL_TEST_KEEP": "during", "PIPELINE_RL_TEST_NEW": "1"}):
         assert os.environ["PIPELINE_RL_TEST_KEEP"] == "during" and os.environ["PIPELINE_RL_TEST_NEW"] == "1"
     assert os.environ["PIPELINE_RL_TEST_KEEP"] == "before" and "PIPELINE_RL_TEST_NEW" not in os.environ
+
+
+# -- the raylet's agents (run/ray_agents.py) -----------------------------------------------------
+def _agent_args(tmp: str, *extra: str) -> list[str]:
+    return ["agent.py", "--node-id=abc", f"--session-dir={tmp}", "--node-ip-address=127.0.0.1", *extra]
+
+
+def test_minimal_dashboard_agent_writes_its_ports_and_waits(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    waited: list[bool] = []
+    monkeypatch.setattr(ray_agents, "wait_for_parent", lambda: waited.append(True))
+    monkeypatch.setattr(ray_agents, "become", lambda agent: pytest.fail("became the real agent"))
+    ray_agents.main([ray_agents.DASHBOARD_AGENT, *_agent_args(str(tmp_path), "--minimal", "--head")])
+    for name in ray_agents.DASHBOARD_PORTS:
+        assert (tmp_path / f"{name}_abc").read_text() == "-1"
+    assert waited == [True] and not list(tmp_path.glob("*.tmp"))
+
+
+def test_full_dashboard_agent_is_the_real_one(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    became: list[list[str]] = []
+    monkeypatch.setattr(ray_agents, "become", became.append)
+    args = _agent_args(str(tmp_path), "--head")
+    ray_agents.main([ray_agents.DASHBOARD_AGENT, *args])
+    assert became == [args] and not list(tmp_path.iterdir())
+
+
+def test_runtime_env_agent_port_is_written_first(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    became: list[list[str]] = []
+    niced: list[int] = []
+    monkeypatch.setattr(ray_agents, "become", became.append)
+    monkeypatch.setattr(ray_agents.os, "nice", niced.append)
+    ray_agents.main([ray_agents.RUNTIME_ENV_AGENT, *_agent_args(str(tmp_path), "--runtime-env-agent-port=0")])
+    port = int((tmp_path / f"{ray_agents.RUNTIME_ENV_PORT}_abc").read_text())
+    assert port > 0 and f"--runtime-env-agent-port={port}" in became[0]
+    assert "--runtime-env-agent-port=0" not in became[0] and niced == [ray_agents.RUNTIME_ENV_NICE]
+
+
+def test_runtime_env_agent_with_a_chosen_port_is_left_alone(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    became: list[list[str]] = []
+    monkeypatch.setattr(ray_agents, "become", became.append)
+    args = _agent_args(str(tmp_path), "--runtime-env-agent-port=45678")
+    ray_agents.main([ray_agents.RUNTIME_ENV_AGENT, *args])
+    assert became == [args] and not list(tmp_path.iterdir())
+
+
+def test_quick_agents_is_scoped_and_steps_aside_for_memory_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray._private.ray_constants as constants
+    import ray._private.services as services
+
+    original = services._build_python_executable_command_memory_profileable
+    with ray_start.quick_agents():
+        command = services._build_python_executable_command_memory_profileable
+        assert command(constants.PROCESS_TYPE_DASHBOARD_AGENT, "/tmp")[-2:] == [
+            ray_start.AGENT_SCRIPT, constants.PROCESS_TYPE_DASHBOARD_AGENT]
+        assert command(constants.PROCESS_TYPE_RAYLET, "/tmp") == original(constants.PROCESS_TYPE_RAYLET, "/tmp")
+    assert services._build_python_executable_command_memory_profileable is original
+    monkeypatch.setenv(services.RAY_MEMRAY_PROFILE_COMPONENT_ENV, constants.PROCESS_TYPE_DASHBOARD_AGENT)
+    with ray_start.quick_agents():
+        assert services._build_python_executable_command_memory_profileable is original
+
+
+def test_an_actor_with_a_runtime_env_still_starts(ray_local: None) -> None:
+    """The real runtime-env agent comes up behind the quick start and serves such an actor."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Env:
+        def value(self) -> str | None:
+            return os.environ.get("PIPELINE_RL_TEST_AGENT")
+
+    actor = Env.options(runtime_env={"env_vars": {"PIPELINE_RL_TEST_AGENT": "served"}}).remote()  # type: ignore[attr-defined]
+    try:
+        assert ray.get(actor.value.remote(), timeout=60) == "served"
+    finally:
+        ray.kill(actor)

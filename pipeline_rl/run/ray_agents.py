@@ -1,0 +1,97 @@
+"""What a private local Ray's raylet runs for its two Python agents (see ``local_ray``'s
+``quick_agents``): a script of the standard library only, started as
+``python -S -u ray_agents.py COMPONENT AGENT_SCRIPT [AGENT_ARGS...]`` (``-S``: no site
+packages, so it is up in about 10 ms, not the 0.4-1 s of an agent's imports).
+
+The raylet registers with the GCS only once both agents have written their port files
+into the session folder, and the agents' imports compete with everything else starting
+then. So:
+
+- ``dashboard_agent`` with ``--minimal`` (Ray without its dashboard extras): the agent
+  would serve nothing here (no metrics, no HTTP: it writes -1 for its three ports). This
+  script writes the same three files at once and stays alive, as the raylet expects of its
+  agent, until the raylet is gone. Without ``--minimal`` it becomes the real agent.
+- ``runtime_env_agent``: the script picks the agent's port, writes its file at once, then
+  becomes the real agent on that port at a lower CPU priority. A local run's actors have no
+  runtime env, so nothing waits for it; an actor that does have one waits until it answers
+  (Ray's client retries).
+
+Invariant: the files hold what the real agent would write (a port number, or -1 for a
+service not offered), each written whole (a temporary file renamed into place).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+#: Ray's names of the two agents (``ray_constants.PROCESS_TYPE_*``).
+DASHBOARD_AGENT = "dashboard_agent"
+RUNTIME_ENV_AGENT = "runtime_env_agent"
+#: The port files the minimal dashboard agent writes, each with -1.
+DASHBOARD_PORTS = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port")
+RUNTIME_ENV_PORT = "runtime_env_agent_port"
+#: How much lower the real runtime-env agent runs than the processes of a run's start.
+RUNTIME_ENV_NICE = 10
+POLL_S = 1.0
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    """``--name=value`` arguments by name (``--name``)."""
+    return dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
+
+
+def persist_port(session_dir: str, node_id: str, name: str, port: int) -> None:
+    """Write ``port`` where Ray's raylet looks for it (``<session>/<name>_<node id>``)."""
+    path = os.path.join(session_dir, f"{name}_{node_id}")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, path)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def with_port(args: list[str], port: int) -> list[str]:
+    """The agent's arguments with ``--runtime-env-agent-port`` set to ``port``."""
+    key = "--runtime-env-agent-port="
+    return [f"{key}{port}" if a.startswith(key) else a for a in args]
+
+
+def become(agent: list[str]) -> None:
+    """Replace this process by the real agent (``agent``: its script and arguments)."""
+    os.execv(sys.executable, [sys.executable, "-u", *agent])
+
+
+def wait_for_parent() -> None:
+    """Return when the raylet that started this process is gone."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+
+
+def main(argv: list[str]) -> None:
+    component, agent = argv[0], argv[1:]
+    opts = flags(agent[1:])
+    session, node = opts["--session-dir"], opts["--node-id"]
+    if component == DASHBOARD_AGENT and "--minimal" in agent:
+        for name in DASHBOARD_PORTS:
+            persist_port(session, node, name, -1)
+        wait_for_parent()
+        return
+    if component == RUNTIME_ENV_AGENT and opts.get("--runtime-env-agent-port", "0") == "0":
+        port = free_port(opts["--node-ip-address"])
+        persist_port(session, node, RUNTIME_ENV_PORT, port)
+        agent = with_port(agent, port)
+        os.nice(RUNTIME_ENV_NICE)
+    become(agent)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
