@@ -214,11 +214,19 @@ def test_bad_payload_rejected_weights_kept(engine: GenerationEngine, model_dirs:
     assert _greedy(engine, "b1") == base
 
 
+@pytest.mark.parametrize("gemm", ["plain", "packed"])
 def test_staged_weights_take_effect_only_when_applied(engine: GenerationEngine, model_dirs: tuple,
-                                                      hf_models: tuple) -> None:
+                                                      hf_models: tuple, gemm: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Staging (the reload into the shadow) leaves generation on the old weights;
-    the switch happens at ``apply_staged``, between two steps."""
+    the switch happens at ``apply_staged``, between two steps. The same whether the
+    loader leaves the linear layers computing on their weights (this tiny model's, by
+    size) or re-creates vLLM's packed oneDNN closures."""
+    from pipeline_rl.weight_sync import loaders
     from pipeline_rl.weight_sync.message import check_update
+
+    if gemm == "packed":
+        monkeypatch.setattr(loaders, "PLAIN_GEMM_MAX_WEIGHTS", -1)
 
     old, new = hf_models
     v0 = engine.version

@@ -337,6 +337,15 @@ def repack_cpu_gemm(module: Any, *, remove_weight: bool, vllm_config: Any) -> No
         dispatch_cpu_unquantized_gemm(module, remove_weight=remove_weight)
 
 
+def plain_cpu_gemm(module: Any) -> None:
+    """Make a CPU linear layer compute ``torch.nn.functional.linear`` on the ``weight`` it
+    is called with (vLLM's own fallback closure): nothing to re-create when the weight
+    changes. The layer must keep its ``weight``."""
+    from torch.nn.functional import linear
+
+    module.cpu_linear = linear
+
+
 def unprocessed_weight(module: Any) -> Any:
     """A packed layer's ``weight`` parameter as registered (empty once packed away)."""
     return module.__dict__["_parameters"].get("weight")
