@@ -1,5 +1,6 @@
 """Actor process helpers: the C-heap trimmer the rollout worker calls between engine steps,
-the garbage collector's start-up policy, and pinning a process to its core."""
+the garbage collector's start-up policy, pinning a process to its core, and keeping one off
+the rollout workers' cores."""
 
 from __future__ import annotations
 
@@ -29,6 +30,28 @@ unchanged = affinities()
 cpu = pin_to_core(CoreSlot(n - 1, n))
 after = threading.Thread(target=hold.wait); after.start()     # and one started after
 print(json.dumps({"too_many": too_many, "unchanged": unchanged, "cpu": cpu, "pinned": affinities()}))
+hold.set()
+"""
+
+_KEEP_OFF = """
+import json, os, threading
+from pipeline_rl.actors.process import keep_off, set_affinity
+from pipeline_rl.resources import CoreSlot
+
+def affinities():
+    return sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
+
+n = len(os.sched_getaffinity(0))
+hold = threading.Event()
+threading.Thread(target=hold.wait).start()
+none = keep_off(())
+too_many = keep_off((CoreSlot(0, n + 1),))
+everything = keep_off(tuple(CoreSlot(i, n) for i in range(n)))
+before = keep_off((CoreSlot(0, n),))
+kept = affinities()
+set_affinity(before)
+print(json.dumps({"none": none, "too_many": too_many, "everything": everything, "before": sorted(before),
+                  "kept": kept, "restored": affinities()}))
 hold.set()
 """
 
@@ -82,3 +105,18 @@ def test_end_of_startup_freezes_what_start_up_built_and_turns_collection_back_on
     finally:
         gc.unfreeze()
         (gc.enable if was_enabled else gc.disable)()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two CPUs")
+def test_keep_off_leaves_the_workers_cores_to_them() -> None:
+    """Every thread runs on every CPU but the slots' (and the old set comes back); no
+    slots, more slots than CPUs, or no CPU left changes nothing."""
+    allowed = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", _KEEP_OFF], capture_output=True, text=True, timeout=120,
+                         check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["none"] is None and got["too_many"] is None and got["everything"] is None
+    assert got["before"] == allowed
+    assert got["kept"] == [allowed[1:]]
+    assert got["restored"] == [allowed]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject
+from pipeline_rl.resources import CoreSlot
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle
@@ -28,8 +29,10 @@ class BufferActor:
     and ``stats`` (driver) run concurrently; the buffer itself is thread-safe.
     """
 
-    def __init__(self, cfg: Config, bind_host: str, start_version: int = 0) -> None:
-        setup_actor_process(cfg, "buffer", uses_torch=False)
+    def __init__(self, cfg: Config, bind_host: str, start_version: int = 0,
+                 avoid: tuple[CoreSlot, ...] = ()) -> None:
+        """``avoid``: the rollout workers' core slots, which this process keeps off."""
+        setup_actor_process(cfg, "buffer", uses_torch=False, avoid=avoid)
         self._fault = cfg.fault
         from pipeline_rl.buffer.server import configured_server
 

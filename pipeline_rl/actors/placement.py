@@ -23,8 +23,9 @@ class ActorClasses:
     rollout: Any
     trainer: Any
 
-    def new_buffer(self, cfg: Config, bind_host: str, start_version: int) -> BufferHandle:
-        return cast(BufferHandle, self.buffer.remote(cfg, bind_host, start_version))
+    def new_buffer(self, cfg: Config, bind_host: str, start_version: int,
+                   avoid: tuple[CoreSlot, ...]) -> BufferHandle:
+        return cast(BufferHandle, self.buffer.remote(cfg, bind_host, start_version, avoid))
 
     def new_rollout(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
                     core: CoreSlot | None, gpu_memory: float | None) -> RolloutHandle:

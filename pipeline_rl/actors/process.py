@@ -3,7 +3,8 @@
 - One thread per process and one process per core (on a 2-core machine a second
   thread per process makes a training step 10-20x slower beside a busy neighbour);
   each rollout worker and trainer rank is pinned to its core when the machine has one
-  for each (``pipeline_rl.resources.plan_cores``, :func:`pin_to_core`).
+  for each (``pipeline_rl.resources.plan_cores``, :func:`pin_to_core`), and the buffer
+  (like the driver) keeps off the rollout workers' cores (:func:`keep_off`).
 - vLLM runs its engine core in this process, with a bounded CPU KV cache.
 - No garbage collection during start-up; what start-up built is frozen after it
   (:func:`end_of_startup`).
@@ -19,6 +20,7 @@ import gc
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline_rl import runtime_env
@@ -30,16 +32,19 @@ log = logging.getLogger(__name__)
 
 
 def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
-                        core: CoreSlot | None = None) -> None:
+                        core: CoreSlot | None = None, avoid: Sequence[CoreSlot] = ()) -> None:
     """Call first in an actor's constructor (see the module docstring); ``name`` names
     its log file (``rollout-0``, ``trainer-1``, ``buffer``); ``core``: the core slot the
-    process takes (:func:`pin_to_core`), None to leave it unpinned."""
+    process takes (:func:`pin_to_core`), None to leave it unpinned; ``avoid``: core slots
+    an unpinned process keeps off (:func:`keep_off`)."""
     runtime_env.for_actor()
     gc.disable()   # until end_of_startup(): see there
     if cfg.log_level != "debug":
         redirect_output(Path(cfg.out_dir or ".") / "logs" / f"{name}.log")
     if core is not None:
         pin_to_core(core)
+    elif avoid:
+        keep_off(avoid)
     if not uses_torch:
         return
     import torch
@@ -74,13 +79,37 @@ def pin_to_core(slot: CoreSlot) -> int | None:
         log.info("not pinned: %d CPUs for %d core slots", len(cpus), slot.of)
         return None
     cpu = cpus[slot.index]
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cpu})
-        except OSError:   # the thread ended meanwhile
-            pass
+    set_affinity({cpu})
     log.info("pinned to CPU %d (core slot %d of %d)", cpu, slot.index, slot.of)
     return cpu
+
+
+def keep_off(slots: Sequence[CoreSlot]) -> set[int] | None:
+    """Let every thread of this process run on the CPUs it may run on now except the
+    cores of ``slots`` (the rollout workers': the buffer and the driver keep off them);
+    returns the CPUs it could run on before, None when nothing changed (no slots, fewer
+    CPUs than the slots are planned for, no CPU left, or no CPU affinity here)."""
+    if not slots or not hasattr(os, "sched_setaffinity"):
+        return None
+    before = set(os.sched_getaffinity(0))
+    cpus = sorted(before)
+    if len(cpus) < slots[0].of:
+        return None
+    rest = before - {cpus[s.index] for s in slots}
+    if not rest:
+        return None
+    set_affinity(rest)
+    log.info("kept off CPU(s) %s (the rollout workers'): on %s", sorted(before - rest), sorted(rest))
+    return before
+
+
+def set_affinity(cpus: set[int]) -> None:
+    """Bind every thread of this process (and threads started later) to ``cpus``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:   # the thread ended meanwhile
+            pass
 
 
 def redirect_output(path: Path) -> None:

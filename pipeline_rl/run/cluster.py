@@ -44,6 +44,7 @@ class Cluster:
         self.cfg = cfg
         self._started = False
         self._session_dir: str | None = None
+        self._affinity: set[int] | None = None   # this process's CPUs before it kept off the workers'
 
     def start(self) -> Placement:
         """Join or start Ray, check the cluster fits the run (one line naming what is
@@ -96,6 +97,10 @@ class Cluster:
         if cores.pinned:
             log.info("pinning each of %d rollout worker(s) and %d trainer rank(s) to a core of its own",
                      len(cores.workers), len(cores.ranks))
+            if self._started:   # this process is the run's own driver, not an embedding program
+                from pipeline_rl.actors.process import keep_off
+
+                self._affinity = keep_off(cores.worker_slots)
         host = ray.util.get_node_ip_address() if alive > 1 else "127.0.0.1"
         return Placement(ray.get_runtime_context().get_node_id(), alive > 1, host, gpus, cores)
 
@@ -126,6 +131,11 @@ class Cluster:
             if self._session_dir:  # Ray leaves its plasma store's socket file behind
                 shutil.rmtree(Path(self._session_dir) / "sockets", ignore_errors=True)
         self._started = False
+        if self._affinity is not None:
+            from pipeline_rl.actors.process import set_affinity
+
+            set_affinity(self._affinity)
+            self._affinity = None
 
 
 def _actor_env() -> dict[str, Any]:

@@ -79,7 +79,7 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     workers = [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory))
                for i in range(cfg.rollout.num_workers)]
     started(None, [], workers)
-    buffer = classes.new_buffer(cfg, where.host, resume_version(cfg))
+    buffer = classes.new_buffer(cfg, where.host, resume_version(cfg), where.cores.worker_slots)
     n = cfg.trainer.num_ranks
     trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory) for r in range(n)]
     started(buffer, trainers, workers)
