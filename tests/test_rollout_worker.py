@@ -156,6 +156,7 @@ def test_in_flight_update_through_worker(engine: GenerationEngine, model_dirs: t
         groups = rig.received(8)
     finally:
         rig.close()
+        engine.apply_staged()          # an update staged after the worker's last step, if any
         engine.load_update(load_update(model_dirs[0], engine.version + 1))
     assert stats.updates_applied == 1 and stats.updates_rejected == 1 and stats.version == v0 + 1
     assert len(stats.stall_ms) == 1 and 0 < stats.stall_ms[0] < 1000
