@@ -88,11 +88,14 @@ def test_minimal_dashboard_agent_writes_its_ports_and_waits(tmp_path: Any, monke
     assert waited == [True] and not list(tmp_path.glob("*.tmp"))
 
 
-def test_full_dashboard_agent_is_the_real_one(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("component,flag", [
+    (ray_agents.DASHBOARD_AGENT, "--head"),                                 # Ray with its dashboard extras
+    (ray_agents.RUNTIME_ENV_AGENT, "--runtime-env-agent-port=45678")])     # a port chosen by the caller
+def test_the_real_agent_unchanged(component: str, flag: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     became: list[list[str]] = []
     monkeypatch.setattr(ray_agents, "become", became.append)
-    args = _agent_args(str(tmp_path), "--head")
-    ray_agents.main([ray_agents.DASHBOARD_AGENT, *args])
+    args = _agent_args(str(tmp_path), flag)
+    ray_agents.main([component, *args])
     assert became == [args] and not list(tmp_path.iterdir())
 
 
@@ -105,14 +108,6 @@ def test_runtime_env_agent_port_is_written_first(tmp_path: Any, monkeypatch: pyt
     port = int((tmp_path / f"{ray_agents.RUNTIME_ENV_PORT}_abc").read_text())
     assert port > 0 and f"--runtime-env-agent-port={port}" in became[0]
     assert "--runtime-env-agent-port=0" not in became[0] and niced == [ray_agents.RUNTIME_ENV_NICE]
-
-
-def test_runtime_env_agent_with_a_chosen_port_is_left_alone(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    became: list[list[str]] = []
-    monkeypatch.setattr(ray_agents, "become", became.append)
-    args = _agent_args(str(tmp_path), "--runtime-env-agent-port=45678")
-    ray_agents.main([ray_agents.RUNTIME_ENV_AGENT, *args])
-    assert became == [args] and not list(tmp_path.iterdir())
 
 
 def test_quick_agents_is_scoped_and_steps_aside_for_memory_profiling(monkeypatch: pytest.MonkeyPatch) -> None:

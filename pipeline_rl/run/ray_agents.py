@@ -53,6 +53,8 @@ def persist_port(session_dir: str, node_id: str, name: str, port: int) -> None:
 
 
 def free_port(host: str) -> int:
+    """``pipeline_rl.net.free_port``'s probe, restated: under ``-S`` this script runs
+    without the package on its path."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
