@@ -30,11 +30,9 @@ takes CPU from (a local Ray and three actors: 1.69 s without it, 1.91 s with it)
 Python agents (the dashboard agent and the runtime-env agent) must first write their
 port files, after 0.4-1 s of imports each, beside everything else starting then. Through
 ``ray_agents.py`` the minimal dashboard agent (which serves nothing: it writes -1 for its
-ports) is replaced by a script that writes the same files at once, and the runtime-env
-agent's port is chosen and written at once, the agent itself coming up on it at a lower
-CPU priority (no actor of a local run has a runtime env; one that had would wait for it).
-``ray.init`` took 0.90 s with it against 1.25 s without, and 0.70 s when the runtime-env
-agent's imports did not compete with the start at all.
+ports) is replaced by a script that writes the same files at once, so the runtime-env
+agent starts alone. ``ray.init`` took 1.39 s with it against 1.53 s without (medians of 4
+alternated starts).
 
 :func:`start_local` also gives every Ray process the actors' environment by inheritance
 (set in this process while Ray starts) instead of a job ``runtime_env``: with a runtime
@@ -146,7 +144,7 @@ AGENT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_age
 
 @contextlib.contextmanager
 def quick_agents() -> Iterator[None]:
-    """Within the block, a new local Ray's raylet starts its two Python agents through
+    """Within the block, a new local Ray's raylet starts its dashboard agent through
     ``ray_agents.py`` (see above and there); unchanged when Ray is asked to profile a
     component's memory, or for another Ray version without the function it touches."""
     try:
@@ -154,7 +152,7 @@ def quick_agents() -> Iterator[None]:
         import ray._private.services as services
 
         original = services._build_python_executable_command_memory_profileable
-        agents = {constants.PROCESS_TYPE_DASHBOARD_AGENT, constants.PROCESS_TYPE_RUNTIME_ENV_AGENT}
+        agent = constants.PROCESS_TYPE_DASHBOARD_AGENT
         profiled = os.environ.get(services.RAY_MEMRAY_PROFILE_COMPONENT_ENV, "")
     except (ImportError, AttributeError):
         yield
@@ -164,7 +162,7 @@ def quick_agents() -> Iterator[None]:
         return
 
     def command(component: str, session_dir: str, unbuffered: bool = True) -> list[str]:
-        if component in agents:
+        if component == agent:
             return [sys.executable, "-S", "-u", AGENT_SCRIPT, component]
         return list(original(component, session_dir, unbuffered))
 

@@ -1,40 +1,34 @@
-"""What a private local Ray's raylet runs for its two Python agents (see ``local_ray``'s
+"""What a private local Ray's raylet runs for its dashboard agent (see ``local_ray``'s
 ``quick_agents``): a script of the standard library only, started as
 ``python -S -u ray_agents.py COMPONENT AGENT_SCRIPT [AGENT_ARGS...]`` (``-S``: no site
-packages, so it is up in about 10 ms, not the 0.4-1 s of an agent's imports).
+packages, so it is up in about 10 ms, not the 0.4-1 s of the agent's imports).
 
-The raylet registers with the GCS only once both agents have written their port files
+The raylet registers with the GCS only once its agents have written their port files
 into the session folder, and the agents' imports compete with everything else starting
-then. So:
+then. The dashboard agent with ``--minimal`` (Ray without its dashboard extras) serves
+nothing here (no metrics, no HTTP: it writes -1 for its three ports), so this script
+writes the same three files at once and stays alive, as the raylet expects of its agent,
+until the raylet is gone. Without ``--minimal``, or for another component, it becomes the
+real agent.
 
-- ``dashboard_agent`` with ``--minimal`` (Ray without its dashboard extras): the agent
-  would serve nothing here (no metrics, no HTTP: it writes -1 for its three ports). This
-  script writes the same three files at once and stays alive, as the raylet expects of its
-  agent, until the raylet is gone. Without ``--minimal`` it becomes the real agent.
-- ``runtime_env_agent``: the script picks the agent's port, writes its file at once, then
-  becomes the real agent on that port at a lower CPU priority. A local run's actors have no
-  runtime env, so nothing waits for it; an actor that does have one waits until it answers
-  (Ray's client retries).
+(The runtime-env agent is left to start as it does: choosing its port here and starting
+it later left a port chosen but not yet bound for a second, and the trainers' rendezvous,
+which probes for a free port at that moment, once took the same one.)
 
-Invariant: the files hold what the real agent would write (a port number, or -1 for a
-service not offered), each written whole (a temporary file renamed into place).
+Invariant: the files hold what the real agent would write (-1: a service not offered),
+each written whole (a temporary file renamed into place).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 
-#: Ray's names of the two agents (``ray_constants.PROCESS_TYPE_*``).
+#: Ray's name of the dashboard agent (``ray_constants.PROCESS_TYPE_DASHBOARD_AGENT``).
 DASHBOARD_AGENT = "dashboard_agent"
-RUNTIME_ENV_AGENT = "runtime_env_agent"
 #: The port files the minimal dashboard agent writes, each with -1.
 DASHBOARD_PORTS = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port")
-RUNTIME_ENV_PORT = "runtime_env_agent_port"
-#: How much lower the real runtime-env agent runs than the processes of a run's start.
-RUNTIME_ENV_NICE = 10
 POLL_S = 1.0
 
 
@@ -52,20 +46,6 @@ def persist_port(session_dir: str, node_id: str, name: str, port: int) -> None:
     os.replace(tmp, path)
 
 
-def free_port(host: str) -> int:
-    """``pipeline_rl.net.free_port``'s probe, restated: under ``-S`` this script runs
-    without the package on its path."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def with_port(args: list[str], port: int) -> list[str]:
-    """The agent's arguments with ``--runtime-env-agent-port`` set to ``port``."""
-    key = "--runtime-env-agent-port="
-    return [f"{key}{port}" if a.startswith(key) else a for a in args]
-
-
 def become(agent: list[str]) -> None:
     """Replace this process by the real agent (``agent``: its script and arguments)."""
     os.execv(sys.executable, [sys.executable, "-u", *agent])
@@ -80,18 +60,12 @@ def wait_for_parent() -> None:
 
 def main(argv: list[str]) -> None:
     component, agent = argv[0], argv[1:]
-    opts = flags(agent[1:])
-    session, node = opts["--session-dir"], opts["--node-id"]
     if component == DASHBOARD_AGENT and "--minimal" in agent:
+        opts = flags(agent[1:])
         for name in DASHBOARD_PORTS:
-            persist_port(session, node, name, -1)
+            persist_port(opts["--session-dir"], opts["--node-id"], name, -1)
         wait_for_parent()
         return
-    if component == RUNTIME_ENV_AGENT and opts.get("--runtime-env-agent-port", "0") == "0":
-        port = free_port(opts["--node-ip-address"])
-        persist_port(session, node, RUNTIME_ENV_PORT, port)
-        agent = with_port(agent, port)
-        os.nice(RUNTIME_ENV_NICE)
     become(agent)
 
 
