@@ -89,14 +89,44 @@ def test_minimal_dashboard_agent_writes_its_ports_and_waits(tmp_path: Any, monke
 
 
 @pytest.mark.parametrize("component,flag", [
-    (ray_agents.DASHBOARD_AGENT, "--head"),                  # Ray with its dashboard extras
-    ("runtime_env_agent", "--runtime-env-agent-port=0")])    # any other agent
+    (ray_agents.DASHBOARD_AGENT, "--head"),                                 # Ray with its dashboard extras
+    (ray_agents.RUNTIME_ENV_AGENT, "--runtime-env-agent-port=45678"),      # a port chosen by the caller
+    ("another_agent", "--runtime-env-agent-port=0")])
 def test_the_real_agent_unchanged(component: str, flag: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     became: list[list[str]] = []
     monkeypatch.setattr(ray_agents, "become", became.append)
     args = _agent_args(str(tmp_path), flag)
     ray_agents.main([component, *args])
     assert became == [args] and not list(tmp_path.iterdir())
+
+
+def test_runtime_env_agent_port_is_written_first(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    became: list[list[str]] = []
+    niced: list[int] = []
+    monkeypatch.setattr(ray_agents, "become", became.append)
+    monkeypatch.setattr(ray_agents.os, "nice", niced.append)
+    ray_agents.main([ray_agents.RUNTIME_ENV_AGENT, *_agent_args(str(tmp_path), "--runtime-env-agent-port=0")])
+    port = int((tmp_path / f"{ray_agents.RUNTIME_ENV_PORT}_abc").read_text())
+    low = ray_agents.ephemeral_low()
+    assert low is not None and ray_agents.QUIET_PORT_MIN <= port < low   # never a free-port probe's answer
+    assert f"--runtime-env-agent-port={port}" in became[0]
+    assert "--runtime-env-agent-port=0" not in became[0] and niced == [ray_agents.RUNTIME_ENV_NICE]
+
+
+@pytest.mark.parametrize("range_text", ["", "1024 60999", "not a range"])
+def test_runtime_env_agent_as_ray_starts_it_without_a_quiet_port(range_text: str, tmp_path: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """No room below the ephemeral range (or no readable range): Ray's own agent, unchanged."""
+    ports = tmp_path / "range"
+    ports.write_text(range_text)
+    monkeypatch.setattr(ray_agents, "EPHEMERAL_RANGE", str(ports))
+    became: list[list[str]] = []
+    monkeypatch.setattr(ray_agents, "become", became.append)
+    session = tmp_path / "session"
+    session.mkdir()
+    args = _agent_args(str(session), "--runtime-env-agent-port=0")
+    ray_agents.main([ray_agents.RUNTIME_ENV_AGENT, *args])
+    assert became == [args] and not list(session.iterdir())
 
 
 def test_quick_agents_is_scoped_and_steps_aside_for_memory_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,8 +138,8 @@ def test_quick_agents_is_scoped_and_steps_aside_for_memory_profiling(monkeypatch
         command = services._build_python_executable_command_memory_profileable
         assert command(constants.PROCESS_TYPE_DASHBOARD_AGENT, "/tmp")[-2:] == [
             ray_start.AGENT_SCRIPT, constants.PROCESS_TYPE_DASHBOARD_AGENT]
-        for other in (constants.PROCESS_TYPE_RUNTIME_ENV_AGENT, constants.PROCESS_TYPE_RAYLET):
-            assert command(other, "/tmp") == original(other, "/tmp")
+        assert command(constants.PROCESS_TYPE_RUNTIME_ENV_AGENT, "/tmp")[-1] == constants.PROCESS_TYPE_RUNTIME_ENV_AGENT
+        assert command(constants.PROCESS_TYPE_RAYLET, "/tmp") == original(constants.PROCESS_TYPE_RAYLET, "/tmp")
     assert services._build_python_executable_command_memory_profileable is original
     monkeypatch.setenv(services.RAY_MEMRAY_PROFILE_COMPONENT_ENV, constants.PROCESS_TYPE_DASHBOARD_AGENT)
     with ray_start.quick_agents():
@@ -117,7 +147,7 @@ def test_quick_agents_is_scoped_and_steps_aside_for_memory_profiling(monkeypatch
 
 
 def test_an_actor_with_a_runtime_env_still_starts(ray_local: None) -> None:
-    """The runtime-env agent, started as Ray starts it, serves such an actor."""
+    """The real runtime-env agent comes up behind the quick start and serves such an actor."""
     import ray
 
     @ray.remote(num_cpus=0)

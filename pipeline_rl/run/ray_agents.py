@@ -1,34 +1,48 @@
-"""What a private local Ray's raylet runs for its dashboard agent (see ``local_ray``'s
+"""What a private local Ray's raylet runs for its two Python agents (see ``local_ray``'s
 ``quick_agents``): a script of the standard library only, started as
 ``python -S -u ray_agents.py COMPONENT AGENT_SCRIPT [AGENT_ARGS...]`` (``-S``: no site
-packages, so it is up in about 10 ms, not the 0.4-1 s of the agent's imports).
+packages, so it is up in about 10 ms, not the 0.4-1 s of an agent's imports).
 
-The raylet registers with the GCS only once its agents have written their port files
+The raylet registers with the GCS only once both agents have written their port files
 into the session folder, and the agents' imports compete with everything else starting
-then. The dashboard agent with ``--minimal`` (Ray without its dashboard extras) serves
-nothing here (no metrics, no HTTP: it writes -1 for its three ports), so this script
-writes the same three files at once and stays alive, as the raylet expects of its agent,
-until the raylet is gone. Without ``--minimal``, or for another component, it becomes the
-real agent.
+then. So:
 
-(The runtime-env agent is left to start as it does: choosing its port here and starting
-it later left a port chosen but not yet bound for a second, and the trainers' rendezvous,
-which probes for a free port at that moment, once took the same one.)
+- ``dashboard_agent`` with ``--minimal`` (Ray without its dashboard extras): the agent
+  would serve nothing here (no metrics, no HTTP: it writes -1 for its three ports). This
+  script writes the same three files at once and stays alive, as the raylet expects of its
+  agent, until the raylet is gone. Without ``--minimal`` it becomes the real agent.
+- ``runtime_env_agent``: the script picks the agent's port, writes its file at once, then
+  becomes the real agent on that port at a lower CPU priority. A local run's actors have no
+  runtime env, so nothing waits for it; an actor that does have one waits until it answers
+  (Ray's client retries). The port is chosen below the kernel's ephemeral range (and above
+  Ray's worker ports, 10002-19999): the port stays unbound for the second the agent takes
+  to import, and a port in the ephemeral range could meanwhile be handed to anyone asking
+  the kernel for a free one (the trainers' rendezvous once took it so). Where no such port
+  is free, or the range cannot be read, the agent starts as Ray starts it.
 
-Invariant: the files hold what the real agent would write (-1: a service not offered),
-each written whole (a temporary file renamed into place).
+Invariant: the files hold what the real agent would write (a port number, or -1 for a
+service not offered), each written whole (a temporary file renamed into place).
 """
 
 from __future__ import annotations
 
 import os
+import random
+import socket
 import sys
 import time
 
-#: Ray's name of the dashboard agent (``ray_constants.PROCESS_TYPE_DASHBOARD_AGENT``).
+#: Ray's names of the two agents (``ray_constants.PROCESS_TYPE_*``).
 DASHBOARD_AGENT = "dashboard_agent"
+RUNTIME_ENV_AGENT = "runtime_env_agent"
 #: The port files the minimal dashboard agent writes, each with -1.
 DASHBOARD_PORTS = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port")
+RUNTIME_ENV_PORT = "runtime_env_agent_port"
+#: How much lower the real runtime-env agent runs than the processes of a run's start.
+RUNTIME_ENV_NICE = 10
+#: The lowest port the runtime-env agent is given: above Ray's worker ports (10002-19999).
+QUIET_PORT_MIN = 20000
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 POLL_S = 1.0
 
 
@@ -46,6 +60,38 @@ def persist_port(session_dir: str, node_id: str, name: str, port: int) -> None:
     os.replace(tmp, path)
 
 
+def ephemeral_low() -> int | None:
+    """The lowest port the kernel hands out for a bind to port 0 (None: unknown)."""
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def quiet_port(host: str, tries: int = 50) -> int | None:
+    """A free port in ``[QUIET_PORT_MIN, ephemeral low)``, which no request for any free
+    port can be given (None: no such range, or none of ``tries`` random ones was free)."""
+    low = ephemeral_low()
+    if low is None or low <= QUIET_PORT_MIN:
+        return None
+    for _ in range(tries):
+        port = random.randrange(QUIET_PORT_MIN, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return None
+
+
+def with_port(args: list[str], port: int) -> list[str]:
+    """The agent's arguments with ``--runtime-env-agent-port`` set to ``port``."""
+    key = "--runtime-env-agent-port="
+    return [f"{key}{port}" if a.startswith(key) else a for a in args]
+
+
 def become(agent: list[str]) -> None:
     """Replace this process by the real agent (``agent``: its script and arguments)."""
     os.execv(sys.executable, [sys.executable, "-u", *agent])
@@ -60,12 +106,18 @@ def wait_for_parent() -> None:
 
 def main(argv: list[str]) -> None:
     component, agent = argv[0], argv[1:]
+    opts = flags(agent[1:])
     if component == DASHBOARD_AGENT and "--minimal" in agent:
-        opts = flags(agent[1:])
         for name in DASHBOARD_PORTS:
             persist_port(opts["--session-dir"], opts["--node-id"], name, -1)
         wait_for_parent()
         return
+    if component == RUNTIME_ENV_AGENT and opts.get("--runtime-env-agent-port", "0") == "0":
+        port = quiet_port(opts.get("--node-ip-address", "127.0.0.1"))
+        if port is not None:
+            persist_port(opts["--session-dir"], opts["--node-id"], RUNTIME_ENV_PORT, port)
+            agent = with_port(agent, port)
+            os.nice(RUNTIME_ENV_NICE)
     become(agent)
 
 
