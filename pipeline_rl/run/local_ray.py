@@ -57,6 +57,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02
+POLL_MS = 5
 #: Ray system settings for a local start (``ray.init(_system_config=...)``): connection
 #: retries every 20 ms instead of every second, 500 of them instead of 10.
 FAST_CONNECT: dict[str, int] = {"raylet_client_connect_timeout_milliseconds": 20,
@@ -83,6 +84,29 @@ def _wait_registered(gcs_address: str, node_id: str) -> None:
             time.sleep(POLL_S)
     finally:
         state.disconnect()   # its own GCS connection: Ray's call opens another
+
+
+@contextlib.contextmanager
+def prompt_gcs_port() -> Iterator[None]:
+    """Within the block, ``ray.init`` looks for its new GCS's port file every
+    :data:`POLL_MS` ms instead of every 100 ms: the GCS writes it some 50 ms after it
+    starts, on 2 cores, so Ray's first look misses it and the next comes 100 ms later."""
+    try:
+        import ray._private.node as node
+
+        original = node.wait_for_persisted_port
+    except (ImportError, AttributeError):   # another Ray: its own wait
+        yield
+        return
+
+    def wait_for_persisted_port(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **{**kwargs, "poll_interval_ms": POLL_MS})
+
+    node.wait_for_persisted_port = wait_for_persisted_port
+    try:
+        yield
+    finally:
+        node.wait_for_persisted_port = original
 
 
 @contextlib.contextmanager
@@ -207,6 +231,7 @@ def start_local(*, num_cpus: int, object_store_mb: int, env: Mapping[str, str], 
     with contextlib.ExitStack() as stack:
         stack.enter_context(environment(env))
         stack.enter_context(prompt_node_wait())
+        stack.enter_context(prompt_gcs_port())
         stack.enter_context(lean_head(dashboard=dashboard, log_monitor=log_to_driver))
         stack.enter_context(quick_agents())
         return ray.init(num_cpus=num_cpus, include_dashboard=False,   # the web UI needs ray[default]
