@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import os
+import socket
 
 import pytest
 
@@ -100,17 +101,41 @@ def test_the_real_agent_unchanged(component: str, flag: str, tmp_path: Any, monk
     assert became == [args] and not list(tmp_path.iterdir())
 
 
-def test_runtime_env_agent_port_is_written_first(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("called", [True, False])
+def test_runtime_env_agent_listens_first_and_starts_when_called(called: bool, tmp_path: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port file is written at once; the real agent starts on that port only when
+    someone calls (else the script ends with the raylet)."""
     became: list[list[str]] = []
     niced: list[int] = []
+    listened: list[int] = []
+
+    def first_caller(listener: socket.socket) -> bool:
+        listened.append(listener.getsockname()[1])
+        return called
+
     monkeypatch.setattr(ray_agents, "become", became.append)
     monkeypatch.setattr(ray_agents.os, "nice", niced.append)
+    monkeypatch.setattr(ray_agents, "first_caller", first_caller)
     ray_agents.main([ray_agents.RUNTIME_ENV_AGENT, *_agent_args(str(tmp_path), "--runtime-env-agent-port=0")])
     port = int((tmp_path / f"{ray_agents.RUNTIME_ENV_PORT}_abc").read_text())
     low = ray_agents.ephemeral_low()
     assert low is not None and ray_agents.QUIET_PORT_MIN <= port < low   # never a free-port probe's answer
-    assert f"--runtime-env-agent-port={port}" in became[0]
-    assert "--runtime-env-agent-port=0" not in became[0] and niced == [ray_agents.RUNTIME_ENV_NICE]
+    assert listened == [port]
+    if called:
+        assert f"--runtime-env-agent-port={port}" in became[0] and "--runtime-env-agent-port=0" not in became[0]
+        assert niced == [ray_agents.RUNTIME_ENV_NICE]
+    else:
+        assert became == [] and niced == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))   # the script let the port go: the real agent can take it
+
+
+def test_first_caller_wakes_on_a_connection() -> None:
+    listener = ray_agents.quiet_listener("127.0.0.1")
+    assert listener is not None
+    with listener, socket.create_connection(listener.getsockname()):
+        assert ray_agents.first_caller(listener)
 
 
 @pytest.mark.parametrize("range_text", ["", "1024 60999", "not a range"])

@@ -32,11 +32,12 @@ port files, after 0.4-1 s of imports each, beside everything else starting then.
 ``ray_agents.py`` the minimal dashboard agent (which serves nothing: it writes -1 for its
 ports) is replaced by a script that writes the same files at once, and the runtime-env
 agent's port is chosen (below the kernel's ephemeral range, so that no one asking for a
-free port can be given it before the agent binds it) and written at once, the agent itself
-coming up on it at a lower CPU priority (no actor of a local run has a runtime env; one
-that had would wait for it). ``ray.init`` took 1.39 s with the dashboard agent alone
-replaced against 1.53 s without (medians of 4 alternated starts), and 0.76-0.85 s with both
-against 1.1-1.3 s.
+free port can be given it before the agent binds it), listened on and written at once; the
+real agent starts on it only when called, i.e. when an actor has a runtime env (a local
+run's have none), at a lower CPU priority. ``ray.init`` took 1.39 s with the dashboard agent
+alone replaced against 1.53 s without (medians of 4 alternated starts), and 0.76-0.85 s
+with both against 1.1-1.3 s. The command's first step: 8.40 s with the agent started only
+when called against 8.67 s with it started at once (8 alternated starts).
 
 :func:`start_local` also gives every Ray process the actors' environment by inheritance
 (set in this process while Ray starts) instead of a job ``runtime_env``: with a runtime

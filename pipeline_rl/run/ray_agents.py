@@ -11,14 +11,16 @@ then. So:
   would serve nothing here (no metrics, no HTTP: it writes -1 for its three ports). This
   script writes the same three files at once and stays alive, as the raylet expects of its
   agent, until the raylet is gone. Without ``--minimal`` it becomes the real agent.
-- ``runtime_env_agent``: the script picks the agent's port, writes its file at once, then
-  becomes the real agent on that port at a lower CPU priority. A local run's actors have no
-  runtime env, so nothing waits for it; an actor that does have one waits until it answers
-  (Ray's client retries). The port is chosen below the kernel's ephemeral range (and above
-  Ray's worker ports, 10002-19999): the port stays unbound for the second the agent takes
-  to import, and a port in the ephemeral range could meanwhile be handed to anyone asking
-  the kernel for a free one (the trainers' rendezvous once took it so). Where no such port
-  is free, or the range cannot be read, the agent starts as Ray starts it.
+- ``runtime_env_agent``: the script listens on a port of its choosing and writes its file
+  at once, then waits. Only an actor with a runtime env makes the raylet call the agent,
+  and a local run's actors have none: the agent's second of imports (and its memory) is
+  spent only when someone calls. Then the script closes the port (the call is refused,
+  and Ray's client retries it) and becomes the real agent on that port, at a lower CPU
+  priority. The port is chosen below the kernel's ephemeral range (and above Ray's worker
+  ports, 10002-19999): it is unbound for the second the agent takes to import, and a port
+  in the ephemeral range could meanwhile be handed to anyone asking the kernel for a free
+  one (the trainers' rendezvous once took it so). Where no such port is free, or the range
+  cannot be read, the agent starts as Ray starts it.
 
 Invariant: the files hold what the real agent would write (a port number, or -1 for a
 service not offered), each written whole (a temporary file renamed into place).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import socket
 import sys
 import time
@@ -69,21 +72,34 @@ def ephemeral_low() -> int | None:
         return None
 
 
-def quiet_port(host: str, tries: int = 50) -> int | None:
-    """A free port in ``[QUIET_PORT_MIN, ephemeral low)``, which no request for any free
-    port can be given (None: no such range, or none of ``tries`` random ones was free)."""
+def quiet_listener(host: str, tries: int = 50) -> socket.socket | None:
+    """A socket listening on a port in ``[QUIET_PORT_MIN, ephemeral low)``, which no
+    request for any free port can be given (None: no such range, or none of ``tries``
+    random ones was free)."""
     low = ephemeral_low()
     if low is None or low <= QUIET_PORT_MIN:
         return None
     for _ in range(tries):
-        port = random.randrange(QUIET_PORT_MIN, low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
+        s = socket.socket()
+        try:
+            s.bind((host, random.randrange(QUIET_PORT_MIN, low)))
+            s.listen()
+        except OSError:
+            s.close()
+            continue
+        return s
     return None
+
+
+def first_caller(listener: socket.socket) -> bool:
+    """Wait until someone connects to ``listener`` (True) or the raylet that started this
+    process is gone (False)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        ready, _, _ = select.select([listener], [], [], POLL_S)
+        if ready:
+            return True
+    return False
 
 
 def with_port(args: list[str], port: int) -> list[str]:
@@ -113,9 +129,14 @@ def main(argv: list[str]) -> None:
         wait_for_parent()
         return
     if component == RUNTIME_ENV_AGENT and opts.get("--runtime-env-agent-port", "0") == "0":
-        port = quiet_port(opts.get("--node-ip-address", "127.0.0.1"))
-        if port is not None:
-            persist_port(opts["--session-dir"], opts["--node-id"], RUNTIME_ENV_PORT, port)
+        listener = quiet_listener(opts.get("--node-ip-address", "127.0.0.1"))
+        if listener is not None:
+            with listener:
+                port = listener.getsockname()[1]
+                persist_port(opts["--session-dir"], opts["--node-id"], RUNTIME_ENV_PORT, port)
+                if not first_caller(listener):
+                    return
+            # closed: the caller's connection is refused, and Ray's client retries it
             agent = with_port(agent, port)
             os.nice(RUNTIME_ENV_NICE)
     become(agent)
