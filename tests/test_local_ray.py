@@ -51,6 +51,23 @@ def test_patch_is_scoped_and_falls_back_to_rays_wait(monkeypatch: pytest.MonkeyP
     assert services.get_node is rays_own and calls == [("gcs:1", "ab")]
 
 
+def test_gcs_port_is_looked_for_promptly_within_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray._private.node as node
+
+    calls: list[dict[str, Any]] = []
+
+    def rays_own(session: str, node_id: str, name: str, timeout_ms: int = 30000,
+                 poll_interval_ms: int = 100) -> int:
+        calls.append({"timeout_ms": timeout_ms, "poll_interval_ms": poll_interval_ms})
+        return 6379
+
+    monkeypatch.setattr(node, "wait_for_persisted_port", rays_own)
+    with ray_start.prompt_gcs_port():
+        assert node.wait_for_persisted_port("s", "n", "gcs_server_port", timeout_ms=5) == 6379
+    assert node.wait_for_persisted_port is rays_own
+    assert calls == [{"timeout_ms": 5, "poll_interval_ms": ray_start.POLL_MS}]
+
+
 def test_lean_head_is_scoped() -> None:
     from ray._private.node import Node
 
