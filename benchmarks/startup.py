@@ -13,6 +13,9 @@ Two measurements, each in fresh processes:
    torch, transformers and DeepSpeed, and its DeepSpeed engine: ``Trainer``); all but
    Ray's with the garbage collector off, as the actors run them.
 
+The two are interleaved (one command, then each piece once, per repeat), so that a drift
+in the machine's speed reaches both sides of the ratio alike.
+
 Bounds: ``slowest_actor_s``, the slowest actor's own start (the rollout worker's vLLM
 import + engine build, or the trainer's, whichever is longer), which no command that
 starts that actor can beat; ``chain_s`` = the command's Ray line + the rollout worker's
@@ -126,8 +129,14 @@ def run(args: argparse.Namespace) -> Outcome:
     from pipeline_rl.driver import resolve_model_dir
 
     model_dir = str(resolve_model_dir(config([])))
-    command = [time_command(args.out / f"run{i}") for i in range(args.repeats)]
-    pieces = {name: [time_piece(name, model_dir) for _ in range(args.repeats)] for name in _PIECES}
+    # Interleaved (a command, then each piece once, per repeat): this machine's speed drifts
+    # by tens of percent within minutes, and the ratio must compare like with like.
+    command: list[dict[str, float]] = []
+    pieces: dict[str, list[float]] = {name: [] for name in _PIECES}
+    for i in range(args.repeats):
+        command.append(time_command(args.out / f"run{i}"))
+        for name in _PIECES:
+            pieces[name].append(time_piece(name, model_dir))
     rollout = _median(pieces["import_vllm"]) + _median(pieces["vllm_engine"])
     result = {"hardware": hardware(), "repeats": args.repeats, "command": command, "pieces": pieces,
               "slowest_actor_s": round(max(rollout, _median(pieces["trainer_start"])), 2),
