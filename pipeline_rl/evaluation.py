@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     import numpy as np
     from ray import ObjectRef
 
+    from pipeline_rl.run.remote_calls import Calls
+
 #: Reward at or above which a sample counts as solved (for pass@k).
 SOLVED = 1.0 - 1e-6
 #: Scores one answer: ``(prompt, completion text) -> reward``.
@@ -262,11 +264,15 @@ class _InFlight:
 
 class Evaluations:
     """Launches, collects and reports held-out evaluations (see the module docstring).
-    ``clock`` gives the run's elapsed seconds (for ``EvalMetrics.time_s``)."""
+    ``clock`` gives the run's elapsed seconds (for ``EvalMetrics.time_s``); ``calls`` reads
+    the workers' answers (Ray's, unless a test gives stand-ins)."""
 
-    def __init__(self, cfg: EvalConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, cfg: EvalConfig, clock: Callable[[], float], calls: Calls | None = None) -> None:
+        from pipeline_rl.run.remote_calls import RayCalls
+
         self.cfg = cfg
         self._clock = clock
+        self._calls: Calls = calls if calls is not None else RayCalls()
         self._next_id = 0
         self._in_flight: _InFlight | None = None
         self._start = False    # the starting evaluation is in flight, not awaited yet
@@ -299,21 +305,19 @@ class Evaluations:
     def poll(self, timeout_s: float = 0.0) -> EvalMetrics | None:
         """The in-flight evaluation's metrics once all its answers are in (waiting up to
         ``timeout_s``), else None."""
-        import ray
+        from pipeline_rl.run.remote_calls import ActorDied
 
         job = self._in_flight
         if job is None:
             return None
-        ready, pending = ray.wait(job.refs, num_returns=len(job.refs), timeout=timeout_s)
-        if pending:
+        if self._calls.pending(job.refs, timeout_s):
             return None
         self._in_flight = None
         try:
-            parts: list[EvalResult] = ray.get(ready)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            parts: list[EvalResult] = [self._calls.get(ref) for ref in job.refs]
+        except ActorDied as e:
             self.lost += 1
-            log.warning("evaluation after step %d lost: a rollout worker died (%s)", job.step,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning("evaluation after step %d lost: a rollout worker died (%s)", job.step, e)
             return None
         res = EvalResult.merge(parts)
         return EvalMetrics(

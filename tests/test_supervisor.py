@@ -156,3 +156,26 @@ def test_a_stall_says_who_waits_for_what(tmp_path: Path) -> None:
                  "rollout worker 0 holds weights v3, 2 groups in flight, 5 sent, generating",
                  "no checkpoint was saved yet"):
         assert part in line, line
+
+
+# -- evaluations read through the same stand-ins ---------------------------------------------
+def test_evaluations_wait_merge_and_count_a_dead_workers_share_as_lost() -> None:
+    from pipeline_rl.config import EvalConfig
+    from pipeline_rl.evaluation import EvalResult, Evaluations
+
+    share = EvalResult(num_prompts=2, k=2, greedy_reward_sum=1.0, sampled_reward_sum=3.0, passed=2,
+                       greedy_tokens=8, version_min=4, version_max=5)
+    late = Ref(share, answered=False)
+    workers = [SimpleNamespace(evaluate=Method(answered(share))), SimpleNamespace(evaluate=Method(lambda *a: late))]
+    ev = Evaluations(EvalConfig(every=5, num_prompts=4, k=2), clock=lambda: 1.5, calls=FakeCalls())
+    assert ev.launch(5, 5, workers)
+    assert ev.poll() is None and ev.in_flight_step == 5          # one share still out
+    late.answered = True
+    done = ev.poll()
+    assert done is not None and ev.in_flight_step is None
+    assert (done.step, done.num_prompts, done.greedy_accuracy, done.mean_at_k) == (5, 4, 0.5, 0.75)
+    assert (done.version_min, done.version_max, done.time_s) == (4, 5, 1.5)
+
+    workers[1] = SimpleNamespace(evaluate=Method(lambda *a: Ref(error=died("worker 1 died"))))
+    assert ev.launch(10, 10, workers)
+    assert ev.poll() is None and ev.lost == 1 and ev.in_flight_step is None

@@ -56,7 +56,7 @@ class Orchestrator:
         self._actors: Actors | None = None
         self._supervisor: Supervisor | None = None
         self._recorder: StepRecorder | None = None
-        self._evals = Evaluations(self.cfg.eval, lambda: self._parts()[0].since_start())
+        self._evals = Evaluations(self.cfg.eval, lambda: self._parts()[0].since_start(), self._calls)
 
     def __enter__(self) -> "Orchestrator":
         try:
