@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline_rl.calls import first_line
+from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import TaskConfig
 from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.samples import Completion, FinishReason
@@ -98,12 +98,11 @@ class EnvCalls:
         self._timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"env-{name}")
         self._slots = asyncio.Semaphore(concurrency)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"envs-{name}", daemon=True)
-        self._thread.start()
+        self._loops = LoopThread(f"envs-{name}")
+        self._loop = self._loops.loop
 
     def call(self, fn: Callable[[Any], Any], arg: Any, done: Callable[[Any], None]) -> None:
-        asyncio.run_coroutine_threadsafe(self._run(fn, arg, done), self._loop)
+        self._loops.submit(self._run(fn, arg, done))
 
     async def _run(self, fn: Callable[[Any], Any], arg: Any, done: Callable[[Any], None]) -> None:
         async with self._slots:
@@ -124,9 +123,9 @@ class EnvCalls:
         return out
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5.0)
+        """Cancel the calls still waiting, stop the loop and release the threads (an
+        environment call still running is left to finish on its own)."""
+        self._loops.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -28,7 +28,6 @@ single success.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import math
@@ -41,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline_rl.calls import first_line
+from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import TaskConfig
 from pipeline_rl.evaluation import PendingEval
 from pipeline_rl.rollout.engine import FinishedSequence
@@ -122,9 +121,8 @@ class Scorer:
         self._sends = ThreadPoolExecutor(1, thread_name_prefix=f"send-{worker_id}")
         self._slots = asyncio.Semaphore(cfg.reward_concurrency)
         self._jobs: set[Future[None]] = set()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"rewards-{worker_id}", daemon=True)
-        self._thread.start()
+        self._loops = LoopThread(f"rewards-{worker_id}")
+        self._loop = self._loops.loop
 
     # -- handing work over (any thread) ---------------------------------------------------
     def completion_done(self, pending: PendingGroup, index: int) -> None:
@@ -132,7 +130,7 @@ class Scorer:
         now, while its siblings are still generating (the group waits for it when done)."""
         if self.source.per_completion:
             text = pending.done[index].text
-            pending.early[index] = asyncio.run_coroutine_threadsafe(self._call(pending.prompt, [text]), self._loop)
+            pending.early[index] = self._loops.submit(self._call(pending.prompt, [text]))
 
     def group_done(self, pending: PendingGroup) -> None:
         """Score ``pending``'s ``n`` completions, then send the group."""
@@ -163,19 +161,14 @@ class Scorer:
     def close(self) -> None:
         """Cancel what is still running, stop the loop and release the threads (a reward
         thread still running is left to finish on its own)."""
-        if self._loop.is_closed():
+        if self._loops.closed:
             return
-        if self._thread.is_alive():
-            with contextlib.suppress(TimeoutError):
-                asyncio.run_coroutine_threadsafe(_cancel_all(), self._loop).result(timeout=5.0)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5.0)
-        self._loop.close()
+        self._loops.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._sends.shutdown(wait=True, cancel_futures=True)
 
     def _submit(self, job: Coroutine[Any, Any, None]) -> None:
-        fut = asyncio.run_coroutine_threadsafe(job, self._loop)
+        fut = self._loops.submit(job)
         with self._lock:
             self._jobs.add(fut)
         fut.add_done_callback(self._job_done)
@@ -324,14 +317,6 @@ class Scorer:
             c.reward_in_flight -= 1
             if not c.reward_in_flight:
                 c.reward_busy_s += now - c.reward_busy_since
-
-
-async def _cancel_all() -> None:
-    """Cancel every task of the running loop but the caller, and let them finish."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _short(text: str, limit: int = 40) -> str:
