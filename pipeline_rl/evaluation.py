@@ -9,11 +9,12 @@ reward is at least :data:`SOLVED`; ``greedy_accuracy``: mean reward of the greed
 ``mean_at_k``: over all ``k`` samples; ``pass_at_k``: share of prompts with a solved sample.
 An evaluation is a side-stream (:class:`EvalFeed`): at most :data:`STREAM_SHARE` of the
 engine's sequences at a time, so training generation keeps the rest and the trainer keeps
-stepping; only the starting evaluation, which the first step waits for, takes the engine
-at once (``EvalRequest.stream`` False).
+stepping. The starting evaluation is not a stream (``EvalRequest.stream`` False): it takes
+the engine at once, and the worker holds every weight update until it is answered, so it
+is of the starting weights alone while training goes on (:attr:`EvalFeed.pinned`).
 
 **In the driver** (:class:`Evaluations`). At the start (as soon as the workers generate;
-the first step waits for it), every ``--eval.every`` steps and at the end, the same
+training does not wait for it), every ``--eval.every`` steps and at the end, the same
 ``--eval.num_prompts`` held-out ids are split over the live workers; training goes on
 and the answers are collected after later steps. At most one evaluation is in flight (a
 due one is skipped and counted meanwhile); the final one is waited for, bounded. A worker
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
     from pipeline_rl.run.remote_calls import Calls
 
+#: How long a due evaluation waits for the starting one (:meth:`Evaluations.start_due`).
+START_WAIT_S = 60.0
 #: Reward at or above which a sample counts as solved (for pass@k).
 SOLVED = 1.0 - 1e-6
 #: Scores one answer: ``(prompt, completion text) -> reward``.
@@ -185,7 +188,9 @@ class EvalFeed:
     the rest from the worker's loop. :meth:`due` yields the sequences to add now,
     ``(pending, prompt index, sample)``, sample 0 the greedy one: all of a request that
     is not a stream, otherwise as many as keep the streams' unanswered sequences at
-    ``slots`` at most (queued evaluations go in order)."""
+    ``slots`` at most (queued evaluations go in order). :attr:`pinned` holds while an
+    evaluation that is not a stream is asked for and not answered: the worker applies no
+    weight update then, so such an evaluation is of one version."""
 
     def __init__(self, slots: int) -> None:
         self.slots = max(1, slots)
@@ -194,10 +199,18 @@ class EvalFeed:
         self._started: dict[int, PendingEval] = {}
         self._next: deque[tuple[PendingEval, int, int]] = deque()   # sequences of started evaluations, not added
         self._streaming = 0   # stream sequences added, not answered
+        self._pinned = 0      # evaluations that are not streams, asked and not answered
+
+    @property
+    def pinned(self) -> bool:
+        """The weights must stay as they are (see the class docstring)."""
+        with self._lock:
+            return self._pinned > 0
 
     def ask(self, pending: PendingEval) -> None:
         with self._lock:
             self._asked.append(pending)
+            self._pinned += not pending.request.stream
 
     def due(self) -> Iterator[tuple[PendingEval, int, int]]:
         while True:
@@ -225,6 +238,8 @@ class EvalFeed:
         if not pending.add(prompt_index, sample, text, num_tokens, versions, reward):
             return None
         del self._started[eval_id]
+        with self._lock:
+            self._pinned -= not pending.request.stream
         return pending
 
     def close(self) -> list[PendingEval]:
@@ -232,6 +247,7 @@ class EvalFeed:
         with self._lock:
             waiting = list(self._asked) + list(self._started.values())
             self._asked.clear()
+            self._pinned = 0
         self._started.clear()
         self._next.clear()
         self._streaming = 0
@@ -260,6 +276,7 @@ class _InFlight:
     version: int
     launched: float
     refs: "list[ObjectRef[EvalResult]]"
+    stream: bool = True
 
 
 class Evaluations:
@@ -275,7 +292,6 @@ class Evaluations:
         self._calls: Calls = calls if calls is not None else RayCalls()
         self._next_id = 0
         self._in_flight: _InFlight | None = None
-        self._start = False    # the starting evaluation is in flight, not awaited yet
         self.skipped = 0
         self.lost = 0
 
@@ -299,7 +315,7 @@ class Evaluations:
         eval_id = self._next_id
         self._next_id += 1
         refs = [w.evaluate.remote(EvalRequest(eval_id, share, self.cfg.k, stream)) for w, share in zip(workers, shares)]
-        self._in_flight = _InFlight(eval_id, step, version, time.monotonic(), refs)
+        self._in_flight = _InFlight(eval_id, step, version, time.monotonic(), refs, stream)
         return True
 
     def poll(self, timeout_s: float = 0.0) -> EvalMetrics | None:
@@ -333,29 +349,22 @@ class Evaluations:
 
     def begin_start(self, version: int, workers: Sequence[Any]) -> None:
         """As soon as the workers generate: evaluate the starting weights (``version``), all
-        at once (not a side-stream: the first step waits for it, :meth:`await_start`, so no
-        update can land mid-evaluation and ``version_max == version``); the workers generate
-        training samples beside it."""
+        at once and not as a side-stream, so each worker holds its weight updates until it
+        has answered and ``version_max == version`` (:attr:`EvalFeed.pinned`); training goes
+        on meanwhile, and :meth:`collect` records it like any other."""
         if self.enabled:
-            self._start = self.launch(version, version, workers, stream=False)
+            self.launch(version, version, workers, stream=False)
 
-    def await_start(self, record: Callable[[EvalMetrics], None], timeout_s: float) -> None:
-        """Wait for the evaluation :meth:`begin_start` launched (if any) and record it;
-        TimeoutError (one line) past ``timeout_s``."""
-        if not self._start:
+    def start_due(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None]) -> None:
+        """After the step that made ``version``: launch the evaluation due now, if any. The
+        starting evaluation, if still out, is waited for first (at most ``START_WAIT_S``) and
+        recorded: it is short, and the due one would otherwise be skipped."""
+        if not self.due(version):
             return
-        self._start = False
-        done = self.poll(timeout_s)
-        if done is None and self.in_flight_step is not None:
-            raise TimeoutError(f"the evaluation of the starting weights did not finish within {timeout_s:.0f} s")
-        if done is not None:
+        job = self._in_flight
+        if job is not None and not job.stream and (done := self.poll(START_WAIT_S)) is not None:
             record(done)
-
-    def start_due(self, version: int, workers: Sequence[Any]) -> None:
-        """After the step that made ``version``, before the next goes out: launch the
-        evaluation due now, if any."""
-        if self.due(version):
-            self.launch(version, version, workers)
+        self.launch(version, version, workers)
 
     def collect(self, record: Callable[[EvalMetrics], None]) -> None:
         """Between two steps: record the evaluation in flight if it has finished."""

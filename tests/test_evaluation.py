@@ -65,6 +65,22 @@ def test_feed_streams_an_evaluation_beside_training_and_the_start_at_once() -> N
     assert feed.close() == [stream] and list(feed.due()) == []
 
 
+def test_feed_pins_the_weights_while_an_evaluation_that_is_not_a_stream_is_out() -> None:
+    prompts = (Prompt(0, "0", "x"),)
+    v = np.array([0], dtype=np.int32)
+    feed = EvalFeed(slots=2)
+    feed.ask(PendingEval(EvalRequest(0, (0,), k=1), prompts))            # a stream: no pin
+    assert not feed.pinned
+    feed.ask(PendingEval(EvalRequest(1, (0,), k=1, stream=False), prompts))
+    assert feed.pinned                                                     # pinned from the ask on
+    list(feed.due())
+    assert feed.answered(1, 0, 0, "x", 1, v) is None and feed.pinned
+    assert feed.answered(1, 0, 1, "x", 1, v) is not None and not feed.pinned
+    feed.ask(PendingEval(EvalRequest(2, (0,), k=1, stream=False), prompts))
+    feed.close()
+    assert not feed.pinned                                                 # a stopped worker holds nothing
+
+
 def test_schedule_skips_while_one_is_in_flight() -> None:
     class _Ref:
         pass

@@ -222,6 +222,35 @@ def test_evaluation_beside_generation(engine: GenerationEngine, model_dirs: tupl
     assert not loop.is_alive() and isinstance(late.exception(timeout=5), RuntimeError)
 
 
+def test_the_starting_evaluation_holds_the_weights_until_answered(engine: GenerationEngine,
+                                                                  model_dirs: tuple) -> None:
+    """An evaluation that is not a stream (the starting one) is of the weights loaded when it
+    was asked: an update offered meanwhile waits, staged, and lands once it is answered."""
+    from pipeline_rl.evaluation import EvalRequest
+
+    while engine.num_unfinished():   # sequences an earlier test's stopped worker left behind
+        engine.step()
+    rig = _Rig(engine, model_dirs[0], reward_fn=_len_reward, eval_task=AdditionTask(2, 1000, 0, "eval"))
+    v0 = engine.version
+    loop = threading.Thread(target=rig.worker.run, daemon=True)
+    loop.start()
+    try:
+        answer = rig.worker.evaluate(EvalRequest(0, tuple(range(8)), k=4, stream=False))
+        rig.worker.offer_weights(load_update(model_dirs[0], v0 + 1))
+        result = answer.result(timeout=120)
+        deadline = time.monotonic() + 30
+        while rig.worker.stats().version != v0 + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        applied = rig.worker.stats().version
+    finally:
+        rig.worker.stop()
+        loop.join(30)
+        rig.close()
+        engine.apply_staged()
+    assert result.version_min == result.version_max == v0
+    assert applied == v0 + 1                              # and then the update landed
+
+
 def test_evaluation_needs_an_eval_task(engine: GenerationEngine, model_dirs: tuple) -> None:
     from pipeline_rl.evaluation import EvalRequest
 

@@ -272,6 +272,8 @@ class RolloutWorker:
             self._c.idle_s += time.perf_counter() - t
 
     def _apply_offered(self) -> None:
+        if self._evals.pinned:   # an evaluation of the weights now loaded is under way
+            return
         applied = self._engine.apply_staged()
         if applied is None:
             return

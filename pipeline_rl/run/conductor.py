@@ -74,7 +74,8 @@ class Orchestrator:
         where = self._cluster.start()
         actors = start_actors(self.cfg, self.model_dir, where, self.stop, self._note_started)
         self._actors, self.version = actors, actors.version
-        # The starting evaluation goes out first: it runs while the driver builds its records.
+        # The starting evaluation goes out first: the workers hold their weights until it is
+        # answered, and training does not wait for it.
         if self.version < self.cfg.max_steps:
             self._evals.begin_start(self.version, self._live_workers())
         self._recorder = StepRecorder(self.folder, self._calls, actors.workers, actors.buffer)
@@ -114,7 +115,6 @@ class Orchestrator:
     def train(self) -> list[StepMetrics]:
         """Run steps until ``max_steps`` (or a stop request); checkpoint; print a summary."""
         rec, sup, evals = *self._parts(), self._evals
-        self._evaluate_start(evals)
         sup.watchdog.touch()  # start-up has its own bounds: not a stall
         refs = self._submit_step() if self._more_steps() else None
         while refs is not None:
@@ -127,7 +127,7 @@ class Orchestrator:
             # of leaving it idle. A due evaluation is asked for first, then runs beside the
             # training steps; a checkpoint must see these weights.
             save = self._checkpoints.due(self.version) and self.version < self.cfg.max_steps
-            evals.start_due(self.version, self._live_workers())
+            evals.start_due(self.version, self._live_workers(), rec.log_eval)
             refs = self._submit_step() if self._more_steps() and not save else None
             sup.watchdog.step_done(rec.record(reports, self.version).step_time_s)
             evals.collect(rec.log_eval)
@@ -136,13 +136,6 @@ class Orchestrator:
                 refs = self._submit_step() if self._more_steps() else None
         self._end(evals)
         return self.history
-
-    def _evaluate_start(self, evals: Evaluations) -> None:
-        """The starting point, on the starting weights alone: the first step waits for it."""
-        try:
-            evals.await_start(self._parts()[0].log_eval, _EVAL_FINAL_TIMEOUT_S)
-        except TimeoutError as e:
-            raise OrchestratorError(str(e)) from None
 
     def _end(self, evals: Evaluations) -> None:
         """The final checkpoint, evaluation and summary (none after an abandoned step)."""
