@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.config import EvalConfig
 from pipeline_rl.metrics import EvalMetrics
+from pipeline_rl.run.remote_calls import ActorDied, Calls, RayCalls
 from pipeline_rl.tasks.base import Prompt
 
 if TYPE_CHECKING:
     import numpy as np
     from ray import ObjectRef
 
-    from pipeline_rl.run.remote_calls import Calls
 
 #: How long a due evaluation waits for the starting one (:meth:`Evaluations.start_due`).
 START_WAIT_S = 60.0
@@ -285,8 +285,6 @@ class Evaluations:
     the workers' answers (Ray's, unless a test gives stand-ins)."""
 
     def __init__(self, cfg: EvalConfig, clock: Callable[[], float], calls: Calls | None = None) -> None:
-        from pipeline_rl.run.remote_calls import RayCalls
-
         self.cfg = cfg
         self._clock = clock
         self._calls: Calls = calls if calls is not None else RayCalls()
@@ -321,8 +319,6 @@ class Evaluations:
     def poll(self, timeout_s: float = 0.0) -> EvalMetrics | None:
         """The in-flight evaluation's metrics once all its answers are in (waiting up to
         ``timeout_s``), else None."""
-        from pipeline_rl.run.remote_calls import ActorDied
-
         job = self._in_flight
         if job is None:
             return None

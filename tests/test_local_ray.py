@@ -98,7 +98,7 @@ def _agent_args(tmp: str, *extra: str) -> list[str]:
 
 def test_minimal_dashboard_agent_writes_its_ports_and_waits(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     waited: list[bool] = []
-    monkeypatch.setattr(ray_agents, "wait_for_parent", lambda: waited.append(True))
+    monkeypatch.setattr(ray_agents, "wait_for_parent", lambda listener=None: waited.append(True))
     monkeypatch.setattr(ray_agents, "become", lambda agent: pytest.fail("became the real agent"))
     ray_agents.main([ray_agents.DASHBOARD_AGENT, *_agent_args(str(tmp_path), "--minimal", "--head")])
     for name in ray_agents.DASHBOARD_PORTS:
@@ -127,13 +127,13 @@ def test_runtime_env_agent_listens_first_and_starts_when_called(called: bool, tm
     niced: list[int] = []
     listened: list[int] = []
 
-    def first_caller(listener: socket.socket) -> bool:
-        listened.append(listener.getsockname()[1])
+    def wait_for_parent(listener: socket.socket | None = None) -> bool:
+        listened.append(listener.getsockname()[1] if listener is not None else -1)
         return called
 
     monkeypatch.setattr(ray_agents, "become", became.append)
     monkeypatch.setattr(ray_agents.os, "nice", niced.append)
-    monkeypatch.setattr(ray_agents, "first_caller", first_caller)
+    monkeypatch.setattr(ray_agents, "wait_for_parent", wait_for_parent)
     ray_agents.main([ray_agents.RUNTIME_ENV_AGENT, *_agent_args(str(tmp_path), "--runtime-env-agent-port=0")])
     port = int((tmp_path / f"{ray_agents.RUNTIME_ENV_PORT}_abc").read_text())
     low = ray_agents.ephemeral_low()
@@ -148,11 +148,11 @@ def test_runtime_env_agent_listens_first_and_starts_when_called(called: bool, tm
         s.bind(("127.0.0.1", port))   # the script let the port go: the real agent can take it
 
 
-def test_first_caller_wakes_on_a_connection() -> None:
+def test_the_wait_for_the_raylet_ends_on_a_connection() -> None:
     listener = ray_agents.quiet_listener("127.0.0.1")
     assert listener is not None
     with listener, socket.create_connection(listener.getsockname()):
-        assert ray_agents.first_caller(listener)
+        assert ray_agents.wait_for_parent(listener)
 
 
 @pytest.mark.parametrize("range_text", ["", "1024 60999", "not a range"])

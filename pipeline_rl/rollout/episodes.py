@@ -99,7 +99,6 @@ class EnvCalls:
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"env-{name}")
         self._slots = asyncio.Semaphore(concurrency)
         self._loops = LoopThread(f"envs-{name}")
-        self._loop = self._loops.loop
 
     def call(self, fn: Callable[[Any], Any], arg: Any, done: Callable[[Any], None]) -> None:
         self._loops.submit(self._run(fn, arg, done))
@@ -113,7 +112,7 @@ class EnvCalls:
             if inspect.iscoroutinefunction(fn):
                 out = await asyncio.wait_for(fn(arg), self._timeout_s)
             else:
-                out = await asyncio.wait_for(self._loop.run_in_executor(self._pool, fn, arg), self._timeout_s)
+                out = await asyncio.wait_for(self._loops.loop.run_in_executor(self._pool, fn, arg), self._timeout_s)
                 if inspect.isawaitable(out):
                     out = await asyncio.wait_for(out, self._timeout_s)
         except asyncio.TimeoutError:

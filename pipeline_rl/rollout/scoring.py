@@ -122,7 +122,6 @@ class Scorer:
         self._slots = asyncio.Semaphore(cfg.reward_concurrency)
         self._jobs: set[Future[None]] = set()
         self._loops = LoopThread(f"rewards-{worker_id}")
-        self._loop = self._loops.loop
 
     # -- handing work over (any thread) ---------------------------------------------------
     def completion_done(self, pending: PendingGroup, index: int) -> None:
@@ -203,7 +202,7 @@ class Scorer:
         """``pending``'s group of scored ``completions`` to the buffer, on the send thread."""
         group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id, worker_id=self.worker_id,
                       prompt_ids=_i32(pending.prompt_ids), completions=completions)
-        await self._loop.run_in_executor(self._sends, self._sender.send, group)
+        await self._loops.loop.run_in_executor(self._sends, self._sender.send, group)
         with self._lock:
             self._c.groups_sent += 1
 
@@ -248,7 +247,7 @@ class Scorer:
         return [self._checked(prompt, v) for v in values]
 
     async def _invoke(self, prompt: Prompt, texts: Sequence[str]) -> list[object]:
-        out = (await self._loop.run_in_executor(self._pool, self.source.call, prompt, texts)
+        out = (await self._loops.loop.run_in_executor(self._pool, self.source.call, prompt, texts)
                if self.source.on_pool else self.source.call(prompt, texts))
         return list(await out if inspect.isawaitable(out) else out)
 

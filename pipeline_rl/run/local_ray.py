@@ -88,6 +88,20 @@ def _wait_registered(gcs_address: str, node_id: str) -> None:
 
 
 @contextlib.contextmanager
+def replaced(owner: Any, **values: Any) -> Iterator[None]:
+    """Within the block, ``owner``'s attributes named in ``values`` hold those values;
+    the originals are back on exit, however the block ends."""
+    originals = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
 def prompt_gcs_port() -> Iterator[None]:
     """Within the block, ``ray.init`` looks for its new GCS's port file every
     :data:`POLL_MS` ms instead of every 100 ms: the GCS writes it some 50 ms after it
@@ -103,11 +117,8 @@ def prompt_gcs_port() -> Iterator[None]:
     def wait_for_persisted_port(*args: Any, **kwargs: Any) -> Any:
         return original(*args, **{**kwargs, "poll_interval_ms": POLL_MS})
 
-    node.wait_for_persisted_port = wait_for_persisted_port
-    try:
+    with replaced(node, wait_for_persisted_port=wait_for_persisted_port):
         yield
-    finally:
-        node.wait_for_persisted_port = original
 
 
 @contextlib.contextmanager
@@ -128,11 +139,8 @@ def prompt_node_wait() -> Iterator[None]:
             log.debug("prompt node wait unavailable (%s: %s)", type(e).__name__, e)
         return original(gcs_address, node_id)
 
-    services.get_node = get_node
-    try:
+    with replaced(services, get_node=get_node):
         yield
-    finally:
-        services.get_node = original
 
 
 #: The ``Node`` methods that start the processes :func:`lean_head` can leave out.
@@ -149,22 +157,18 @@ def lean_head(*, dashboard: bool = False, log_monitor: bool = False) -> Iterator
     skipped = (() if dashboard else _DASHBOARD) + (() if log_monitor else _LOG_MONITOR)
     try:
         from ray._private.node import Node
-
-        originals = {name: getattr(Node, name) for name in skipped}
-    except (ImportError, AttributeError):
+    except ImportError:
+        yield
+        return
+    if not all(hasattr(Node, name) for name in skipped):   # another Ray: it starts as it would
         yield
         return
 
     def start_nothing(self: Any, *args: Any, **kwargs: Any) -> None:
         return None
 
-    for name in originals:
-        setattr(Node, name, start_nothing)
-    try:
+    with replaced(Node, **{name: start_nothing for name in skipped}):
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(Node, name, original)
 
 
 #: The script the raylet runs for its agents under :func:`quick_agents`.
@@ -195,11 +199,8 @@ def quick_agents() -> Iterator[None]:
             return [sys.executable, "-S", "-u", AGENT_SCRIPT, component]
         return list(original(component, session_dir, unbuffered))
 
-    services._build_python_executable_command_memory_profileable = command
-    try:
+    with replaced(services, _build_python_executable_command_memory_profileable=command):
         yield
-    finally:
-        services._build_python_executable_command_memory_profileable = original
 
 
 @contextlib.contextmanager

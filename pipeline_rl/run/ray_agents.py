@@ -33,7 +33,6 @@ import random
 import select
 import socket
 import sys
-import time
 
 #: Ray's names of the two agents (``ray_constants.PROCESS_TYPE_*``).
 DASHBOARD_AGENT = "dashboard_agent"
@@ -91,17 +90,6 @@ def quiet_listener(host: str, tries: int = 50) -> socket.socket | None:
     return None
 
 
-def first_caller(listener: socket.socket) -> bool:
-    """Wait until someone connects to ``listener`` (True) or the raylet that started this
-    process is gone (False)."""
-    parent = os.getppid()
-    while os.getppid() == parent:
-        ready, _, _ = select.select([listener], [], [], POLL_S)
-        if ready:
-            return True
-    return False
-
-
 def with_port(args: list[str], port: int) -> list[str]:
     """The agent's arguments with ``--runtime-env-agent-port`` set to ``port``."""
     key = "--runtime-env-agent-port="
@@ -113,11 +101,15 @@ def become(agent: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-u", *agent])
 
 
-def wait_for_parent() -> None:
-    """Return when the raylet that started this process is gone."""
+def wait_for_parent(listener: socket.socket | None = None) -> bool:
+    """Wait until the raylet that started this process is gone (False) or, given a
+    ``listener``, someone connects to it (True)."""
     parent = os.getppid()
     while os.getppid() == parent:
-        time.sleep(POLL_S)
+        ready, _, _ = select.select([] if listener is None else [listener], [], [], POLL_S)
+        if ready:
+            return True
+    return False
 
 
 def main(argv: list[str]) -> None:
@@ -134,7 +126,7 @@ def main(argv: list[str]) -> None:
             with listener:
                 port = listener.getsockname()[1]
                 persist_port(opts["--session-dir"], opts["--node-id"], RUNTIME_ENV_PORT, port)
-                if not first_caller(listener):
+                if not wait_for_parent(listener):
                     return
             # closed: the caller's connection is refused, and Ray's client retries it
             agent = with_port(agent, port)
