@@ -146,7 +146,9 @@ def test_the_driver_never_imports_torch() -> None:
     code = (
         "import pickle, sys\n"
         "from pipeline_rl.reports import LagStats, LossMetrics, RankStepReport, StepResult\n"
-        "import pipeline_rl.cli, pipeline_rl.driver, pipeline_rl.metrics, pipeline_rl.run.conductor\n"
+        "import importlib, pipeline_rl.cli, pipeline_rl.driver, pipeline_rl.metrics, pipeline_rl.run.conductor\n"
+        "from pipeline_rl.run.startup import TRAINING_IMPORTS\n"
+        "for name in TRAINING_IMPORTS: importlib.import_module(name)\n"
         "m = LossMetrics(*([0.0] * 23), all_masked=False)\n"
         "r = StepResult(1, 0.0, m, 0.1, 8, 4, 1, 1, LagStats(0.0, 0, (1,), 0.0), 0.0, 0.5, 0.0, None)\n"
         "assert pickle.loads(pickle.dumps(RankStepReport(r, 0.0, 0.0, 0.1))).result.version == 1\n"
@@ -154,6 +156,17 @@ def test_the_driver_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_import_ahead_loads_on_a_thread_and_leaves_a_failing_import_to_its_user() -> None:
+    import sys
+
+    from pipeline_rl.run.startup import import_ahead
+
+    thread = import_ahead(["pipeline_rl_no_such_module", "pipeline_rl.reports"])
+    thread.join(timeout=60)
+    assert not thread.is_alive() and thread.daemon
+    assert "pipeline_rl.reports" in sys.modules and "pipeline_rl_no_such_module" not in sys.modules
 
 
 def _arity(annotation: str) -> int:
