@@ -183,6 +183,14 @@ def test_quick_agents_is_scoped_and_steps_aside_for_memory_profiling(monkeypatch
         assert command(constants.PROCESS_TYPE_RUNTIME_ENV_AGENT, "/tmp")[-1] == constants.PROCESS_TYPE_RUNTIME_ENV_AGENT
         assert command(constants.PROCESS_TYPE_RAYLET, "/tmp") == original(constants.PROCESS_TYPE_RAYLET, "/tmp")
     assert services._build_python_executable_command_memory_profileable is original
+    import ray._private.utils as utils
+
+    asks = utils.get_dashboard_dependency_error
+    with ray_start.quick_agents():   # minimal: Ray is not sent to import the dashboard's packages
+        assert isinstance(utils.get_dashboard_dependency_error(), ImportError)
+    with ray_start.quick_agents(minimal=False):
+        assert utils.get_dashboard_dependency_error is asks
+    assert utils.get_dashboard_dependency_error is asks
     monkeypatch.setenv(services.RAY_MEMRAY_PROFILE_COMPONENT_ENV, constants.PROCESS_TYPE_DASHBOARD_AGENT)
     with ray_start.quick_agents():
         assert services._build_python_executable_command_memory_profileable is original

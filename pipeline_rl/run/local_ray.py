@@ -176,13 +176,19 @@ AGENT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_age
 
 
 @contextlib.contextmanager
-def quick_agents() -> Iterator[None]:
+def quick_agents(*, minimal: bool = True) -> Iterator[None]:
     """Within the block, a new local Ray's raylet starts its two Python agents through
     ``ray_agents.py`` (see above and there); unchanged when Ray is asked to profile a
-    component's memory, or for another Ray version without the function it touches."""
+    component's memory, or for another Ray version without the function it touches.
+
+    ``minimal`` (a Ray without its dashboard): the dashboard agent is started minimal
+    without Ray first importing the dashboard's dependencies to find out whether they
+    are installed (~0.1 s of this process's start-up, before the raylet starts), so
+    ``ray_agents.py`` stands in for it whatever is installed."""
     try:
         import ray._private.ray_constants as constants
         import ray._private.services as services
+        import ray._private.utils as utils
 
         original = services._build_python_executable_command_memory_profileable
         agents = {constants.PROCESS_TYPE_DASHBOARD_AGENT, constants.PROCESS_TYPE_RUNTIME_ENV_AGENT}
@@ -199,7 +205,13 @@ def quick_agents() -> Iterator[None]:
             return [sys.executable, "-S", "-u", AGENT_SCRIPT, component]
         return list(original(component, session_dir, unbuffered))
 
-    with replaced(services, _build_python_executable_command_memory_profileable=command):
+    def no_dashboard() -> ImportError:
+        return ImportError("a private local Ray without its dashboard")
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(replaced(services, _build_python_executable_command_memory_profileable=command))
+        if minimal and hasattr(utils, "get_dashboard_dependency_error"):
+            stack.enter_context(replaced(utils, get_dashboard_dependency_error=no_dashboard))
         yield
 
 
@@ -235,7 +247,7 @@ def start_local(*, num_cpus: int, object_store_mb: int, env: Mapping[str, str], 
         stack.enter_context(prompt_node_wait())
         stack.enter_context(prompt_gcs_port())
         stack.enter_context(lean_head(dashboard=dashboard, log_monitor=log_to_driver))
-        stack.enter_context(quick_agents())
+        stack.enter_context(quick_agents(minimal=not dashboard))
         return ray.init(num_cpus=num_cpus, include_dashboard=False,   # the web UI needs ray[default]
                         object_store_memory=object_store_mb * 2**20, log_to_driver=log_to_driver,
                         logging_level=logging_level, _system_config=dict(FAST_CONNECT))
