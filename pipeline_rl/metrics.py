@@ -112,7 +112,7 @@ _NOT_SCALARS = frozenset({"step", "unix_time_s"})
 class TensorBoardScalars:
     """Scalar curves in a TensorBoard event file under ``log_dir``, written with the
     ``tensorboard`` package's own event writer: importing it takes 0.1-0.15 s (the driver
-    does it while the actors start: ``run.startup.TRAINING_IMPORTS``), against ~1 s of a
+    does it while the actors start: ``run.ahead.TRAINING``), against ~1 s of a
     core for ``torch.utils.tensorboard`` (it imports torch). One event per call carries
     all of a step's scalars."""
 

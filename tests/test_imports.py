@@ -137,9 +137,9 @@ def test_files_named_in_the_repository_exist() -> None:
 
 
 def test_the_driver_never_imports_torch() -> None:
-    """The driver's modules, and unpickling a trainer's step report (what the driver does
-    every step), import no torch, vLLM or DeepSpeed: a second of a core the driver would
-    take from the actors while they start."""
+    """The driver's modules, what it imports ahead of need, and unpickling a trainer's step
+    report (what the driver does every step), import no torch, vLLM or DeepSpeed: a second
+    of a core the driver would take from the actors while they start."""
     import subprocess
     import sys
 
@@ -147,8 +147,8 @@ def test_the_driver_never_imports_torch() -> None:
         "import pickle, sys\n"
         "from pipeline_rl.reports import LagStats, LossMetrics, RankStepReport, StepResult\n"
         "import importlib, pipeline_rl.cli, pipeline_rl.driver, pipeline_rl.metrics, pipeline_rl.run.conductor\n"
-        "from pipeline_rl.run.startup import TRAINING_IMPORTS\n"
-        "for name in TRAINING_IMPORTS: importlib.import_module(name)\n"
+        "from pipeline_rl.run.ahead import TRAINING\n"
+        "for name in TRAINING: importlib.import_module(name)\n"
         "m = LossMetrics(*([0.0] * 23), all_masked=False)\n"
         "r = StepResult(1, 0.0, m, 0.1, 8, 4, 1, 1, LagStats(0.0, 0, (1,), 0.0), 0.0, 0.5, 0.0, None)\n"
         "assert pickle.loads(pickle.dumps(RankStepReport(r, 0.0, 0.0, 0.1))).result.version == 1\n"
@@ -161,7 +161,7 @@ def test_the_driver_never_imports_torch() -> None:
 def test_import_ahead_loads_on_a_thread_and_leaves_a_failing_import_to_its_user() -> None:
     import sys
 
-    from pipeline_rl.run.startup import import_ahead
+    from pipeline_rl.run.ahead import import_ahead
 
     thread = import_ahead(["pipeline_rl_no_such_module", "pipeline_rl.reports"])
     thread.join(timeout=60)

@@ -8,7 +8,6 @@ for; a failure or ``_TIMEOUT_S`` ends the run in one line.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
@@ -21,17 +20,13 @@ from typing import Any
 from pipeline_rl.actors.handles import BufferHandle, TrainerHandle
 from pipeline_rl.config import Config
 from pipeline_rl.net import free_port
+from pipeline_rl.run.ahead import TRAINING, import_ahead
 from pipeline_rl.run.cluster import Placement, say
 from pipeline_rl.run.supervisor import OrchestratorError, WorkerSlot, describe_failure
 
 log = logging.getLogger("pipeline_rl.run.startup")
 
 _TIMEOUT_S = 900.0      # a start-up phase that takes longer ends the run
-#: What the driver first imports once training starts (the metrics' TensorBoard writer,
-#: ~0.14 s of a core; the types the first step report unpickles into): imported on a thread
-#: while the actors start, where the driver only waits, instead of before the first step.
-TRAINING_IMPORTS = ("tensorboard.summary.writer.event_file_writer", "pipeline_rl.reports",
-                    "pipeline_rl.buffer.types")
 _SAY_EVERY_S = 30.0
 _SHUTDOWN_WAIT_S = 5.0  # per shutdown phase: a failed run must still end within seconds
 
@@ -89,7 +84,7 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     n = cfg.trainer.num_ranks
     trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory) for r in range(n)]
     started(buffer, trainers, workers)
-    import_ahead(TRAINING_IMPORTS)
+    ahead = import_ahead(TRAINING)   # while the actors start
     setups = _setup_trainers(trainers, where, wait)
     address = wait([buffer.address.remote()], "the replay buffer to bind its socket", "replay buffer")[0]
     say(f"buffer: listening on {address}")
@@ -102,24 +97,8 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     wait([t.publish_current.remote() for t in trainers], "the first weights to be published", "trainer")
     for w in workers:
         w.start(version, cfg.groups_per_step)
+    ahead.join()   # long done: the workers' start took seconds
     return Actors(buffer, trainers, workers, version)
-
-
-def import_ahead(modules: Sequence[str]) -> threading.Thread:
-    """Import ``modules`` on a daemon thread (one that fails is left to fail again where it
-    is used, with its own error). A later ``import`` of one still loading waits for it
-    (the import lock), so callers need not join the thread."""
-
-    def load() -> None:
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except Exception:   # e.g. tensorboard not installed: the user's import will say so
-                log.debug("import ahead: %s failed", name, exc_info=True)
-
-    thread = threading.Thread(target=load, name="pipeline_rl-import-ahead", daemon=True)
-    thread.start()
-    return thread
 
 
 def resume_version(cfg: Config) -> int:
