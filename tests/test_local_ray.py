@@ -210,3 +210,14 @@ def test_an_actor_with_a_runtime_env_still_starts(ray_local: None) -> None:
         assert ray.get(actor.value.remote(), timeout=60) == "served"
     finally:
         ray.kill(actor)
+
+
+def test_the_actors_run_at_the_drivers_priority(ray_local: None) -> None:
+    """A local Ray's worker processes are not niced below the driver (Ray's default: 15)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert ray.get(niceness.remote(), timeout=60) == os.getpriority(os.PRIO_PROCESS, 0)

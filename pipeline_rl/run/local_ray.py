@@ -63,6 +63,11 @@ POLL_MS = 5
 #: retries every 20 ms instead of every second, 500 of them instead of 10.
 FAST_CONNECT: dict[str, int] = {"raylet_client_connect_timeout_milliseconds": 20,
                                 "raylet_client_num_connect_attempts": 500}
+#: Ray runs its worker processes (every actor) at niceness 15, below the driver and its own
+#: processes; a local run's actors are the work, so they run at the driver's priority. On
+#: 2 cores, 11 alternated runs of 150 steps: median step 4-8% shorter (28.2-28.9 ms against
+#: 30.1-30.6 ms), the run 4-11% shorter; start-up unchanged.
+EQUAL_PRIORITY: dict[str, int] = {"worker_niceness": 0}
 #: Ray's own limit on the raylet's registration (``raylet_start_wait_time_s``).
 WAIT_S = 30.0
 
@@ -250,4 +255,4 @@ def start_local(*, num_cpus: int, object_store_mb: int, env: Mapping[str, str], 
         stack.enter_context(quick_agents(minimal=not dashboard))
         return ray.init(num_cpus=num_cpus, include_dashboard=False,   # the web UI needs ray[default]
                         object_store_memory=object_store_mb * 2**20, log_to_driver=log_to_driver,
-                        logging_level=logging_level, _system_config=dict(FAST_CONNECT))
+                        logging_level=logging_level, _system_config={**FAST_CONNECT, **EQUAL_PRIORITY})
