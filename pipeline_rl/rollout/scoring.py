@@ -159,9 +159,7 @@ class Scorer:
 
     def close(self) -> None:
         """Cancel what is still running, stop the loop and release the threads (a reward
-        thread still running is left to finish on its own)."""
-        if self._loops.closed:
-            return
+        thread still running is left to finish on its own). Safe to call twice."""
         self._loops.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._sends.shutdown(wait=True, cancel_futures=True)
