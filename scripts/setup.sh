@@ -88,9 +88,20 @@ if [ -n "$WHEELHOUSE" ]; then
     || fail "$WHEELHOUSE is for Python $(manifest python), this environment has $PYV (scripts/wheelhouse.py --python $PYV)"
 fi
 
+# The project's own modules byte-compiled, as pip does for a regular (not editable) install.
+# Where Python writes no bytecode itself (PYTHONDONTWRITEBYTECODE, common in containers),
+# every process would otherwise compile them from source again: the driver and each actor,
+# 0.17 s of the command's start-up on 2 cores (5 alternated commands, first step 7.00 s
+# against 7.17 s). A stale file is recompiled in memory as usual.
+compile_project() {
+  "$VPY" -m compileall -q "$ROOT/pipeline_rl" >/dev/null \
+    || step "could not byte-compile pipeline_rl (each process compiles it from source)"
+}
+
 STAMP_WANT=$(cat scripts/setup.sh pyproject.toml ${MANIFEST:+"$MANIFEST"} | sha256sum | cut -c1-16)-$FLAVOUR-$DEV
 STAMP_FILE="$VENV/.pipeline_rl_setup"
 if [ -f "$STAMP_FILE" ] && [ "$(cat "$STAMP_FILE")" = "$STAMP_WANT" ]; then
+  compile_project
   step "environment up to date ($VENV, $FLAVOUR)"
   exit 0
 fi
@@ -233,5 +244,6 @@ import pipeline_rl  # noqa: F401
 kept = sys.argv[1]
 assert not kept or torch.__version__ == kept, f"torch is now {torch.__version__}; set-up was to keep {kept}"
 PY
+compile_project
 echo "$STAMP_WANT" > "$STAMP_FILE"
 step "environment ready ($VENV, $FLAVOUR)"

@@ -199,3 +199,18 @@ def test_actor_protocols_match_the_actors() -> None:
             required = sum(p.default is inspect.Parameter.empty for p in params)
             assert required <= _arity(annotation) <= len(params), \
                 f"{protocol.__name__}.{name}: {annotation} does not fit {actor.__name__}.{name}{inspect.signature(method)}"
+
+
+def test_set_up_leaves_the_package_byte_compiled() -> None:
+    """``scripts/setup.sh`` byte-compiles the project as pip does a regular install, so
+    that where Python writes no bytecode (PYTHONDONTWRITEBYTECODE) no process compiles it
+    from source at start-up. Checked where set-up has run (its stamp is in the environment)."""
+    import importlib.util
+    import sys
+
+    stamp = Path(sys.prefix) / ".pipeline_rl_setup"
+    if not stamp.exists():
+        pytest.skip("scripts/setup.sh has not set up this environment")
+    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "pipeline_rl").rglob("*.py"))
+               if not Path(importlib.util.cache_from_source(str(p))).exists()]
+    assert not missing, f"no bytecode for {missing[:5]} (run scripts/setup.sh)"
