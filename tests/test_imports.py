@@ -201,16 +201,27 @@ def test_actor_protocols_match_the_actors() -> None:
                 f"{protocol.__name__}.{name}: {annotation} does not fit {actor.__name__}.{name}{inspect.signature(method)}"
 
 
-def test_set_up_leaves_the_package_byte_compiled() -> None:
+def test_set_up_leaves_the_package_byte_compiled(tmp_path: Path) -> None:
     """``scripts/setup.sh`` byte-compiles the project as pip does a regular install, so
     that where Python writes no bytecode (PYTHONDONTWRITEBYTECODE) no process compiles it
-    from source at start-up. Checked where set-up has run (its stamp is in the environment)."""
+    from source at start-up: both its paths (a fresh install, an environment up to date)
+    call its ``compile_project``, which is run here on a copy of the package."""
     import importlib.util
+    import os
+    import re
+    import shlex
+    import shutil
+    import subprocess
     import sys
 
-    stamp = Path(sys.prefix) / ".pipeline_rl_setup"
-    if not stamp.exists():
-        pytest.skip("scripts/setup.sh has not set up this environment")
-    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "pipeline_rl").rglob("*.py"))
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    found = re.search(r"^compile_project\(\) \{\n.*?^\}\n", setup, re.M | re.S)
+    assert found is not None, "setup.sh defines no compile_project"
+    assert len(re.findall(r"^\s*compile_project$", setup, re.M)) == 2, "both set-up paths byte-compile"
+    shutil.copytree(ROOT / "pipeline_rl", tmp_path / "pipeline_rl", ignore=shutil.ignore_patterns("__pycache__"))
+    script = (f'step() {{ echo "$*" >&2; }}\nVPY={shlex.quote(sys.executable)}\n'
+              f"ROOT={shlex.quote(str(tmp_path))}\n{found.group(0)}compile_project\n")
+    subprocess.run(["bash", "-c", script], env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, check=True)
+    missing = [str(p.relative_to(tmp_path)) for p in sorted((tmp_path / "pipeline_rl").rglob("*.py"))
                if not Path(importlib.util.cache_from_source(str(p))).exists()]
     assert not missing, f"no bytecode for {missing[:5]} (run scripts/setup.sh)"
