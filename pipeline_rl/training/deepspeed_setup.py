@@ -55,8 +55,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
 
 
 def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
-    """torch's AdamW with its fused kernel (one call per parameter tensor instead of a dozen
-    element-wise ops each): on the built-in model's 21 tensors, 0.28 ms a step against
+    """torch's AdamW with its fused kernel (one call updates every tensor, instead of a
+    dozen element-wise ops per tensor): on the built-in model's 21 tensors, 0.28 ms a step against
     1.0 ms for the per-tensor loop DeepSpeed's ``torch_adam`` option builds on CPU.
     DeepSpeed takes it as its client optimizer (ZeRO wraps it like its own AdamW)."""
     t = cfg.trainer
