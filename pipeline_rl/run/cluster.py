@@ -9,12 +9,15 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline_rl import runtime_env
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CorePlan, GpuPlan, plan_cores
 from pipeline_rl.run.supervisor import OrchestratorError
+
+if TYPE_CHECKING:
+    from pipeline_rl.run.preload import PreloadServer
 
 log = logging.getLogger("pipeline_rl.run.cluster")
 
@@ -35,13 +38,17 @@ class Placement:
     host: str
     gpus: GpuPlan | None
     cores: CorePlan
+    preloaded: bool = False   # the rollout workers' processes come from a preload server
 
 
 class Cluster:
     """Ray for one run (see the module docstring); :meth:`shutdown` is safe to call twice."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, model_dir: str | None = None) -> None:
+        """``model_dir``: the run's model, whose classes a preload server imports ahead."""
         self.cfg = cfg
+        self.model_dir = model_dir
+        self._preload: PreloadServer | None = None
         self._started = False
         self._session_dir: str | None = None
         self._affinity: set[int] | None = None   # this process's CPUs before it kept off the workers'
@@ -49,6 +56,7 @@ class Cluster:
     def start(self) -> Placement:
         """Join or start Ray, check the cluster fits the run (one line naming what is
         missing otherwise), and plan the placement."""
+        self._start_preload()   # first: its imports run while Ray starts
         import ray
 
         if ray.is_initialized():  # an embedding program (a test, a notebook) owns Ray
@@ -74,7 +82,8 @@ class Cluster:
 
         runtime_env.for_local_ray()
         cpus = self._local_cpus()
-        ctx = start_local(num_cpus=cpus, object_store_mb=self.cfg.ray.object_store_mb, env=_actor_env(),
+        env = {**_actor_env(), **(self._preload.worker_env() if self._preload else {})}
+        ctx = start_local(num_cpus=cpus, object_store_mb=self.cfg.ray.object_store_mb, env=env,
                           logging_level=self._logging_level(), log_to_driver=self.cfg.log_level == "debug",
                           dashboard=self.cfg.ray.dashboard)
         self._started = True
@@ -102,7 +111,21 @@ class Cluster:
 
                 self._affinity = keep_off(cores.worker_slots)
         host = ray.util.get_node_ip_address() if alive > 1 else "127.0.0.1"
-        return Placement(ray.get_runtime_context().get_node_id(), alive > 1, host, gpus, cores)
+        preloaded = self._preload is not None and self._started and gpus is None
+        return Placement(ray.get_runtime_context().get_node_id(), alive > 1, host, gpus, cores, preloaded)
+
+    def _start_preload(self) -> None:
+        """Start the rollout workers' preload server (``run.preload``) when this run will
+        start its own local Ray on a machine without GPUs, unless ``--ray.preload false``."""
+        ray = sys.modules.get("ray")
+        if (not self.cfg.ray.preload or self.cfg.ray.address or self.model_dir is None
+                or (ray is not None and ray.is_initialized()) or not cpu_only_machine()):
+            return
+        from pipeline_rl.run.preload import PreloadServer
+
+        self._preload = PreloadServer(self.model_dir, quota=self.cfg.rollout.num_workers,
+                                      after=1 + self.cfg.trainer.num_ranks,
+                                      log_path=Path(self.cfg.out_dir or ".") / "logs" / "preload.log")
 
     def _logging_level(self) -> int:
         return logging.INFO if self.cfg.log_level == "debug" else logging.WARNING
@@ -131,11 +154,24 @@ class Cluster:
             if self._session_dir:  # Ray leaves its plasma store's socket file behind
                 shutil.rmtree(Path(self._session_dir) / "sockets", ignore_errors=True)
         self._started = False
+        if self._preload is not None:
+            self._preload.stop()
+            self._preload = None
         if self._affinity is not None:
             from pipeline_rl.actors.process import set_affinity
 
             set_affinity(self._affinity)
             self._affinity = None
+
+
+#: Where a machine's GPUs show (NVIDIA's driver, AMD's ROCm): a process forked from a
+#: preload server must not inherit a GPU context, so such machines start workers plainly.
+GPU_DEVICE_PATHS = ("/proc/driver/nvidia/gpus", "/dev/nvidia0", "/dev/kfd")
+
+
+def cpu_only_machine() -> bool:
+    """No GPU device on this machine (see :data:`GPU_DEVICE_PATHS`)."""
+    return not any(os.path.exists(p) for p in GPU_DEVICE_PATHS)
 
 
 def _actor_env() -> dict[str, Any]:

@@ -49,7 +49,7 @@ class Orchestrator:
         self.stop = stop
         self.version = 0
         self._calls = RayCalls()
-        self._cluster = Cluster(self.cfg)
+        self._cluster = Cluster(self.cfg, model_dir)
         self._checkpoints = CheckpointPolicy(self.cfg, self.out)
         # the actors as start-up creates them, to stop them if it fails half-way
         self._started: tuple[BufferHandle | None, list[TrainerHandle], list[WorkerSlot]] = (None, [], [])

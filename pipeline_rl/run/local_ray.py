@@ -222,6 +222,28 @@ def quick_agents(*, minimal: bool = True) -> Iterator[None]:
         yield
 
 
+#: The script the raylet runs to start a worker under :func:`lean_worker_start`.
+WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_worker.py")
+
+
+@contextlib.contextmanager
+def lean_worker_start() -> Iterator[None]:
+    """Within the block, a new local Ray's raylet starts its worker processes through
+    ``ray_worker.py`` instead of Ray's ``setup_worker.py`` (see above and there); a Ray
+    without the constant it reads starts them as it would. Ray joins the constant to its
+    own folder, and an absolute path joined so is that path."""
+    try:
+        import ray._private.ray_constants as constants
+    except ImportError:
+        yield
+        return
+    if not isinstance(getattr(constants, "SETUP_WORKER_FILENAME", None), str):
+        yield
+        return
+    with replaced(constants, SETUP_WORKER_FILENAME=WORKER_SCRIPT):
+        yield
+
+
 @contextlib.contextmanager
 def environment(env: Mapping[str, str]) -> Iterator[None]:
     """``env`` in this process's environment within the block (previous values restored)."""
@@ -255,6 +277,7 @@ def start_local(*, num_cpus: int, object_store_mb: int, env: Mapping[str, str], 
         stack.enter_context(prompt_gcs_port())
         stack.enter_context(lean_head(dashboard=dashboard, log_monitor=log_to_driver))
         stack.enter_context(quick_agents(minimal=not dashboard))
+        stack.enter_context(lean_worker_start())
         return ray.init(num_cpus=num_cpus, include_dashboard=False,   # the web UI needs ray[default]
                         object_store_memory=object_store_mb * 2**20, log_to_driver=log_to_driver,
                         logging_level=logging_level, _system_config={**FAST_CONNECT, **EQUAL_PRIORITY})

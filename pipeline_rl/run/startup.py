@@ -1,7 +1,8 @@
 """Starting and stopping a run's actors, with typed handles. Workers (vLLM), buffer and
 trainers (DeepSpeed) start at once (the workers find the buffer by name), the workers first:
 theirs is the longest start, and Ray hands its pre-started processes to the first actors
-asking. The trainers are asked to start DeepSpeed as soon as they exist (on one node; across
+asking. With a preload server (``run.preload``) the workers come last instead: the buffer and
+the trainers take the plain processes, the workers the preloaded ones. The trainers are asked to start DeepSpeed as soon as they exist (on one node; across
 nodes once they name their node), not after the buffer is up. Every wait says what it waits
 for; a failure or ``_TIMEOUT_S`` ends the run in one line.
 """
@@ -77,13 +78,20 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     buffer_name = f"pipeline_rl_buffer_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     classes = remote_classes(cfg, where.node_id, buffer_name, gpus=where.gpus)
     memory = where.gpus.memory if where.gpus else None
-    workers = [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory))
-               for i in range(cfg.rollout.num_workers)]
+
+    def new_workers() -> list[WorkerSlot]:
+        return [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory))
+                for i in range(cfg.rollout.num_workers)]
+
+    workers = [] if where.preloaded else new_workers()
     started(None, [], workers)
     buffer = classes.new_buffer(cfg, where.host, resume_version(cfg), where.cores.worker_slots)
     n = cfg.trainer.num_ranks
     trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory) for r in range(n)]
     started(buffer, trainers, workers)
+    if where.preloaded:   # last: Ray hands them the preloaded processes, which register last
+        workers = new_workers()
+        started(buffer, trainers, workers)
     ahead = import_ahead(TRAINING)   # while the actors start
     setups = _setup_trainers(trainers, where, wait)
     address = wait([buffer.address.remote()], "the replay buffer to bind its socket", "replay buffer")[0]
