@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline_rl.run import ray_worker
+from pipeline_rl.run import preload, ray_worker
 
 REPO = Path(__file__).resolve().parent.parent
 STAND_IN = REPO / "pipeline_rl" / "run" / "ray_worker.py"
@@ -157,6 +157,18 @@ def test_a_signal_to_the_stand_in_reaches_the_child(folder: Path, server: subpro
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM   # it ends as its child did
     assert _wait(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE)
+
+
+def test_the_drivers_handle_starts_and_stops_its_server(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "preload.log"
+    server = preload.PreloadServer(str(tmp_path), quota=1, after=2, log_path=log)
+    assert _wait(lambda: os.path.exists(server.socket_path))
+    env = server.worker_env()
+    assert env[ray_worker.AFTER_ENV] == "2" and env[ray_worker.SOCKET_ENV] == server.socket_path
+    server.stop()   # while it imports: it ends at once
+    server.stop()   # twice: no harm
+    assert server._proc.wait(timeout=60) == 0
+    assert log.exists() and not os.path.exists(os.path.dirname(server.socket_path))   # its folder removed
 
 
 def test_a_child_ends_with_its_stand_in(folder: Path, server: subprocess.Popen[bytes]) -> None:

@@ -170,14 +170,14 @@ def serve(path: str, quota: int, model_dir: str | None, modules: Sequence[str] =
     """The server's main: listen at once (stand-ins wait in the backlog), import
     ``modules``, then fork children until the quota is spent, reaping them; see the module
     docstring. Stopped (SIGTERM) while importing, it ends at once."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is the driver's to handle
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".tmp")
     listener.listen(64)
     os.rename(path + ".tmp", path)
     parent = os.getppid()
     state = Serving(listener, quota)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is the driver's to handle
     gc.disable()
     preload(modules, model_dir)
     gc.freeze()
@@ -280,3 +280,6 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     serve(args[0], int(args[1]), args[2] if len(args) > 2 and args[2] else None,
           args[3].split(",") if len(args) > 3 else MODULES)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)   # no interpreter teardown: nothing is left to clean up, and vLLM's bindings complain
