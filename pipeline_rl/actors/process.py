@@ -67,14 +67,32 @@ def end_of_startup() -> None:
     gc.enable()
 
 
+#: The CPUs a run's core slots index, when the driver narrowed Ray's processes to fewer
+#: for its start-up (``run.cluster``: the rollout workers' cores left to their preload
+#: server): comma-separated. Unset: the CPUs this process may run on.
+PLAN_CPUS_ENV = "PIPELINE_RL_PLAN_CPUS"
+
+
+def plan_cpus() -> list[int]:
+    """The CPUs core slots index (see :data:`PLAN_CPUS_ENV`), in order."""
+    value = os.environ.get(PLAN_CPUS_ENV, "")
+    try:
+        if value:
+            return sorted(int(c) for c in value.split(","))
+    except ValueError:
+        log.warning("%s=%r is not a list of CPUs: ignored", PLAN_CPUS_ENV, value)
+    return sorted(os.sched_getaffinity(0))
+
+
 def pin_to_core(slot: CoreSlot) -> int | None:
-    """Bind every thread of this process to the ``slot.index``-th of the CPUs it may run
-    on (threads started later inherit it); returns that CPU. Nothing is pinned (None,
-    said in the log) when the process may run on fewer CPUs than ``slot.of`` or the
-    platform has no CPU affinity (not Linux)."""
+    """Bind every thread of this process to the ``slot.index``-th of the run's CPUs
+    (:func:`plan_cpus`: those it may run on, unless the driver says otherwise; threads
+    started later inherit it); returns that CPU. Nothing is pinned (None, said in the
+    log) when there are fewer CPUs than ``slot.of`` or the platform has no CPU affinity
+    (not Linux)."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = plan_cpus()
     if len(cpus) < slot.of:
         log.info("not pinned: %d CPUs for %d core slots", len(cpus), slot.of)
         return None
@@ -92,7 +110,7 @@ def keep_off(slots: Sequence[CoreSlot]) -> set[int] | None:
     if not slots or not hasattr(os, "sched_setaffinity"):
         return None
     before = set(os.sched_getaffinity(0))
-    cpus = sorted(before)
+    cpus = plan_cpus()
     if len(cpus) < slots[0].of:
         return None
     rest = before - {cpus[s.index] for s in slots}

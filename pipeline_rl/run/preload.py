@@ -105,6 +105,11 @@ class PreloadServer:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=server_env(),
                 cwd=str(Path(__file__).resolve().parents[2]))
 
+    def pin(self, cpus: set[int]) -> None:
+        """Run the server on ``cpus`` only (its children take their stand-ins' CPUs)."""
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(self._proc.pid, cpus)
+
     def worker_env(self) -> dict[str, str]:
         """The variables every Ray worker process needs to find the server."""
         return {SOCKET_ENV: self.socket_path, AFTER_ENV: str(self.after), COUNTER_ENV: self.counter_path}
