@@ -19,8 +19,9 @@ in the machine's speed reaches both sides of the ratio alike.
 Bounds: ``slowest_actor_s``, the slowest actor's own start (the rollout worker's vLLM
 import + engine build, or the trainer's, whichever is longer), which no command that
 starts that actor can beat; ``chain_s`` = the command's Ray line + the rollout worker's
-start, the serial chain of this design (an actor starts once Ray is up; the buffer and
-the trainer start beside the worker, on the other core).
+start, the chain of a command whose worker starts importing only once Ray is up (the
+design before the preload server, ``pipeline_rl/run/preload.py``, which imports the
+worker's modules while Ray starts: the command now runs below that chain).
 
 Usage: ``python -m benchmarks.startup [--repeats 3] [--json PATH] [--md PATH]``.
 """
@@ -119,8 +120,9 @@ def markdown(result: dict[str, Any]) -> str:
     first, slowest, chain = result["first_step_s"], result["slowest_actor_s"], result["chain_s"]
     lines += ["", f"Command to first step: **{first} s**. The slowest actor's own start (the rollout "
               f"worker's vLLM import + engine build, or the trainer's start, alone): **{slowest} s**, the "
-              f"command at **{first / slowest:.2f}x** it; the chain Ray line + the rollout worker's start: "
-              f"{chain} s, the command at {first / chain:.2f}x it."]
+              f"command at **{first / slowest:.2f}x** it; the chain Ray line + the rollout worker's start (a "
+              f"worker importing only once Ray is up, as before the preload server): {chain} s, the command "
+              f"at {first / chain:.2f}x it."]
     return "\n".join(lines)
 
 
