@@ -13,8 +13,8 @@ How Ray's worker processes get here (``ray_worker.py``, which a local Ray's rayl
 start every worker): the driver creates the buffer and the trainers first, then the rollout
 workers, and tells every worker process how many come first (``PRELOAD_AFTER``). Processes
 numbered beyond that (a counter file, under a lock) ask this server for a child instead of
-starting Ray's worker themselves: they send their arguments, environment, folder, CPU
-affinity and standard streams, and wait. The child becomes that Ray worker, with those
+starting Ray's worker themselves: they send their arguments, environment, folder and
+standard streams, and wait. The child becomes that Ray worker, with those
 arguments, streams and environment; the process the raylet started stays beside it as its
 stand-in, ending when the child ends (with its exit status) and passing on the signals the
 raylet sends it. Ray hands waiting actors the workers that register first: the buffer and
@@ -26,7 +26,9 @@ Invariants:
 - The server starts no thread before it forks (only its imports' own, idle): a child never
   inherits a lock held by another thread.
 - A child runs exactly as ``python default_worker.py ARGS`` would, with the stand-in's
-  environment, folder, affinity and streams; it ends (SIGKILL) if its stand-in ends first,
+  environment, folder and streams, on the server's CPUs (the rollout workers' cores when
+  they are pinned, where the actor then pins itself; else all); it ends (SIGKILL) if its
+  stand-in ends first,
   and a stand-in ends when its child ends or the server goes away (then killing the child).
 - The server ignores Ctrl-C (SIGINT, which a terminal sends the whole process group): the
   driver handles it and stops the server (SIGTERM); a child handles signals as Python does.
@@ -106,7 +108,7 @@ class PreloadServer:
                 cwd=str(Path(__file__).resolve().parents[2]))
 
     def pin(self, cpus: set[int]) -> None:
-        """Run the server on ``cpus`` only (its children take their stand-ins' CPUs)."""
+        """Run the server, and the children it forks until they pin themselves, on ``cpus``."""
         with contextlib.suppress(OSError):
             os.sched_setaffinity(self._proc.pid, cpus)
 
@@ -266,8 +268,6 @@ def become_worker(request: Request, fds: list[int], inherited: list[socket.socke
         os.environ.clear()
         os.environ.update(request.env)
         os.chdir(request.cwd)
-        if request.cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, request.cpus)
         code = run_worker(request.argv)
     except BaseException:  # noqa: BLE001 - the child must never return into the server
         import traceback

@@ -58,16 +58,15 @@ class Request:
     argv: list[str]
     env: dict[str, str]
     cwd: str
-    cpus: list[int]
 
     def encode(self) -> bytes:
-        return json.dumps({"argv": self.argv, "env": self.env, "cwd": self.cwd, "cpus": self.cpus}).encode()
+        return json.dumps({"argv": self.argv, "env": self.env, "cwd": self.cwd}).encode()
 
     @staticmethod
     def decode(data: bytes) -> "Request":
         d = json.loads(data)
         return Request([str(a) for a in d["argv"]], {str(k): str(v) for k, v in d["env"].items()},
-                       str(d["cwd"]), [int(c) for c in d["cpus"]])
+                       str(d["cwd"]))
 
 
 def option(args: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -122,8 +121,7 @@ def preloaded(worker: list[str]) -> tuple[socket.socket, int] | None:
     try:
         if ordinal(counter) <= int(os.environ.get(AFTER_ENV, "0")):
             return None
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        request = Request(worker, dict(os.environ), os.getcwd(), cpus)
+        request = Request(worker, dict(os.environ), os.getcwd())
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     except (OSError, ValueError):
         return None
