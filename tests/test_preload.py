@@ -11,6 +11,7 @@ The real command's run, served by a real server, is checked in ``test_shutdown.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -63,6 +64,7 @@ def folder() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
 def _server(folder: Path, quota: int, modules: str = "json") -> Iterator[subprocess.Popen[bytes]]:
     sock = folder / "server"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline_rl.run.preload", str(sock), str(quota), "", modules],
@@ -77,7 +79,8 @@ def _server(folder: Path, quota: int, modules: str = "json") -> Iterator[subproc
 
 @pytest.fixture
 def server(folder: Path) -> Iterator[subprocess.Popen[bytes]]:
-    yield from _server(folder, quota=2)
+    with _server(folder, quota=2) as proc:
+        yield proc
 
 
 def _stand_in(folder: Path, name: str, *extra: str, after: int = 0, served: bool = True) -> subprocess.Popen[bytes]:
@@ -125,7 +128,7 @@ def test_a_served_worker_runs_in_a_child_as_its_stand_in_was_started(
 
 
 def test_the_first_processes_and_those_past_the_quota_start_plainly(folder: Path) -> None:
-    for server in _server(folder, quota=1):
+    with _server(folder, quota=1) as server:
         names = ["first", "served", "late"]
         for name in names:   # one at a time: the counter gives each its number in turn
             assert _stand_in(folder, name, after=1).wait(timeout=30) == 3
@@ -144,7 +147,7 @@ def test_without_a_server_the_worker_starts_plainly(folder: Path) -> None:
 
 
 def test_a_server_that_loaded_rays_core_serves_no_one(folder: Path) -> None:
-    for _ in _server(folder, quota=1, modules="ray"):
+    with _server(folder, quota=1, modules="ray"):
         proc = _stand_in(folder, "plain")
         assert proc.wait(timeout=60) == 3
         assert _ran(folder, "plain")["pid"] == proc.pid

@@ -50,7 +50,7 @@ class Cluster:
         self.cfg = cfg
         self.model_dir = model_dir
         self._preload: PreloadServer | None = None
-        self._ray_cpus: set[int] | None = None   # where Ray's own processes go once the actors are up
+        self._ray_narrowed = False   # Ray's own processes started kept off the workers' cores
         self._started = False
         self._session_dir: str | None = None
         self._affinity: set[int] | None = None   # this process's CPUs before it kept off the workers'
@@ -115,18 +115,18 @@ class Cluster:
 
                 self._affinity = keep_off(cores.worker_slots)
         host = ray.util.get_node_ip_address() if alive > 1 else "127.0.0.1"
-        preloaded = self._preload is not None and self._started and gpus is None
-        return Placement(ray.get_runtime_context().get_node_id(), alive > 1, host, gpus, cores, preloaded)
+        return Placement(ray.get_runtime_context().get_node_id(), alive > 1, host, gpus, cores,
+                         preloaded=self._preload is not None and gpus is None)
 
     def started(self) -> None:
         """The actors are up: Ray's own processes that this run started (its GCS, raylet and
         their helpers) float over every CPU again, as without :meth:`_leave_workers_cores_to_preload`
         (the actors keep the cores they took; this process keeps off the workers')."""
-        if self._ray_cpus is None:
+        if not self._ray_narrowed or self._affinity is None:
             return
         for pid in _ray_processes():
             with contextlib.suppress(OSError):
-                os.sched_setaffinity(pid, self._ray_cpus)
+                os.sched_setaffinity(pid, self._affinity)
 
     def _leave_workers_cores_to_preload(self) -> dict[str, str]:
         """Before Ray starts, when the rollout workers will be pinned: the preload server
@@ -145,7 +145,7 @@ class Cluster:
             return {}
         self._preload.pin({cpus[s.index] for s in plan.worker_slots})
         self._affinity = keep_off(plan.worker_slots)
-        self._ray_cpus = self._affinity
+        self._ray_narrowed = self._affinity is not None
         return {PLAN_CPUS_ENV: ",".join(map(str, cpus))}
 
     def _start_preload(self) -> None:

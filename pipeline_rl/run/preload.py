@@ -62,7 +62,7 @@ from pipeline_rl.run.ray_worker import AFTER_ENV, COUNTER_ENV, EXIT, SOCKET_ENV,
 log = logging.getLogger(__name__)
 
 #: What the server imports: what a rollout worker's engine build imports on CPU (its modules
-#: over 20 ms, by ``python -X importtime``), except those that import Ray (see :func:`preload`).
+#: over 20 ms, by ``python -X importtime``), except those that load Ray's core (:data:`RAY_CORE`).
 MODULES = (
     "torch",
     "vllm",
@@ -219,12 +219,11 @@ def accept(state: Serving) -> None:
     try:
         data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
         request = Request.decode(data)
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} streams, not 3")
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("preload: bad request (%s)", e)
-        conn.close()
-        return
-    if len(fds) != 3:
-        conn.close()
+        conn.close()   # its stand-in starts the worker itself
         return
     pid = os.fork()
     if pid == 0:

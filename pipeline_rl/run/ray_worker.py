@@ -34,6 +34,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 #: The options Ray's ``setup_worker.py`` reads (and does not pass on to the worker).
 CONTEXT = "--serialized-runtime-env-context"
@@ -135,7 +136,7 @@ def preloaded(worker: list[str]) -> tuple[socket.socket, int] | None:
         return None
 
 
-def stand_in(conn: socket.socket, child: int) -> None:
+def stand_in(conn: socket.socket, child: int) -> NoReturn:
     """Be the process the raylet started for ``child``: pass on the signals it sends, end
     with the child's exit status; if the server goes away first, end the child too."""
     def pass_on(sig: int, _: object) -> None:

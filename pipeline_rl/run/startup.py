@@ -2,8 +2,9 @@
 trainers (DeepSpeed) start at once (the workers find the buffer by name), the workers first:
 theirs is the longest start, and Ray hands its pre-started processes to the first actors
 asking. With a preload server (``run.preload``) the workers come last instead: the buffer and
-the trainers take the plain processes, the workers the preloaded ones. The trainers are asked to start DeepSpeed as soon as they exist (on one node; across
-nodes once they name their node), not after the buffer is up. Every wait says what it waits
+the trainers take the plain processes, the workers the preloaded ones. The trainers are asked
+to start DeepSpeed as soon as they exist (on one node; across nodes once they name their
+node), not after the buffer is up. Every wait says what it waits
 for; a failure or ``_TIMEOUT_S`` ends the run in one line.
 """
 
