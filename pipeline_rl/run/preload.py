@@ -230,8 +230,11 @@ def accept(state: Serving) -> None:
         become_worker(request, fds, [state.listener, conn, *state.children.values()])
     for fd in fds:
         os.close(fd)
-    conn.sendall(str(pid).encode())
     state.children[pid] = conn
+    try:
+        conn.sendall(str(pid).encode())
+    except OSError:   # its stand-in gave up meanwhile: the child must not live on without it
+        os.kill(pid, signal.SIGKILL)
     state.quota -= 1
     print(f"preload: served worker process {pid} ({state.quota} more to serve)", flush=True)
     if state.quota <= 0:
