@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -46,10 +46,10 @@ sys.exit(3)
 """
 
 
-def _wait(predicate: object, timeout_s: float = 30.0) -> bool:
+def _wait(predicate: Callable[[], bool], timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return True
         time.sleep(0.05)
     return False
@@ -98,6 +98,16 @@ def _ran(folder: Path, name: str) -> dict[str, object]:
     path = folder / f"{name}.json"
     assert _wait(path.exists), (folder / f"{name}.out").read_text()
     return dict(json.loads(path.read_text()))
+
+
+def _child(folder: Path, name: str) -> int:
+    """The id of the process that ran worker ``name``."""
+    return int(str(_ran(folder, name)["pid"]))
+
+
+def _gone(pid: int) -> bool:
+    """``pid`` has ended (gone, or a zombie its parent has yet to collect)."""
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_plain_worker_takes_out_what_rays_setup_reads() -> None:
@@ -156,10 +166,10 @@ def test_a_server_that_loaded_rays_core_serves_no_one(folder: Path) -> None:
 
 def test_a_signal_to_the_stand_in_reaches_the_child(folder: Path, server: subprocess.Popen[bytes]) -> None:
     proc = _stand_in(folder, "sleeper", "--sleep")
-    child = int(str(_ran(folder, "sleeper")["pid"]))
+    child = _child(folder, "sleeper")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM   # it ends as its child did
-    assert _wait(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE)
+    assert _wait(lambda: _gone(child))
 
 
 def test_the_drivers_handle_starts_and_stops_its_server(tmp_path: Path) -> None:
@@ -176,7 +186,7 @@ def test_the_drivers_handle_starts_and_stops_its_server(tmp_path: Path) -> None:
 
 def test_a_child_ends_with_its_stand_in(folder: Path, server: subprocess.Popen[bytes]) -> None:
     proc = _stand_in(folder, "orphan", "--sleep")
-    child = int(str(_ran(folder, "orphan")["pid"]))
+    child = _child(folder, "orphan")
     proc.kill()   # the raylet ending the process it started
     proc.wait()
-    assert _wait(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE)
+    assert _wait(lambda: _gone(child))

@@ -193,8 +193,7 @@ def serve(path: str, quota: int, model_dir: str | None, modules: Sequence[str] =
     if RAY_CORE in sys.modules:
         log.warning("preload: %s was imported; the workers start without the server", RAY_CORE)
         state.stop_serving()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    flush()
     while state.serving() or state.children:
         if os.getppid() != parent:
             state.stop_serving()
@@ -256,6 +255,12 @@ def reap(state: Serving) -> None:
         conn.close()
 
 
+def flush() -> None:
+    """Write out what this process printed (before a fork, or an exit without teardown)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
 def become_worker(request: Request, fds: list[int], inherited: list[socket.socket]) -> None:
     """In a forked child: take on the stand-in's process and run Ray's worker; never returns."""
     code = 1
@@ -276,8 +281,7 @@ def become_worker(request: Request, fds: list[int], inherited: list[socket.socke
 
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush()
         os._exit(code)
 
 
@@ -287,6 +291,5 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     serve(args[0], int(args[1]), args[2] if len(args) > 2 and args[2] else None,
           args[3].split(",") if len(args) > 3 else MODULES)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    flush()
     os._exit(0)   # no interpreter teardown: nothing is left to clean up, and vLLM's bindings complain
