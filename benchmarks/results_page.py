@@ -1,0 +1,177 @@
+"""``docs/results.md``, built from the benchmarks' own result files.
+
+Every benchmark writes its report to ``benchmarks/results/NAME.md`` (``--md``). This module
+puts those reports on one page, in the order of :data:`CATALOG`, each under a heading with
+the command that produced it and what it measures, so the page never says more than the
+result files do. ``python -m benchmarks.results_page`` rewrites the page;
+``python -m benchmarks.results_page --check`` exits 1 when the page is out of date (the suite
+runs the check).
+
+Invariants: every entry names a result file that exists; every report on the page states
+the machine it was measured on, either in its own text (a ``Hardware:`` line, or the
+machine named in its first lines) or in the entry's ``machine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "results.md"
+
+#: How a report names its machine on its own (any of these in its first five lines).
+_MACHINE_WORDS = re.compile(r"Hardware:|AMD EPYC|Intel|NVIDIA|H100|H200", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One benchmark's report on the page.
+
+    ``stem`` names ``benchmarks/results/{stem}.md``; ``machine`` is said only for reports
+    that do not name their machine themselves; ``figure`` is a plot beside the report.
+    """
+
+    stem: str
+    title: str
+    command: str
+    measures: str
+    machine: str = ""
+    figure: str = ""
+
+
+CATALOG: tuple[Entry, ...] = (
+    Entry("demo", "The default run", "python -m benchmarks.demo --repeats 3",
+          "400 steps of `launch/async_grpo.py --staleness 2`: wall and training time, steps/s, and "
+          "the run's own held-out evaluation before and after.",
+          machine="AMD EPYC, 2 cores, 23.5 GiB, no GPU", figure="demo_eval.png"),
+    Entry("peers", "Against TRL's GRPOTrainer (sort task)", "python -m benchmarks.peers --seeds 5 --steps 150",
+          "Steps, training time and wall time to a trailing reward of 0.8, against TRL 1.16's "
+          "GRPOTrainer on the same model, task and machine (TRL in an environment of its own).",
+          figure="peers.png"),
+    Entry("peers_rerun", "Against TRL's GRPOTrainer, a later sitting", "python -m benchmarks.peers --seeds 5 --steps 150",
+          "The same comparison in a later sitting (this machine's speed drifts between hours)."),
+    Entry("peers_countdown", "Against TRL's GRPOTrainer on a heavy-tailed task",
+          "python -m benchmarks.peers --seeds 5 --steps 120 --systems trl,s2 --lr 5e-5 "
+          "--max-new-tokens 492 --max-model-len 512 -- --task.name countdown --task.digits 3",
+          "Completions of 4-492 tokens, where a synchronous round waits for its longest one.",
+          figure="peers_countdown.png"),
+    Entry("throughput", "Asynchronous against synchronous", "python -m benchmarks.throughput --repeats 3 --steps 40 --warmup 8",
+          "Step time, tokens/s and idle shares at staleness 0-4, against the overlap bound "
+          "(T_gen + T_train) / max(T_gen, T_train).", figure="throughput.png"),
+    Entry("step_bound", "What bounds a step", "python -m benchmarks.step_bound",
+          "Each side alone on an idle core: the fastest any schedule of the two could step."),
+    Entry("cpu_profile", "Where the CPU goes", "python -m benchmarks.cpu_profile",
+          "CPU of every process of a running default run, per pipeline step."),
+    Entry("startup", "Start-up", "python -m benchmarks.startup --repeats 5",
+          "Seconds from the command to each start-up line and the first step, against the "
+          "slowest actor's own start measured alone."),
+    Entry("weight_sync", "Weight sync", "python -m benchmarks.weight_sync",
+          "Per update: latency from publish to 'every worker generates with it', and the "
+          "generation stall, per engine, model size and path."),
+    Entry("gpu_smoke", "The GPU check", "python -m benchmarks.gpu_smoke",
+          "The GPU road end to end on one GPU: in-flight updates, the default run, a 0.5 B model."),
+    Entry("ablation", "Staleness x correction", "python -m benchmarks.ablation --quick --seeds 3",
+          "Final reward and reward AUC per staleness and correction, with intervals and "
+          "Holm-corrected tests.", figure="ablation_bf16.png"),
+    Entry("ablation_full", "Staleness x correction, the full grid (one seed)", "python -m benchmarks.ablation",
+          "Staleness {0,1,2,4,8} x 4 corrections x fp32/bf16 generation, 200 steps (an earlier default model)."),
+    Entry("multiturn", "A multi-turn tool task learns", "python -m benchmarks.multiturn --seeds 3 --steps 200",
+          "Held-out greedy success of `--task.name calc` before and after 200 steps."),
+    Entry("slow_env", "A slow environment", "python -m benchmarks.slow_env --steps 100 --warmup 20 --sleep-ms 50",
+          "Steps/s with a 50 ms environment against an instant one."),
+    Entry("rewards", "Slow rewards", "python -m benchmarks.rewards --steps 150 --repeats 5",
+          "Steps/s with slow plug-in and remote rewards against an instant one."),
+    Entry("versions", "Versions under PPO epochs", "python -m benchmarks.versions --steps 20",
+          "Step rows equal versions, lag within the staleness, resume from a middle checkpoint.",
+          machine="AMD EPYC, 2 cores, 23.5 GiB, no GPU"),
+    Entry("versions_60steps", "Versions under PPO epochs, 60 steps", "python -m benchmarks.versions --steps 60",
+          "The same over 60 steps.", machine="AMD EPYC, 2 cores, 23.5 GiB, no GPU"),
+    Entry("soak", "Memory over 20,000 steps", "python -m benchmarks.soak --steps 20000",
+          "Resident-memory slope of every process after step 2,000 (limit 500 KiB per 1,000 steps).",
+          machine="AMD EPYC, 2 cores, 23.5 GiB, no GPU"),
+)
+
+_INTRO = """\
+# Measured results
+
+Every figure here comes from a benchmark under `benchmarks/` (`python -m benchmarks.NAME`,
+each with `--help`) and its report in `benchmarks/results/NAME.md`; this page is built from
+those reports by `python -m benchmarks.results_page` (the suite checks it is up to date), so
+re-running a benchmark and rebuilding the page is how a figure changes. Each report names the
+machine it was measured on. The CPU machines are shared and their speed drifts by tens of
+percent within an hour: comparisons are ratios measured within one run, not absolute times
+from different runs.
+"""
+
+
+def _machine_line(entry: Entry, text: str) -> str:
+    head = "\n".join(text.splitlines()[:5])
+    if _MACHINE_WORDS.search(head):
+        return ""
+    if not entry.machine:
+        raise ValueError(f"benchmarks/results/{entry.stem}.md names no machine and its catalog entry gives none")
+    return f"Machine: {entry.machine}.\n\n"
+
+
+def _demote(text: str) -> str:
+    """Headings of a report sit below the page's own (``#`` -> ``###``)."""
+    return re.sub(r"^(#+) ", lambda m: "##" + m.group(1) + " ", text, flags=re.MULTILINE)
+
+
+def _relink(text: str) -> str:
+    """Relative links of a report (written beside its figures) made relative to ``docs/``."""
+    return re.sub(r"\]\((?!https?://|/|#)([^)]+)\)", r"](../benchmarks/results/\1)", text)
+
+
+def render() -> str:
+    """The whole page; raises ValueError naming a missing result file or machine."""
+    parts = [_INTRO]
+    parts.append("\n".join(f"- [{e.title}](#{_anchor(e.title)})" for e in CATALOG) + "\n")
+    for entry in CATALOG:
+        path = RESULTS / f"{entry.stem}.md"
+        if not path.is_file() or (entry.figure and not (RESULTS / entry.figure).is_file()):
+            raise ValueError(f"{path.relative_to(ROOT)} or its figure is missing (catalog entry {entry.stem!r})")
+        text = path.read_text().strip() + "\n"
+        parts.append(
+            f"## {entry.title}\n\n`{entry.command}` — {entry.measures} "
+            f"([{entry.stem}.md](../benchmarks/results/{entry.stem}.md))\n\n"
+            + _machine_line(entry, text) + _relink(_demote(text))
+            + (f"\n![{entry.title}](../benchmarks/results/{entry.figure})\n" if entry.figure else "")
+        )
+    return "\n".join(parts)
+
+
+def _anchor(title: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    kept = re.sub(r"[^\w\- ]", "", title.lower())
+    return kept.replace(" ", "-")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when docs/results.md differs from what the result files give")
+    args = parser.parse_args(argv)
+    try:
+        page = render()
+    except ValueError as e:
+        print(f"results_page: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if not PAGE.is_file() or PAGE.read_text() != page:
+            print("results_page: docs/results.md is out of date: run python -m benchmarks.results_page",
+                  file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(page)
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
