@@ -135,7 +135,7 @@ def render() -> str:
     for entry in CATALOG:
         path = RESULTS / f"{entry.stem}.md"
         if not path.is_file() or (entry.figure and not (RESULTS / entry.figure).is_file()):
-            raise ValueError(f"{path.relative_to(ROOT)} or its figure is missing (catalog entry {entry.stem!r})")
+            raise ValueError(f"benchmarks/results/{entry.stem}.md is missing, or its figure (catalog entry {entry.stem!r})")
         text = path.read_text().strip() + "\n"
         parts.append(
             f"## {entry.title}\n\n`{entry.command}` — {entry.measures} "
