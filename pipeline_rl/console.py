@@ -25,10 +25,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
-__all__ = ["Progress", "quiet_console"]
+__all__ = ["Phase", "Progress", "quiet_console"]
 
 #: Plain (not a terminal) output: a line at least this often, in seconds.
 PLAIN_EVERY_S = 30.0
@@ -46,8 +47,6 @@ class Progress:
     def __init__(self, desc: str, total: int, *, note: str = "", unit: str = "step",
                  stream: TextIO | None = None, tty: bool | None = None, every_s: float = PLAIN_EVERY_S,
                  refresh_s: float = 1.0) -> None:
-        from tqdm import tqdm
-
         self.stream = stream if stream is not None else sys.stderr
         self.tty = tty if tty is not None else _isatty(self.stream)
         self.every_s = every_s
@@ -55,13 +54,10 @@ class Progress:
         self._written = ""
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._start = time.monotonic()
+        self._began = self._start = time.monotonic()   # the whole work's start; the phase's
         self._last_line = self._start
-        self._n, self._total, self._unit, self._desc = 0, total, unit, desc
-        sized = _width(self.stream) > 0   # a terminal that says its width (a bare pty may say 0)
-        self._bar = (tqdm(total=total, desc=desc, unit=unit, file=self.stream, leave=False,
-                          dynamic_ncols=sized, ncols=None if sized else 100, mininterval=0.25,
-                          smoothing=0.1, postfix=note or None) if self.tty else None)
+        self._n, self._total, self._unit, self._desc, self._initial = 0, total, unit, desc, 0
+        self._bar = self._new_bar() if self.tty else None
         if self._bar is None:
             self._plain_line()
         self._ticker = threading.Thread(target=self._tick, args=(refresh_s,), name="pipeline_rl-progress",
@@ -85,6 +81,28 @@ class Progress:
                 self._bar.total = total
                 self._bar.refresh()
 
+    def phase(self, desc: str, total: int, *, unit: str = "step", n: int = 0, note: str = "") -> "Phase":
+        """Count another piece of work on the same line from now on (``n`` of ``total`` done;
+        the rate and time left are measured from here); returns the phase it replaces, to go
+        back to with :meth:`resume`. A plain output gets a line for it."""
+        with self._lock:
+            before = Phase(self._desc, self._total, self._unit, self._n, self._note)
+            if self._closed.is_set():
+                return before
+            self._desc, self._total, self._unit, self._n, self._note = desc, total, unit, n, note
+            self._start = time.monotonic()
+            self._initial = n   # the rate counts from here
+            if self._bar is not None:   # a new bar on the cleared line: no frame mixing the two
+                self._bar.close()
+                self._bar = self._new_bar()
+            else:
+                self._plain_line()
+            return before
+
+    def resume(self, phase: "Phase", note: str | None = None) -> None:
+        """Go back to ``phase`` (as :meth:`phase` returned it), its note replaced by ``note`` if given."""
+        self.phase(phase.desc, phase.total, unit=phase.unit, n=phase.n, note=phase.note if note is None else note)
+
     def note(self, text: str) -> None:
         """Say what runs now (shown after the rate); a plain output gets a line for it."""
         with self._lock:
@@ -98,7 +116,7 @@ class Progress:
 
     def close(self) -> float:
         """End the line (cleared on a terminal; a last plain line elsewhere); returns the
-        seconds since the start. Idempotent."""
+        seconds since the whole work started. Idempotent."""
         with self._lock:
             if not self._closed.is_set():
                 self._closed.set()
@@ -108,7 +126,7 @@ class Progress:
                     self._plain_line()
         if self._ticker is not threading.current_thread():
             self._ticker.join()
-        return time.monotonic() - self._start
+        return time.monotonic() - self._began
 
     def __enter__(self) -> "Progress":
         return self
@@ -122,7 +140,16 @@ class Progress:
 
         elapsed = time.monotonic() - self._start
         return tqdm.format_meter(self._n, self._total, elapsed, prefix=self._desc, unit=self._unit,
-                                 postfix=self._note or None, bar_format=_PLAIN_FORMAT)
+                                 postfix=self._note or None, bar_format=_PLAIN_FORMAT, initial=self._initial)
+
+    def _new_bar(self) -> Any:
+        """A tqdm bar for the current phase (cleared, not left, when closed)."""
+        from tqdm import tqdm
+
+        sized = _width(self.stream) > 0   # a terminal that says its width (a bare pty may say 0)
+        return tqdm(total=self._total, initial=self._n, desc=self._desc, unit=self._unit, file=self.stream,
+                    leave=False, dynamic_ncols=sized, ncols=None if sized else 100, mininterval=0.25,
+                    smoothing=0.1, postfix=self._note or None)
 
     def _plain_line(self) -> None:
         """Write :meth:`line` unless it says what the last one did (caller holds the lock)."""
@@ -143,6 +170,17 @@ class Progress:
                     self._bar.refresh()
                 elif time.monotonic() - self._last_line >= self.every_s:
                     self._plain_line()
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What a :class:`Progress` line counts: ``n`` of ``total`` ``unit``s of ``desc``, and its note."""
+
+    desc: str
+    total: int
+    unit: str
+    n: int
+    note: str
 
 
 def _width(stream: TextIO) -> int:
@@ -169,7 +207,11 @@ def quiet_console(log_path: Path) -> Iterator[TextIO]:
     process's output (the driver's warm start runs before Ray starts)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     _flush_std()
-    saved_out, saved_err = os.dup(1), os.dup(2)
+    try:
+        saved_out, saved_err = os.dup(1), os.dup(2)
+    except OSError:   # no descriptor 1 or 2 to redirect (a daemon): nothing to keep quiet
+        yield sys.stderr
+        return
     console = os.fdopen(os.dup(saved_err), "w", buffering=1, encoding="utf-8", errors="replace")
     try:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

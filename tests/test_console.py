@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: What third-party libraries print during a build, when it reaches the console.
 THIRD_PARTY = re.compile(r"\[WARNING\]|real_accelerator|Setting accelerator|Writing model shards|Loading weights"
                          r"|UserWarning|FutureWarning")
-#: A progress line: percentage, done/total, elapsed<left, rate.
-PROGRESS = re.compile(r"warm start \(sort\): +\d+%.*\d+/\d+ \[\d\d:\d\d<[\d:?]+, +[\d.?]+ ?(step/s|s/step)")
+#: A progress line: what (training, a check, the probe), percentage, done/total, elapsed<left, rate.
+PROGRESS = re.compile(r"(warm start|check \d|probe) \(sort\): +\d+% \d+/\d+ \[\d\d:\d\d<[\d:?]+, "
+                      r"+[\d.?]+ ?(step/s|s/step|token/s|s/token)")
 
 
 def test_plain_output_is_whole_lines_with_rate_and_time_left() -> None:
@@ -60,6 +61,20 @@ def test_a_terminal_gets_one_line_redrawn_and_cleared() -> None:
     assert "\n" not in text and text.count("\r") >= 3, repr(text)
     assert "3/5" in text and "saving" in text and "step/s" in text
     assert text.endswith("\r")                # cleared: the next line starts at the left
+
+
+def test_a_phase_counts_on_the_same_line_and_the_work_resumes_after_it() -> None:
+    out = io.StringIO()
+    with Progress("train", 10, stream=out, tty=False, refresh_s=0.05) as bar:
+        bar.update(4)
+        before = bar.phase("check 1", 5, unit="token", note="sampling")
+        bar.update(5)
+        bar.resume(before, note="check 1: 0.2")
+        bar.update(1)
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("check 1:   0% 0/5 [") and lines[1].endswith("token/s, sampling]"), lines
+    assert lines[2].startswith("train:  40% 4/10 [00:00<?") and lines[2].endswith("check 1: 0.2]"), lines
+    assert lines[-1].startswith("train:  50% 5/10") and "step/s" in lines[-1]
 
 
 def test_a_closed_progress_writes_nothing_more() -> None:
@@ -135,9 +150,10 @@ def test_a_warm_start_on_a_pipe_shows_plain_progress_and_no_third_party_output(t
                     r"1 chunks \(\[\(5, 0.0\)\]\)$", lines[-1]), lines[-1]    # the project's own warning stays
     progress = lines[1:-2]
     assert progress and all(PROGRESS.match(line) for line in progress), progress
-    assert progress[-1].startswith("warm start (sort): 100% 5/5")     # 3 steps, then a chunk of 2 to the check
-    assert any("check 1: sampling" in line for line in progress)
-    assert any("probing held-out prompts" in line for line in progress)
+    assert any(line.startswith("warm start (sort): 100% 5/5") for line in progress)   # 3 steps + a chunk of 2
+    assert any(line.startswith("check 1 (sort): ") for line in progress)               # 1 + 4 tokens at most
+    assert any(line.endswith("check 1: reward 0.000 (stop at 0.990)]") for line in progress)
+    assert progress[-1].startswith("probe (sort): ") and progress[-1].endswith(", saving]")
     assert not THIRD_PARTY.search(done.stdout + done.stderr), done.stdout + done.stderr
     assert done.stdout.strip().startswith(str(tmp_path / "builtin-sort3-"))
     if _accelerate_installed():   # then transformers' save imports DeepSpeed, which warns: in the log

@@ -26,18 +26,23 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline_rl.console import Progress, quiet_console
 from pipeline_rl.models.builtin import VOCAB_SIZE, build_tiny_model
-from pipeline_rl.models.warmstart import WarmStartRecipe, probe, recipe_for, warm_start
+from pipeline_rl.models.warmstart import WarmStartRecipe, probe, recipe_for, sampled_reward, warm_start
 
 log = logging.getLogger("pipeline_rl.models")
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from pipeline_rl.config import ModelConfig, TaskConfig
+    from pipeline_rl.tasks.base import Task
 
 #: File written next to the weights: the recipe and the probe of the warm-started model.
 INFO_FILE = "warmstart.json"
@@ -169,14 +174,17 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
     task = build_task(task_cfg, seed=0)
     checks: list[tuple[int, float]] = []
     bar.note("training")
-    losses = warm_start(model, task, recipe, checks=checks, progress=bar)
-    bar.note("probing held-out prompts")
+    losses = warm_start(model, task, recipe, checks=checks, progress=bar, check=_shown_check(task, recipe, bar))
     budget = countdown_answer_tokens(task_cfg.digits) if task_cfg.name == "countdown" else 16
-    measure = probe_episodes if task_env_factory(task) is not None else probe   # multi-turn: episodes
-    try:   # measured on held-out prompts (a 1-digit task may have none)
-        result = measure(model, build_task(task_cfg, seed=0, split="eval"), max_new_tokens=budget)
-    except TaskError:
-        result = measure(model, task, max_new_tokens=budget)
+    episodes = task_env_factory(task) is not None
+    measure = probe_episodes if episodes else probe   # multi-turn: episodes
+    turns = int((probe_episodes.__kwdefaults__ or {}).get("max_turns", 1)) if episodes else 1
+    bar.phase(f"probe ({task_cfg.name})", 2 * turns * (budget + 1), unit="token", note="held-out prompts")
+    with _counting_forwards(model, bar):
+        try:   # measured on held-out prompts (a 1-digit task may have none)
+            result = measure(model, build_task(task_cfg, seed=0, split="eval"), max_new_tokens=budget)
+        except TaskError:
+            result = measure(model, task, max_new_tokens=budget)
     bar.note("saving")
     model.save_pretrained(out)
     info.update(recipe=asdict(recipe), steps=len(losses), checks=checks,
@@ -184,3 +192,31 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
     if recipe.closed_loop and not (checks and checks[-1][1] >= recipe.stop_reward):
         return f"no check reached sampled reward {recipe.stop_reward:.2f} in {recipe.max_chunks} chunks ({checks})"
     return None
+
+
+def _shown_check(task: "Task", recipe: WarmStartRecipe, bar: Progress) -> "Callable[[PreTrainedModel], float]":
+    """The closed loop's check (:func:`~pipeline_rl.models.warmstart.sampled_reward`) on the
+    progress line: its tokens counted while it samples, its score noted after."""
+    done = 0
+
+    def check(model: "PreTrainedModel") -> float:
+        nonlocal done
+        done += 1
+        training = bar.phase(f"check {done} ({task.name})", recipe.probe_tokens + 1, unit="token",
+                             note=f"sampled reward >= {recipe.stop_reward:.3f} stops")
+        with _counting_forwards(model, bar):
+            score = sampled_reward(model, task, recipe)
+        bar.resume(training, note=f"check {done}: reward {score:.3f} (stop at {recipe.stop_reward:.3f})")
+        return score
+
+    return check
+
+
+@contextmanager
+def _counting_forwards(model: "PreTrainedModel", bar: Progress) -> Iterator[None]:
+    """Count each forward pass of ``model`` on ``bar`` (a sampling loop makes one per token)."""
+    handle = model.register_forward_hook(lambda *_: bar.update())
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -278,7 +278,8 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
     each chunk ``check(model)`` (default :func:`sampled_reward`) measures the model, and
     training stops at the first chunk that scores at least ``stop_reward`` (else after the
     last). ``(steps so far, score)`` of each check is appended to ``checks``.
-    ``progress`` (optional) counts the steps, its total reaching to the next check.
+    ``progress`` (optional) counts the steps, its total reaching to the next check (a
+    ``check`` may show its own progress on it meanwhile).
     """
     import random
 
@@ -320,11 +321,7 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
                 for k in range(c * recipe.chunk, (c + 1) * recipe.chunk):
                     step(recipe.lr * (1.0 - k / decay))
                 model.eval()
-                if progress is not None:
-                    progress.note(f"check {c + 1}: sampling")
                 score = measure(model)
-                if progress is not None:
-                    progress.note(f"check {c + 1}: reward {score:.3f} (stop at {recipe.stop_reward:.3f})")
                 model.train()
                 if checks is not None:
                     checks.append((len(losses), score))
