@@ -105,9 +105,13 @@ def default_model_dir(cfg: "ModelConfig", task: "TaskConfig | None" = None, *,
     log.info("building the built-in model %s (first run only; cached in %s)", name, root)
     build_log = root / f"{name}.log"
     try:
-        with quiet_console(build_log) as console, Progress(f"warm start ({label})", _planned_steps(recipe),
-                                                           note="loading torch", stream=console) as bar:
-            warning = _build(cfg, task_cfg, recipe, tmp, seed, bar)
+        try:
+            with quiet_console(build_log) as console, Progress(f"warm start ({label})", _planned_steps(recipe),
+                                                               note="loading torch", stream=console) as bar:
+                warning = _build(cfg, task_cfg, recipe, tmp, seed, bar)
+        except Exception:
+            log.error("building %s failed; what it printed is in %s", name, build_log)
+            raise
         log.info("built in %.0f s: %s (its output: %s)", bar.close(), name, build_log)
         if warning:
             log.warning("warm start %s: %s", name, warning)
