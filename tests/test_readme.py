@@ -10,9 +10,9 @@ The README's conventions, which this test reads:
 1. **Whose flag.** A ``--flag`` belongs to the program named last before it in the same
    command: a fenced code block's line (joined over trailing ``\\``; a ``#`` comment is
    a command of its own) or, in prose, the inline code spans of one paragraph (a bullet
-   is a paragraph), in order. ``launch/async_grpo.py`` is the launcher;
-   ``benchmarks.NAME`` / ``benchmarks/NAME.py`` that benchmark; ``scripts/NAME.py|sh``
-   (or ``setup.sh``, ``wheelhouse.py``) that script; a bare ``--`` in a benchmark's
+   is a paragraph), in order. ``launch/async_grpo.py`` is the launcher; a benchmark
+   (``benchmarks.NAME`` or its file) that benchmark; a script of ``scripts/`` (``setup.sh``,
+   ``wheelhouse.py``, with or without its folder) that script; a bare ``--`` in a benchmark's
    command hands the rest to the launcher. Where no program is named yet, the flag is the
    launcher's. A dotted flag (``--task.reward_timeout_s``) is always the launcher's.
    Flags of other programs (``pip --no-index``, ``python -m venv --system-site-packages``,
@@ -61,7 +61,7 @@ _DEFAULT_AFTER = re.compile(r"`(--[\w.-]+)[^`]*`\s*\(default:?\s*`?([^)`]*)`?\)"
 @dataclass(frozen=True)
 class Mention:
     """A flag as the README shows it: whose (:data:`LAUNCHER`, ``benchmarks.NAME``,
-    ``scripts/NAME``, or None: another program's), the value after it, its line."""
+    ``scripts/`` and a script's file name, or None: another program's), the value after it, its line."""
 
     flag: str
     tool: str | None
