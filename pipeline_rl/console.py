@@ -84,11 +84,14 @@ class Progress:
     def phase(self, desc: str, total: int, *, unit: str = "step", n: int = 0, note: str = "") -> "Phase":
         """Count another piece of work on the same line from now on (``n`` of ``total`` done;
         the rate and time left are measured from here); returns the phase it replaces, to go
-        back to with :meth:`resume`. A plain output gets a line for it."""
+        back to with :meth:`resume`. A plain output gets a line for where the phase ended and
+        one for the new one."""
         with self._lock:
             before = Phase(self._desc, self._total, self._unit, self._n, self._note)
             if self._closed.is_set():
                 return before
+            if self._bar is None:
+                self._plain_line()   # where the phase ended, and when
             self._desc, self._total, self._unit, self._n, self._note = desc, total, unit, n, note
             self._start = time.monotonic()
             self._initial = n   # the rate counts from here

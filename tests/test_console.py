@@ -72,8 +72,10 @@ def test_a_phase_counts_on_the_same_line_and_the_work_resumes_after_it() -> None
         bar.resume(before, note="check 1: 0.2")
         bar.update(1)
     lines = out.getvalue().splitlines()
-    assert lines[1].startswith("check 1:   0% 0/5 [") and lines[1].endswith("token/s, sampling]"), lines
-    assert lines[2].startswith("train:  40% 4/10 [00:00<?") and lines[2].endswith("check 1: 0.2]"), lines
+    assert lines[1].startswith("train:  40% 4/10 [00:00<00:00")                  # where training paused
+    assert lines[2].startswith("check 1:   0% 0/5 [") and lines[2].endswith("token/s, sampling]"), lines
+    assert lines[3].startswith("check 1: 100% 5/5 [00:00<00:00")                 # where the check ended
+    assert lines[4].startswith("train:  40% 4/10 [00:00<?") and lines[4].endswith("check 1: 0.2]"), lines
     assert lines[-1].startswith("train:  50% 5/10") and "step/s" in lines[-1]
 
 
