@@ -11,6 +11,11 @@ Cache root, first that applies: ``$PIPELINE_RL_CACHE_DIR``; ``.cache/pipeline_rl
 in the source checkout (git-ignored); ``~/.cache/pipeline_rl``. A build goes into
 a temporary sibling folder and is renamed into place when complete, so a crash
 or a concurrent build never leaves a half-written model behind.
+
+The console during a build: one progress line (:class:`pipeline_rl.console.Progress`:
+steps, rate, time left, what runs now), then one line saying what was built; everything
+else printed meanwhile (third-party warnings, library bars) goes to the build's log,
+``<cache root>/<folder name>.log``.
 """
 
 from __future__ import annotations
@@ -21,17 +26,23 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline_rl.console import Progress, quiet_console
 from pipeline_rl.models.builtin import VOCAB_SIZE, build_tiny_model
-from pipeline_rl.models.warmstart import WarmStartRecipe, probe, recipe_for, warm_start
+from pipeline_rl.models.warmstart import WarmStartRecipe, probe, recipe_for, sampled_reward, warm_start
 
 log = logging.getLogger("pipeline_rl.models")
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from pipeline_rl.config import ModelConfig, TaskConfig
+    from pipeline_rl.tasks.base import Task
 
 #: File written next to the weights: the recipe and the probe of the warm-started model.
 INFO_FILE = "warmstart.json"
@@ -92,8 +103,18 @@ def default_model_dir(cfg: "ModelConfig", task: "TaskConfig | None" = None, *,
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     log.info("building the built-in model %s (first run only; cached in %s)", name, root)
+    build_log = root / f"{name}.log"
     try:
-        _build(cfg, task_cfg, recipe, tmp, seed)
+        try:
+            with quiet_console(build_log) as console, Progress(f"warm start ({label})", _planned_steps(recipe),
+                                                               note="loading torch", stream=console) as bar:
+                warning = _build(cfg, task_cfg, recipe, tmp, seed, bar)
+        except Exception:
+            log.error("building %s failed; what it printed is in %s", name, build_log)
+            raise
+        log.info("built in %.0f s: %s (its output: %s)", bar.close(), name, build_log)
+        if warning:
+            log.warning("warm start %s: %s", name, warning)
         try:
             tmp.rename(final)
         except OSError:  # another process finished the same build first: theirs is identical
@@ -104,31 +125,47 @@ def default_model_dir(cfg: "ModelConfig", task: "TaskConfig | None" = None, *,
     return final
 
 
+def _planned_steps(recipe: WarmStartRecipe | None) -> int:
+    """The progress line's first total: the recipe's steps, to the first check when closed-loop
+    (the line's total grows by a chunk at each check that does not stop it); 1 for a bare init."""
+    if recipe is None:
+        return 1
+    return recipe.steps + (recipe.chunk if recipe.closed_loop and recipe.max_chunks > 0 else 0)
+
+
 def _build(cfg: "ModelConfig", task_cfg: "TaskConfig", recipe: WarmStartRecipe | None,
-           out: Path, seed: int) -> None:
-    """Random init into ``out``, then (with a recipe) warm start and probe; writes :data:`INFO_FILE` last."""
+           out: Path, seed: int, bar: Progress) -> str | None:
+    """Random init into ``out``, then (with a recipe) warm start and probe; writes :data:`INFO_FILE` last.
+    Returns a warning for the console (a closed-loop warm start that never reached its reward), if any."""
     import torch
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()   # the console gets one line for the build, not bars
+    hf_logging.disable_progress_bar()   # library bars would only clutter the build's log
 
+    bar.note("random init")
     build_tiny_model(out, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                      intermediate_size=cfg.intermediate_size, seed=seed)
     info: dict[str, object] = {"task": task_cfg.name, "digits": task_cfg.digits, "recipe": None}
-    if recipe is not None:
+    warning = None
+    if recipe is None:
+        bar.update()
+    else:
         t0 = time.perf_counter()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)   # the same weights whatever the caller's thread settings
         try:
-            _warm_start_into(out, task_cfg, recipe, info)
+            warning = _warm_start_into(out, task_cfg, recipe, info, bar)
         finally:
             torch.set_num_threads(threads)
         info["build_s"] = round(time.perf_counter() - t0, 1)
     (out / INFO_FILE).write_text(json.dumps(info, indent=2))
+    return warning
 
 
-def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe, info: dict[str, object]) -> None:
-    """Warm-start the model saved in ``out`` in place; record the recipe and probe in ``info``."""
+def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe, info: dict[str, object],
+                     bar: Progress) -> str | None:
+    """Warm-start the model saved in ``out`` in place; record the recipe and probe in ``info``;
+    returns a warning when a closed-loop recipe's checks never reached its reward."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -140,16 +177,50 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
     model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
     task = build_task(task_cfg, seed=0)
     checks: list[tuple[int, float]] = []
-    losses = warm_start(model, task, recipe, checks=checks)
+    bar.note("training")
+    losses = warm_start(model, task, recipe, checks=checks, progress=bar, check=_shown_check(task, recipe, bar))
     budget = countdown_answer_tokens(task_cfg.digits) if task_cfg.name == "countdown" else 16
-    measure = probe_episodes if task_env_factory(task) is not None else probe   # multi-turn: episodes
-    try:   # measured on held-out prompts (a 1-digit task may have none)
-        result = measure(model, build_task(task_cfg, seed=0, split="eval"), max_new_tokens=budget)
-    except TaskError:
-        result = measure(model, task, max_new_tokens=budget)
+    episodes = task_env_factory(task) is not None
+    measure = probe_episodes if episodes else probe   # multi-turn: episodes
+    turns = int((probe_episodes.__kwdefaults__ or {}).get("max_turns", 1)) if episodes else 1
+    bar.phase(f"probe ({task_cfg.name})", 2 * turns * (budget + 1), unit="token", note="held-out prompts")
+    with _counting_forwards(model, bar):
+        try:   # measured on held-out prompts (a 1-digit task may have none)
+            result = measure(model, build_task(task_cfg, seed=0, split="eval"), max_new_tokens=budget)
+        except TaskError:
+            result = measure(model, task, max_new_tokens=budget)
+    bar.note("saving")
     model.save_pretrained(out)
     info.update(recipe=asdict(recipe), steps=len(losses), checks=checks,
                 final_loss=sum(losses[-20:]) / min(20, len(losses)), probe=asdict(result))
     if recipe.closed_loop and not (checks and checks[-1][1] >= recipe.stop_reward):
-        log.warning("warm start %s: no check reached sampled reward %.2f in %d chunks (%s)", out.name,
-                    recipe.stop_reward, recipe.max_chunks, checks)
+        return f"no check reached sampled reward {recipe.stop_reward:.2f} in {recipe.max_chunks} chunks ({checks})"
+    return None
+
+
+def _shown_check(task: "Task", recipe: WarmStartRecipe, bar: Progress) -> "Callable[[PreTrainedModel], float]":
+    """The closed loop's check (:func:`~pipeline_rl.models.warmstart.sampled_reward`) on the
+    progress line: its tokens counted while it samples, its score noted after."""
+    done = 0
+
+    def check(model: "PreTrainedModel") -> float:
+        nonlocal done
+        done += 1
+        training = bar.phase(f"check {done} ({task.name})", recipe.probe_tokens + 1, unit="token",
+                             note=f"sampled reward >= {recipe.stop_reward:.3f} stops")
+        with _counting_forwards(model, bar):
+            score = sampled_reward(model, task, recipe)
+        bar.resume(training, note=f"check {done}: reward {score:.3f} (stop at {recipe.stop_reward:.3f})")
+        return score
+
+    return check
+
+
+@contextmanager
+def _counting_forwards(model: "PreTrainedModel", bar: Progress) -> Iterator[None]:
+    """Count each forward pass of ``model`` on ``bar`` (a sampling loop makes one per token)."""
+    handle = model.register_forward_hook(lambda *_: bar.update())
+    try:
+        yield
+    finally:
+        handle.remove()

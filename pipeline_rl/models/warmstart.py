@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
+    from pipeline_rl.console import Progress
+
 _VOCAB = char_vocab()
 PAD_ID, EOS_ID = _VOCAB[PAD], _VOCAB[EOS]
 _CHARS = {i: c for c, i in _VOCAB.items()}
@@ -262,7 +264,8 @@ def _soft_targets(examples: Sequence[tuple[str, Sequence[Part]]], smoothing: flo
 def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
                *, prompt_ids: Sequence[int] | None = None,
                check: Callable[["PreTrainedModel"], float] | None = None,
-               checks: list[tuple[int, float]] | None = None) -> list[float]:
+               checks: list[tuple[int, float]] | None = None,
+               progress: "Progress | None" = None) -> list[float]:
     """Teacher-forced training of ``model`` on ``task`` answers (in place); returns the loss curve.
 
     Prompts are drawn from the task's pool with a seeded generator (or from
@@ -275,6 +278,8 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
     each chunk ``check(model)`` (default :func:`sampled_reward`) measures the model, and
     training stops at the first chunk that scores at least ``stop_reward`` (else after the
     last). ``(steps so far, score)`` of each check is appended to ``checks``.
+    ``progress`` (optional) counts the steps, its total reaching to the next check (a
+    ``check`` may show its own progress on it meanwhile).
     """
     import random
 
@@ -302,6 +307,8 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
             opt.zero_grad()
             losses.append(_accumulate(model, examples, recipe, vocab))
             opt.step()
+            if progress is not None:
+                progress.update()
 
         for _ in range(recipe.steps):
             step(recipe.lr)
@@ -309,6 +316,8 @@ def warm_start(model: "PreTrainedModel", task: Task, recipe: WarmStartRecipe,
             measure = check if check is not None else (lambda m: sampled_reward(m, task, recipe))
             decay = recipe.chunk * recipe.max_chunks
             for c in range(recipe.max_chunks):
+                if progress is not None:
+                    progress.set_total(len(losses) + recipe.chunk)
                 for k in range(c * recipe.chunk, (c + 1) * recipe.chunk):
                     step(recipe.lr * (1.0 - k / decay))
                 model.eval()
