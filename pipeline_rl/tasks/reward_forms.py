@@ -28,6 +28,7 @@ is the one interface the rollout worker calls; ``__call__`` is the per-completio
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
@@ -108,6 +109,11 @@ class PluginReward:
     form: Form
     data_source: str = "pipeline_rl"
 
+    @functools.cached_property
+    def params(self) -> Mapping[str, inspect.Parameter] | None:
+        """``fn``'s parameters (None: no signature available), read once."""
+        return _params(self.fn)
+
     @property
     def per_completion(self) -> bool:
         return self.form in ("ours", "verl")
@@ -122,13 +128,12 @@ class PluginReward:
 
     @property
     def wants_ids(self) -> bool:
-        params = _params(self.fn)
-        return self.form == "trl" and params is not None and "completion_ids" in params
+        return self.form == "trl" and self.params is not None and "completion_ids" in self.params
 
     @property
     def columns(self) -> frozenset[str]:
         """Required (no default) named parameters of a TRL function that are data columns."""
-        params = _params(self.fn)
+        params = self.params
         if self.form != "trl" or params is None:
             return frozenset()
         return frozenset(n for n, p in params.items() if n not in TRL_ARGS and p.default is p.empty
@@ -174,7 +179,7 @@ class PluginReward:
             "ground_truth": meta.answer,
             "extra_info": extra if isinstance(extra, dict) else {"index": meta.prompt_id, "question": meta.question,
                                                                  "answer": meta.answer}}
-        params = _params(self.fn)
+        params = self.params
         if not _has_var_keyword(params) and params is not None:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
         return self.fn(**kwargs)
@@ -195,7 +200,7 @@ class PluginReward:
     def _trl(self, meta: Prompt, completions: Sequence[str],
              completion_ids: Sequence[Iterable[int]] | None) -> Scores | Awaitable[Scores]:
         n = len(completions)
-        params = _params(self.fn)
+        params = self.params
         cols = {k: v for k, v in prompt_columns(meta).items() if k not in TRL_ARGS and k != "prompt"}
         kwargs: dict[str, object] = {"prompts": [meta.question] * n, "completions": list(completions),
                                      **{k: [v] * n for k, v in cols.items()}}
