@@ -190,3 +190,22 @@ def test_plain_ours_callables_keep_the_per_completion_path() -> None:
         assert rig.sent[0].rewards == [1.0] * N
     finally:
         rig.close()
+
+
+def test_trls_own_reward_functions_on_a_chat_dataset(tmp_path: Path) -> None:
+    """TRL's shipped ``accuracy_reward(completions, solution, **kwargs)`` and
+    ``think_format_reward``, written for conversational data, as they are: a templated
+    prompt gives TRL's conversational form."""
+    pytest.importorskip("trl")
+    pytest.importorskip("math_verify")
+    from test_tasks import _char_tokenizer, TEMPLATE
+
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"prompt": "1/2 + 1/4?", "solution": "$\\frac{3}{4}$"}) + "\n")
+    cfg = TaskConfig(dataset=str(data), answer_field="solution",
+                     reward="trl.rewards:accuracy_reward,trl.rewards:think_format_reward@0.5")
+    task = build_task(cfg, tokenizer=_char_tokenizer(TEMPLATE))
+    p = task.prompt(0)
+    assert p.templated
+    reward = task.reward_fn  # type: ignore[attr-defined]
+    assert reward.score_batch(p, ["<think>\nadd\n</think>\n\\boxed{0.75}", "so \\boxed{\\frac{1}{2}}"]) == [1.5, 0.0]

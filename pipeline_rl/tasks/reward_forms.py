@@ -8,7 +8,10 @@ by its signature (or set with ``--task.reward_form``):
 - **TRL** (``GRPOTrainer``'s ``reward_funcs``): ``f(prompts, completions, **kwargs) ->
   list[float | None]``: recognised by a parameter named ``completions``. Called with
   keywords, a batch (a group's completions) at a time: ``prompts`` (the prompt as
-  written, once per completion), ``completions`` (the texts), the data's columns as
+  written, once per completion), ``completions`` (the texts), or, where the prompt went
+  through the chat template, both in TRL's conversational form (``[{"role": "user",
+  "content": prompt}]`` and ``[{"role": "assistant", "content": text}]``, as TRL gives a
+  dataset of messages, so ``completion[0]["content"]`` works), the data's columns as
   lists (every column of a dataset but ``prompt``; ``answer``, the reference answer,
   always), and ``completion_ids`` (the generated token ids) when the function names
   it. A ``None`` in the result is "no score" (TRL's convention): scored 0 and counted
@@ -202,8 +205,12 @@ class PluginReward:
         n = len(completions)
         params = self.params
         cols = {k: v for k, v in prompt_columns(meta).items() if k not in TRL_ARGS and k != "prompt"}
-        kwargs: dict[str, object] = {"prompts": [meta.question] * n, "completions": list(completions),
-                                     **{k: [v] * n for k, v in cols.items()}}
+        prompts: list[Any] = [meta.question] * n
+        texts: list[Any] = list(completions)
+        if meta.templated:   # TRL's conversational form
+            prompts = [[{"role": "user", "content": meta.question}] for _ in range(n)]
+            texts = [[{"role": "assistant", "content": c}] for c in completions]
+        kwargs: dict[str, object] = {"prompts": prompts, "completions": texts, **{k: [v] * n for k, v in cols.items()}}
         if self.wants_ids:
             kwargs["completion_ids"] = [list(map(int, ids)) for ids in completion_ids] if completion_ids else None
         if not _has_var_keyword(params) and params is not None:
