@@ -209,3 +209,11 @@ def test_trls_own_reward_functions_on_a_chat_dataset(tmp_path: Path) -> None:
     assert p.templated
     reward = task.reward_fn  # type: ignore[attr-defined]
     assert reward.score_batch(p, ["<think>\nadd\n</think>\n\\boxed{0.75}", "so \\boxed{\\frac{1}{2}}"]) == [1.5, 0.0]
+
+
+def test_trl_reward_returning_a_number_not_a_list_is_one_failure_line(rig_of: Callable[..., _Rig]) -> None:
+    rig = rig_of(reward_fn=lambda prompts, completions, **kwargs: 1.0)
+    assert rig.score(_texts("a", "b", "c", "d"), range(1)) == {0: [0.0] * N}
+    t = rig.tally()
+    assert t.errors == N and t.first_error is not None
+    assert t.first_error.endswith("TypeError: returned float 1.0, not a list of scores")

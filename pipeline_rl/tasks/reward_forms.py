@@ -216,7 +216,14 @@ class PluginReward:
         if not _has_var_keyword(params) and params is not None:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
         out = self.fn(**kwargs)
-        return _listed(out) if inspect.isawaitable(out) else list(out)
+        return _listed(out) if inspect.isawaitable(out) else _as_list(out)
+
+
+def _as_list(out: object) -> Scores:
+    """A batch reward's result as a list; a ``TypeError`` when it is not a sequence."""
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
+        raise TypeError(f"returned {type(out).__name__} {out!r:.40}, not a list of scores")
+    return list(out)  # type: ignore[call-overload]
 
 
 async def _awaited(out: Awaitable[Scores]) -> Scores:
@@ -224,7 +231,7 @@ async def _awaited(out: Awaitable[Scores]) -> Scores:
 
 
 async def _listed(out: Awaitable[Any]) -> Scores:
-    return list(await out)
+    return _as_list(await out)
 
 
 def wrap(fn: Callable[..., Any], name: str, form: Form | Literal["auto"] = "auto",
@@ -232,7 +239,7 @@ def wrap(fn: Callable[..., Any], name: str, form: Form | Literal["auto"] = "auto
     """``fn`` as a :class:`PluginReward` of the given (or detected) form; a one-line
     :class:`TaskError` naming ``task.reward`` and the accepted forms when it fits none."""
     found = detect_form(fn) if form == "auto" else form
-    if found is None:
+    if found is None or (found == "ours" and not _takes_three_args(fn)):
         try:
             sig = str(inspect.signature(fn))
         except (TypeError, ValueError):
