@@ -117,8 +117,9 @@ def test_trl_reward_gets_a_datasets_columns(tmp_path: Path, monkeypatch: pytest.
         rig.close()
     assert seen[0]["solution"] == [p.answer] * N and seen[0]["level"] == [int(p.answer) % 3] * N
     assert seen[0]["prompts"] == [p.question] * N and "question" not in seen[0]   # the prompt comes as prompts
-    with pytest.raises(TaskError, match=r"^task.reward: reward_plugin:trl_needs_level asks for the column 'level', "
-                                        r"which .*qa_no_level.jsonl does not have \(columns: answer, prompt, solution\)$"):
+    with pytest.raises(TaskError, match=r"^task.reward: reward_plugin:trl_needs_level asks for the column "
+                                        r"'level', which .*qa_no_level.jsonl does not have "
+                                        r"\(columns: answer, prompt, solution\)$"):
         nolevel = tmp_path / "qa_no_level.jsonl"
         nolevel.write_text(json.dumps({"prompt": "q", "solution": "1"}) + "\n")
         build_task(TaskConfig(dataset=str(nolevel), answer_field="solution", reward="reward_plugin:trl_needs_level"))
@@ -147,12 +148,14 @@ def test_verl_compute_score_float_and_dict(rig_of: Callable[..., _Rig], tmp_path
         wrap(spy, "spy", data_source="sort").score_batch(p, ["z"])
     assert seen == [{"data_source": "sort", "solution_str": "z", "ground_truth": p.answer,
                      "extra_info": {"index": 5, "question": p.question, "answer": p.answer}}]
-    assert build_task(TaskConfig(name="sort", reward="reward_plugin:compute_score")).reward_fn.data_source == "sort"  # type: ignore[attr-defined]
+    verl = build_task(TaskConfig(name="sort", reward="reward_plugin:compute_score"))
+    assert verl.reward_fn.data_source == "sort"  # type: ignore[attr-defined]
 
 
 def test_weighted_rewards_sum_and_none_adds_nothing(rig_of: Callable[..., _Rig]) -> None:
     rig = rig_of("reward_plugin:exact,reward_plugin:trl_some_none@0.5,reward_plugin:contains_answer@-1")
-    assert isinstance(rig.task.reward_fn, WeightedReward) and not rig.scorer.source.per_completion  # type: ignore[attr-defined]
+    assert isinstance(rig.task.reward_fn, WeightedReward)  # type: ignore[attr-defined]
+    assert not rig.scorer.source.per_completion
     a = rig.task.prompt(2).answer
     # exact + 0.5 * (1 if it starts with y else None) - contains_answer (1.0 or 0.25)
     assert rig.score(lambda pid: [a, "y" + a, "y", "n"], range(2, 3)) == {2: [0.0, -0.5, 0.25, -0.25]}

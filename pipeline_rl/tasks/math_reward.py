@@ -9,7 +9,8 @@ as if in ``\\boxed{}``). Its
 timeouts use ``signal.alarm``, which works in the main thread only, so they are off
 here; instead, an answer SymPy could spend unbounded time on (stacked exponents, a
 factorial, a number of 40 or more digits), or that math-verify misreads (scientific
-notation), is compared by the hand-written matcher below. :func:`backend` says which is used (the driver logs it, one line).
+notation), is compared by the hand-written matcher below. :func:`backend` says which is
+used (the driver logs it, one line).
 
 Without the extra, or when math-verify finds no answer in the reference, the
 hand-written matcher. Extraction, first rule that applies wins:

@@ -9,9 +9,9 @@ The spec is resolved when the task is built, which the driver does before any
 process starts: a spec that is malformed, names a module that cannot be
 imported, an attribute that is missing, or something that is not callable in
 one of the forms is a :class:`TaskError` of one line naming the flag. ``FUNCTION``
-may be a dotted path (``my_rewards:Scorer.score``). The module is imported in every process that builds the task (driver and each
-rollout worker), so it must be importable there (installed, or on
-``PYTHONPATH``).
+may be a dotted path (``my_rewards:Scorer.score``). The module is imported in every
+process that builds the task (driver and each rollout worker), so it must be importable
+there (installed, or on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
