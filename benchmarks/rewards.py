@@ -4,16 +4,20 @@ Usage::
 
     python -m benchmarks.rewards [--steps 200] [--repeats 1] [--json PATH] [--md PATH]
 
-Four runs of the real pipeline (the default run: built-in model, sort task,
+Five runs of the real pipeline (the default run: built-in model, sort task,
 ``--staleness 2``; held-out evaluation off) on one local Ray, back to back, the same
-reward in all four (exact match with the sort task's answer), reached in three ways:
+reward in all five (exact match with the sort task's answer), reached in four ways:
 
 - ``instant``: the task's own reward;
 - ``plugin-50ms``: a plug-in ``def`` reward (``--task.reward benchmarks.rewards:sleepy``)
   that sleeps 50 ms per completion first, as a reward model or a sandbox would;
 - ``remote-20ms``: a remote reward (``--task.reward http://127.0.0.1:PORT/score``) served by
   this process (``http.server``), answering each group's batch after 20 ms;
-- ``plugin-50ms-s4``: ``plugin-50ms`` at ``--staleness 4`` (not part of the acceptance): a
+- ``trl-50ms``: a plug-in reward of TRL's form (``--task.reward benchmarks.rewards:sleepy_batch``,
+  ``f(prompts, completions, answer, **kwargs)``), called once per group, that sleeps 50 ms
+  per call first;
+- ``plugin-50ms-s4`` and ``trl-50ms-s4``: ``plugin-50ms`` and ``trl-50ms`` at ``--staleness 4``
+  (not part of the acceptance): a
   reward's latency ages every sample, so it spends the staleness budget (at most
   ``(staleness + 1) x groups per step`` groups granted ahead of the trainer, docs/design.md
   section 2), and a larger budget buys the time back.
@@ -23,7 +27,7 @@ The slow arms run at the default ``--task.reward_concurrency`` (64) and
 first ``WARMUP`` (from the recorder's clock), the mean reward call and the share of the
 worker's time with a reward in flight (from ``metrics.jsonl``), reward failures, and the
 training reward; and each slow arm's steps per second as a ratio of ``instant``'s in the
-same round (acceptance, for ``plugin-50ms`` and ``remote-20ms``: at least 0.8). With
+same round (acceptance, for ``plugin-50ms``, ``remote-20ms`` and ``trl-50ms``: at least 0.8). With
 ``--repeats`` the rounds rotate the order of the arms and the figures are medians.
 """
 
@@ -51,6 +55,8 @@ WARMUP = 10
 #: What each slow arm's steps per second must reach, as a share of the instant arm's.
 ACCEPT = 0.8
 PLUGIN_SLEEP_S = 0.05
+#: The arms the acceptance is on.
+ACCEPTED_ARMS = ("plugin-50ms", "remote-20ms", "trl-50ms")
 REMOTE_LATENCY_S = 0.02
 
 
@@ -58,6 +64,12 @@ def sleepy(prompt: str, completion: str, meta: Prompt) -> float:
     """The sort task's reward, after 50 ms (the ``plugin-50ms`` arm)."""
     time.sleep(PLUGIN_SLEEP_S)
     return exact_match(completion, meta.answer)
+
+
+def sleepy_batch(prompts: list[str], completions: list[str], answer: list[str], **kwargs: object) -> list[float]:
+    """The sort task's reward in TRL's form, after 50 ms per batch (the ``trl-50ms`` arm)."""
+    time.sleep(PLUGIN_SLEEP_S)
+    return [exact_match(c, a) for c, a in zip(completions, answer)]
 
 
 class _Scores(BaseHTTPRequestHandler):
@@ -142,14 +154,17 @@ def markdown(runs: dict[str, RewardRun], ratios: dict[str, float], accepted: boo
         ratio = f"{ratios[r.name]:.2f}" if r.name in ratios else "1"
         lines.append(f"| {r.name} | {r.steps} | {r.steps_per_s:.2f} | {ratio} | {r.reward_call_ms:.1f} ms "
                      f"| {r.reward_busy_frac:.2f} | {r.reward_failures} | {r.reward_first:.3f} -> {r.reward_last:.3f} |")
-    lines += ["", f"Acceptance (plugin-50ms and remote-20ms at least {ACCEPT}x the instant arm's steps/s): "
+    judged = ", ".join(n for n in ACCEPTED_ARMS if n in ratios)
+    lines += ["", f"Acceptance ({judged} at least {ACCEPT}x the instant arm's steps/s): "
               f"{'pass' if accepted else 'FAIL'}."]
     return "\n".join(lines)
 
 
 def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="Steps per run (default 200).")
-    p.add_argument("--repeats", type=int, default=1, help="Rounds of the four runs, each in a rotated "
+    p.add_argument("--arms", default="plugin-50ms,remote-20ms,trl-50ms,plugin-50ms-s4", help="The slow arms "
+                   "to run beside instant, comma-separated (also: trl-50ms-s4).")
+    p.add_argument("--repeats", type=int, default=1, help="Rounds of the five runs, each in a rotated "
                    "order; figures are medians over rounds.")
 
 
@@ -159,8 +174,10 @@ def run(args: argparse.Namespace) -> Outcome:
     with ray_session(), remote_reward() as url, tempfile.TemporaryDirectory(prefix="rewards_") as tmp:
         arms = {"instant": [], "plugin-50ms": ["--task.reward", "benchmarks.rewards:sleepy"],
                 "remote-20ms": ["--task.reward", url],
-                "plugin-50ms-s4": ["--task.reward", "benchmarks.rewards:sleepy", "--staleness", "4"]}
-        names = list(arms)
+                "trl-50ms": ["--task.reward", "benchmarks.rewards:sleepy_batch"],
+                "plugin-50ms-s4": ["--task.reward", "benchmarks.rewards:sleepy", "--staleness", "4"],
+                "trl-50ms-s4": ["--task.reward", "benchmarks.rewards:sleepy_batch", "--staleness", "4"]}
+        names = ["instant", *(n for n in arms if n != "instant" and n in args.arms.split(","))]
         for r in range(args.repeats):
             order = names[r % len(names):] + names[:r % len(names)]
             rounds.append({n: one_run(n, Path(tmp) / f"{n}_{r}", args.steps, arms[n]) for n in order})
@@ -169,7 +186,7 @@ def run(args: argparse.Namespace) -> Outcome:
     # machine's load), the median over rounds.
     ratios = {n: statistics.median(rd[n].steps_per_s / rd["instant"].steps_per_s if rd["instant"].steps_per_s
                                    else 0.0 for rd in rounds) for n in names[1:]}
-    accepted = all(ratios[n] >= ACCEPT for n in ("plugin-50ms", "remote-20ms"))
+    accepted = all(ratios[n] >= ACCEPT for n in ACCEPTED_ARMS if n in ratios)
     table = markdown(runs, ratios, accepted)
     if args.repeats > 1:
         table += "\n\n" + f"Medians over {args.repeats} rounds (orders rotated); per round, steps/s: " + "; ".join(

@@ -99,15 +99,23 @@ class TaskConfig(Section):
                                       "the chat template (needs --task.chat_template auto and a "
                                       "tokenizer with a template).")
     reward: str | None = Field(None, description="Replace the task's reward. MODULE:FUNCTION: a "
-                               "callable f(prompt, completion, meta) -> float in [0, 1] (def or async "
-                               "def), imported at start-up, so the module must be importable (installed "
-                               "or on PYTHONPATH) on every node. http(s)://HOST:PORT/PATH: a remote "
+                               "callable (def or async def) of our form f(prompt, completion, meta) -> "
+                               "float, TRL's f(prompts, completions, **kwargs) -> list[float] (the data's "
+                               "columns as keyword arguments; None: no score) or verl's "
+                               "compute_score(data_source, solution_str, ground_truth, extra_info=None), "
+                               "told by its signature (see --task.reward_form); imported at start-up, so "
+                               "the module must be importable (installed "
+                               "or on PYTHONPATH) on every node. Several, weighted: "
+                               "SPEC@WEIGHT,SPEC@WEIGHT (summed). http(s)://HOST:PORT/PATH: a remote "
                                "reward; each group's completions are one POST of a JSON list "
                                "[{\"prompt\": ..., \"completion\": ..., \"answer\": ... or null}, ...] "
                                "(prompt as written, before any chat template; answer: the reference "
                                "answer) answered by a JSON list of as many numbers, in order; "
                                "keep-alive, retried 3 times with back-off on connection errors and "
                                "5xx; at start-up a POST of [] must be answered with a JSON list.")
+    reward_form: Literal["auto", "ours", "trl", "verl"] = Field(
+        "auto", description="How --task.reward's functions are called: auto tells by the signature "
+        "(a 'completions' parameter: trl; 'solution_str' and 'ground_truth': verl; else ours).")
     reward_concurrency: int = Field(64, ge=1, le=4096, description="Reward calls a rollout worker "
                                     "keeps in flight at most: threads for a def reward or a remote "
                                     "one (one connection each), concurrent calls of an async def one "

@@ -84,6 +84,10 @@ def check_task(cfg: Config, model_dir: str) -> None:
     from pipeline_rl.tasks import TaskError, build_task, check_tokenizer, plugin_reward
 
     tokenizer = check_tokenizer(cfg.task, model_dir)
+    if cfg.task.name == "dataset" and cfg.task.reward is None:
+        from pipeline_rl.tasks.math_reward import backend
+
+        log.info("%s", backend())
     limit = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
     train = build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, max_prompt_tokens=limit, evaluation=cfg.eval)
     if not cfg.eval.every:

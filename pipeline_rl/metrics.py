@@ -43,7 +43,9 @@ class StepMetrics:
     ``reward_errors`` / ``reward_timeouts``: completions scored 0 so far because their reward
     failed (raised, returned a non-number) / timed out (cumulative, all workers);
     ``reward_s``: the mean duration of a reward call and ``reward_busy_frac`` the share of
-    the workers' time with a reward call in flight, over the last window.
+    the workers' time with a reward call in flight, over the last window;
+    ``reward_unscored``: completions a reward gave no score (``None``, TRL's convention),
+    scored 0 (cumulative, all workers).
     """
 
     step: int
@@ -69,6 +71,7 @@ class StepMetrics:
     reward_timeouts: int = 0
     reward_s: float = 0.0
     reward_busy_frac: float = 0.0
+    reward_unscored: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_record(self) -> dict[str, Any]:

@@ -350,3 +350,20 @@ def test_real_run_tells_the_first_reward_failure_once_and_counts_the_rest(
     stdout = capsys.readouterr().out
     assert any("| reward errors " in line for line in stdout.splitlines() if line.startswith("step"))
     assert f"| reward errors / timeouts (scored 0) | {rows[-1]['reward_errors']} / 0 |" in " ".join(stdout.split())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["reward_plugin:exact", "reward_plugin:compute_score"])
+def test_trl_and_verl_reward_functions_as_written_run_the_default_task(
+        spec: str, ray_with_plugins: None, tiny_model_dir: str, tmp_path: Path) -> None:
+    """TRL's ``exact(prompts, completions, answer, **kwargs)`` and verl's ``compute_score(
+    data_source, solution_str, ground_truth, extra_info=None)``, unchanged, for 20 steps."""
+    from pipeline_rl.driver import run
+    from pipeline_rl.metrics import read_metrics
+    from tiny_run import tiny_run_config
+
+    out = tmp_path / "run"
+    assert run(tiny_run_config(tiny_model_dir, out, "--max-steps", "20", "--task.reward", spec)) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert len(rows) == 20 and rows[-1]["reward_errors"] == 0 and rows[-1]["reward_timeouts"] == 0
+    assert rows[-1]["reward_unscored"] == 0 and rows[-1]["reward_s"] > 0

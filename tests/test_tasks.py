@@ -455,7 +455,8 @@ def test_plugin_reward_replaces_builtin_and_dataset_rewards(tmp_path: Path, plug
     ("reward_plugin:missing", "module 'reward_plugin' has no attribute 'missing'"),
     ("reward_plugin:Scorer.nope", "module 'reward_plugin' has no attribute 'Scorer.nope'"),
     ("reward_plugin:NOT_CALLABLE", r"'reward_plugin:NOT_CALLABLE' is not callable \(it is a int\)"),
-    ("reward_plugin:two_args", r"must accept \(prompt, completion, meta\)"),
+    ("reward_plugin:two_args", r"matches none of the reward forms \(its signature is \(prompt: 'str', "
+                               r"completion: 'str'\) -> 'float'\); accepted: ours f\(prompt, completion, meta\)"),
     ("broken_reward_module:f", r"importing module 'broken_reward_module' failed: ZeroDivisionError"),
 ])
 def test_bad_reward_specs_are_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -503,7 +504,10 @@ def test_importing_tasks_stays_light() -> None:
 
 @pytest.mark.parametrize("flags, needle", [
     (["--task.reward", "no_such_module_xyz:score"], "task.reward: cannot import"),
-    (["--task.reward", "reward_plugin:two_args"], "task.reward: 'reward_plugin:two_args' must accept"),
+    (["--task.reward", "reward_plugin:two_args"], "task.reward: reward_plugin:two_args matches none of the "
+                                                  "reward forms"),
+    (["--task.reward", "reward_plugin:trl_needs_level"], "task.reward: reward_plugin:trl_needs_level asks for "
+                                                         "the column 'level', which "),
     (["--task.prompt_field", "question", "--task.answer_field", "nope"], "task.answer_field: "),
 ])
 def test_driver_stops_on_bad_task_before_anything_starts(flags: list[str], needle: str, tmp_path: Path,

@@ -6,11 +6,10 @@ Where rewards run: on one asyncio event loop, in a thread of the worker's own
 
 - the task's own (built-in) reward: on that loop, once per group (it is pure and fast,
   and never raises: the ``Task`` contract);
-- a plug-in ``def`` reward: once per completion, on a pool of ``--task.reward_concurrency``
-  threads;
-- a plug-in ``async def`` reward: once per completion, on the loop;
-- a remote reward (:class:`~pipeline_rl.tasks.base.BatchReward`): once per group, on the
-  thread pool (one keep-alive connection per thread).
+- a plug-in reward (:mod:`pipeline_rl.tasks.reward_forms`, called through its
+  ``score_batch``): once per completion (our form, verl's) or once per group (TRL's, a
+  remote reward, several weighted with one of those); a ``def`` one on a pool of
+  ``--task.reward_concurrency`` threads, an ``async def`` one on the loop.
 
 At most ``reward_concurrency`` calls are in flight. A call not done after
 ``--task.reward_timeout_s`` scores 0 and is counted as a timeout (an ``async def`` one is
@@ -18,7 +17,8 @@ cancelled; a thread cannot be, so its slot is freed only when it returns). Score
 are sent by one sending thread (a full buffer blocks it, never the loop).
 
 Failures -- a call that raises, a value that is not a finite number, a timeout -- score
-that completion 0 and are counted (``RewardTally``); the first one is kept as one line
+that completion 0 and are counted (``RewardTally``); so is a ``None`` (no score, TRL's
+convention), counted apart (``unscored``), never a failure; the first one is kept as one line
 naming the reward, the prompt and the error (``WorkerStats.rewards.first_error``: the
 driver prints it). With ``--task.reward_errors fail`` it stops the worker instead; so
 does a reward that failed on its first ``REWARD_FAILURES_FATAL`` completions without a
@@ -30,10 +30,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,16 +47,20 @@ from pipeline_rl.rollout.episodes import Episode
 from pipeline_rl.rollout.ports import SenderLike
 from pipeline_rl.rollout.worker_stats import Counters
 from pipeline_rl.samples import I32, Completion, Group
-from pipeline_rl.tasks.base import BatchReward, Prompt, RewardFn, Task
+from pipeline_rl.tasks.base import Prompt, RewardFn, Task
 from pipeline_rl.tasks.chat import plugin_reward
+from pipeline_rl.tasks.reward_forms import PluginReward, finite_or_none, wrap
+from pipeline_rl.tasks.reward_mix import Reward, WeightedReward
 
 log = logging.getLogger(__name__)
 
 #: A reward function that failed this many times without ever succeeding ends the run.
 REWARD_FAILURES_FATAL = 32
 
-#: One reward call: ``(prompt, completions) -> one value per completion`` (or an awaitable of it).
-Call = Callable[[Prompt, Sequence[str]], list[object] | Awaitable[list[object]]]
+#: Token ids of completions, in order (None where not at hand: evaluations, episodes).
+Ids = Sequence[Iterable[int]] | None
+#: One reward call: ``(prompt, completions, their ids) -> one value per completion`` (or an awaitable of it).
+Call = Callable[[Prompt, Sequence[str], Ids], list[object] | Awaitable[list[object]]]
 
 
 class RewardFailed(RuntimeError):
@@ -76,22 +79,17 @@ class RewardSource:
     on_pool: bool
 
 
-def reward_source(cfg: TaskConfig, task: Task, reward_fn: RewardFn | None = None) -> RewardSource:
+def reward_source(cfg: TaskConfig, task: Task, reward_fn: Reward | RewardFn | None = None) -> RewardSource:
     """How a worker scores ``task``: ``reward_fn`` when given (tests, benchmarks), else its
     plug-in (``--task.reward``), else its own reward (see the module docstring)."""
     fn = reward_fn if reward_fn is not None else plugin_reward(task)
     if fn is None:
         own = task.reward
-        return RewardSource(f"of the {task.name} task", lambda p, ts: [own(p.text, t, p) for t in ts], False, False)
+        return RewardSource(f"of the {task.name} task", lambda p, ts, ids: [own(p.text, t, p) for t in ts],
+                            False, False)
     name = cfg.reward if reward_fn is None and cfg.reward else getattr(fn, "__qualname__", repr(fn))
-    if isinstance(fn, BatchReward):
-        return RewardSource(name, fn.score_batch, False, True)
-    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-    if is_async:
-        async def one(p: Prompt, ts: Sequence[str]) -> list[object]:
-            return [await fn(p.text, ts[0], p)]  # type: ignore[misc]
-        return RewardSource(name, one, True, False)
-    return RewardSource(name, lambda p, ts: [fn(p.text, ts[0], p)], True, True)
+    reward = fn if isinstance(fn, (PluginReward, WeightedReward)) else wrap(fn, name)
+    return RewardSource(name, reward.score_batch, reward.per_completion, not reward.is_async)
 
 
 @dataclass(slots=True)
@@ -184,7 +182,7 @@ class Scorer:
             parts = await asyncio.gather(*(asyncio.wrap_future(pending.early[i]) for i in range(self.n)))
             rewards = [r for part in parts for r in part]
         else:
-            rewards = await self.score(pending.prompt, [s.text for s in seqs])
+            rewards = await self.score(pending.prompt, [s.text for s in seqs], [s.token_ids for s in seqs])
         await self._send(pending, tuple(Completion(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
                                                    reward=r, finish_reason=s.finish_reason)
                                         for s, r in zip(seqs, rewards)))
@@ -218,17 +216,18 @@ class Scorer:
             raise
         pending.future.set_result(result)
 
-    async def score(self, prompt: Prompt, texts: Sequence[str]) -> list[float]:
-        """The rewards of ``texts`` (completions of ``prompt``), failures scored 0."""
+    async def score(self, prompt: Prompt, texts: Sequence[str], ids: Ids = None) -> list[float]:
+        """The rewards of ``texts`` (completions of ``prompt``; ``ids``: their token ids),
+        failures and no scores 0."""
         if not self.source.per_completion:
-            return await self._call(prompt, texts)
+            return await self._call(prompt, texts, ids)
         parts = await asyncio.gather(*(self._call(prompt, [t]) for t in texts))
         return [r for part in parts for r in part]
 
-    async def _call(self, prompt: Prompt, texts: Sequence[str]) -> list[float]:
+    async def _call(self, prompt: Prompt, texts: Sequence[str], ids: Ids = None) -> list[float]:
         await self._slots.acquire()
         start = self._began()
-        task = asyncio.ensure_future(self._invoke(prompt, texts))
+        task = asyncio.ensure_future(self._invoke(prompt, texts, ids))
         task.add_done_callback(lambda t: self._ended(t, start))
         done, _ = await asyncio.wait({task}, timeout=self._timeout_s)
         if not done:
@@ -244,24 +243,24 @@ class Scorer:
             return self._failed(prompt, len(texts), e)
         return [self._checked(prompt, v) for v in values]
 
-    async def _invoke(self, prompt: Prompt, texts: Sequence[str]) -> list[object]:
-        out = (await self._loops.loop.run_in_executor(self._pool, self.source.call, prompt, texts)
-               if self.source.on_pool else self.source.call(prompt, texts))
+    async def _invoke(self, prompt: Prompt, texts: Sequence[str], ids: Ids) -> list[object]:
+        out = (await self._loops.loop.run_in_executor(self._pool, self.source.call, prompt, texts, ids)
+               if self.source.on_pool else self.source.call(prompt, texts, ids))
         return list(await out if inspect.isawaitable(out) else out)
 
     def _checked(self, prompt: Prompt, value: object) -> float:
-        """``value`` as a finite float, counted as a success; else a failure scored 0."""
+        """``value`` as a finite float, counted as a success; ``None`` (no score) counted as
+        unscored, 0; else a failure scored 0."""
         try:
-            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-                raise TypeError(f"returned {type(value).__name__} {value!r:.40}, not a number")
-            number = float(value)
-            if not math.isfinite(number):
-                raise ValueError(f"returned {number}, not a finite number")
+            number = finite_or_none(value)
         except Exception as e:  # noqa: BLE001 -- a bad value: counted as the reward's failure
             return self._failed(prompt, 1, e)[0]
         with self._lock:
-            self._c.reward_ok += 1
-        return number
+            if number is None:
+                self._c.reward_unscored += 1
+            else:
+                self._c.reward_ok += 1
+        return 0.0 if number is None else number
 
     def _failed(self, prompt: Prompt, count: int, err: BaseException, *, timeout: bool = False) -> list[float]:
         """Count ``count`` completions of ``prompt`` as failed (``err``) and score them 0;

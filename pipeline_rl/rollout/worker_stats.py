@@ -33,17 +33,19 @@ class RewardTally:
     errors: int = 0         # completions scored 0 because their call failed (not by timeout)
     timeouts: int = 0       # completions scored 0 because their call timed out
     first_error: str | None = None  # the first failure, one line (None while none)
+    unscored: int = 0       # completions a reward gave no score (None, TRL's convention): scored 0
 
     def minus(self, old: "RewardTally") -> "RewardTally":
         """What happened since ``old`` (an earlier tally of the same worker), never negative."""
         return RewardTally(max(0, self.calls - old.calls), max(0.0, self.seconds - old.seconds),
                            max(0.0, self.busy_s - old.busy_s), max(0, self.errors - old.errors),
-                           max(0, self.timeouts - old.timeouts), self.first_error)
+                           max(0, self.timeouts - old.timeouts), self.first_error,
+                           max(0, self.unscored - old.unscored))
 
     def plus(self, other: "RewardTally") -> "RewardTally":
         return RewardTally(self.calls + other.calls, self.seconds + other.seconds, self.busy_s + other.busy_s,
                            self.errors + other.errors, self.timeouts + other.timeouts,
-                           self.first_error or other.first_error)
+                           self.first_error or other.first_error, self.unscored + other.unscored)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,7 @@ class Counters:
     reward_errors: int = 0
     reward_timeouts: int = 0
     reward_first_error: str | None = None
+    reward_unscored: int = 0        # completions a reward gave no score (None)
     reward_in_flight: int = 0       # reward calls running now
     reward_busy_since: float = 0.0  # perf_counter() when reward_in_flight last left 0
     updates_applied: int = 0
@@ -121,7 +124,7 @@ class Counters:
         c = self
         busy = c.reward_busy_s + (time.perf_counter() - c.reward_busy_since if c.reward_in_flight else 0.0)
         rewards = RewardTally(c.reward_calls, c.reward_s, busy, c.reward_errors, c.reward_timeouts,
-                              c.reward_first_error)
+                              c.reward_first_error, c.reward_unscored)
         return WorkerStats(
             worker_id=worker_id, version=version, groups_started=c.groups_started,
             groups_sent=c.groups_sent, tokens_generated=c.tokens, steps=c.steps, step_s=c.step_s,

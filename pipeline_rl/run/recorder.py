@@ -210,6 +210,7 @@ class StepRecorder:
             trainer_idle_frac=min(1.0, max(r.wait_s for r in reports) / step_wall) if step_wall else 0.0,
             weight_update_stall_ms=rates.stall_ms, weight_sync_ms=rates.sync_ms,
             reward_errors=self._stats.rewards.errors, reward_timeouts=self._stats.rewards.timeouts,
+            reward_unscored=self._stats.rewards.unscored,
             reward_s=rates.reward_s, reward_busy_frac=rates.reward_busy_frac,
             step_time_s=step_wall, loss=float(res[0].loss), buffer_fill=buf.fill,
             completion_len_mean=sum(r.num_tokens for r in res) / max(1, sum(r.num_seqs for r in res)),

@@ -23,6 +23,8 @@ from pipeline_rl.tasks.calc import CalcTask
 from pipeline_rl.tasks.chat import ConfiguredTask, Renderer, chat_renderer, has_chat_template, plugin_reward
 from pipeline_rl.tasks.dataset import DatasetTask, Encoder, load_dataset_task, prompt_tokens
 from pipeline_rl.tasks.plugin import resolve_reward
+from pipeline_rl.tasks.reward_forms import PluginReward
+from pipeline_rl.tasks.reward_mix import Reward, WeightedReward
 
 if TYPE_CHECKING:
     from pipeline_rl.config import EvalConfig, TaskConfig
@@ -73,7 +75,7 @@ def _check_builtin_fits(cfg: "TaskConfig", tokenizer: Encoder, max_prompt_tokens
 
 def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = None,
                max_prompt_tokens: int | None = None, split: Split = "train",
-               evaluation: "EvalConfig | None" = None, reward_fn: RewardFn | None = None) -> Task:
+               evaluation: "EvalConfig | None" = None, reward_fn: "Reward | RewardFn | None" = None) -> Task:
     """The task a config names, as the rollout workers must see it.
 
     - ``split``: ``train`` prompts, or the held-out ``eval`` ones. Built-in tasks always
@@ -99,7 +101,9 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
     The task is returned unwrapped when neither a template nor a plug-in reward applies.
     """
     if reward_fn is None and cfg.reward is not None:
-        reward_fn = resolve_reward(cfg.reward, cfg.reward_timeout_s)
+        source = cfg.name if cfg.dataset is None else Path(cfg.dataset).stem
+        reward_fn = resolve_reward(cfg.reward, cfg.reward_timeout_s, cfg.reward_form, source)
+    keep = isinstance(reward_fn, (PluginReward, WeightedReward)) and reward_fn.wants_columns
     render = task_renderer(cfg, tokenizer)
     check = tokenizer is not None and max_prompt_tokens is not None
     base: Task
@@ -112,13 +116,16 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
         base = load_dataset_task(eval_file or cfg.dataset, seed=seed, prompt_field=cfg.prompt_field,
                                  answer_field=cfg.answer_field, tokenizer=tokenizer if check else None,
                                  max_prompt_tokens=max_prompt_tokens, render=render,
-                                 split=split if split_rows else None)
+                                 split=split if split_rows else None, keep_columns=keep)
     else:
         builtin = AdditionTask if cfg.name == "addition" else SortTask if cfg.name == "sort" else (
             CalcTask if cfg.name == "calc" else CountdownTask)
         base = builtin(cfg.digits, cfg.num_prompts, seed, split)
         if tokenizer is not None and max_prompt_tokens is not None:
             _check_builtin_fits(cfg, tokenizer, max_prompt_tokens, render)
+    if isinstance(reward_fn, (PluginReward, WeightedReward)):
+        names = base.column_names if isinstance(base, DatasetTask) else frozenset({"prompt", "answer"})
+        reward_fn.check_columns(names, str(base.path) if isinstance(base, DatasetTask) else f"the {cfg.name} task")
     if render is None and reward_fn is None:
         return base
     task = ConfiguredTask(base, render, reward_fn)
@@ -205,7 +212,7 @@ def check_tokenizer(cfg: "TaskConfig", model_dir: str) -> Encoder:
 def build_task_for_model(cfg: "TaskConfig", model_dir: str, *, seed: int = 0,
                          max_prompt_tokens: int | None = None, split: Split = "train",
                          evaluation: "EvalConfig | None" = None,
-                         tokenizer: Encoder | None = None, reward_fn: RewardFn | None = None) -> Task:
+                         tokenizer: Encoder | None = None, reward_fn: "Reward | RewardFn | None" = None) -> Task:
     """:func:`build_task` with the tokenizer of the model in ``model_dir`` (see
     :func:`task_tokenizer`; pass ``tokenizer`` to reuse one already loaded), so prompts
     get its chat template."""

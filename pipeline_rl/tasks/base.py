@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 #: Which prompts a task serves: ``train`` (the default) or the held-out ``eval`` split.
@@ -44,13 +45,15 @@ class Prompt:
     generation prompt appended. ``raw_prompt`` is the prompt as written when a
     template was applied, else None (``text`` is then the prompt as written).
     ``answer`` is the reference answer the reward compares against, never
-    templated.
+    templated. ``columns``: the dataset row's other columns, kept only for a reward that
+    takes them (TRL's and verl's forms, :mod:`pipeline_rl.tasks.reward_forms`), else empty.
     """
 
     prompt_id: int
     text: str
     answer: str
     raw_prompt: str | None = None
+    columns: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     @property
     def templated(self) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeGuard, runtime_checkable
 
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task, TaskError
+from pipeline_rl.tasks.reward_mix import Reward
 
 #: Maps a prompt as written to the text fed to the model.
 Renderer = Callable[[str], str]
@@ -74,7 +75,7 @@ class ConfiguredTask:
 
     base: Task
     render: Renderer | None = None
-    reward_fn: RewardFn | None = None
+    reward_fn: "Reward | RewardFn | None" = None
 
     @property
     def name(self) -> str:
@@ -88,7 +89,7 @@ class ConfiguredTask:
         p = self.base.prompt(prompt_id)
         if self.render is None:
             return p
-        return Prompt(p.prompt_id, self.render(p.text), p.answer, raw_prompt=p.text)
+        return Prompt(p.prompt_id, self.render(p.text), p.answer, raw_prompt=p.text, columns=p.columns)
 
     def reward(self, prompt: str, completion: str, meta: Prompt) -> float:
         """The plug-in reward when set (it may raise: the rollout worker counts and logs
@@ -106,6 +107,6 @@ async def _awaited(value: Awaitable[float]) -> float:
     return await value
 
 
-def plugin_reward(task: Task) -> RewardFn | None:
+def plugin_reward(task: Task) -> "Reward | RewardFn | None":
     """The plug-in reward (``--task.reward``) that replaced ``task``'s own, or None."""
     return task.reward_fn if isinstance(task, ConfiguredTask) else None

@@ -33,7 +33,8 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
@@ -60,6 +61,7 @@ class Row:
     pos: int
     prompt: str
     answer: str
+    columns: Mapping[str, object] = field(default_factory=dict, compare=False)
 
 
 def location(path: Path, pos: int) -> str:
@@ -80,7 +82,8 @@ def _check_values(where: str, prompt: object, answer: object, prompt_key: str,
     return prompt, str(answer)
 
 
-def _parse_line(path: Path, line_no: int, line: str, prompt_key: str, answer_key: str) -> Row:
+def _parse_line(path: Path, line_no: int, line: str, prompt_key: str, answer_key: str,
+                keep: bool = False) -> Row:
     where = location(path, line_no)
     try:
         obj = json.loads(line)
@@ -93,16 +96,23 @@ def _parse_line(path: Path, line_no: int, line: str, prompt_key: str, answer_key
         if key not in obj:
             raise TaskError(f"{where}: row has no '{key}' field (task.{flag}; fields: "
                             f"{', '.join(sorted(obj)) or 'none'})")
-    return Row(line_no, *_check_values(where, obj[prompt_key], obj[answer_key], prompt_key, answer_key))
+    prompt, answer = _check_values(where, obj[prompt_key], obj[answer_key], prompt_key, answer_key)
+    return Row(line_no, prompt, answer, _others(obj, prompt_key) if keep else {})
 
 
-def load_jsonl_rows(path: Path, prompt_key: str, answer_key: str) -> list[Row]:
-    """Every row of a JSONL file, validated; raises on the first bad line."""
+def _others(row: Mapping[str, object], prompt_key: str) -> dict[str, object]:
+    """A row's columns but the prompt (a reward of TRL's or verl's form gets them)."""
+    return {k: v for k, v in row.items() if k != prompt_key}
+
+
+def load_jsonl_rows(path: Path, prompt_key: str, answer_key: str, keep: bool = False) -> list[Row]:
+    """Every row of a JSONL file, validated (``keep``: with its other columns); raises on
+    the first bad line."""
     rows: list[Row] = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
-                rows.append(_parse_line(path, line_no, line, prompt_key, answer_key))
+                rows.append(_parse_line(path, line_no, line, prompt_key, answer_key, keep))
     return rows
 
 
@@ -156,7 +166,7 @@ def _batches(path: Path, ds: Any) -> Iterator[dict[str, list[Any]]]:
         yield batch
 
 
-def load_table_rows(path: Path, prompt_key: str, answer_key: str) -> list[Row]:
+def load_table_rows(path: Path, prompt_key: str, answer_key: str, keep: bool = False) -> list[Row]:
     """Every row of a non-JSONL dataset, validated; raises on a missing column or the first bad row."""
     try:
         ds = _open_table(path)
@@ -169,22 +179,25 @@ def load_table_rows(path: Path, prompt_key: str, answer_key: str) -> list[Row]:
     rows: list[Row] = []
     for batch in _batches(path, ds):
         _check_columns(path, list(batch), prompt_key, answer_key)
-        for prompt, answer in zip(batch[prompt_key], batch[answer_key]):
+        for i, (prompt, answer) in enumerate(zip(batch[prompt_key], batch[answer_key])):
             where = location(path, len(rows))
-            rows.append(Row(len(rows), *_check_values(where, prompt, answer, prompt_key, answer_key)))
+            checked = _check_values(where, prompt, answer, prompt_key, answer_key)
+            others = _others({k: v[i] for k, v in batch.items()}, prompt_key) if keep else {}
+            rows.append(Row(len(rows), *checked, others))
     return rows
 
 
-def load_rows(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Row]:
-    """Read and validate every row of a dataset (any supported format); raises
-    :class:`TaskError` on the first problem."""
+def load_rows(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
+              keep_columns: bool = False) -> list[Row]:
+    """Read and validate every row of a dataset (any supported format), with their other
+    columns when ``keep_columns``; raises :class:`TaskError` on the first problem."""
     p = Path(path)
     if not p.exists():
         raise TaskError(f"task.dataset: no such file: {p} (give a local {FORMATS}; nothing is downloaded)")
     if p.suffix == ".jsonl" and p.is_file():
-        rows = load_jsonl_rows(p, prompt_key, answer_key)
+        rows = load_jsonl_rows(p, prompt_key, answer_key, keep_columns)
     else:
-        rows = load_table_rows(p, prompt_key, answer_key)
+        rows = load_table_rows(p, prompt_key, answer_key, keep_columns)
     if not rows:
         raise TaskError(f"task.dataset: {p} holds no rows")
     return rows
@@ -233,7 +246,14 @@ class DatasetTask:
     def prompt(self, prompt_id: int) -> Prompt:
         order: tuple[int, ...] = getattr(self, "_order")
         row = self.rows[order[pool_index(prompt_id, len(self.rows))]]
-        return Prompt(prompt_id, row.prompt, row.answer)
+        return Prompt(prompt_id, row.prompt, row.answer, columns=row.columns)
+
+    @property
+    def column_names(self) -> frozenset[str]:
+        """The columns every row has (a reward of TRL's form may ask for them by name);
+        only those kept (``keep_columns``) besides the prompt and the answer."""
+        names = frozenset.intersection(*(frozenset(r.columns) for r in self.rows)) if self.rows else frozenset()
+        return names | {"prompt", "answer"}
 
     def reward(self, prompt: str, completion: str, meta: Prompt) -> float:
         return math_reward(completion, meta.answer)
@@ -242,13 +262,14 @@ class DatasetTask:
 def load_dataset_task(path: str | Path, *, seed: int = 0, prompt_field: str = "prompt",
                       answer_field: str = "answer", tokenizer: Encoder | None = None,
                       max_prompt_tokens: int | None = None,
-                      render: Callable[[str], str] | None = None, split: Split | None = None) -> DatasetTask:
+                      render: Callable[[str], str] | None = None, split: Split | None = None,
+                      keep_columns: bool = False) -> DatasetTask:
     """Load and validate a dataset; with a tokenizer and a limit, also check every prompt
     (as ``render`` turns it into model input, when given) fits. ``split`` keeps only the
     rows on that side of the held-out split (:func:`is_held_out` of the prompt); None
     keeps them all."""
     p = Path(path)
-    rows = load_rows(p, prompt_key=prompt_field, answer_key=answer_field)
+    rows = load_rows(p, prompt_key=prompt_field, answer_key=answer_field, keep_columns=keep_columns)
     if split is not None:
         rows = [r for r in rows if is_held_out(r.prompt) == (split == "eval")]
         if not rows:

@@ -1,6 +1,19 @@
 """Math answer matching: pull the final answer out of a completion and compare it with a reference.
 
-Extraction, first rule that applies wins:
+With the ``math`` extra installed (``pip install -e .[math]``: Hugging Face's
+``math-verify``), :func:`math_reward` uses it: the answer extraction it provides (the last
+``\\boxed{}``, LaTeX, plain expressions and numbers) and equivalence through SymPy
+(``\\frac{1}{2}`` = ``0.5``, ``2\\sqrt{2}`` = ``\\sqrt{8}``, ``x^2+2x+1`` = ``(x+1)^2``).
+A reference answer is read as below (after the last ``####``, else as written; a bare one
+as if in ``\\boxed{}``). Its
+timeouts use ``signal.alarm``, which works in the main thread only, so they are off
+here; instead, an answer SymPy could spend unbounded time on (stacked exponents, a
+factorial, a number of 40 or more digits), or that math-verify misreads (scientific
+notation), is compared by the hand-written matcher below. :func:`backend` says which is
+used (the driver logs it, one line).
+
+Without the extra, or when math-verify finds no answer in the reference, the
+hand-written matcher. Extraction, first rule that applies wins:
 
 1. the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced;
 2. the text after the last ``####`` (GSM8K style), up to the end of that line;
@@ -21,9 +34,13 @@ any input.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from fractions import Fraction
+from typing import Any, Callable
+
+from pipeline_rl.tasks.base import strip_eos
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
@@ -125,10 +142,75 @@ def answers_match(predicted: str, reference: str) -> bool:
     return p == r
 
 
-def math_reward(completion: str, answer: str) -> float:
-    """1.0 when the answer extracted from ``completion`` matches ``answer``, else 0.0."""
+def fallback_reward(completion: str, answer: str) -> float:
+    """The hand-written matcher: 1.0 when the answer extracted from ``completion``
+    matches ``answer``, else 0.0."""
     try:
         predicted = extract_answer(completion)
         return 1.0 if predicted is not None and answers_match(predicted, answer) else 0.0
     except Exception:  # a reward function must never take a rollout worker down
         return 0.0
+
+
+#: What SymPy may take unbounded time on (stacked exponents, a factorial, a huge number), and
+#: what math-verify misreads (scientific notation: it takes ``1e999`` for 1).
+_RISKY = re.compile(r"\^\s*\{?[^{}^]{0,20}\^|\d\s*!|\}\s*!|\d{40}|\d[eE][+-]?\d")
+
+
+@functools.lru_cache(maxsize=1)
+def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """math-verify's ``parse`` and ``verify``, or None without the extra."""
+    try:
+        import logging
+
+        from math_verify import parse, verify
+        for name in ("math_verify.parser", "math_verify.grader"):   # "timeout is disabled", said once
+            logging.getLogger(name).setLevel(logging.ERROR)
+    except ImportError:
+        return None
+    return parse, verify
+
+
+def backend() -> str:
+    """Which matcher :func:`math_reward` uses, as one line."""
+    if _math_verify() is None:
+        return "math answers: the built-in matcher (pip install -e .[math] for math-verify)"
+    from importlib.metadata import version
+
+    return f"math answers: math-verify {version('math-verify')}"
+
+
+def _reference(answer: str) -> str:
+    s = answer.strip()
+    if "####" in s:
+        tail = s.rsplit("####", 1)[1].strip()
+        s = tail.splitlines()[0] if tail else ""
+    return s
+
+
+def verified_reward(completion: str, answer: str) -> float | None:
+    """math-verify's verdict (1.0 or 0.0), or None when it cannot give one here (no
+    extra, no answer found in the reference, a risky answer)."""
+    mv = _math_verify()
+    if mv is None:
+        return None
+    parse, verify = mv
+    gold_text, text = _reference(answer), completion
+    if _RISKY.search(gold_text) or _RISKY.search(text[-400:]):
+        return None
+    boxed = gold_text if "\\boxed" in gold_text or "$" in gold_text else f"\\boxed{{{gold_text}}}"
+    gold = parse(boxed, parsing_timeout=None) or parse(gold_text, parsing_timeout=None)
+    if not gold:
+        return None
+    pred = parse(text, parsing_timeout=None)
+    return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 when the answer in ``completion`` matches ``answer``, else 0.0: math-verify's
+    verdict when it gives one, else the hand-written matcher's. Never raises."""
+    try:
+        verdict = verified_reward(strip_eos(completion), answer)
+    except Exception:  # a reward function must never take a rollout worker down
+        verdict = None
+    return fallback_reward(completion, answer) if verdict is None else verdict
