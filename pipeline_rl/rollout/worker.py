@@ -114,7 +114,7 @@ class RolloutWorker:
         factory = resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
         self._episodes = None if factory is None else EpisodeDriver(
             factory, cfg.task, self._engine, cfg.rollout.max_model_len, str(worker_id), self._wake.set,
-            self._episode_ended, lambda line: self._scorer.failure(line, env=True))
+            self._episode_ended, lambda line, timeout: self._scorer.failure(line, env=True, timeout=timeout))
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:
@@ -297,7 +297,11 @@ class RolloutWorker:
         Only with nothing to step does the loop wait for the answer (``idle_wait_s`` at a
         time, counted as idle): no polling, no latency lost to it at any staleness."""
         self._poll_answer(0.0)
-        free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished() - self._waiting_envs()
+        # Episodes waiting for their environment hold no engine slot, up to as many as the
+        # environment may serve at once (a slow or hung one then never empties the engine);
+        # beyond that they queue for it and count, so they never pile up without bound.
+        queued = max(0, self._waiting_envs() - self.cfg.task.env_concurrency)
+        free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished() - queued
         room = -(-free // self.n) - self._granted
         if max_groups is not None:
             room = min(room, max_groups - self._c.groups_started - self._granted)
@@ -385,7 +389,9 @@ class RolloutWorker:
         return self._episodes.waiting if self._episodes is not None else 0
 
     def _episode_ended(self, ep: Episode) -> None:
-        """A finished episode: into its evaluation, or its group (complete: to the scorer)."""
+        """A finished episode: counted, then into its evaluation, or its group (complete: to the scorer)."""
+        with self._lock:
+            self._c.episode_ended(ep.ended, ep.turns, ep.env_s, ep.tool_calls, ep.tool_errors)
         if ep.key.startswith(EVAL_PREFIX):
             self._answered(ep.key, ep.text, ep.completion(0.0).model_versions, ep.reward)
             return

@@ -35,12 +35,15 @@ class EnvReply:
     """An environment's answer to one model turn. ``text`` (or ``token_ids``, which win
     when given) is appended to the episode as environment tokens; ``done`` ends the
     episode; ``reward`` is the episode's reward (in [0, 1]), read when ``done`` (None:
-    the task's reward scores the episode's model text)."""
+    the task's reward scores the episode's model text). ``tool_calls`` / ``tool_errors``:
+    the tool calls this answer ran, and how many of them failed (the turn metrics count them)."""
 
     text: str = ""
     token_ids: tuple[int, ...] | None = None
     reward: float | None = None
     done: bool = False
+    tool_calls: int = 0
+    tool_errors: int = 0
 
 
 @runtime_checkable
@@ -82,7 +85,7 @@ class ToolEnv(ABC):
             return EnvReply(reward=self.score(self.prompt, turn), done=True)
         tool = self.tools.get(found.group("name"))
         result = tool(found.group("arg")) if tool is not None else f"no tool {found.group('name')!r}"
-        return EnvReply(text=self.reply_format.format(result=result))
+        return EnvReply(text=self.reply_format.format(result=result), tool_calls=1, tool_errors=int(tool is None))
 
     @abstractmethod
     def score(self, prompt: Prompt, turn: str) -> float:
