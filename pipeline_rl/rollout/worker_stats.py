@@ -88,6 +88,21 @@ class EpisodeTally:
         new = self.episodes - old.episodes
         return self.recent[-new:] if new > 0 else ()
 
+    def counts(self) -> tuple[int, ...]:
+        """The counters, in field order (``recent`` left out)."""
+        return (self.episodes, self.ok, self.tool_calls, self.tool_errors, self.done, self.turns, self.length,
+                self.env_error, self.timeout, self.env_errors, self.env_timeouts)
+
+    def minus(self, old: "EpisodeTally") -> "EpisodeTally":
+        """The counts since ``old`` (never negative; ``recent``: the episodes since it)."""
+        diff = [max(0, a - b) for a, b in zip(self.counts(), old.counts())]
+        return EpisodeTally(diff[0], diff[1], self.since(old), *diff[2:])
+
+    def plus(self, other: "EpisodeTally") -> "EpisodeTally":
+        """Both tallies' counts summed (``recent``: both, this one's first)."""
+        both = [a + b for a, b in zip(self.counts(), other.counts())]
+        return EpisodeTally(both[0], both[1], self.recent + other.recent, *both[2:])
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
