@@ -53,3 +53,33 @@ def test_episode_ids_are_the_templates_rendering_of_the_conversation(tokenizer: 
     want = want[:want.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)]   # the episode ends at the model's end
     assert tokenizer.decode(ids, skip_special_tokens=False) == want
     assert ids == tokenizer.encode(want, add_special_tokens=False)
+
+
+def test_a_function_tool_env_reads_calls_with_vllms_parser_and_answers_errors(tmp_path: Path) -> None:
+    """``FunctionToolEnv``: the schema from the signature and docstring; a Hermes call is run
+    and answered by a tool message with its call id; a malformed call, an unknown tool and
+    bad arguments are answered by error messages the model sees (tool errors), never raised;
+    a turn without a call ends the episode, scored."""
+    from transformers import AutoTokenizer
+
+    from pipeline_rl.tasks.base import Prompt
+    from tool_envs import AddTools
+
+    schema = AddTools.tool_schemas()[0]["function"]
+    assert schema["name"] == "add" and schema["description"] == "Add two integers."
+    assert schema["parameters"] == {"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"type": "integer", "description": "the first addend"},
+        "b": {"type": "integer", "description": "the second addend"}}}
+    env = AddTools()
+    env.attach(AutoTokenizer.from_pretrained(str(build_chat_model("qwen2", tmp_path / "q"))))
+    env.reset(Prompt(0, "What is 3+4?", "7"))
+    ok = env.step('Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>')
+    assert ok.messages is not None and [(m.role, m.content, m.name) for m in ok.messages] == [("tool", "7", "add")]
+    assert ok.messages[0].tool_call_id and (ok.tool_calls, ok.tool_errors, ok.done) == (1, 0, False)
+    for bad, said in [('<tool_call>\n{"name": "add", "arguments": {"a": 3\n</tool_call>', "could not be parsed"),
+                      ('<tool_call>\n{"name": "mul", "arguments": {"a": 3, "b": 4}}\n</tool_call>', "no tool named 'mul'"),
+                      ('<tool_call>\n{"name": "add", "arguments": {"a": 3}}\n</tool_call>', "TypeError")]:
+        reply = env.step(bad)
+        assert reply.messages is not None and said in reply.messages[0].content, (bad, reply)
+        assert (reply.tool_calls, reply.tool_errors, reply.done) == (1, 1, False)
+    assert env.step("It is 7.<|im_end|>") == type(ok)(reward=1.0, done=True)

@@ -36,10 +36,13 @@ import numpy as np
 from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import TaskConfig
 from pipeline_rl.rollout.bounded_calls import BoundedCalls, Outcome
+from pipeline_rl.rollout.chat_turns import ChatTurns
 from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.samples import Completion, FinishReason
 from pipeline_rl.tasks.base import Prompt
+from pipeline_rl.tasks.chat import has_chat_template
 from pipeline_rl.tasks.env import EnvFactory, Environment, EnvReply
+from pipeline_rl.tasks.messages import Message
 
 
 #: How an episode ended, as the turn metrics count it: the environment ended it (``done``),
@@ -148,14 +151,36 @@ class EpisodeDriver:
         self._wake, self._ended, self._failed = wake, ended, failed
         self.env_name = cfg.env or getattr(factory, "__qualname__", type(factory).__name__)
         self._calls = EnvCalls(cfg.env_concurrency, cfg.env_timeout_s, name)
+        self._tokenizer = getattr(engine, "tokenizer", None)
+        schemas = getattr(factory, "tool_schemas", None)
+        self.tools: list[dict[str, Any]] | None = schemas() if callable(schemas) else None
+        self._chat = ChatTurns(self._tokenizer, self.tools) \
+            if cfg.chat_template == "auto" and has_chat_template(self._tokenizer) else None
         self._ready: deque[Ready] = deque()
         self._lock = threading.Lock()
         self._live: dict[str, Episode] = {}
         self.waiting = 0   # episodes whose environment has not answered yet
 
+    def prompt_ids(self, prompt: Prompt) -> tuple[int, ...] | None:
+        """A chat model's episode start: the prompt's messages (or its user turn, after
+        ``--task.system_prompt``) rendered with the environment's tools; None when the
+        prompt's own text is the start (no chat template, or neither messages nor tools)."""
+        if self._chat is None or (prompt.messages is None and not self.tools):
+            return None
+        messages = prompt.messages
+        if messages is None:
+            first = [Message("system", self.cfg.system_prompt)] if self.cfg.system_prompt else []
+            messages = (*first, Message("user", prompt.raw_prompt if prompt.raw_prompt is not None else prompt.text))
+        return tuple(self._engine.encode(self._chat.prompt_text(messages), add_special_tokens=False))
+
     def start(self, key: str, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
-        """A new episode: its environment is made and reset off the loop, then its first turn."""
-        episode = Episode(key, prompt, prompt_ids, self.factory(), sampling)
+        """A new episode: its environment is made (and given the tokenizer, when it takes
+        one: ``attach``) and reset off the loop, then its first turn."""
+        env = self.factory()
+        attach = getattr(env, "attach", None)
+        if callable(attach):
+            attach(self._tokenizer)
+        episode = Episode(key, prompt, prompt_ids, env, sampling)
         self._live[key] = episode
         self._ask(episode, episode.env.reset, prompt, reset=True)
 
@@ -181,10 +206,18 @@ class EpisodeDriver:
                 self._end(episode)
                 continue
             if reply is not None:
-                ids = list(reply.token_ids) if reply.token_ids is not None else \
-                    self._engine.encode(reply.text, add_special_tokens=False)
-                episode.add_reply(ids)
+                episode.add_reply(self._reply_ids(episode, reply))
             self._next_turn(episode)
+
+    def _reply_ids(self, episode: Episode, reply: EnvReply) -> list[int]:
+        """The reply's token ids: its own, its messages as the chat template continues the
+        conversation after the model's last token, or its text encoded once."""
+        if reply.token_ids is not None:
+            return list(reply.token_ids)
+        if reply.messages is not None and self._chat is not None:
+            return self._chat.reply_ids(reply.messages, episode.tokens[-1] if episode.tokens else None)
+        text = "".join(m.content for m in reply.messages) if reply.messages is not None else reply.text
+        return self._engine.encode(text, add_special_tokens=False)
 
     def _next_turn(self, episode: Episode) -> None:
         room = self._max_len - len(episode.prompt_ids) - len(episode.tokens)

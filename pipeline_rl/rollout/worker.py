@@ -57,7 +57,7 @@ from pipeline_rl.weight_sync.gloo import receive_in_one_call
 from pipeline_rl.weight_sync.message import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
-from pipeline_rl.tasks.base import RewardFn, Task
+from pipeline_rl.tasks.base import Prompt, RewardFn, Task
 from pipeline_rl.tasks.env import resolve_env, task_env_factory
 
 if TYPE_CHECKING:
@@ -347,8 +347,7 @@ class RolloutWorker:
         self._local += 1
         group_id = self.worker_id * GROUP_ID_STRIDE + local
         prompt = self._task.prompt(local * self.cfg.rollout.num_workers + self.worker_id)
-        # A chat template writes its own special tokens (BOS included) into the text.
-        prompt_ids = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
+        prompt_ids = self._prompt_ids(prompt)
         self._pending[group_id] = PendingGroup(group_id, prompt, prompt_ids)
         ids = [f"{group_id}:{i}" for i in range(self.n)]
         if self._episodes is None:
@@ -359,13 +358,20 @@ class RolloutWorker:
         with self._lock:
             self._c.groups_started += 1
 
+    def _prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
+        """The ids a prompt's sequences start from: a chat episode's rendered start, else its
+        text (a chat template writes its own special tokens, BOS included, into it)."""
+        chat = self._episodes.prompt_ids(prompt) if self._episodes is not None else None
+        return chat if chat is not None else tuple(
+            self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
+
     def _start_evals(self) -> None:
         """Add the evaluation sequences due now (``EvalFeed``: a side-stream a few at a time)."""
         for pending, i, j in self._evals.due():
             prompt = pending.prompts[i]
             ids = pending.encoded.get(i)
             if ids is None:
-                ids = pending.encoded[i] = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
+                ids = pending.encoded[i] = self._prompt_ids(prompt)
             rid, sampling = eval_request_id(pending.request.eval_id, i, j), self._greedy if j == 0 else self._sampling
             (self._episodes.start(rid, prompt, ids, sampling) if self._episodes is not None
              else self._engine.add(GenRequest(rid, ids, sampling)))

@@ -44,13 +44,16 @@ class Prompt:
     generation prompt appended. ``raw_prompt`` is the prompt as written when a
     template was applied, else None (``text`` is then the prompt as written).
     ``answer`` is the reference answer the reward compares against, never
-    templated.
+    templated. ``messages``: a task that starts from a conversation gives it here
+    (``pipeline_rl.tasks.messages.Message``; a chat model's episodes render it, with the
+    environment's tools, through the chat template instead of ``text``).
     """
 
     prompt_id: int
     text: str
     answer: str
     raw_prompt: str | None = None
+    messages: tuple[Any, ...] | None = None
 
     @property
     def templated(self) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
 from pipeline_rl.tasks.base import Prompt, TaskError, task_method
+from pipeline_rl.tasks.messages import Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +37,15 @@ class EnvReply:
     when given) is appended to the episode as environment tokens; ``done`` ends the
     episode; ``reward`` is the episode's reward (in [0, 1]), read when ``done`` (None:
     the task's reward scores the episode's model text). ``tool_calls`` / ``tool_errors``:
-    the tool calls this answer ran, and how many of them failed (the turn metrics count them)."""
+    the tool calls this answer ran, and how many of them failed (the turn metrics count them).
+    ``messages`` (``pipeline_rl.tasks.messages.Message``, e.g. tool results with their call
+    ids): for a chat model, appended as the chat template's own continuation of the
+    conversation (``rollout/chat_turns.py``); without a template, their contents as text.
+    Precedence: ``token_ids``, then ``messages``, then ``text``."""
 
     text: str = ""
     token_ids: tuple[int, ...] | None = None
+    messages: tuple[Message, ...] | None = None
     reward: float | None = None
     done: bool = False
     tool_calls: int = 0
