@@ -1,5 +1,5 @@
 """Tiny random chat models for the tests of chat episodes: a Qwen2 model with a ChatML
-template in the Qwen2.5 style (tools in the system message, tool results as
+template in the Qwen2.5 style (its structure, with a shorter tool instruction: tools in the system message, tool results as
 ``<tool_response>`` blocks in a user turn, calls as Hermes ``<tool_call>`` JSON) and a
 Llama model with a Llama-3.1 style template (header tokens, ``<|eot_id|>``, tools in the
 first user message, results in ``ipython`` turns). Built locally (``benchmarks.archs``:
@@ -17,12 +17,9 @@ QWEN_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
     "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
-    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{{- '\\n\\n# Tools\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{{- '\\n</tools>\\nCall one as <tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call><|im_end|>\\n' }}"
     "{%- else %}{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
