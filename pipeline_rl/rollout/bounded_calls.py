@@ -154,10 +154,11 @@ class BoundedCalls:
             if self._started is not None:
                 self._started()
             start = time.perf_counter()
-            out = await self._outcome(fn, args, on_pool, start)
-            if self._ended is not None:
-                self._ended(out.seconds)
-            return out
+            try:
+                return await self._outcome(fn, args, on_pool, start)
+            finally:   # also when the awaiting task is cancelled (the worker closing)
+                if self._ended is not None:
+                    self._ended(time.perf_counter() - start)
 
     async def _outcome(self, fn: Callable[..., Any], args: tuple[Any, ...], on_pool: bool, start: float) -> Outcome:
         job: _Job | None = None
