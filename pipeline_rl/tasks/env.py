@@ -16,7 +16,9 @@ decoded with special tokens kept.
 
 :class:`ToolEnv` is the tool-calling convenience: the model writes a call in a form the
 task defines (a regular expression), the environment runs the named tool and answers with
-its result; a turn without a call ends the episode and is scored.
+its result; a turn without a call ends the episode and is scored. For a chat model calling
+tools in its own format, see :class:`pipeline_rl.tasks.tool_env.FunctionToolEnv` (plain
+Python functions, vLLM's tool-call parsers, replies as messages).
 """
 
 from __future__ import annotations
