@@ -67,7 +67,6 @@ log = logging.getLogger(__name__)
 
 GROUP_ID_STRIDE = 1 << 40  # group ids: worker_id * stride + local counter (unique per run)
 
-
 #: How long beyond its hold a stopping worker waits for the answer to its last request.
 _ANSWER_WAIT_S = 5.0
 
@@ -297,9 +296,8 @@ class RolloutWorker:
         Only with nothing to step does the loop wait for the answer (``idle_wait_s`` at a
         time, counted as idle): no polling, no latency lost to it at any staleness."""
         self._poll_answer(0.0)
-        # Episodes waiting for their environment hold no engine slot, up to as many as the
-        # environment may serve at once (a slow or hung one then never empties the engine);
-        # beyond that they queue for it and count, so they never pile up without bound.
+        # Up to env_concurrency episodes waiting for their environment hold no engine slot (a
+        # hung one never empties the engine); more queue for it and count, never piling up.
         queued = max(0, self._waiting_envs() - self.cfg.task.env_concurrency)
         free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished() - queued
         room = -(-free // self.n) - self._granted
@@ -359,11 +357,10 @@ class RolloutWorker:
             self._c.groups_started += 1
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
-        """The ids a prompt's sequences start from: a chat episode's rendered start, else its
-        text (a chat template writes its own special tokens, BOS included, into it)."""
+        """A chat episode's rendered start, else the prompt's text (a chat template writes
+        its own special tokens, BOS included, into it)."""
         chat = self._episodes.prompt_ids(prompt) if self._episodes is not None else None
-        return chat if chat is not None else tuple(
-            self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
+        return chat or tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
 
     def _start_evals(self) -> None:
         """Add the evaluation sequences due now (``EvalFeed``: a side-stream a few at a time)."""
@@ -395,7 +392,7 @@ class RolloutWorker:
         return self._episodes.waiting if self._episodes is not None else 0
 
     def _episode_ended(self, ep: Episode) -> None:
-        """A finished episode: counted, then into its evaluation, or its group (complete: to the scorer)."""
+        """A finished episode: counted, into its evaluation or its group (complete: to the scorer)."""
         with self._lock:
             self._c.episode_ended(ep.ended, ep.turns, ep.env_s, ep.tool_calls, ep.tool_errors)
         if ep.key.startswith(EVAL_PREFIX):
