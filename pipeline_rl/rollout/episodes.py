@@ -151,27 +151,36 @@ class EpisodeDriver:
         self._wake, self._ended, self._failed = wake, ended, failed
         self.env_name = cfg.env or getattr(factory, "__qualname__", type(factory).__name__)
         self._calls = EnvCalls(cfg.env_concurrency, cfg.env_timeout_s, name)
-        self._tokenizer = getattr(engine, "tokenizer", None)
+        self._tokenizer: Any = getattr(engine, "tokenizer", None)
         schemas = getattr(factory, "tool_schemas", None)
         self.tools: list[dict[str, Any]] | None = schemas() if callable(schemas) else None
-        self._chat = ChatTurns(self._tokenizer, self.tools) \
-            if cfg.chat_template == "auto" and has_chat_template(self._tokenizer) else None
+        self._templated = cfg.chat_template == "auto" and has_chat_template(self._tokenizer)
+        self._chat_turns: ChatTurns | None = None
         self._ready: deque[Ready] = deque()
         self._lock = threading.Lock()
         self._live: dict[str, Episode] = {}
         self.waiting = 0   # episodes whose environment has not answered yet
 
+    @property
+    def _chat(self) -> ChatTurns | None:
+        """The chat template's turns, made at first use (an episode of messages or tools)."""
+        if self._chat_turns is None and self._templated:
+            self._chat_turns = ChatTurns(self._tokenizer, self.tools)
+        return self._chat_turns
+
     def prompt_ids(self, prompt: Prompt) -> tuple[int, ...] | None:
         """A chat model's episode start: the prompt's messages (or its user turn, after
         ``--task.system_prompt``) rendered with the environment's tools; None when the
         prompt's own text is the start (no chat template, or neither messages nor tools)."""
-        if self._chat is None or (prompt.messages is None and not self.tools):
+        if not self._templated or (prompt.messages is None and not self.tools):
             return None
+        chat = self._chat
+        assert chat is not None
         messages = prompt.messages
         if messages is None:
             first = [Message("system", self.cfg.system_prompt)] if self.cfg.system_prompt else []
             messages = (*first, Message("user", prompt.raw_prompt if prompt.raw_prompt is not None else prompt.text))
-        return tuple(self._engine.encode(self._chat.prompt_text(messages), add_special_tokens=False))
+        return tuple(self._engine.encode(chat.prompt_text(messages), add_special_tokens=False))
 
     def start(self, key: str, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
         """A new episode: its environment is made (and given the tokenizer, when it takes
@@ -214,8 +223,9 @@ class EpisodeDriver:
         conversation after the model's last token, or its text encoded once."""
         if reply.token_ids is not None:
             return list(reply.token_ids)
-        if reply.messages is not None and self._chat is not None:
-            return self._chat.reply_ids(reply.messages, episode.tokens[-1] if episode.tokens else None)
+        chat = self._chat if reply.messages is not None else None
+        if reply.messages is not None and chat is not None:
+            return chat.reply_ids(reply.messages, episode.tokens[-1] if episode.tokens else None)
         text = "".join(m.content for m in reply.messages) if reply.messages is not None else reply.text
         return self._engine.encode(text, add_special_tokens=False)
 
