@@ -128,7 +128,7 @@ def test_versions_grow_over_updates_within_and_between_turns(engine: GenerationE
 
 @pytest.mark.parametrize("env,what", [("Raises", "raised on prompt"),
                                       ("WrongType", "with a int, not an EnvReply"),
-                                      ("NeverAnswers", "timed out on prompt 0: TimeoutError: no answer within 0.5 s")])
+                                      ("NeverAnswers", "TimeoutError: no answer within 0.5 s (--task.env_timeout_s)")])
 def test_a_bad_environment_ends_its_episodes_and_says_so(engine: GenerationEngine, model_dirs: tuple,
                                                          env: str, what: str) -> None:
     rig = _rig(engine, model_dirs, env, env_timeout_s=0.5)
@@ -144,6 +144,7 @@ def test_a_bad_environment_ends_its_episodes_and_says_so(engine: GenerationEngin
     ep = stats.episodes                             # counted apart from the reward's failures
     assert stats.reward_errors == 0 and ep.env_errors + ep.env_timeouts == failed
     assert (ep.env_timeouts, ep.timeout) == ((failed, failed) if env == "NeverAnswers" else (0, 0))
+    assert (" timed out on prompt " in line) == (env == "NeverAnswers")
     assert ep.episodes == failed and ep.ok == 0
 
 
@@ -235,7 +236,8 @@ def test_hung_environment_calls_free_their_slots_and_the_others_score(engine: Ge
           f"{plain.tokens_per_s:.0f} without hangs: {ratio:.2f}x; episodes {hung.episodes.episodes} "
           f"(timed out {hung.episodes.timeout}) against {plain.episodes.episodes}")
     ep = hung.episodes
-    assert ep.timeout == ep.env_timeouts > 0 and ep.env_errors == 0 and hung.reward_errors == 0
+    # (a timed-out episode is counted as ended once the loop took it: at the stop, a few were not)
+    assert 0 < ep.timeout <= ep.env_timeouts and ep.env_errors == 0 and hung.reward_errors == 0
     assert ep.done > ep.timeout / 2             # the episodes whose calls did not hang ended well
     completions = [c for g in groups for c in g.completions]
     scored = [c for c in completions if c.finish_reason == "stop"]
