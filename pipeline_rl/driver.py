@@ -75,14 +75,19 @@ def resolve_model_dir(cfg: Config) -> str:
 def check_task(cfg: Config, model_dir: str) -> None:
     """Load the task (and its held-out split, when evaluation is on) with the model's
     tokenizer before anything starts: a dataset row without the needed fields, a
-    prompt longer than the context leaves room for, or an empty ``--eval.dataset`` is
-    a one-line error here instead of a crash mid-run.
+    prompt longer than the context leaves room for, an empty ``--eval.dataset``, or a
+    ``--task.env`` that names no environment is a one-line error here instead of a crash
+    mid-run (or an actor's death).
 
     Adjusts ``cfg.eval`` in place: a training dataset too small to give any row to the
     held-out split turns evaluation off (one warning line); ``num_prompts`` is capped at
     the held-out pool's size."""
     from pipeline_rl.tasks import TaskError, build_task, check_tokenizer, plugin_reward
 
+    if cfg.task.env is not None:   # a misnamed environment: one line here, not an actor's death
+        from pipeline_rl.tasks.env import resolve_env
+
+        resolve_env(cfg.task.env)
     tokenizer = check_tokenizer(cfg.task, model_dir)
     if cfg.task.name == "dataset" and cfg.task.reward is None:
         from pipeline_rl.tasks.math_reward import backend

@@ -46,6 +46,13 @@ class StepMetrics:
     the workers' time with a reward call in flight, over the last window;
     ``reward_unscored``: completions a reward gave no score (``None``, TRL's convention),
     scored 0 (cumulative, all workers).
+    A multi-turn run
+    adds its turn metrics to ``extra`` (``run/recorder.py``, ``turn_metrics``): ``turns_mean``
+    / ``turns_max`` and ``env_s_mean`` / ``env_s_p90`` (seconds an episode spent in its
+    environment's calls) over the episodes of the last window; ``tool_calls``, ``tool_errors``,
+    ``finish_done`` / ``finish_turns`` / ``finish_length`` / ``finish_env_error`` /
+    ``finish_timeout`` (episodes by how they ended), ``env_errors`` and ``env_timeouts``
+    (cumulative, all workers).
     """
 
     step: int
@@ -199,7 +206,42 @@ def progress_line(m: StepMetrics) -> str:
     return (f"step {m.step:4d} | reward {m.reward_mean:.3f} | {m.tokens_per_s:7.0f} tok/s | "
             f"lag {m.lag_mean:.2f} (max {m.lag_max}) | buffer {m.buffer_fill:3d} | "
             f"kl {m.mismatch_kl:+.1e} | ent {m.entropy:.2f} | mixed {m.mixed_version_frac:.2f} | "
-            f"idle {m.trainer_idle_frac:.2f} | {m.time_s:6.1f}s{failed}")
+            f"idle {m.trainer_idle_frac:.2f} | {m.time_s:6.1f}s{failed}{turns_part(m.extra)}")
+
+
+def turns_part(x: dict[str, float]) -> str:
+    """The step line's turn metrics (multi-turn runs), each only when non-zero: turns per
+    episode, environment seconds, tool calls (errors), environment errors and timeouts so far."""
+    parts = []
+    if x.get("turns_mean"):
+        parts.append(f"turns {x['turns_mean']:.2f} (max {x['turns_max']:.0f})")
+    if x.get("env_s_mean"):
+        parts.append(f"env {x['env_s_mean']:.3f}s (p90 {x['env_s_p90']:.3f})")
+    if x.get("tool_calls"):
+        parts.append(f"tools {x['tool_calls']:.0f}" + (f" ({x['tool_errors']:.0f} failed)" if x.get("tool_errors") else ""))
+    if x.get("env_errors") or x.get("env_timeouts"):
+        parts.append(f"env errors {x.get('env_errors', 0):.0f} / timeouts {x.get('env_timeouts', 0):.0f}")
+    return "".join(f" | {p}" for p in parts)
+
+
+def turn_rows(history: Sequence[StepMetrics]) -> list[tuple[str, str]]:
+    """The summary's turn metrics (a multi-turn run): turns and environment seconds over
+    its steps, and its counts at the end."""
+    steps = [m.extra for m in history if "turns_mean" in m.extra]
+    if not steps:
+        return []
+    last = history[-1].extra
+    ends = ", ".join(f"{k.removeprefix('finish_')} {last.get(k, 0):.0f}"
+                     for k in ("finish_done", "finish_turns", "finish_length", "finish_env_error", "finish_timeout"))
+    return [
+        ("turns per episode (mean / max)", f"{statistics.fmean(x['turns_mean'] for x in steps):.2f} / "
+                                           f"{max(x['turns_max'] for x in steps):.0f}"),
+        ("environment seconds per episode (mean / p90 of steps)",
+         f"{statistics.fmean(x['env_s_mean'] for x in steps):.3f} / {max(x['env_s_p90'] for x in steps):.3f}"),
+        ("tool calls / failed", f"{last.get('tool_calls', 0):.0f} / {last.get('tool_errors', 0):.0f}"),
+        ("episodes by end", ends),
+        ("environment errors / timeouts", f"{last.get('env_errors', 0):.0f} / {last.get('env_timeouts', 0):.0f}"),
+    ]
 
 
 def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] = (),
@@ -234,6 +276,7 @@ def summary_table(history: Sequence[StepMetrics], evals: Sequence[EvalMetrics] =
     if sync_ms:
         rows.append(("weight sync, step end -> every worker on it (p50 / p90)",
                      f"{percentile(sync_ms, 0.5):.1f} / {percentile(sync_ms, 0.9):.1f} ms"))
+    rows += turn_rows(history)
     rows += [
         ("entropy of sampled tokens (first / last step)", f"{first.entropy:.3f} / {last.entropy:.3f} nats"),
     ]

@@ -128,7 +128,7 @@ def test_versions_grow_over_updates_within_and_between_turns(engine: GenerationE
 
 @pytest.mark.parametrize("env,what", [("Raises", "raised on prompt"),
                                       ("WrongType", "with a int, not an EnvReply"),
-                                      ("NeverAnswers", "no answer within 0.5 s")])
+                                      ("NeverAnswers", "TimeoutError: no answer within 0.5 s (--task.env_timeout_s)")])
 def test_a_bad_environment_ends_its_episodes_and_says_so(engine: GenerationEngine, model_dirs: tuple,
                                                          env: str, what: str) -> None:
     rig = _rig(engine, model_dirs, env, env_timeout_s=0.5)
@@ -140,20 +140,117 @@ def test_a_bad_environment_ends_its_episodes_and_says_so(engine: GenerationEngin
     assert all(c.finish_reason == "abort" and c.reward == 0.0 for g in groups for c in g.completions)
     line = stats.rewards.first_error
     assert line is not None and line.startswith(f"environment test_episodes:{env} ") and what in line
-    assert stats.reward_errors == 2 * len(groups[0].completions)
+    failed = 2 * len(groups[0].completions)
+    ep = stats.episodes                             # counted apart from the reward's failures
+    assert stats.reward_errors == 0 and ep.env_errors + ep.env_timeouts == failed
+    assert (ep.env_timeouts, ep.timeout) == ((failed, failed) if env == "NeverAnswers" else (0, 0))
+    assert (" timed out on prompt " in line) == (env == "NeverAnswers")
+    assert ep.episodes == failed and ep.ok == 0
 
 
-def test_a_failing_environment_is_not_taken_for_a_reward_that_never_answers(engine: GenerationEngine,
-                                                                           model_dirs: tuple) -> None:
-    """Under ``--task.env_errors zero`` (the default) an environment failing on every episode
-    scores them 0 and the worker goes on past the reward's never-answered limit."""
-    rig = _rig(engine, model_dirs, "Raises")
+def test_an_environment_that_never_works_stops_the_run_within_its_first_episodes(
+        engine: GenerationEngine, model_dirs: tuple) -> None:
+    """Under ``--task.env_errors zero`` (the default) an environment failing on every one of
+    its first ``REWARD_FAILURES_FATAL`` episodes stops the worker with one line, like a reward."""
+    rig = _rig(engine, model_dirs, "WrongType")
     try:
-        stats = rig.worker.run(max_groups=9)
-        groups = rig.received(9)
+        with pytest.raises(RewardFailed) as err:
+            rig.worker.run(max_groups=40)
+        stats = rig.worker.stats()
     finally:
         rig.close()
-    assert stats.reward_errors == 9 * len(groups[0].completions) > REWARD_FAILURES_FATAL
+        _settle(engine)
+    line = str(err.value)
+    assert line.startswith(f"the environment failed on all of its first {REWARD_FAILURES_FATAL} episodes; "
+                           f"last: environment test_episodes:WrongType answered prompt ") and "\n" not in line
+    assert REWARD_FAILURES_FATAL <= stats.episodes.env_errors < REWARD_FAILURES_FATAL + 2 * MAX_SEQS
+    assert stats.groups_started < 40
+
+
+HANG_RELEASE = threading.Event()   # set at the end of the hang test: the hung calls return
+
+
+class HangsSometimes(ThreeTurns):
+    """ThreeTurns, whose step blocks 30 s (a hung sandbox, in a plain ``def``) on 3 calls in 10."""
+
+    calls = 0
+    lock = threading.Lock()
+
+    def step(self, turn: str) -> EnvReply:
+        with HangsSometimes.lock:
+            HangsSometimes.calls += 1
+            hang = HangsSometimes.calls % 10 in (1, 4, 7)
+        if hang:
+            HANG_RELEASE.wait(30.0)
+        return super().step(turn)
+
+
+def _run_for(rig: _Rig, seconds: float) -> tuple[Any, list[Any]]:
+    """Run the worker ``seconds`` with the buffer drained as a trainer would; its stats and groups."""
+    groups: list[Any] = []
+    done = threading.Event()
+
+    def drain() -> None:
+        while not done.is_set():
+            got = rig.buffer.get_batch(2, trainer_version=0, timeout_s=0.1)
+            groups.extend(got or [])
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
+    timer = threading.Timer(seconds, rig.worker.stop)
+    timer.start()
+    try:
+        stats = rig.worker.run()
+    finally:
+        done.set()
+        drainer.join(5)
+        _settle(rig.worker._engine)
+    return stats, groups
+
+
+def _settle(engine: GenerationEngine) -> None:
+    """The shared engine's sequences a stopped worker dropped run out (the next worker must
+    not receive them)."""
+    while engine.num_unfinished():
+        engine.step()
+
+
+def test_hung_environment_calls_free_their_slots_and_the_others_score(engine: GenerationEngine,
+                                                                      model_dirs: tuple) -> None:
+    """30% of the environment's calls hang 30 s, with ``--task.env_timeout_s 1``: each hung call
+    ends its episode at 1 s (finish ``timeout``, counted apart from errors), its thread is
+    replaced, and the other episodes keep generating and score. The tokens/s against the
+    same environment without hangs is printed (benchmarks/slow_env.py --hang measures it in
+    the whole pipeline); only the functional parts are asserted."""
+    seconds = 6.0
+    try:
+        plain, _ = _run_for(_closing(_rig(engine, model_dirs, "ThreeTurns", env_timeout_s=1.0)), seconds)
+        hung, groups = _run_for(_closing(_rig(engine, model_dirs, "HangsSometimes", env_timeout_s=1.0)), seconds)
+    finally:
+        HANG_RELEASE.set()
+        for rig in _OPEN:
+            rig.close()
+        _OPEN.clear()
+    ratio = hung.tokens_per_s / plain.tokens_per_s
+    print(f"\nhung environment (30% of calls hang 30 s, timeout 1 s): {hung.tokens_per_s:.0f} tok/s against "
+          f"{plain.tokens_per_s:.0f} without hangs: {ratio:.2f}x; episodes {hung.episodes.episodes} "
+          f"(timed out {hung.episodes.timeout}) against {plain.episodes.episodes}")
+    ep = hung.episodes
+    # (a timed-out episode is counted as ended once the loop took it: at the stop, a few were not)
+    assert 0 < ep.timeout <= ep.env_timeouts and ep.env_errors == 0 and hung.reward_errors == 0
+    assert ep.done > ep.timeout / 2             # the episodes whose calls did not hang ended well
+    completions = [c for g in groups for c in g.completions]
+    scored = [c for c in completions if c.finish_reason == "stop"]
+    assert scored and all(c.reward == 0.5 for c in scored)
+    assert all(c.reward == 0.0 for c in completions if c.finish_reason == "abort")
+
+
+_OPEN: list[_Rig] = []
+
+
+def _closing(rig: _Rig) -> _Rig:
+    _OPEN.append(rig)
+    return rig
 
 
 def test_env_errors_fail_ends_the_worker(engine: GenerationEngine, model_dirs: tuple) -> None:
@@ -164,3 +261,4 @@ def test_env_errors_fail_ends_the_worker(engine: GenerationEngine, model_dirs: t
             rig.worker.run(max_groups=2)
     finally:
         rig.close()
+        _settle(engine)

@@ -76,7 +76,7 @@ def test_the_calculator_answers_calls_and_scores_the_last_turn() -> None:
     assert isinstance(env, Environment)
     env.reset(p)
     a, b = CalcTask.expression(p).split("*")
-    assert env.step(f"[{a}*{b}]<eos>") == EnvReply(text=f"={int(a) * int(b)};")
+    assert env.step(f"[{a}*{b}]<eos>") == EnvReply(text=f"={int(a) * int(b)};", tool_calls=1)   # counted
     assert env.step("[12+30]<eos>").text == "=42;" and env.step("[12-30]").text == "=-18;"
     assert env.step(f"let me see [{a}*{b}] please<eos>").text == f"={p.answer};"   # a call anywhere
     assert env.step(f"{p.answer}<eos>") == EnvReply(reward=1.0, done=True)

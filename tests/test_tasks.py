@@ -478,6 +478,7 @@ def test_bad_reward_specs_are_one_line_errors(tmp_path: Path, monkeypatch: pytes
      "--task.system_prompt: needs --task.chat_template auto"),
     (["--task.chat_template", "jinja"], "--task.chat_template: invalid choice"),
     (["--task.prompt_field", ""], "--task.prompt_field"),
+    (["--task.env", "user_envs.Game"], "--task.env: expected MODULE:CLASS"),
 ])
 def test_cli_rejects_bad_task_flags_in_one_line(argv: list[str], message: str) -> None:
     with pytest.raises(UsageError) as err:
@@ -509,6 +510,10 @@ def test_importing_tasks_stays_light() -> None:
     (["--task.reward", "reward_plugin:trl_needs_level"], "task.reward: reward_plugin:trl_needs_level asks for "
                                                          "the column 'level', which "),
     (["--task.prompt_field", "question", "--task.answer_field", "nope"], "task.answer_field: "),
+    # an environment that is not there: one line naming the flag, before Ray or any actor starts
+    (["--task.env", "reward_plugin:Nope"], "task.env: module 'reward_plugin' has no attribute 'Nope'"),
+    (["--task.env", "no_such_module_xyz:Env"], "task.env: cannot import module 'no_such_module_xyz'"),
+    (["--task.env", "reward_plugin:contains_answer"], "task.env: reward_plugin:contains_answer is a function"),
 ])
 def test_driver_stops_on_bad_task_before_anything_starts(flags: list[str], needle: str, tmp_path: Path,
                                                          tiny_model_dir: str, plugin_path: None,

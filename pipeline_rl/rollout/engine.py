@@ -151,6 +151,11 @@ class GenerationEngine(ABC):
         """Names and shapes a weight update must carry."""
         return self._spec
 
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's own tokenizer (its chat template renders chat episodes)."""
+        return self._tokenizer
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt, exactly as the engine would tokenize it (without the
         tokenizer's own special tokens for text a chat template already wrote them into)."""

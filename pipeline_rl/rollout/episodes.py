@@ -11,34 +11,44 @@ turn, with their behaviour log-probs and the versions that sampled them, and the
 token ids (encoded once, never decoded again) with a loss mask of 0. Versions grow along
 the model's tokens: every turn is sampled after the one before it.
 
-Environment calls run off the engine loop (:class:`EnvCalls`: ``async def`` methods on an
-event loop of their own, others on a pool of ``--task.env_concurrency`` threads, each
-bounded by ``--task.env_timeout_s``); replies come back to the engine loop through
-:meth:`EpisodeDriver.replies`, so a slow environment delays its own episode, never
-generation. A failing environment (raises, answers with something that is not an
-``EnvReply``, times out) ends its episode with reward 0 and is reported like a failed
-reward (``--task.env_errors fail``: it ends the run instead).
+Environment calls run off the engine loop (:class:`EnvCalls`, through the shared
+``rollout.bounded_calls`` helper: ``async def`` methods on an event loop of their own, others
+on ``--task.env_concurrency`` threads, each call bounded by ``--task.env_timeout_s``; a call
+past it frees its slot at once, its thread replaced); replies come back to the engine loop
+through :meth:`EpisodeDriver.pump`, so a slow or hung environment delays its own episode,
+never generation. A failing environment (raises, answers with something that is not an
+``EnvReply``, times out) ends its episode with reward 0 and is counted (``env_errors`` /
+``env_timeouts``, apart from the reward's failures; the first one is a console line);
+``--task.env_errors fail`` ends the run at the first, and an environment that failed on all
+of its first ``REWARD_FAILURES_FATAL`` episodes ends it too.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import TaskConfig
+from pipeline_rl.rollout.bounded_calls import BoundedCalls, Outcome
+from pipeline_rl.rollout.chat_turns import ChatTurns
 from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.samples import Completion, FinishReason
 from pipeline_rl.tasks.base import Prompt
+from pipeline_rl.tasks.chat import has_chat_template
 from pipeline_rl.tasks.env import EnvFactory, Environment, EnvReply
+from pipeline_rl.tasks.messages import Message
+
+
+#: How an episode ended, as the turn metrics count it: the environment ended it (``done``),
+#: the turn cap (``turns``), the context (``length``), its environment failed (``env_error``:
+#: raised, or answered with no ``EnvReply``) or did not answer in time (``timeout``).
+EndKind = Literal["done", "turns", "length", "env_error", "timeout"]
 
 
 @dataclass(slots=True)
@@ -63,6 +73,10 @@ class Episode:
     reward: float | None = None
     finish: FinishReason = "stop"                     # stop: the environment ended it
     failed: str | None = None                         # the environment's failure, one line
+    ended: EndKind = "done"                           # how it ended (the turn metrics)
+    env_s: float = 0.0                                # seconds its environment calls took
+    tool_calls: int = 0                               # tool calls its environment reported
+    tool_errors: int = 0                              # of which failed (a malformed or unknown call)
 
     def add_turn(self, seq: FinishedSequence) -> None:
         self.tokens += seq.token_ids.tolist()
@@ -91,41 +105,30 @@ class Episode:
 
 class EnvCalls:
     """Environment calls off the engine loop (see the module docstring): ``call(fn, arg,
-    done)`` runs ``fn(arg)`` and hands ``done`` its result, or the exception it raised, on
+    done)`` runs ``fn(arg)`` through the shared :class:`BoundedCalls` (a hung call frees its
+    slot at its timeout, its thread replaced) and hands ``done`` the :class:`Outcome`, on
     the calls' own thread."""
 
     def __init__(self, concurrency: int, timeout_s: float, name: str) -> None:
-        self._timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"env-{name}")
-        self._slots = asyncio.Semaphore(concurrency)
+        self._calls = BoundedCalls(concurrency, timeout_s, f"env-{name}", "--task.env_timeout_s")
         self._loops = LoopThread(f"envs-{name}")
 
-    def call(self, fn: Callable[[Any], Any], arg: Any, done: Callable[[Any], None]) -> None:
+    def call(self, fn: Callable[[Any], Any], arg: Any, done: Callable[[Outcome], None]) -> None:
         self._loops.submit(self._run(fn, arg, done))
 
-    async def _run(self, fn: Callable[[Any], Any], arg: Any, done: Callable[[Any], None]) -> None:
-        async with self._slots:
-            done(await self._outcome(fn, arg))
+    async def _run(self, fn: Callable[[Any], Any], arg: Any, done: Callable[[Outcome], None]) -> None:
+        done(await self._calls.run(fn, arg))
 
-    async def _outcome(self, fn: Callable[[Any], Any], arg: Any) -> Any:
-        try:
-            if inspect.iscoroutinefunction(fn):
-                out = await asyncio.wait_for(fn(arg), self._timeout_s)
-            else:
-                out = await asyncio.wait_for(self._loops.loop.run_in_executor(self._pool, fn, arg), self._timeout_s)
-                if inspect.isawaitable(out):
-                    out = await asyncio.wait_for(out, self._timeout_s)
-        except asyncio.TimeoutError:
-            out = TimeoutError(f"no answer within {self._timeout_s:g} s (--task.env_timeout_s)")
-        except Exception as e:  # noqa: BLE001 -- an environment's failure ends its episode
-            out = e
-        return out
+    @property
+    def abandoned(self) -> int:
+        """Environment calls still running past their timeout (their threads replaced)."""
+        return self._calls.abandoned
 
     def close(self) -> None:
         """Cancel the calls still waiting, stop the loop and release the threads (an
         environment call still running is left to finish on its own)."""
         self._loops.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._calls.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,19 +146,50 @@ class EpisodeDriver:
 
     def __init__(self, factory: EnvFactory, cfg: TaskConfig, engine: GenerationEngine, max_model_len: int,
                  name: str, wake: Callable[[], None], ended: Callable[[Episode], None],
-                 failed: Callable[[str], None]) -> None:
+                 failed: Callable[[str, bool], None]) -> None:
         self.factory, self.cfg, self._engine, self._max_len = factory, cfg, engine, max_model_len
         self._wake, self._ended, self._failed = wake, ended, failed
         self.env_name = cfg.env or getattr(factory, "__qualname__", type(factory).__name__)
         self._calls = EnvCalls(cfg.env_concurrency, cfg.env_timeout_s, name)
+        self._tokenizer: Any = getattr(engine, "tokenizer", None)
+        schemas = getattr(factory, "tool_schemas", None)
+        self.tools: list[dict[str, Any]] | None = schemas() if callable(schemas) else None
+        self._templated = cfg.chat_template == "auto" and has_chat_template(self._tokenizer)
+        self._chat_turns: ChatTurns | None = None
         self._ready: deque[Ready] = deque()
         self._lock = threading.Lock()
         self._live: dict[str, Episode] = {}
         self.waiting = 0   # episodes whose environment has not answered yet
 
+    @property
+    def _chat(self) -> ChatTurns | None:
+        """The chat template's turns, made at first use (an episode of messages or tools)."""
+        if self._chat_turns is None and self._templated:
+            self._chat_turns = ChatTurns(self._tokenizer, self.tools)
+        return self._chat_turns
+
+    def prompt_ids(self, prompt: Prompt) -> tuple[int, ...] | None:
+        """A chat model's episode start: the prompt's messages (or its user turn, after
+        ``--task.system_prompt``) rendered with the environment's tools; None when the
+        prompt's own text is the start (no chat template, or neither messages nor tools)."""
+        if not self._templated or (prompt.messages is None and not self.tools):
+            return None
+        chat = self._chat
+        assert chat is not None
+        messages = prompt.messages
+        if messages is None:
+            first = [Message("system", self.cfg.system_prompt)] if self.cfg.system_prompt else []
+            messages = (*first, Message("user", prompt.raw_prompt if prompt.raw_prompt is not None else prompt.text))
+        return tuple(self._engine.encode(chat.prompt_text(messages), add_special_tokens=False))
+
     def start(self, key: str, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
-        """A new episode: its environment is made and reset off the loop, then its first turn."""
-        episode = Episode(key, prompt, prompt_ids, self.factory(), sampling)
+        """A new episode: its environment is made (and given the tokenizer, when it takes
+        one: ``attach``) and reset off the loop, then its first turn."""
+        env = self.factory()
+        attach = getattr(env, "attach", None)
+        if callable(attach):
+            attach(self._tokenizer)
+        episode = Episode(key, prompt, prompt_ids, env, sampling)
         self._live[key] = episode
         self._ask(episode, episode.env.reset, prompt, reset=True)
 
@@ -176,19 +210,29 @@ class EpisodeDriver:
             if reply is not None and (reply.done or episode.turns >= self.cfg.max_turns):
                 if episode.failed is None:   # the environment ended it, or the turn cap did
                     episode.finish = "stop" if reply.done else "turns"
+                    episode.ended = "done" if reply.done else "turns"
                 episode.reward = reply.reward
                 self._end(episode)
                 continue
             if reply is not None:
-                ids = list(reply.token_ids) if reply.token_ids is not None else \
-                    self._engine.encode(reply.text, add_special_tokens=False)
-                episode.add_reply(ids)
+                episode.add_reply(self._reply_ids(episode, reply))
             self._next_turn(episode)
+
+    def _reply_ids(self, episode: Episode, reply: EnvReply) -> list[int]:
+        """The reply's token ids: its own, its messages as the chat template continues the
+        conversation after the model's last token, or its text encoded once."""
+        if reply.token_ids is not None:
+            return list(reply.token_ids)
+        chat = self._chat if reply.messages is not None else None
+        if reply.messages is not None and chat is not None:
+            return chat.reply_ids(reply.messages, episode.tokens[-1] if episode.tokens else None)
+        text = "".join(m.content for m in reply.messages) if reply.messages is not None else reply.text
+        return self._engine.encode(text, add_special_tokens=False)
 
     def _next_turn(self, episode: Episode) -> None:
         room = self._max_len - len(episode.prompt_ids) - len(episode.tokens)
         if room <= 0:
-            episode.finish = "length"
+            episode.finish = episode.ended = "length"
             self._end(episode)
             return
         sampling = replace(episode.sampling, max_new_tokens=min(episode.sampling.max_new_tokens, room))
@@ -202,23 +246,32 @@ class EpisodeDriver:
     def _ask(self, episode: Episode, fn: Callable[[Any], Any], arg: Any, *, reset: bool) -> None:
         self.waiting += 1
 
-        def answered(out: Any) -> None:   # on the calls' thread
-            if isinstance(out, BaseException):
-                out = self._fail(episode, f"raised on prompt {episode.prompt.prompt_id}: {first_line(out)}")
-            elif not reset and not isinstance(out, EnvReply):
-                out = self._fail(episode, f"answered prompt {episode.prompt.prompt_id} with a "
-                                          f"{type(out).__name__}, not an EnvReply")
+        def answered(out: Outcome) -> None:   # on the calls' thread
+            episode.env_s += out.seconds
+            reply: EnvReply | None = None
+            if out.error is not None:
+                verb = "timed out" if out.timed_out else "raised"
+                reply = self._fail(episode, f"{verb} on prompt {episode.prompt.prompt_id}: {first_line(out.error)}",
+                                   timeout=out.timed_out)
+            elif not reset and not isinstance(out.value, EnvReply):
+                reply = self._fail(episode, f"answered prompt {episode.prompt.prompt_id} with a "
+                                            f"{type(out.value).__name__}, not an EnvReply")
+            elif not reset:
+                reply = out.value
+                episode.tool_calls += reply.tool_calls
+                episode.tool_errors += reply.tool_errors
             with self._lock:
-                self._ready.append(Ready(episode, out if isinstance(out, EnvReply) else None))
+                self._ready.append(Ready(episode, reply))
             self._wake()
 
         self._calls.call(fn, arg, answered)
 
-    def _fail(self, episode: Episode, what: str) -> EnvReply:
+    def _fail(self, episode: Episode, what: str, *, timeout: bool = False) -> EnvReply:
         """The episode ends with reward 0; the failure is reported (one line)."""
         episode.failed = f"environment {self.env_name} {what}"
         episode.finish = "abort"
-        self._failed(episode.failed)
+        episode.ended = "timeout" if timeout else "env_error"
+        self._failed(episode.failed, timeout)
         return EnvReply(reward=0.0, done=True)
 
     def close(self) -> None:

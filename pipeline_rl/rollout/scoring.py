@@ -11,9 +11,10 @@ Where rewards run: on one asyncio event loop, in a thread of the worker's own
   remote reward, several weighted with one of those); a ``def`` one on a pool of
   ``--task.reward_concurrency`` threads, an ``async def`` one on the loop.
 
-At most ``reward_concurrency`` calls are in flight. A call not done after
-``--task.reward_timeout_s`` scores 0 and is counted as a timeout (an ``async def`` one is
-cancelled; a thread cannot be, so its slot is freed only when it returns). Scored groups
+At most ``reward_concurrency`` calls are in flight (``rollout.bounded_calls``, shared with
+the environment calls). A call not done after ``--task.reward_timeout_s`` scores 0, is
+counted as a timeout and frees its slot at once (an ``async def`` one is cancelled; a
+thread cannot be, so it is abandoned and a new thread takes its place). Scored groups
 are sent by one sending thread (a full buffer blocks it, never the loop).
 
 Failures -- a call that raises, a value that is not a finite number, a timeout -- score
@@ -28,7 +29,6 @@ single success.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 import time
@@ -42,6 +42,7 @@ import numpy as np
 from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import TaskConfig
 from pipeline_rl.evaluation import PendingEval
+from pipeline_rl.rollout.bounded_calls import BoundedCalls
 from pipeline_rl.rollout.engine import FinishedSequence
 from pipeline_rl.rollout.episodes import Episode
 from pipeline_rl.rollout.ports import SenderLike
@@ -115,9 +116,9 @@ class Scorer:
         self._timeout_s = cfg.reward_timeout_s
         self._fail_fast = {"reward": cfg.reward_errors == "fail", "env": cfg.env_errors == "fail"}
         self._c, self._lock, self._fail = counters, lock, fail
-        self._pool = ThreadPoolExecutor(cfg.reward_concurrency, thread_name_prefix=f"reward-{worker_id}")
+        self._calls = BoundedCalls(cfg.reward_concurrency, cfg.reward_timeout_s, f"reward-{worker_id}",
+                                   "--task.reward_timeout_s", self._began, self._ended)
         self._sends = ThreadPoolExecutor(1, thread_name_prefix=f"send-{worker_id}")
-        self._slots = asyncio.Semaphore(cfg.reward_concurrency)
         self._jobs: set[Future[None]] = set()
         self._loops = LoopThread(f"rewards-{worker_id}")
 
@@ -159,7 +160,7 @@ class Scorer:
         """Cancel what is still running, stop the loop and release the threads (a reward
         thread still running is left to finish on its own). Safe to call twice."""
         self._loops.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._calls.close()
         self._sends.shutdown(wait=True, cancel_futures=True)
 
     def _submit(self, job: Coroutine[Any, Any, None]) -> None:
@@ -225,28 +226,16 @@ class Scorer:
         return [r for part in parts for r in part]
 
     async def _call(self, prompt: Prompt, texts: Sequence[str], ids: Ids = None) -> list[float]:
-        await self._slots.acquire()
-        start = self._began()
-        task = asyncio.ensure_future(self._invoke(prompt, texts, ids))
-        task.add_done_callback(lambda t: self._ended(t, start))
-        done, _ = await asyncio.wait({task}, timeout=self._timeout_s)
-        if not done:
-            if not self.source.on_pool:
-                task.cancel()
-            return self._failed(prompt, len(texts), TimeoutError(f"no answer within {self._timeout_s:g} s "
-                                                                 f"(--task.reward_timeout_s)"), timeout=True)
+        out = await self._calls.run(self.source.call, prompt, texts, ids, on_pool=self.source.on_pool)
         try:
-            values = task.result()
+            if out.error is not None:
+                raise out.error
+            values = list(out.value)
             if len(values) != len(texts):
                 raise ValueError(f"{len(values)} scores for {len(texts)} completions")
         except Exception as e:  # a user's reward must never kill the worker (see _failed)
-            return self._failed(prompt, len(texts), e)
+            return self._failed(prompt, len(texts), e, timeout=out.timed_out)
         return [self._checked(prompt, v) for v in values]
-
-    async def _invoke(self, prompt: Prompt, texts: Sequence[str], ids: Ids) -> list[object]:
-        out = (await self._loops.loop.run_in_executor(self._pool, self.source.call, prompt, texts, ids)
-               if self.source.on_pool else self.source.call(prompt, texts, ids))
-        return list(await out if inspect.isawaitable(out) else out)
 
     def _checked(self, prompt: Prompt, value: object) -> float:
         """``value`` as a finite float, counted as a success; ``None`` (no score) counted as
@@ -273,43 +262,47 @@ class Scorer:
     def failure(self, line: str, count: int = 1, *, timeout: bool = False, env: bool = False) -> None:
         """Count ``count`` completions scored 0 by a failure (``line``: what failed, one line);
         the first is kept for the driver to print; stop the worker if the policy says so:
-        ``--task.env_errors`` for an environment's failure (``env``), else ``--task.reward_errors``
-        and a reward that never once answered."""
+        ``--task.env_errors`` and an environment that failed on its first ``REWARD_FAILURES_FATAL``
+        episodes without one ending well, for an environment's failure (``env``: counted as
+        ``env_errors`` / ``env_timeouts``, one per episode), else ``--task.reward_errors`` and a
+        reward that never once answered."""
         with self._lock:
             c = self._c
-            if timeout:
+            if env:   # an episode's environment: counted apart from the reward's failures
+                c.env_timeouts += count if timeout else 0
+                c.env_errors += 0 if timeout else count
+            elif timeout:
                 c.reward_timeouts += count
             else:
                 c.reward_errors += count
             first = c.reward_first_error is None
             if first:
                 c.reward_first_error = line
-            hopeless = not env and not c.reward_ok and c.reward_errors + c.reward_timeouts >= REWARD_FAILURES_FATAL
+            hopeless = (not c.env_ok and c.env_errors + c.env_timeouts >= REWARD_FAILURES_FATAL if env else
+                        not c.reward_ok and c.reward_errors + c.reward_timeouts >= REWARD_FAILURES_FATAL)
         (log.warning if first else log.debug)("worker %d: %s (scored 0)", self.worker_id, line)
-        if self._fail_fast["env" if env else "reward"]:
-            self._fail(RewardFailed(f"{line} (--task.{'env' if env else 'reward'}_errors fail)"))
+        what = "env" if env else "reward"
+        if self._fail_fast[what]:
+            self._fail(RewardFailed(f"{line} (--task.{what}_errors fail)"))
         elif hopeless:
-            self._fail(RewardFailed(f"the reward {self.source.name} failed on all of its first "
-                                    f"{REWARD_FAILURES_FATAL} completions; last: {line}"))
+            whom = "environment" if env else f"reward {self.source.name}"
+            units = "episodes" if env else "completions"
+            self._fail(RewardFailed(f"the {whom} failed on all of its first {REWARD_FAILURES_FATAL} "
+                                    f"{units}; last: {line}"))
 
-    def _began(self) -> float:
-        now = time.perf_counter()
+    def _began(self) -> None:
         with self._lock:
             if not self._c.reward_in_flight:
-                self._c.reward_busy_since = now
+                self._c.reward_busy_since = time.perf_counter()
             self._c.reward_in_flight += 1
-        return now
 
-    def _ended(self, task: asyncio.Future[list[object]], start: float) -> None:
-        """A call returned (or was cancelled): free its slot, count its time."""
-        self._slots.release()
-        if not task.cancelled():
-            task.exception()  # retrieved: a call past its timeout may fail unobserved
+    def _ended(self, seconds: float) -> None:
+        """A call returned, raised or timed out (its slot freed): count its time."""
         now = time.perf_counter()
         with self._lock:
             c = self._c
             c.reward_calls += 1
-            c.reward_s += now - start
+            c.reward_s += seconds
             c.reward_in_flight -= 1
             if not c.reward_in_flight:
                 c.reward_busy_s += now - c.reward_busy_since

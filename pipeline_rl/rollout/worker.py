@@ -57,7 +57,7 @@ from pipeline_rl.weight_sync.gloo import receive_in_one_call
 from pipeline_rl.weight_sync.message import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
-from pipeline_rl.tasks.base import RewardFn, Task
+from pipeline_rl.tasks.base import Prompt, RewardFn, Task
 from pipeline_rl.tasks.env import resolve_env, task_env_factory
 
 if TYPE_CHECKING:
@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GROUP_ID_STRIDE = 1 << 40  # group ids: worker_id * stride + local counter (unique per run)
-
 
 #: How long beyond its hold a stopping worker waits for the answer to its last request.
 _ANSWER_WAIT_S = 5.0
@@ -114,7 +113,7 @@ class RolloutWorker:
         factory = resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
         self._episodes = None if factory is None else EpisodeDriver(
             factory, cfg.task, self._engine, cfg.rollout.max_model_len, str(worker_id), self._wake.set,
-            self._episode_ended, lambda line: self._scorer.failure(line, env=True))
+            self._episode_ended, lambda line, timeout: self._scorer.failure(line, env=True, timeout=timeout))
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:
@@ -297,7 +296,10 @@ class RolloutWorker:
         Only with nothing to step does the loop wait for the answer (``idle_wait_s`` at a
         time, counted as idle): no polling, no latency lost to it at any staleness."""
         self._poll_answer(0.0)
-        free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished() - self._waiting_envs()
+        # Up to env_concurrency episodes waiting for their environment hold no engine slot (a
+        # hung one never empties the engine); more queue for it and count, never piling up.
+        queued = max(0, self._waiting_envs() - self.cfg.task.env_concurrency)
+        free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished() - queued
         room = -(-free // self.n) - self._granted
         if max_groups is not None:
             room = min(room, max_groups - self._c.groups_started - self._granted)
@@ -343,8 +345,7 @@ class RolloutWorker:
         self._local += 1
         group_id = self.worker_id * GROUP_ID_STRIDE + local
         prompt = self._task.prompt(local * self.cfg.rollout.num_workers + self.worker_id)
-        # A chat template writes its own special tokens (BOS included) into the text.
-        prompt_ids = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
+        prompt_ids = self._prompt_ids(prompt)
         self._pending[group_id] = PendingGroup(group_id, prompt, prompt_ids)
         ids = [f"{group_id}:{i}" for i in range(self.n)]
         if self._episodes is None:
@@ -355,13 +356,19 @@ class RolloutWorker:
         with self._lock:
             self._c.groups_started += 1
 
+    def _prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
+        """A chat episode's rendered start, else the prompt's text (a chat template writes
+        its own special tokens, BOS included, into it)."""
+        chat = self._episodes.prompt_ids(prompt) if self._episodes is not None else None
+        return chat or tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
+
     def _start_evals(self) -> None:
         """Add the evaluation sequences due now (``EvalFeed``: a side-stream a few at a time)."""
         for pending, i, j in self._evals.due():
             prompt = pending.prompts[i]
             ids = pending.encoded.get(i)
             if ids is None:
-                ids = pending.encoded[i] = tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
+                ids = pending.encoded[i] = self._prompt_ids(prompt)
             rid, sampling = eval_request_id(pending.request.eval_id, i, j), self._greedy if j == 0 else self._sampling
             (self._episodes.start(rid, prompt, ids, sampling) if self._episodes is not None
              else self._engine.add(GenRequest(rid, ids, sampling)))
@@ -385,7 +392,9 @@ class RolloutWorker:
         return self._episodes.waiting if self._episodes is not None else 0
 
     def _episode_ended(self, ep: Episode) -> None:
-        """A finished episode: into its evaluation, or its group (complete: to the scorer)."""
+        """A finished episode: counted, into its evaluation or its group (complete: to the scorer)."""
+        with self._lock:
+            self._c.episode_ended(ep.ended, ep.turns, ep.env_s, ep.tool_calls, ep.tool_errors)
         if ep.key.startswith(EVAL_PREFIX):
             self._answered(ep.key, ep.text, ep.completion(0.0).model_versions, ep.reward)
             return

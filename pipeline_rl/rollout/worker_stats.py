@@ -48,6 +48,64 @@ class RewardTally:
                            self.first_error or other.first_error, self.unscored + other.unscored)
 
 
+#: Ended episodes whose turns and environment time a worker remembers (``EpisodeTally.recent``).
+EPISODE_WINDOW = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeRecord:
+    """One ended episode, as the turn metrics read it: the model's turns and the seconds its
+    environment calls took."""
+
+    turns: int
+    env_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeTally:
+    """A worker's multi-turn episodes so far. ``episodes``: ended (``ok``: of them, those whose
+    environment never failed); ``recent``: the most recent ones (at most ``EPISODE_WINDOW``,
+    oldest first), so those ended since an earlier tally ``old`` are
+    ``recent[-(episodes - old.episodes):]``; ``tool_calls`` / ``tool_errors``: what the
+    environments reported; ``done`` ... ``timeout``: episodes by how they ended (the
+    environment ended it, the turn cap, the context, the environment failed, it timed out);
+    ``env_errors`` / ``env_timeouts``: environment calls that failed / timed out (one per
+    failed episode: it ends there)."""
+
+    episodes: int = 0
+    ok: int = 0
+    recent: tuple[EpisodeRecord, ...] = ()
+    tool_calls: int = 0
+    tool_errors: int = 0
+    done: int = 0
+    turns: int = 0
+    length: int = 0
+    env_error: int = 0
+    timeout: int = 0
+    env_errors: int = 0
+    env_timeouts: int = 0
+
+    def since(self, old: "EpisodeTally") -> tuple[EpisodeRecord, ...]:
+        """The episodes ended since ``old`` (an earlier tally of the same worker) that are remembered."""
+        new = self.episodes - old.episodes
+        return self.recent[-new:] if new > 0 else ()
+
+    def counts(self) -> tuple[int, ...]:
+        """The counters, in field order (``recent`` left out)."""
+        return (self.episodes, self.ok, self.tool_calls, self.tool_errors, self.done, self.turns, self.length,
+                self.env_error, self.timeout, self.env_errors, self.env_timeouts)
+
+    def minus(self, old: "EpisodeTally") -> "EpisodeTally":
+        """The counts since ``old`` (never negative; ``recent``: the episodes since it)."""
+        diff = [max(0, a - b) for a, b in zip(self.counts(), old.counts())]
+        return EpisodeTally(diff[0], diff[1], self.since(old), *diff[2:])
+
+    def plus(self, other: "EpisodeTally") -> "EpisodeTally":
+        """Both tallies' counts summed (``recent``: both, this one's first)."""
+        both = [a + b for a, b in zip(self.counts(), other.counts())]
+        return EpisodeTally(both[0], both[1], self.recent + other.recent, *both[2:])
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
     """A snapshot of one worker. ``stall_ms``: for the most recent applied updates (at
@@ -60,7 +118,8 @@ class WorkerStats:
     engine's); ``heap_trim_s``: time spent handing free heap pages back to the OS
     (``HeapTrimmer``, on the engine's thread between steps); ``applied``: when the most
     recent applied updates went live (at most ``STALL_WINDOW``, oldest first); ``rewards``:
-    its reward calls (:class:`RewardTally`)."""
+    its reward calls (:class:`RewardTally`); ``episodes``: its multi-turn episodes
+    (:class:`EpisodeTally`)."""
 
     worker_id: int
     version: int
@@ -80,6 +139,7 @@ class WorkerStats:
     heap_trim_s: float = 0.0
     applied: tuple[AppliedAt, ...] = ()
     rewards: RewardTally = RewardTally()
+    episodes: EpisodeTally = EpisodeTally()
 
     @property
     def reward_errors(self) -> int:
@@ -113,6 +173,14 @@ class Counters:
     reward_unscored: int = 0        # completions a reward gave no score (None)
     reward_in_flight: int = 0       # reward calls running now
     reward_busy_since: float = 0.0  # perf_counter() when reward_in_flight last left 0
+    env_ok: int = 0                 # episodes ended without their environment failing
+    env_errors: int = 0             # environment calls failed (raised, no EnvReply) / timed out
+    env_timeouts: int = 0
+    episodes: int = 0               # episodes ended, and how (EpisodeTally)
+    episode_ends: dict[str, int] = field(default_factory=dict)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    recent_episodes: deque[EpisodeRecord] = field(default_factory=lambda: deque(maxlen=EPISODE_WINDOW))
     updates_applied: int = 0
     stall_ms_total: float = 0.0
     stall_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))
@@ -132,4 +200,19 @@ class Counters:
             updates_applied=c.updates_applied, stall_ms_total=c.stall_ms_total,
             updates_rejected=c.updates_rejected,
             send_wait_s=send_wait_s, in_flight_groups=in_flight_groups, heap_trim_s=heap_trim_s,
-            applied=tuple(c.applied), rewards=rewards)
+            applied=tuple(c.applied), rewards=rewards, episodes=self._episode_tally())
+
+    def _episode_tally(self) -> EpisodeTally:
+        ends = self.episode_ends
+        return EpisodeTally(self.episodes, self.env_ok, tuple(self.recent_episodes), self.tool_calls,
+                            self.tool_errors, ends.get("done", 0), ends.get("turns", 0), ends.get("length", 0),
+                            ends.get("env_error", 0), ends.get("timeout", 0), self.env_errors, self.env_timeouts)
+
+    def episode_ended(self, ended: str, turns: int, env_s: float, tool_calls: int, tool_errors: int) -> None:
+        """Count one ended episode (the caller holds the worker's lock)."""
+        self.episodes += 1
+        self.env_ok += ended not in ("env_error", "timeout")
+        self.episode_ends[ended] = self.episode_ends.get(ended, 0) + 1
+        self.tool_calls += tool_calls
+        self.tool_errors += tool_errors
+        self.recent_episodes.append(EpisodeRecord(turns, env_s))

@@ -17,18 +17,19 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.metrics import (
     MetricsLogger,
     StepMetrics,
     WeightSyncLatency,
+    percentile,
     read_evals,
     read_history,
     summary_table,
 )
-from pipeline_rl.rollout.worker_stats import RewardTally
+from pipeline_rl.rollout.worker_stats import EpisodeTally, RewardTally
 from pipeline_rl.run.remote_calls import CallFailed, Calls
 from pipeline_rl.run.run_folder import RunFolder
 from pipeline_rl.run.supervisor import WorkerSlot
@@ -53,6 +54,7 @@ class _Seen:
     idle_s: float = 0.0
     stalls: int = 0
     rewards: RewardTally = RewardTally()
+    episodes: EpisodeTally = EpisodeTally()
 
 
 @dataclass(slots=True)
@@ -64,6 +66,7 @@ class _Delta:
     stalls_ms: list[float] = field(default_factory=list)
     answered: int = 0
     rewards: RewardTally = RewardTally()
+    episodes: EpisodeTally = EpisodeTally()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,38 @@ class _Rates:
     sync_ms: float = 0.0
     reward_s: float = 0.0
     reward_busy_frac: float = 0.0
+    turns: EpisodeShape | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeShape:
+    """The episodes ended in a window: turns per episode (mean, max) and the seconds each
+    spent in its environment's calls (mean, p90)."""
+
+    turns_mean: float
+    turns_max: int
+    env_s_mean: float
+    env_s_p90: float
+
+    @staticmethod
+    def of(tally: EpisodeTally) -> "EpisodeShape | None":
+        if not tally.recent:
+            return None
+        turns, env_s = [r.turns for r in tally.recent], [r.env_s for r in tally.recent]
+        return EpisodeShape(statistics.fmean(turns), max(turns), statistics.fmean(env_s), percentile(env_s, 0.9))
+
+
+def turn_metrics(shape: EpisodeShape | None, run: EpisodeTally) -> dict[str, float]:
+    """The turn metrics of a step (``metrics.jsonl`` keys): the last window's ``shape``, and
+    the run's counts so far (all workers); none for a run without episodes."""
+    if not run.episodes:
+        return {}
+    out = {"turns_mean": shape.turns_mean, "turns_max": float(shape.turns_max), "env_s_mean": shape.env_s_mean,
+           "env_s_p90": shape.env_s_p90} if shape is not None else {}
+    out.update({"tool_calls": run.tool_calls, "tool_errors": run.tool_errors, "finish_done": run.done,
+                "finish_turns": run.turns, "finish_length": run.length, "finish_env_error": run.env_error,
+                "finish_timeout": run.timeout, "env_errors": run.env_errors, "env_timeouts": run.env_timeouts})
+    return {k: float(v) for k, v in out.items()}
 
 
 class _StatsPoll:
@@ -94,6 +129,7 @@ class _StatsPoll:
         self.buffer: BufferStats | None = None
         self.sync = WeightSyncLatency(len(workers))
         self.rewards = RewardTally()   # the run's reward calls, all workers (first lives included)
+        self.episodes = EpisodeTally()  # the run's episodes, all workers (``recent`` left empty)
 
     def restarted(self, index: int) -> None:
         self._seen[index] = _Seen()
@@ -134,7 +170,8 @@ class _StatsPoll:
             stall_ms=statistics.fmean(delta.stalls_ms) if delta.stalls_ms else self.rates.stall_ms,
             sync_ms=statistics.fmean(synced) if synced else self.rates.sync_ms,
             reward_s=r.seconds / r.calls if r.calls else self.rates.reward_s,
-            reward_busy_frac=min(1.0, r.busy_s / (window * delta.answered)))
+            reward_busy_frac=min(1.0, r.busy_s / (window * delta.answered)),
+            turns=EpisodeShape.of(delta.episodes) or self.rates.turns)
 
     def _count(self, i: int, ref: Any, delta: _Delta) -> None:
         try:
@@ -155,6 +192,10 @@ class _StatsPoll:
                         "step lines)", i, st.rewards.first_error)
         seen.tokens, seen.idle_s, seen.stalls = st.tokens_generated, st.idle_s, st.updates_applied
         seen.rewards = st.rewards
+        episodes = st.episodes.minus(seen.episodes)
+        delta.episodes = delta.episodes.plus(episodes)
+        self.episodes = self.episodes.plus(replace(episodes, recent=()))
+        seen.episodes = st.episodes
         for applied in st.applied:
             self.sync.applied(i, applied.version, applied.at)
 
@@ -220,6 +261,7 @@ class StepRecorder:
                    "train_step_s": float(res[0].step_time_s), "groups_lost": float(buf.admission.lost),
                    "worker_restarts": float(sum(w.restarts for w in self._workers)),
                    "generator_idle_frac": rates.idle_frac,
+                   **turn_metrics(rates.turns, self._stats.episodes),
                    # Wall clock, so a caller can measure from its own start (start-up included).
                    "unix_time_s": time.time()},
         )

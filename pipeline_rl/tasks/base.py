@@ -47,6 +47,9 @@ class Prompt:
     ``answer`` is the reference answer the reward compares against, never
     templated. ``columns``: the dataset row's other columns, kept only for a reward that
     takes them (TRL's and verl's forms, :mod:`pipeline_rl.tasks.reward_forms`), else empty.
+    ``messages``: a task that starts from a conversation gives it here
+    (``pipeline_rl.tasks.messages.Message``; a chat model's episodes render it, with the
+    environment's tools, through the chat template instead of ``text``).
     """
 
     prompt_id: int
@@ -54,6 +57,7 @@ class Prompt:
     answer: str
     raw_prompt: str | None = None
     columns: Mapping[str, object] = field(default_factory=dict, compare=False)
+    messages: tuple[Any, ...] | None = None
 
     @property
     def templated(self) -> bool:

@@ -16,7 +16,9 @@ decoded with special tokens kept.
 
 :class:`ToolEnv` is the tool-calling convenience: the model writes a call in a form the
 task defines (a regular expression), the environment runs the named tool and answers with
-its result; a turn without a call ends the episode and is scored.
+its result; a turn without a call ends the episode and is scored. For a chat model calling
+tools in its own format, see :class:`pipeline_rl.tasks.tool_env.FunctionToolEnv` (plain
+Python functions, vLLM's tool-call parsers, replies as messages).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
 from pipeline_rl.tasks.base import Prompt, TaskError, task_method
+from pipeline_rl.tasks.messages import Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +38,20 @@ class EnvReply:
     """An environment's answer to one model turn. ``text`` (or ``token_ids``, which win
     when given) is appended to the episode as environment tokens; ``done`` ends the
     episode; ``reward`` is the episode's reward (in [0, 1]), read when ``done`` (None:
-    the task's reward scores the episode's model text)."""
+    the task's reward scores the episode's model text). ``tool_calls`` / ``tool_errors``:
+    the tool calls this answer ran, and how many of them failed (the turn metrics count them).
+    ``messages`` (``pipeline_rl.tasks.messages.Message``, e.g. tool results with their call
+    ids): for a chat model, appended as the chat template's own continuation of the
+    conversation (``rollout/chat_turns.py``); without a template, their contents as text.
+    Precedence: ``token_ids``, then ``messages``, then ``text``."""
 
     text: str = ""
     token_ids: tuple[int, ...] | None = None
+    messages: tuple[Message, ...] | None = None
     reward: float | None = None
     done: bool = False
+    tool_calls: int = 0
+    tool_errors: int = 0
 
 
 @runtime_checkable
@@ -82,7 +93,7 @@ class ToolEnv(ABC):
             return EnvReply(reward=self.score(self.prompt, turn), done=True)
         tool = self.tools.get(found.group("name"))
         result = tool(found.group("arg")) if tool is not None else f"no tool {found.group('name')!r}"
-        return EnvReply(text=self.reply_format.format(result=result))
+        return EnvReply(text=self.reply_format.format(result=result), tool_calls=1, tool_errors=int(tool is None))
 
     @abstractmethod
     def score(self, prompt: Prompt, turn: str) -> float:
