@@ -84,6 +84,10 @@ CATALOG: tuple[Entry, ...] = (
           "Held-out greedy success of `--task.name calc` before and after 200 steps."),
     Entry("slow_env", "A slow environment", "python -m benchmarks.slow_env --steps 100 --warmup 20 --sleep-ms 50",
           "Steps/s with a 50 ms environment against an instant one."),
+    Entry("hung_env", "A hung environment", "python -m benchmarks.slow_env --steps 60 --warmup 10 "
+          "--hang-frac 0.3 --hang-s 30 --timeout-s 1",
+          "Tokens/s and steps/s when 30% of environment calls hang 30 s past a 1 s timeout, "
+          "against the same environment without hangs."),
     Entry("rewards", "Slow rewards", "python -m benchmarks.rewards --steps 150 --repeats 5",
           "Steps/s with slow plug-in and remote rewards against an instant one."),
     Entry("versions", "Versions under PPO epochs", "python -m benchmarks.versions --steps 20",
