@@ -190,8 +190,14 @@ class RolloutConfig(Section):
         "inprocess on CPU, async on CUDA.")
     weight_transport: Literal["vllm", "object_store"] = Field(
         "vllm", description="How weights reach the workers: vllm (vLLM's weight-transfer "
-        "API, a gloo channel per worker on CPU) or object_store (Ray's object store, for "
+        "API, through --rollout.weight_path) or object_store (Ray's object store, for "
         "workers that cannot open a connection to the trainer).")
+    weight_path: Literal["auto", "shm", "gloo", "ipc", "nccl"] = Field(
+        "auto", description="Path of the vllm transport, per worker: shm (same node: one "
+        "shared-memory segment the trainer writes once), gloo (buckets over TCP, any "
+        "machine), ipc (vLLM's CUDA IPC, one shared GPU), nccl (vLLM's NCCL, different "
+        "GPUs). auto: ipc/nccl between GPUs where wired, else shm on one node, gloo across "
+        "nodes. The start-up log names each worker's path.")
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")

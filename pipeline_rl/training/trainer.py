@@ -327,7 +327,10 @@ class Trainer:
         """Full current parameters with their version (ZeRO-3: gathered; a collective)."""
         if version is not None and version != self._version:
             raise ValueError(f"trainer.weights: asked for version {version}, trainer is at {self._version}")
-        return gather_weights(self.engine.module, self._version, zero_stage=self.zero_stage)
+        from pipeline_rl.rollout.engine import served_dtype
+
+        wire = served_dtype(self.cfg.rollout.dtype, self.device.type)   # the engines' dtype
+        return gather_weights(self.engine.module, self._version, zero_stage=self.zero_stage, dtype=wire)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -177,6 +177,7 @@ class DirectLoader:
         plan = self._plan(given)
         if plan is None:
             return False
+        borrowed = {t.data_ptr() for t in given.values()}
         with torch.no_grad():
             for name, t in self._plain.items():
                 _copy_rows(t, given[name])
@@ -191,7 +192,10 @@ class DirectLoader:
                     _copy_rows(module.weight, weight)
                 else:
                     dtype = vllm_config.model_config.dtype
-                    module.weight = torch.nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
+                    owned = weight.to(dtype).contiguous()
+                    if owned.data_ptr() in borrowed:   # the update's own memory (a reused receive
+                        owned = owned.clone()          # buffer, a shared segment): never keep it
+                    module.weight = torch.nn.Parameter(owned, requires_grad=False)
                 if module.weight.numel() <= PLAIN_GEMM_MAX_WEIGHTS:
                     compat.plain_cpu_gemm(module)
                 else:

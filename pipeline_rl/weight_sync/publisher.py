@@ -34,30 +34,40 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline_rl.weight_sync.gloo import (
-    DEFAULT_TIMEOUT_S,
-    GlooTrainerWeightTransfer,
-    SendTiming,
-    SyncClient,
-)
+from pipeline_rl.weight_sync.clients import ActorClient, placement_of, trainer_address
+from pipeline_rl.weight_sync.dtypes import WireDtype, from_torch, torch_dtype
+from pipeline_rl.weight_sync.gloo import DEFAULT_TIMEOUT_S, GlooTrainerWeightTransfer
 from pipeline_rl.weight_sync.message import WeightUpdate
+from pipeline_rl.weight_sync.paths import (
+    REASONS,
+    Placement,
+    ResolvedPath,
+    WeightPath,
+    choose_path,
+    local_placement,
+)
+from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
+from pipeline_rl.weight_sync.shm import SharedWriter, ShmTrainerChannel
 
 log = logging.getLogger(__name__)
 
 
-def gather_weights(module: Any, version: int, *, zero_stage: int) -> WeightUpdate:
-    """Full parameters of ``module`` (the HF model inside the DeepSpeed engine) as float32 numpy.
+def gather_weights(module: Any, version: int, *, zero_stage: int,
+                   dtype: WireDtype = "float32") -> WeightUpdate:
+    """Full parameters of ``module`` (the HF model inside the DeepSpeed engine) in the wire
+    dtype ``dtype`` -- the served model's: a bfloat16 engine gets bfloat16, cast here once,
+    parameter by parameter as they are copied out (``float32`` keeps float32).
 
-    Names are ``named_parameters()`` names of the HF model (tied weights appear once), which
-    are the names ``save_pretrained`` writes and vLLM's ``load_weights`` expects. Under ZeRO-3
-    this is a collective (``deepspeed.zero.GatheredParameters``); every rank must call it.
-    The arrays are copies: later optimizer steps do not change them.
+    The arrays lie back to back in one buffer (``layout.contiguous_bytes`` finds it), so
+    the shared-memory path writes them with one pass and the gloo path sends buckets as
+    views. Names are ``named_parameters()`` names of the HF model (tied weights appear
+    once), which are the names ``save_pretrained`` writes and vLLM's ``load_weights``
+    expects. Under ZeRO-3 this is a collective (``deepspeed.zero.GatheredParameters``);
+    every rank must call it. The arrays are copies: later optimizer steps do not change them.
     """
     import torch
 
     params = list(module.named_parameters())
-    names: list[str] = []
-    arrays: list[np.ndarray] = []
     if zero_stage == 3:
         import deepspeed
 
@@ -67,15 +77,20 @@ def gather_weights(module: Any, version: int, *, zero_stage: int) -> WeightUpdat
 
         ctx = contextlib.nullcontext()
     with ctx, torch.no_grad():
-        for name, p in params:
-            t = p.detach()
-            if t.dtype != torch.float32:
-                t = t.float()
-            arr = t.to("cpu").numpy()
-            # A float32 CPU tensor shares memory with .numpy(): copy so the update is a snapshot.
-            arrays.append(np.array(arr, dtype=np.float32, order="C", copy=True))
-            names.append(name)
-    return WeightUpdate(version=version, names=tuple(names), arrays=tuple(arrays))
+        sizes = [p.numel() for _, p in params]
+        flat = torch.empty(sum(sizes), dtype=torch_dtype(dtype))
+        offset = 0
+        for (_, p), n in zip(params, sizes):
+            flat[offset:offset + n].view(p.shape).copy_(p.detach())   # the cast and the copy in one
+            offset += n
+    data = from_torch(flat)
+    arrays: list[np.ndarray] = []
+    offset = 0
+    for (_, p), n in zip(params, sizes):
+        arrays.append(data[offset:offset + n].reshape(tuple(p.shape)))
+        offset += n
+    return WeightUpdate(version=version, names=tuple(name for name, _ in params), arrays=tuple(arrays),
+                        dtype=dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,50 +125,10 @@ def _is_ray_actor(worker: object) -> bool:
     return isinstance(worker, ActorHandle)
 
 
-class ActorClient:
-    """A rollout worker's Ray actor as vLLM's weight-sync client (``SyncClient``): each
-    call waits for the actor, at most ``timeout_s`` (a dead worker never hangs a send)."""
-
-    def __init__(self, actor: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._actor, self._timeout_s = actor, timeout_s
-
-    def _call(self, method: str, *args: Any) -> Any:
-        import ray
-
-        return ray.get(getattr(self._actor, method).remote(*args), timeout=self._timeout_s)
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish_weight_update", weight_version)
-
-    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        return float(self._call("receive_update", update_info, weight_version))
-
-
 def _key(worker: object) -> str:
     """A worker's identity across calls (a restarted Ray actor keeps its id)."""
     actor_id = getattr(worker, "_actor_id", None)
     return actor_id.hex() if actor_id is not None else f"local-{id(worker)}"
-
-
-def _trainer_address() -> str:
-    """The address workers reach this process at: the Ray node's IP, else loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return str(ray.util.get_node_ip_address())
-    except ImportError:  # pragma: no cover - ray is a dependency
-        pass
-    return "127.0.0.1"
 
 
 Transport = Literal["vllm", "object_store"]
@@ -172,9 +147,14 @@ class WeightPublisher:
     """
 
     def __init__(self, workers: Iterable[object] = (), *, background: bool = True,
-                 max_pending_acks: int = 64, transport: Transport = "vllm") -> None:
+                 max_pending_acks: int = 64, transport: Transport = "vllm",
+                 path: WeightPath = "auto") -> None:
         self.transport: Transport = transport
-        self._channels: dict[str, GlooTrainerWeightTransfer] = {}
+        self.path: WeightPath = path
+        self.paths: dict[str, ResolvedPath] = {}   # the path each worker got (by worker key)
+        self._channels: dict[str, GlooTrainerWeightTransfer | ShmTrainerChannel] = {}
+        self._shared = SharedWriter()              # the shm path's one segment
+        self._placement: Placement | None = None
         self._senders: ThreadPoolExecutor | None = None
         self._published_at: list[tuple[int, float]] = []
         self.send_timings: list[SendTiming] = []   # vllm transport: per worker and version
@@ -283,6 +263,7 @@ class WeightPublisher:
         for channel in list(self._channels.values()):
             channel.close()
         self._channels.clear()
+        self._shared.close()
         if self._senders is not None:
             self._senders.shutdown(wait=False, cancel_futures=True)
 
@@ -374,8 +355,7 @@ class WeightPublisher:
                 channel.close()
                 channel = None
             if channel is None:
-                client: SyncClient = ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[assignment]
-                channel = GlooTrainerWeightTransfer.trainer_init(client, address=_trainer_address())
+                channel = self._open(key, worker)
             timing = channel.send(update)
             self._channels[key] = channel
             return timing
@@ -388,6 +368,22 @@ class WeightPublisher:
             with self._lock:
                 self._failures += 1
             return None
+
+    def _open(self, key: str, worker: object) -> GlooTrainerWeightTransfer | ShmTrainerChannel:
+        """A new channel to ``worker`` on the path its placement gets (logged once per worker)."""
+        client: SyncClient = ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[assignment]
+        if self._placement is None:
+            self._placement = local_placement()
+        path = choose_path(self._placement, placement_of(client), self.path)
+        if self.paths.get(key) != path:
+            log.info("weights: worker %s gets the %s path (%s%s)", key[-8:], path, REASONS[path],
+                     ", forced" if self.path != "auto" else "")
+        self.paths[key] = path
+        if path == "shm":
+            return ShmTrainerChannel(client, self._shared)
+        if path != "gloo":
+            raise RuntimeError(f"weight path {path} is not wired in this build")
+        return GlooTrainerWeightTransfer.trainer_init(client, address=trainer_address())
 
     def _check_acks(self, *, block: bool) -> None:
         """Count failed remote offers (dead actors) without waiting on live ones; bounds memory."""

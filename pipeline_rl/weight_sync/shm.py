@@ -1,0 +1,197 @@
+"""The same-machine path: an update handed over in a shared-memory segment.
+
+The writer (the trainer's publisher, or an ``AsyncLLM`` worker staging bytes it
+received over gloo for its engine-core process) owns one segment, a file under
+``/dev/shm`` mapped shared, and writes each version into it once, laid out as
+``pipeline_rl.weight_sync.layout`` says; every reader on the machine maps the same
+file and loads straight from it (:class:`ShmUpdateInfo` names the file). No byte
+crosses a socket.
+
+Invariants: a segment is rewritten only after every reader of the previous version
+returned from its ``update_weights``/``finish_weight_update`` calls (the publisher's
+send is synchronous per version, and the loads copy out of the segment); readers
+never write to it. The writer unlinks the file when it closes; a reader's mapping
+stays valid until it drops it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pipeline_rl.weight_sync.layout import UpdateLayout, pack_into, update_in
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
+
+if TYPE_CHECKING:
+    from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
+
+
+def shm_dir() -> Path:
+    """Where segments live: ``/dev/shm`` (memory-backed) where it exists."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+@dataclass(frozen=True, slots=True)
+class ShmUpdateInfo:
+    """``update_weights`` info of the shared-memory path: the layout, the segment's
+    file, and whether the values were already checked for non-finite ones by the
+    worker that staged them (an ``AsyncLLM`` worker checks before it pauses, so its
+    engine core does not check again)."""
+
+    version: int
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    segment: str
+    checked: bool = False
+
+    def layout(self) -> UpdateLayout:
+        return UpdateLayout(self.version, self.names, self.dtype_names, self.shapes)
+
+    @classmethod
+    def of(cls, layout: UpdateLayout, segment: str, checked: bool = False) -> "ShmUpdateInfo":
+        return cls(layout.version, layout.names, layout.dtype_names, layout.shapes, segment, checked)
+
+
+def is_shm_info(update_info: dict[str, object]) -> bool:
+    """Whether an ``update_weights`` info dict is :class:`ShmUpdateInfo`'s."""
+    return "segment" in update_info
+
+
+def _map(path: str, size: int, create: bool) -> np.ndarray:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size < size:
+            raise WeightUpdateError(f"shared-memory segment {path} holds {os.fstat(fd).st_size} bytes, "
+                                    f"the update needs {size}")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+class SharedSegment:
+    """The writer's segment (grown, under a new file name, when an update needs more)."""
+
+    def __init__(self, prefix: str = "pipeline_rl_weights") -> None:
+        self._prefix = prefix
+        self.path: str | None = None
+        self._array: np.ndarray | None = None
+
+    def buffer(self, size: int) -> np.ndarray:
+        """A writable uint8 view of at least ``size`` bytes (the same file while it fits)."""
+        if self._array is None or self._array.size < size:
+            self.close()
+            path = str(shm_dir() / f"{self._prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            self._array = _map(path, max(size, 1), create=True)
+            self.path = path
+        return self._array[:size]
+
+    def write(self, update: WeightUpdate, *, checked: bool = False) -> ShmUpdateInfo:
+        """Lay ``update`` out in the segment; the info readers load it by."""
+        layout = UpdateLayout.of(update)
+        pack_into(self.buffer(layout.total_bytes()), update.arrays)
+        assert self.path is not None
+        return ShmUpdateInfo.of(layout, self.path, checked)
+
+    def close(self) -> None:
+        """Unlink the file (mappings already made stay valid)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self.path, self._array = None, None
+
+
+class SegmentReader:
+    """A reader's mapping of the newest segment it was pointed at (mapped once, reused
+    for every version the writer lays out in the same file)."""
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._array: np.ndarray | None = None
+
+    def update(self, info: ShmUpdateInfo) -> WeightUpdate:
+        """The update ``info`` describes, its arrays views of the segment."""
+        layout = info.layout()
+        size = layout.total_bytes()
+        if self._path != info.segment or self._array is None or self._array.size < size:
+            try:
+                self._array = _map(info.segment, size, create=False)
+            except FileNotFoundError as e:
+                raise WeightUpdateError(f"shared-memory segment {info.segment} not found "
+                                        f"(the trainer is on another machine? force --rollout.weight_path gloo)") from e
+            self._path = info.segment
+        return update_in(self._array[:size], layout)
+
+    def close(self) -> None:
+        self._path, self._array = None, None
+
+
+class SharedWriter:
+    """The trainer's segment for every same-node worker: each version is written once,
+    by the first send that needs it (thread-safe: the publisher sends to workers in
+    parallel; the others wait for that write)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._segment = SharedSegment()
+        self._lock = threading.Lock()
+        self._info: ShmUpdateInfo | None = None
+
+    def write_once(self, update: WeightUpdate) -> tuple[ShmUpdateInfo, float]:
+        """The segment's info for ``update`` and the seconds this call spent writing it."""
+        import time
+
+        with self._lock:
+            if self._info is not None and self._info.version == update.version:
+                return self._info, 0.0
+            t0 = time.perf_counter()
+            self._info = None
+            self._info = self._segment.write(update)
+            return self._info, time.perf_counter() - t0
+
+    def close(self) -> None:
+        with self._lock:
+            self._segment.close()
+            self._info = None
+
+
+class ShmTrainerChannel:
+    """Trainer side of the ``shm`` path for one worker: the version is written into the
+    shared :class:`SharedWriter` (once for all workers), then the worker's one call
+    (``receive_update``: start, update -- map and check -- and finish) loads it."""
+
+    path = "shm"
+
+    def __init__(self, client: "SyncClient", writer: SharedWriter) -> None:
+        self.client = client
+        self._writer = writer
+
+    def send(self, update: WeightUpdate) -> "SendTiming":
+        import time
+        from dataclasses import asdict
+
+        from pipeline_rl.weight_sync.protocol import SendTiming
+
+        info, write_s = self._writer.write_once(update)
+        t0 = time.perf_counter()
+        finish_s = self.client.receive_update(asdict(info), str(update.version))
+        call_s = time.perf_counter() - t0
+        return SendTiming(update.version, write_s + call_s - finish_s, finish_s, update.num_bytes, "shm")
+
+    def close(self) -> None:
+        """Nothing per worker: the writer's segment is the publisher's."""
