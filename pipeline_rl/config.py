@@ -58,7 +58,15 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1, le=128, description="Built-in model: attention heads "
                            "(head dim = hidden_size / num_heads).")
     intermediate_size: int = Field(256, ge=16, le=65536, description="Built-in model: MLP width.")
-    dtype: DType = Field("float32", description="Trainer parameter dtype.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Trainer parameter dtype (bfloat16: DeepSpeed bf16 with fp32 master "
+        "weights). auto: bfloat16 where the trainer runs on a GPU, float32 on CPU.")
+
+    def trainer_dtype(self, device_type: str) -> DType:
+        """The dtype the trainer holds its parameters in on ``device_type``."""
+        if self.dtype == "auto":
+            return "bfloat16" if device_type == "cuda" else "float32"
+        return self.dtype
     device: Device = Field("auto", description="Where models run: auto picks CUDA when present.")
 
     @property

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from staging_helpers import gloo_trainer, send_buckets
 from test_engine_inprocess import (  # noqa: F401 - the fixtures are shared with the in-process engine's tests
     TEMPERATURE,
     TOL,
@@ -32,8 +33,8 @@ from dataclasses import asdict
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engine import FinishedSequence, GenRequest, SamplingConfig
 from pipeline_rl.rollout.engine_async import AsyncEngine, transfer_backend
-from pipeline_rl.weight_sync.gloo import BACKEND, Channel, GlooInitInfo
-from pipeline_rl.weight_sync.layout import UpdateLayout, bucket_plan
+from pipeline_rl.weight_sync.gloo import BACKEND
+from pipeline_rl.weight_sync.layout import UpdateLayout
 from pipeline_rl.weight_sync.shm import SharedSegment
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, as_checked, load_update
 
@@ -129,44 +130,16 @@ def test_refused_payload_leaves_the_old_weights_serving(engine: AsyncEngine, mod
     assert applied.version == v + 1
 
 
-def _gloo_trainer(engine: AsyncEngine, bucket_bytes: int) -> Channel:
-    """The trainer's end of a gloo channel the engine joined (in this process)."""
-    pending, port = Channel.serve("127.0.0.1", 30.0)
-    joining = in_daemon_thread(engine.init_weight_transfer_engine,
-                               asdict(GlooInitInfo("127.0.0.1", port, bucket_bytes, 30.0)))
-    channel = pending.join()
-    joining.result()
-    return channel
-
-
-def _send_buckets(channel: Channel, update: WeightUpdate, bucket_bytes: int, *, pause_s: float = 0.0,
-                  stop_after: int | None = None) -> None:
-    """Broadcast ``update`` bucket by bucket, waiting ``pause_s`` after the first one;
-    ``stop_after``: close the channel after that many buckets (the trainer dies half-way)."""
-    flat = np.concatenate([a.reshape(-1).view(np.uint8) for a in update.arrays])
-    layout = UpdateLayout.of(update)
-    nbytes, offset = layout.nbytes(), 0
-    for k, bucket in enumerate(bucket_plan(nbytes, bucket_bytes)):
-        if stop_after is not None and k == stop_after:
-            channel.close()
-            return
-        size = sum(nbytes[i] for i in bucket)
-        channel.broadcast(torch.from_numpy(flat[offset:offset + size].copy())).wait()
-        offset += size
-        if k == 0:
-            time.sleep(pause_s)
-
-
 def test_generation_goes_on_while_the_bytes_arrive(engine: AsyncEngine, model_dirs: tuple) -> None:
     update = load_update(model_dirs[1], engine.version + 1)
-    channel = _gloo_trainer(engine, bucket_bytes=64 << 10)
+    channel = gloo_trainer(engine, bucket_bytes=64 << 10)
     v = engine.version
     for i in range(6):
         engine.add(GenRequest(f"during-{i}", tuple(engine.encode(PROMPTS[i % 4])),
                               SamplingConfig(max_new_tokens=4, temperature=TEMPERATURE, ignore_eos=True)))
     engine.start_weight_update()
     receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
-    sending = in_daemon_thread(_send_buckets, channel, update, 64 << 10, pause_s=3.0)
+    sending = in_daemon_thread(send_buckets, channel, update, 64 << 10, pause_s=3.0)
     finished: list[FinishedSequence] = []
     while not receiving.done():
         finished.extend(engine.step())
@@ -184,11 +157,11 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: AsyncEngine, model_di
 def test_a_transfer_failing_half_way_leaves_the_old_weights_serving(engine: AsyncEngine,
                                                                       model_dirs: tuple) -> None:
     update = load_update(model_dirs[1], engine.version + 1)
-    channel = _gloo_trainer(engine, bucket_bytes=64 << 10)
+    channel = gloo_trainer(engine, bucket_bytes=64 << 10)
     v = engine.version
     engine.start_weight_update()
     receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
-    _send_buckets(channel, update, 64 << 10, stop_after=2)
+    send_buckets(channel, update, 64 << 10, stop_after=2)
     with pytest.raises(WeightUpdateError, match="^weights not received: ") as info:
         receiving.result(timeout=60)
     assert "\n" not in str(info.value)

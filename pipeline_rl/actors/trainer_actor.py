@@ -106,11 +106,12 @@ class TrainerActor:
         end_of_startup()
         return int(self._trainer.version)
 
-    def set_workers(self, workers: list[RolloutHandle]) -> None:
+    def set_workers(self, workers: list[RolloutHandle]) -> list[str]:
         """Rank 0: the rollout workers to publish to; workers new to the publisher get the
-        newest published weights at once."""
-        if self._publisher is not None:
-            self._publisher.set_workers(workers)
+        newest published weights at once. Returns the weight path each worker gets."""
+        if self._publisher is None:
+            return []
+        return self._publisher.set_workers(workers)
 
     def offer_latest(self, workers: list[RolloutHandle]) -> None:
         """Rank 0: give ``workers`` (restarted ones) the newest published weights."""

@@ -217,8 +217,17 @@ class InprocessEngine(GenerationEngine):
         self._receiver().start_weight_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive (gloo) or map (shm) and check one update while the loop steps; a
+        failed transfer raises ``WeightUpdateError`` and the served weights stay."""
         t0 = time.perf_counter()
-        self._receiver().update_weights(update_info)
+        try:
+            self._receiver().update_weights(update_info)
+        except WeightUpdateError:
+            raise
+        except Exception as e:
+            from pipeline_rl.calls import first_line
+
+            raise WeightUpdateError(f"weights not received: {first_line(e)}") from e
         self._transfer_s = time.perf_counter() - t0
 
     def finish_weight_update(self, version: int) -> bool:

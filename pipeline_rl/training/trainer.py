@@ -110,7 +110,7 @@ class Trainer:
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.model, model_parameters=trained, optimizer=make_optimizer(cfg, trained),
-            config=deepspeed_config(cfg, world_size))
+            config=deepspeed_config(cfg, world_size, self.device.type))
         self.zero_stage = cfg.trainer.zero_stage
         if world_size == 1 and self.zero_stage == 0:
             # One rank has nothing to all-reduce: DeepSpeed would still flatten, "reduce"
@@ -165,7 +165,8 @@ class Trainer:
     def _load_model(self, path: Path) -> Any:
         from transformers import AutoModelForCausalLM
 
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        bf16 = self.cfg.model.trainer_dtype(self.device.type) == "bfloat16"
+        dtype = torch.bfloat16 if bf16 else torch.float32
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         model.config.use_cache = False
         return model
@@ -247,7 +248,7 @@ class Trainer:
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return False
         diff = float((a.float() - b.float()).abs().max())
-        tol = 1e-3 if self.cfg.model.dtype == "float32" else 0.1
+        tol = 1e-3 if self.cfg.model.trainer_dtype(self.device.type) == "float32" else 0.1
         if not diff <= tol:
             log.warning("trainer: prompts not shared (padded rows instead): log-probs differ by "
                         "%.3g with shared prompts on this model (tolerance %g)", diff, tol)

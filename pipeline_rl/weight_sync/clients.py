@@ -41,17 +41,22 @@ class ActorClient:
         return self._call("placement")  # type: ignore[no-any-return]
 
 
+#: The node id of a worker that could not say where it runs (taken for another node).
+UNKNOWN_NODE = "unknown"
+
+
 def placement_of(client: object) -> Placement:
     """Where a worker runs: its own answer (``placement()``); a worker object in this
-    process without one runs here; an actor that cannot say is taken for another node
-    (the gloo path, which works anywhere)."""
+    process without one runs here. A worker that cannot say (no such method: another
+    node is assumed, the gloo path works anywhere) or does not answer (dead: retried at
+    its next channel) gets node :data:`UNKNOWN_NODE`."""
     ask = getattr(client, "placement", None)
     if not callable(ask):
         return local_placement()
     try:
         return ask()  # type: ignore[no-any-return]
-    except AttributeError:
-        return Placement(node_id="unknown")
+    except Exception:  # noqa: BLE001 - a worker that cannot answer is not on this node
+        return Placement(node_id=UNKNOWN_NODE)
 
 
 def trainer_address() -> str:

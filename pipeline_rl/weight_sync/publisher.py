@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline_rl.weight_sync.clients import ActorClient, placement_of, trainer_address
+from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
 from pipeline_rl.weight_sync.dtypes import WireDtype, from_torch, torch_dtype
 from pipeline_rl.weight_sync.gloo import DEFAULT_TIMEOUT_S, GlooTrainerWeightTransfer
 from pipeline_rl.weight_sync.message import WeightUpdate
@@ -221,8 +221,10 @@ class WeightPublisher:
                 self._wake.wait(left)
         return True
 
-    def set_workers(self, workers: Sequence[object]) -> None:
-        """Replace the worker list; workers not seen before get the newest weights at once."""
+    def set_workers(self, workers: Sequence[object]) -> list[str]:
+        """Replace the worker list; workers not seen before get the newest weights at once.
+        Returns the path each worker gets, in order (``object_store`` for that transport;
+        the run's start-up line shows them)."""
         with self._lock:
             new = [w for w in workers if all(w is not old for old in self._workers)]
             self._workers = list(workers)
@@ -231,8 +233,10 @@ class WeightPublisher:
             gone = [self._channels.pop(k) for k in list(self._channels) if k not in keep]
         for channel in gone:
             channel.close()
+        paths = [self._path_of(_key(w), w) if self.transport == "vllm" else "object_store" for w in workers]
         if latest is not None:
             self._offer(new, latest, ref)
+        return paths
 
     def offer_latest(self, workers: Sequence[object]) -> None:
         """Offer the newest published weights to ``workers`` now (e.g. a restarted worker
@@ -369,16 +373,28 @@ class WeightPublisher:
                 self._failures += 1
             return None
 
-    def _open(self, key: str, worker: object) -> GlooTrainerWeightTransfer | ShmTrainerChannel:
-        """A new channel to ``worker`` on the path its placement gets (logged once per worker)."""
-        client: SyncClient = ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[assignment]
-        if self._placement is None:
-            self._placement = local_placement()
-        path = choose_path(self._placement, placement_of(client), self.path)
-        if self.paths.get(key) != path:
+    def _path_of(self, key: str, worker: object) -> ResolvedPath:
+        """The path ``worker`` gets (asked once per worker key; logged when first chosen)."""
+        path = self.paths.get(key)
+        if path is None:
+            if self._placement is None:
+                self._placement = local_placement()
+            where = placement_of(self._client(worker))
+            path = choose_path(self._placement, where, self.path)
+            if where.node_id == UNKNOWN_NODE:
+                return path   # asked again at its next channel
             log.info("weights: worker %s gets the %s path (%s%s)", key[-8:], path, REASONS[path],
                      ", forced" if self.path != "auto" else "")
-        self.paths[key] = path
+            self.paths[key] = path
+        return path
+
+    @staticmethod
+    def _client(worker: object) -> SyncClient:
+        return ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[return-value]
+
+    def _open(self, key: str, worker: object) -> GlooTrainerWeightTransfer | ShmTrainerChannel:
+        """A new channel to ``worker`` on its path."""
+        path, client = self._path_of(key, worker), self._client(worker)
         if path == "shm":
             return ShmTrainerChannel(client, self._shared)
         if path != "gloo":
