@@ -392,7 +392,8 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
         for version in range(1, total + 1):
             perturb(model, version)
             t0 = time.perf_counter()
-            update = gather_weights(model, version, zero_stage=0, dtype=cast(Any, spec.served_dtype))
+            update = gather_weights(model, version, zero_stage=0, dtype=cast(Any, spec.served_dtype),
+                                    allocate=publisher.allocator())   # as the trainer does
             gather_s.append(time.perf_counter() - t0)
             num_bytes = update.num_bytes
             block_s.append(publisher.publish(update))

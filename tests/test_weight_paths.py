@@ -21,7 +21,7 @@ from pipeline_rl.weight_sync.message import WeightSpec, WeightUpdate, WeightUpda
 from pipeline_rl.weight_sync.paths import PathError, Placement, choose_path
 from pipeline_rl.weight_sync.protocol import receive_in_one_call
 from pipeline_rl.weight_sync.publisher import WeightPublisher, gather_weights
-from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo
+from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo, gathered_in
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -171,3 +171,34 @@ def test_a_transfer_whose_peer_dies_ends_within_its_timeout_in_one_line() -> Non
         sender.close()
     assert time.perf_counter() - t < 3.0 + 10.0
     assert "\n" not in str(info.value).strip()
+
+
+def test_a_version_gathered_into_shared_memory_is_handed_over_without_a_second_write() -> None:
+    import os
+
+    clients = [ShmClient()]
+    pub = WeightPublisher(clients, background=False)
+    try:
+        assert pub.allocator() is None                      # no worker on the shm path yet
+        assert pub.set_workers(clients) == ["shm"]
+        allocate = pub.allocator()
+        assert allocate is not None
+        update = gather_weights(_model(4), 4, zero_stage=0, dtype="bfloat16", allocate=allocate)
+        where = gathered_in(update)
+        assert where is not None and os.path.exists(where[0])
+        pub.publish(update)
+        timing = pub.send_timings[-1]
+        assert timing.path == "shm"
+        got = clients[0].got[-1]
+        assert all(np.array_equal(a, b) for a, b in zip(update.arrays, got.arrays))
+        path = where[0]
+        del update, got, where
+        clients[0].got.clear()
+        clients[0].reader.close()
+        pub.publish(gather_weights(_model(5), 5, zero_stage=0, dtype="bfloat16", allocate=allocate))
+        import gc
+
+        gc.collect()
+        assert not os.path.exists(path)                     # the old version's file went with it
+    finally:
+        pub.close()

@@ -91,5 +91,5 @@ def all_finite(arr: np.ndarray, name: str) -> bool:
 
 def _numpy_all_finite(arr: np.ndarray, int_type: type, first: int) -> bool:
     mask = 0x7FFFFFFF if int_type is np.int32 else 0x7FFF
-    bits = np.ascontiguousarray(arr).reshape(-1).view(int_type)
+    bits: np.ndarray = np.ascontiguousarray(arr).reshape(-1).view(int_type)
     return bool((bits & int_type(mask)).max() < first)

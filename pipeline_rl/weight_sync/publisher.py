@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -35,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
-from pipeline_rl.weight_sync.dtypes import WireDtype, from_torch, torch_dtype
+from pipeline_rl.weight_sync.dtypes import STORAGE, WireDtype, from_torch, torch_dtype
 from pipeline_rl.weight_sync.gloo import DEFAULT_TIMEOUT_S, GlooTrainerWeightTransfer
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.weight_sync.paths import (
@@ -47,13 +47,13 @@ from pipeline_rl.weight_sync.paths import (
     local_placement,
 )
 from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
-from pipeline_rl.weight_sync.shm import SharedWriter, ShmTrainerChannel
+from pipeline_rl.weight_sync.shm import SharedWriter, ShmTrainerChannel, new_shared_buffer
 
 log = logging.getLogger(__name__)
 
 
-def gather_weights(module: Any, version: int, *, zero_stage: int,
-                   dtype: WireDtype = "float32") -> WeightUpdate:
+def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDtype = "float32",
+                   allocate: Callable[[int], np.ndarray] | None = None) -> WeightUpdate:
     """Full parameters of ``module`` (the HF model inside the DeepSpeed engine) in the wire
     dtype ``dtype`` -- the served model's: a bfloat16 engine gets bfloat16, cast here once,
     parameter by parameter as they are copied out (``float32`` keeps float32).
@@ -64,6 +64,9 @@ def gather_weights(module: Any, version: int, *, zero_stage: int,
     once), which are the names ``save_pretrained`` writes and vLLM's ``load_weights``
     expects. Under ZeRO-3 this is a collective (``deepspeed.zero.GatheredParameters``);
     every rank must call it. The arrays are copies: later optimizer steps do not change them.
+    ``allocate(nbytes)``: where the buffer comes from (a uint8 array; the publisher's
+    :meth:`WeightPublisher.allocator` gives shared memory when a worker takes the shm path,
+    so the gather itself is the one write of the bytes); default: ordinary memory.
     """
     import torch
 
@@ -78,12 +81,15 @@ def gather_weights(module: Any, version: int, *, zero_stage: int,
         ctx = contextlib.nullcontext()
     with ctx, torch.no_grad():
         sizes = [p.numel() for _, p in params]
-        flat = torch.empty(sum(sizes), dtype=torch_dtype(dtype))
+        wire = torch_dtype(dtype)
+        raw = allocate(sum(sizes) * wire.itemsize) if allocate is not None else None
+        flat = torch.empty(sum(sizes), dtype=wire) if raw is None else torch.from_numpy(raw).view(wire)
         offset = 0
         for (_, p), n in zip(params, sizes):
             flat[offset:offset + n].view(p.shape).copy_(p.detach())   # the cast and the copy in one
             offset += n
-    data = from_torch(flat)
+    # Views of the allocated array itself (so the shm path finds the file it lies in).
+    data = from_torch(flat) if raw is None else raw.view(STORAGE[dtype])
     arrays: list[np.ndarray] = []
     offset = 0
     for (_, p), n in zip(params, sizes):
@@ -245,6 +251,12 @@ class WeightPublisher:
             latest, ref = self._latest, self._latest_ref
         if latest is not None:
             self._offer(list(workers), latest, ref, reconnect=True)
+
+    def allocator(self) -> Callable[[int], np.ndarray] | None:
+        """Where ``gather_weights`` should put the next version: shared memory once some
+        worker takes the shm path (the segment then goes to the workers as it is), else
+        None (ordinary memory)."""
+        return new_shared_buffer if "shm" in self.paths.values() else None
 
     def stats(self) -> PublishStats:
         with self._lock:

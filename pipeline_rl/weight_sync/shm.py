@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline_rl.weight_sync.layout import UpdateLayout, pack_into, update_in
+from pipeline_rl.weight_sync.layout import UpdateLayout, contiguous_bytes, pack_into, update_in
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
 
 if TYPE_CHECKING:
@@ -52,13 +52,14 @@ class ShmUpdateInfo:
     shapes: list[list[int]]
     segment: str
     checked: bool = False
+    offset: int = 0
 
     def layout(self) -> UpdateLayout:
         return UpdateLayout(self.version, self.names, self.dtype_names, self.shapes)
 
     @classmethod
-    def of(cls, layout: UpdateLayout, segment: str, checked: bool = False) -> "ShmUpdateInfo":
-        return cls(layout.version, layout.names, layout.dtype_names, layout.shapes, segment, checked)
+    def of(cls, layout: UpdateLayout, segment: str, checked: bool = False, offset: int = 0) -> "ShmUpdateInfo":
+        return cls(layout.version, layout.names, layout.dtype_names, layout.shapes, segment, checked, offset)
 
 
 def is_shm_info(update_info: dict[str, object]) -> bool:
@@ -81,6 +82,60 @@ def _map(path: str, size: int, create: bool) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8)
 
 
+def check_space(size: int) -> None:
+    """Refuse, in one line, a segment the memory filesystem cannot hold (writing past its
+    free space would end the process with SIGBUS instead of an error)."""
+    st = os.statvfs(shm_dir())
+    free = st.f_bavail * st.f_frsize
+    if free < size:
+        raise WeightUpdateError(f"shared memory: {shm_dir()} has {free / 1e6:.0f} MB free, an update needs "
+                                f"{size / 1e6:.0f} MB (enlarge it, or use --rollout.weight_path gloo)")
+
+
+#: Buffers made by :func:`new_shared_buffer`: id of the mapping -> its file (unlinked, and
+#: forgotten, when the last array viewing the mapping is gone).
+_GATHERED: dict[int, str] = {}
+
+
+def new_shared_buffer(size: int) -> np.ndarray:
+    """A fresh uint8 buffer of ``size`` bytes in a memory file of its own, for the trainer
+    to gather a version straight into (``gather_weights(allocate=...)``): the
+    shared-memory path then hands that file to the workers without writing the bytes
+    again. The file lives as long as some array views the buffer."""
+    import weakref
+
+    check_space(size)
+    path = str(shm_dir() / f"pipeline_rl_gather-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    array = _map(path, max(size, 1), create=True)
+    mapping = array.base.obj  # type: ignore[union-attr]
+    _GATHERED[id(mapping)] = path
+    weakref.finalize(mapping, _release, id(mapping), path)
+    return array[:size]
+
+
+def _release(key: int, path: str) -> None:
+    _GATHERED.pop(key, None)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def gathered_in(update: WeightUpdate) -> tuple[str, int] | None:
+    """The file and byte offset ``update`` already lies in (:func:`new_shared_buffer`), or None."""
+    flat = contiguous_bytes(update.arrays)
+    if flat is None:
+        return None
+    base = flat
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    mapping = getattr(base.base, "obj", None)
+    path = _GATHERED.get(id(mapping)) if mapping is not None else None
+    if path is None:
+        return None
+    return path, flat.ctypes.data - base.ctypes.data
+
+
 class SharedSegment:
     """The writer's segment (grown, under a new file name, when an update needs more)."""
 
@@ -93,6 +148,7 @@ class SharedSegment:
         """A writable uint8 view of at least ``size`` bytes (the same file while it fits)."""
         if self._array is None or self._array.size < size:
             self.close()
+            check_space(size)
             path = str(shm_dir() / f"{self._prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
             self._array = _map(path, max(size, 1), create=True)
             self.path = path
@@ -127,14 +183,15 @@ class SegmentReader:
         """The update ``info`` describes, its arrays views of the segment."""
         layout = info.layout()
         size = layout.total_bytes()
-        if self._path != info.segment or self._array is None or self._array.size < size:
+        end = info.offset + size
+        if self._path != info.segment or self._array is None or self._array.size < end:
             try:
-                self._array = _map(info.segment, size, create=False)
+                self._array = _map(info.segment, end, create=False)
             except FileNotFoundError as e:
                 raise WeightUpdateError(f"shared-memory segment {info.segment} not found "
                                         f"(the trainer is on another machine? force --rollout.weight_path gloo)") from e
             self._path = info.segment
-        return update_in(self._array[:size], layout)
+        return update_in(self._array[info.offset:end], layout)
 
     def close(self) -> None:
         self._path, self._array = None, None
@@ -151,6 +208,7 @@ class SharedWriter:
         self._segment = SharedSegment()
         self._lock = threading.Lock()
         self._info: ShmUpdateInfo | None = None
+        self._kept: WeightUpdate | None = None
 
     def write_once(self, update: WeightUpdate) -> tuple[ShmUpdateInfo, float]:
         """The segment's info for ``update`` and the seconds this call spent writing it."""
@@ -161,13 +219,18 @@ class SharedWriter:
                 return self._info, 0.0
             t0 = time.perf_counter()
             self._info = None
-            self._info = self._segment.write(update)
+            gathered = gathered_in(update)
+            if gathered is not None:   # the trainer gathered it into shared memory: no write
+                self._info = ShmUpdateInfo.of(UpdateLayout.of(update), gathered[0], offset=gathered[1])
+                self._kept = update    # its file lives while the update does
+            else:
+                self._info = self._segment.write(update)
             return self._info, time.perf_counter() - t0
 
     def close(self) -> None:
         with self._lock:
             self._segment.close()
-            self._info = None
+            self._info = self._kept = None
 
 
 class ShmTrainerChannel:
