@@ -139,7 +139,7 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: AsyncEngine, model_di
                               SamplingConfig(max_new_tokens=4, temperature=TEMPERATURE, ignore_eos=True)))
     engine.start_weight_update()
     receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
-    sending = in_daemon_thread(send_buckets, channel, update, 64 << 10, pause_s=3.0)
+    sending = in_daemon_thread(lambda: send_buckets(channel, update, 64 << 10, pause_s=3.0))
     finished: list[FinishedSequence] = []
     while not receiving.done():
         finished.extend(engine.step())
@@ -149,7 +149,8 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: AsyncEngine, model_di
         "requests did not finish while the bytes were arriving"
     assert engine.finish_weight_update(v + 1)
     applied = engine.apply_staged()
-    assert applied is not None and applied.version == v + 1 and applied.load_s <= applied.stall_s
+    assert applied is not None and applied.version == v + 1
+    assert applied.stall_s < applied.load_s       # on CPU the core loads beside generation: the stall is the swap
     channel.close()
     engine.load_update(load_update(model_dirs[0], engine.version + 1))      # back to model a
 

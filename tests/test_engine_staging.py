@@ -52,7 +52,7 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: object, model_dirs: t
         _add_short(engine, "during", 6)
         engine.start_weight_update()
         receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
-        sending = in_daemon_thread(send_buckets, channel, update, BUCKET, pause_s=2.0)
+        sending = in_daemon_thread(lambda: send_buckets(channel, update, BUCKET, pause_s=2.0))
         finished: list[FinishedSequence] = []
         while not receiving.done():
             finished.extend(engine.step())

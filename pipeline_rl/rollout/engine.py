@@ -124,8 +124,8 @@ class AppliedUpdate:
     run; ``in_flight`` the sequences that kept going across it; ``live_at``: when the
     next engine step could sample with it (``time.time()``); ``transfer_s``: the
     worker's ``update_weights`` (bytes received or mapped, and checked), beside
-    generation; ``load_s``: loading them (in-process: into the shadow, beside
-    generation; ``AsyncLLM``: into the live model, inside the stall)."""
+    generation; ``load_s``: loading them (into a shadow beside generation: the in-process
+    engine, and ``AsyncLLM`` on CPU; else into the live model, inside the stall)."""
 
     version: int
     stall_s: float

@@ -15,14 +15,19 @@ until the bytes are here and checked::
                           received from the trainer's gloo channel into this worker's
                           shared-memory segment, or (same machine) the trainer's own
                           segment mapped; checked whole (names, shapes, finite values)
-    finish_weight_update  pause_generation(mode="keep")   requests stay, none aborted
-                          the engine core maps the segment and loads it (vLLM's
-                          start/update/finish calls, this project's backend)
+    finish_weight_update  the engine core maps the segment and, on CPU, loads it into
+                          a shadow of its model on a thread of its own while it keeps
+                          generating (vLLM's start/update calls, this project's backend;
+                          the core reports through a shared status cell)
+                          pause_generation(mode="keep")   requests stay, none aborted
+                          swap the shadow in (vLLM's finish call; elsewhere: the load)
                           label later tokens with the new version
                           (recompute: re-prefill the requests in flight)
                           resume_generation()
 
-The stall is the pause, the load and the resume: it does not grow with the transfer.
+The stall -- from the moment the pause took effect (the step under way has finished)
+to the resume -- is the swap, the label and the resume on CPU; it grows with neither
+the transfer nor the load.
 Token versions come from vLLM's weight-version spans: the version is set while
 generation is paused, so every token is labelled by the weights that sampled it.
 
@@ -39,7 +44,7 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Coroutine, TypeVar
 
 from pipeline_rl.rollout.engine import (
@@ -56,6 +61,7 @@ from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.gloo import (
     BACKEND,
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
     Channel,
     GlooInitInfo,
     payload_bytes,
@@ -71,7 +77,7 @@ from pipeline_rl.weight_sync.message import (
     validate_update,
 )
 from pipeline_rl.weight_sync.protocol import receive_in_one_call
-from pipeline_rl.weight_sync.shm import SegmentReader, SharedSegment, ShmUpdateInfo, is_shm_info
+from pipeline_rl.weight_sync.shm import SegmentReader, SharedSegment, ShmUpdateInfo, StatusCell, is_shm_info
 from pipeline_rl.faults import inject
 
 _T = TypeVar("_T")
@@ -120,6 +126,8 @@ class AsyncEngine(GenerationEngine):
         self._bucket_bytes = DEFAULT_BUCKET_BYTES
         self._staging = SharedSegment("pipeline_rl_stage")   # received bytes, for the engine core
         self._segments = SegmentReader()         # the trainer's segments (shared-memory path)
+        self._status = StatusCell.create()       # the engine core reports its loads here
+        self._handed = False                     # the core holds this update (session open)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
         self._thread.start()
@@ -270,9 +278,11 @@ class AsyncEngine(GenerationEngine):
         return ShmUpdateInfo.of(layout, self._staging.path, checked=True)
 
     def finish_weight_update(self, version: int) -> bool:
-        """Pause (requests kept), load the staged bytes in the engine core, label later
-        tokens ``version``, resume: the stall is the load. False (nothing changes) when
-        ``version`` is not newer than the served one."""
+        """Load the staged bytes and make them live, labelled ``version``; False (nothing
+        changes) when ``version`` is not newer than the served one. On CPU the engine core
+        loads them into a shadow of its model while it keeps generating, then generation
+        pauses (requests kept) for the swap, the label and the resume only; elsewhere (or
+        a model that cannot be shadowed) the load itself happens inside the pause."""
         self._require_update()
         staged = self._staged_info
         if staged is None:
@@ -282,11 +292,13 @@ class AsyncEngine(GenerationEngine):
             self._end_update()
             return False
         in_flight = self._unfinished
-        paused_at = time.perf_counter()
+        t0 = time.perf_counter()
+        beside = self.cfg.device == "cpu" and self._load_beside(staged, version)
         try:
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False))
-            load_start = time.perf_counter()
-            self._run(self._hand_over(staged))
+            paused_at = time.perf_counter()           # no engine step runs from here
+            if not beside and not self._handed:
+                self._run(self._hand_over(staged))
         except BaseException as e:
             self._fail_update(e, loaded=False)
             raise
@@ -298,10 +310,36 @@ class AsyncEngine(GenerationEngine):
         done = time.perf_counter()
         self._applied.append(AppliedUpdate(version, done - paused_at, in_flight, self._update_bytes,
                                            live_at=time.time(), transfer_s=self._transfer_s,
-                                           load_s=done - load_start))
+                                           load_s=(paused_at if beside else done) - t0))
         self._version = version
         self._end_update()
         return True
+
+    def _load_beside(self, staged: ShmUpdateInfo, version: int) -> bool:
+        """Have the engine core load ``staged`` into its shadow while it generates; True
+        once loaded, False when it cannot shadow its model (it then holds the update for a
+        load inside the pause). A failed or stuck load ends the update with one line, the
+        old weights serving."""
+        self._status.set(-1, StatusCell.PENDING)
+        try:
+            self._run(self._hand_over(replace(staged, status=self._status.path)))
+            self._handed = True
+            state, deadline = StatusCell.PENDING, time.monotonic() + DEFAULT_TIMEOUT_S
+            while state == StatusCell.PENDING and time.monotonic() < deadline:
+                time.sleep(0.002)
+                state = self._status.get(version)
+        except BaseException as e:
+            self._end_update()
+            raise WeightUpdateError(f"weights v{version} not handed to the engine core: {_first_line(e)}") from e
+        if state in (StatusCell.READY, StatusCell.NO_SHADOW):
+            return state == StatusCell.READY
+        try:   # end vLLM's update session: the core swaps nothing after a failed load
+            self._run(compat.async_finish_update(self._llm, None, self._native))
+        finally:
+            self._end_update()
+        what = "failed (see the engine core's log)" if state == StatusCell.FAILED else \
+            f"did not finish within {DEFAULT_TIMEOUT_S:.0f} s"
+        raise WeightUpdateError(f"weights v{version}: loading them in the engine core {what}")
 
     async def _hand_over(self, staged: ShmUpdateInfo) -> None:
         """The engine core maps the staged segment and checks names and shapes (no load)."""
@@ -327,6 +365,7 @@ class AsyncEngine(GenerationEngine):
 
     def _end_update(self) -> None:
         self._updating = False
+        self._handed = False
         self._staged_info = None
         if self._update_lock.locked():
             self._update_lock.release()
@@ -366,6 +405,7 @@ class AsyncEngine(GenerationEngine):
         if self._channel is not None:
             self._channel.close()
         self._staging.close()
+        self._status.unlink()
         if self._loop.is_running():
             try:
                 self._run(self._shutdown())

@@ -20,6 +20,7 @@ from pipeline_rl.weight_sync.gloo import (
     GlooInitInfo,
     receive_update,
 )
+from pipeline_rl.weight_sync.core_staging import CoreStager
 from pipeline_rl.weight_sync.layout import UpdateLayout
 from pipeline_rl.weight_sync.message import (
     CheckedUpdate,
@@ -62,6 +63,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         self._received: WeightUpdate | None = None
         self._buffer: np.ndarray | None = None     # the gloo receive buffer, reused
         self._segments = SegmentReader()
+        self._stager: CoreStager | None = None   # loads beside generation (AsyncLLM on CPU)
+        self._staged = False
         self._lock = threading.Lock()  # one receive at a time on the channel
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> GlooInitInfo:
@@ -93,6 +96,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
             update = self._segments.update(update_info)
             validate_update(update, self._spec, check_values=not update_info.checked)
             self._received = update
+            if update_info.status is not None:   # load beside generation; finish swaps
+                if self._stager is None:
+                    self._stager = CoreStager(self.model, self.vllm_config)
+                self._staged = self._stager.start(update, update_info.status)
             return
         if self._channel is None:
             raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
@@ -115,6 +122,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         return update
 
     def finish_weight_update(self) -> None:
+        if self._staged and self._stager is not None:   # loaded beside generation: swap it in
+            self._staged = False
+            self._received = None
+            self._stager.finish()    # a failed load changes nothing (the worker saw it failed)
+            return
         load_into(self.model, as_checked(self.take_received()), self.vllm_config)
 
     def shutdown(self) -> None:

@@ -53,13 +53,16 @@ class ShmUpdateInfo:
     segment: str
     checked: bool = False
     offset: int = 0
+    status: str | None = None   # a StatusCell: load beside generation, report there
 
     def layout(self) -> UpdateLayout:
         return UpdateLayout(self.version, self.names, self.dtype_names, self.shapes)
 
     @classmethod
-    def of(cls, layout: UpdateLayout, segment: str, checked: bool = False, offset: int = 0) -> "ShmUpdateInfo":
-        return cls(layout.version, layout.names, layout.dtype_names, layout.shapes, segment, checked, offset)
+    def of(cls, layout: UpdateLayout, segment: str, checked: bool = False, offset: int = 0,
+           status: str | None = None) -> "ShmUpdateInfo":
+        return cls(layout.version, layout.names, layout.dtype_names, layout.shapes, segment, checked, offset,
+                   status)
 
 
 def is_shm_info(update_info: dict[str, object]) -> bool:
@@ -258,3 +261,36 @@ class ShmTrainerChannel:
 
     def close(self) -> None:
         """Nothing per worker: the writer's segment is the publisher's."""
+
+
+class StatusCell:
+    """Two int64 in a tiny shared file: the version a process worked on and how it went
+    (:data:`PENDING`, :data:`READY`, :data:`FAILED`, :data:`NO_SHADOW`). The ``AsyncLLM``
+    worker creates it and polls it; its engine core's backend writes it when it has
+    loaded an update beside generation (``pipeline_rl.weight_sync.core_staging``)."""
+
+    PENDING, READY, FAILED, NO_SHADOW = 0, 1, 2, 3
+
+    def __init__(self, path: str, create: bool) -> None:
+        self.path = path
+        self._cells = _map(path, 16, create=create).view(np.int64)
+
+    @classmethod
+    def create(cls, prefix: str = "pipeline_rl_status") -> "StatusCell":
+        cell = cls(str(shm_dir() / f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"), create=True)
+        cell.set(-1, cls.PENDING)
+        return cell
+
+    def set(self, version: int, state: int) -> None:
+        self._cells[1] = state          # the state first: a reader that sees the version sees it
+        self._cells[0] = version
+
+    def get(self, version: int) -> int:
+        """The state for ``version`` (PENDING while the writer has not reached it)."""
+        return int(self._cells[1]) if int(self._cells[0]) == version else self.PENDING
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
