@@ -520,9 +520,10 @@ def markdown(result: dict[str, Any]) -> str:
         "thread (p50). Warm-up max: the slowest of the warm-up updates left out.",
         "",
         "Transfer: the bytes moving (trainer side: shared-memory write or gloo broadcast, and the "
-        "worker's receive/check), beside generation. Load: in-process, into the shadow (beside "
-        "generation); AsyncLLM, into the live model inside the pause. Plain copy: one `memcpy` of "
-        "the update's bytes on this machine, measured in the same cell.",
+        "worker's receive/check), beside generation. Load: into a shadow of the model beside "
+        "generation (in-process: in the worker; AsyncLLM on CPU: in its engine core, then swapped "
+        "in while paused). Plain copy: one `memcpy` of the update's bytes on this machine, measured "
+        "in the same cell.",
         "",
         "| model | params | engine | transport (path) | MB/update | sync p50 ms | sync p90 ms | "
         "stall p50 ms | stall p90 ms | transfer p50 ms | load p50 ms | plain copy ms | "
