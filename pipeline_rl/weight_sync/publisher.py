@@ -80,6 +80,7 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
 
         ctx = contextlib.nullcontext()
     with ctx, torch.no_grad():
+        shapes = [tuple(p.shape) for _, p in params]   # full shapes: read while gathered (ZeRO-3)
         sizes = [p.numel() for _, p in params]
         wire = torch_dtype(dtype)
         raw = allocate(sum(sizes) * wire.itemsize) if allocate is not None else None
@@ -92,8 +93,8 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
     data = from_torch(flat) if raw is None else raw.view(STORAGE[dtype])
     arrays: list[np.ndarray] = []
     offset = 0
-    for (_, p), n in zip(params, sizes):
-        arrays.append(data[offset:offset + n].reshape(tuple(p.shape)))
+    for shape, n in zip(shapes, sizes):
+        arrays.append(data[offset:offset + n].reshape(shape))
         offset += n
     return WeightUpdate(version=version, names=tuple(name for name, _ in params), arrays=tuple(arrays),
                         dtype=dtype)
