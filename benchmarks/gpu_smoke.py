@@ -312,7 +312,8 @@ def flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--big-vocab", type=int, default=151_936, help="Vocabulary rows of the large model.")
     ap.add_argument("--big-paths", type=lambda t: [x for x in t.split(",") if x], default=["auto"],
                     help="Weight paths of the Qwen2-0.5B-shaped run, one run each (comma list of "
-                         "auto,shm,gloo,ipc,nccl; default auto: on one GPU, shm).")
+                         "auto,shm,gloo; default auto: on one GPU, shm; ipc and nccl are refused until "
+                         "they are wired).")
     ap.add_argument("--skip-fault", action="store_true", help="Skip check 4 (the failed start).")
 
 

@@ -206,6 +206,13 @@ class RolloutConfig(Section):
         "machine), ipc (vLLM's CUDA IPC, one shared GPU), nccl (vLLM's NCCL, different "
         "GPUs). auto: ipc/nccl between GPUs where wired, else shm on one node, gloo across "
         "nodes. The start-up log names each worker's path.")
+
+    @field_validator("weight_path")
+    @classmethod
+    def _path_wired(cls, v: str) -> str:
+        if v in ("ipc", "nccl"):
+            raise ValueError(f"{v}: vLLM's {v} backend is not wired in this build yet (use auto, shm or gloo)")
+        return v
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")

@@ -89,7 +89,7 @@ def test_launch_help_and_dry_run() -> None:
 @pytest.mark.parametrize("argv", [
     ["--staleness", "-3"], ["--correction.type", "nope"], ["--trainer.batch_size", "12"],
     ["--correction.icepop_beta", "0.9"], ["--buffer.capacity_groups", "0"],
-    ["--model.num_heads", "8"], ["--bogus"],
+    ["--model.num_heads", "8"], ["--bogus"], ["--rollout.weight_path", "nccl"], ["--rollout.weight_path", "x"],
 ])
 def test_launch_bad_invocations_exit_2_with_one_line(argv: list[str]) -> None:
     res = _launch(*argv)

@@ -6,7 +6,9 @@
 - ``gloo``: across machines: a two-member gloo group per worker, the bytes broadcast in
   buckets (``pipeline_rl.weight_sync.gloo``); the fallback that works everywhere.
 - ``ipc`` / ``nccl``: vLLM's own CUDA backends (CUDA IPC handles of the trainer's
-  tensors on a shared GPU; NCCL between GPUs), wired in ``pipeline_rl.weight_sync.cuda``.
+  tensors on a shared GPU; NCCL between GPUs). Not wired yet (docs/design.md, section 6):
+  ``auto`` picks them only from ``gpu_paths``, empty in this build, and the config
+  refuses them when forced.
 
 ``auto`` chooses from the two sides' :class:`Placement` (Ray node id, device, GPU):
 one GPU shared -> ``ipc``; two GPUs -> ``nccl``; otherwise one node -> ``shm``, else
@@ -23,7 +25,7 @@ from typing import Literal
 WeightPath = Literal["auto", "shm", "gloo", "ipc", "nccl"]
 ResolvedPath = Literal["shm", "gloo", "ipc", "nccl"]
 
-#: The GPU paths this build can drive (``cuda.available_gpu_paths`` fills it in).
+#: Why a path was chosen, for the start-up log.
 REASONS = {
     "shm": "same node",
     "gloo": "other node",
