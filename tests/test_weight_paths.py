@@ -202,3 +202,24 @@ def test_a_version_gathered_into_shared_memory_is_handed_over_without_a_second_w
         assert not os.path.exists(path)                     # the old version's file went with it
     finally:
         pub.close()
+
+
+def test_files_of_dead_processes_are_swept_and_live_ones_kept() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from pipeline_rl.weight_sync.shm import shm_dir, sweep_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = shm_dir() / f"pipeline_rl_gather-{dead}-test0000"
+    live = shm_dir() / f"pipeline_rl_gather-{os.getpid()}-test0000"
+    for p in (stale, live):
+        p.write_bytes(b"x")
+    try:
+        assert sweep_stale() >= 1
+        assert not stale.exists() and live.exists()
+    finally:
+        for p in (stale, live):
+            p.unlink(missing_ok=True)

@@ -85,6 +85,38 @@ def _map(path: str, size: int, create: bool) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8)
 
 
+#: Name prefixes of this project's files under :func:`shm_dir` (``<prefix>-<pid>-<id>``).
+PREFIXES = ("pipeline_rl_gather", "pipeline_rl_weights", "pipeline_rl_stage", "pipeline_rl_status")
+
+
+def sweep_stale() -> int:
+    """Unlink this project's files whose creating process is gone (a process that was
+    killed never unlinks its own: a crashed trainer would otherwise leave a model-sized
+    file in memory); returns how many. Files of live processes are left alone."""
+    removed = 0
+    for path in shm_dir().glob("pipeline_rl_*-*-*"):
+        prefix, _, rest = path.name.partition("-")
+        pid = rest.partition("-")[0]
+        if prefix not in PREFIXES or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            path.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def check_space(size: int) -> None:
     """Refuse, in one line, a segment the memory filesystem cannot hold (writing past its
     free space would end the process with SIGBUS instead of an error)."""
@@ -208,6 +240,7 @@ class SharedWriter:
     def __init__(self) -> None:
         import threading
 
+        sweep_stale()   # what killed publishers left behind
         self._segment = SharedSegment()
         self._lock = threading.Lock()
         self._info: ShmUpdateInfo | None = None
