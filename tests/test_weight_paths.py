@@ -223,3 +223,25 @@ def test_files_of_dead_processes_are_swept_and_live_ones_kept() -> None:
     finally:
         for p in (stale, live):
             p.unlink(missing_ok=True)
+
+
+def test_a_memory_filesystem_too_small_sends_over_gloo_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline_rl.weight_sync import shm
+
+    monkeypatch.setattr(shm, "check_space", _no_space)
+    client = GlooClient()
+    pub = WeightPublisher([client], background=False)
+    try:
+        update = gather_weights(_model(6), 6, zero_stage=0, dtype="bfloat16")
+        pub.publish(update)
+        assert pub.paths and set(pub.paths.values()) == {"gloo"}
+        assert pub.stats().offer_failures == 0 and client.got[-1].version == 6
+        assert all(np.array_equal(a, b) for a, b in zip(update.arrays, client.got[-1].arrays))
+    finally:
+        pub.close()
+
+
+def _no_space(size: int) -> None:
+    from pipeline_rl.weight_sync.shm import ShmSpaceError
+
+    raise ShmSpaceError(f"shared memory: 0 MB free, an update needs {size / 1e6:.0f} MB")

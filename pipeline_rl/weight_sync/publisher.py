@@ -38,16 +38,9 @@ from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement
 from pipeline_rl.weight_sync.dtypes import STORAGE, WireDtype, from_torch, torch_dtype
 from pipeline_rl.weight_sync.gloo import DEFAULT_TIMEOUT_S, GlooTrainerWeightTransfer
 from pipeline_rl.weight_sync.message import WeightUpdate
-from pipeline_rl.weight_sync.paths import (
-    REASONS,
-    Placement,
-    ResolvedPath,
-    WeightPath,
-    choose_path,
-    local_placement,
-)
+from pipeline_rl.weight_sync.paths import REASONS, Placement, ResolvedPath, WeightPath, choose_path, local_placement
 from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
-from pipeline_rl.weight_sync.shm import SharedWriter, ShmTrainerChannel, new_shared_buffer
+from pipeline_rl.weight_sync.shm import SharedWriter, ShmSpaceError, ShmTrainerChannel, new_shared_buffer, shm_fits
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +155,7 @@ class WeightPublisher:
         self._channels: dict[str, GlooTrainerWeightTransfer | ShmTrainerChannel] = {}
         self._shared = SharedWriter()              # the shm path's one segment
         self._placement: Placement | None = None
+        self._last_bytes = 0                       # the size of the last update sent
         self._senders: ThreadPoolExecutor | None = None
         self._published_at: list[tuple[int, float]] = []
         self.send_timings: list[SendTiming] = []   # vllm transport: per worker and version
@@ -257,7 +251,9 @@ class WeightPublisher:
         """Where ``gather_weights`` should put the next version: shared memory once some
         worker takes the shm path (the segment then goes to the workers as it is), else
         None (ordinary memory)."""
-        return new_shared_buffer if "shm" in self.paths.values() else None
+        if "shm" not in self.paths.values() or not shm_fits(self._last_bytes):
+            return None
+        return new_shared_buffer
 
     def stats(self) -> PublishStats:
         with self._lock:
@@ -320,6 +316,7 @@ class WeightPublisher:
         with self._lock:
             self._published += 1
             self._bytes += update.num_bytes
+            self._last_bytes = update.num_bytes
             self._last_version = update.version
             self._latest, self._latest_ref = update, ref
 
@@ -376,6 +373,12 @@ class WeightPublisher:
             timing = channel.send(update)
             self._channels[key] = channel
             return timing
+        except ShmSpaceError as e:
+            if self.path != "auto":
+                raise
+            log.warning("weights: %s; worker %s takes the gloo path instead", e, key[-8:])
+            self.paths[key] = "gloo"     # the memory filesystem is too small: over TCP
+            return self._send_one(worker, update, reconnect)
         except Exception as e:
             from pipeline_rl.calls import first_line
 

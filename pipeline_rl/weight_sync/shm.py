@@ -117,13 +117,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class ShmSpaceError(WeightUpdateError):
+    """The memory filesystem cannot hold an update (one line)."""
+
+
+def shm_fits(size: int) -> bool:
+    """Whether the memory filesystem has room for a file of ``size`` bytes."""
+    st = os.statvfs(shm_dir())
+    return st.f_bavail * st.f_frsize >= size
+
+
 def check_space(size: int) -> None:
     """Refuse, in one line, a segment the memory filesystem cannot hold (writing past its
     free space would end the process with SIGBUS instead of an error)."""
     st = os.statvfs(shm_dir())
     free = st.f_bavail * st.f_frsize
     if free < size:
-        raise WeightUpdateError(f"shared memory: {shm_dir()} has {free / 1e6:.0f} MB free, an update needs "
+        raise ShmSpaceError(f"shared memory: {shm_dir()} has {free / 1e6:.0f} MB free, an update needs "
                                 f"{size / 1e6:.0f} MB (enlarge it, or use --rollout.weight_path gloo)")
 
 
