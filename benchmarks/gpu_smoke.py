@@ -18,7 +18,8 @@ large model small there).
    Checked: exit status 0 and N steps in its metrics.
 3. **The full pipeline, Qwen2-0.5B-shaped.** A random-init model of Qwen2-0.5B's shape
    (494 M parameters, byte-level BPE tokenizer, built here, saved in bf16) on the sort task,
-   128 new tokens per completion, ``--big-steps`` steps. Reported: generated tokens/s and step
+   128 new tokens per completion, ``--big-steps`` steps, once per ``--big-paths`` weight path
+   (the trainer in bf16, ``--model.dtype auto``). Reported per path: bytes per update, generated tokens/s and step
    time (medians after the first quarter of the steps), and per weight update the time from
    the trainer's step end until every worker generates with the new version (p50 / p90,
    the run's summary) and the generation stall (median).
@@ -187,38 +188,45 @@ def pipeline_builtin(report: Report, root: Path, steps: int) -> None:
                  f"exit {run.returncode}, {len(run.rows)} steps in {run.wall_s:.0f} s {' '.join(last_line)[:300]}")
 
 
-def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int) -> None:
+def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int, path: str = "auto") -> None:
+    """The Qwen2-0.5B-shaped run with ``--rollout.weight_path path``; its facts are keyed
+    ``big_<path>_...`` (per path: sync p50/p90, stall p50, bytes per update, tokens/s)."""
     import dataclasses
 
     from benchmarks.archs import QWEN2_0_5B, build_arch_model
 
     shape = dataclasses.replace(QWEN2_0_5B, layers=layers, vocab_size=vocab)
-    t = time.perf_counter()
-    model = build_arch_model("qwen2", root / "qwen2_0_5b", seed=0, shape=shape, dtype="bfloat16",
-                             device=report.device)
-    report.facts["big_model_build_s"] = round(time.perf_counter() - t, 1)
+    model = root / "qwen2_0_5b"
+    if not (model / "config.json").is_file():
+        t = time.perf_counter()
+        build_arch_model("qwen2", model, seed=0, shape=shape, dtype="bfloat16", device=report.device)
+        report.facts["big_model_build_s"] = round(time.perf_counter() - t, 1)
     params = _count_params(model)
     report.facts["big_model_params_M"] = round(params / 1e6, 1)
-    run = launch(root / "run_big", "--model.path", str(model), "--staleness", "2", "--max-steps", str(steps),
-                 "--model.device", report.device, "--rollout.max_new_tokens", "128",
-                 "--rollout.max_model_len", "512", "--eval.every", "0", "--trainer.lr", "1e-6",
-                 "--trainer.batch_timeout_s", "300")
-    report.facts["big_run_s"] = round(run.wall_s, 1)
+    key = f"big_{path}_"
+    # The engines serve bfloat16 on a GPU (float32 on CPU): that is what travels.
+    served_bytes = 2 if report.device == "cuda" else 4
+    report.facts[key + "bytes_per_update_MB"] = round(params * served_bytes / 1e6, 1)
+    run = launch(root / f"run_big_{path}", "--model.path", str(model), "--staleness", "2",
+                 "--max-steps", str(steps), "--model.device", report.device,
+                 "--rollout.max_new_tokens", "128", "--rollout.max_model_len", "512", "--eval.every", "0",
+                 "--trainer.lr", "1e-6", "--trainer.batch_timeout_s", "300", "--rollout.weight_path", path)
+    report.facts[key + "run_s"] = round(run.wall_s, 1)
+    report.facts[key + "path_lines"] = [x for x in (run.stderr + run.stdout).splitlines() if "gets the" in x][:4]
     rows = run.rows[len(run.rows) // 4:] or run.rows
     if rows:
-        report.facts["big_tokens_per_s_median"] = round(statistics.median(r["tokens_per_s"] for r in rows))
+        report.facts[key + "tokens_per_s_median"] = round(statistics.median(r["tokens_per_s"] for r in rows))
         step_s = statistics.median(r["step_time_s"] for r in rows)
-        report.facts["big_step_time_s_median"] = round(step_s, 3)
+        report.facts[key + "step_time_s_median"] = round(step_s, 3)
         # What training consumed: completions per step x their mean length, per step time.
         per_step = statistics.fmean(r["completion_len_mean"] for r in rows) * _completions_per_step()
-        report.facts["big_trained_tokens_per_s"] = round(per_step / step_s) if step_s else None
-        report.facts["big_stall_ms_median"] = round(statistics.median(r["weight_update_stall_ms"] for r in rows), 1)
-        report.facts["big_completion_len_mean"] = round(statistics.fmean(r["completion_len_mean"] for r in rows), 1)
-        report.facts["big_lag_max"] = max(r["lag_max"] for r in run.rows)
-    report.facts["big_weight_sync_ms_p50_p90"] = run.summary_value(
+        report.facts[key + "trained_tokens_per_s"] = round(per_step / step_s) if step_s else None
+        report.facts[key + "stall_ms_p50"] = round(statistics.median(r["weight_update_stall_ms"] for r in rows), 1)
+        report.facts[key + "lag_max"] = max(r["lag_max"] for r in run.rows)
+    report.facts[key + "weight_sync_ms_p50_p90"] = run.summary_value(
         "weight sync, step end -> every worker on it (p50 / p90)")
     last_line = run.stderr_tail.splitlines()[-1:] if run.returncode else []
-    report.check(f"{steps}-step pipeline, {params / 1e6:.0f} M-parameter Qwen2-shaped model",
+    report.check(f"{steps}-step pipeline, {params / 1e6:.0f} M-parameter Qwen2-shaped model, weight path {path}",
                  run.returncode == 0 and len(run.rows) >= steps,
                  f"exit {run.returncode}, {len(run.rows)} steps in {run.wall_s:.0f} s {' '.join(last_line)[:300]}")
 
@@ -302,6 +310,10 @@ def flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--big-steps", type=int, default=20, help="Steps of the Qwen2-0.5B-shaped run (0: skip).")
     ap.add_argument("--big-layers", type=int, default=24, help="Decoder layers of the large model (24: Qwen2-0.5B).")
     ap.add_argument("--big-vocab", type=int, default=151_936, help="Vocabulary rows of the large model.")
+    ap.add_argument("--big-paths", type=lambda t: [x for x in t.split(",") if x], default=["auto"],
+                    help="Weight paths of the Qwen2-0.5B-shaped run, one run each (comma list of "
+                         "auto,shm,gloo; default auto: on one GPU, shm; ipc and nccl are refused until "
+                         "they are wired).")
     ap.add_argument("--skip-fault", action="store_true", help="Skip check 4 (the failed start).")
 
 
@@ -313,8 +325,8 @@ def run(args: argparse.Namespace) -> Outcome:
         updates_in_flight(report, root)
         if args.steps:
             pipeline_builtin(report, root, args.steps)
-        if args.big_steps:
-            pipeline_big(report, root, args.big_steps, args.big_layers, args.big_vocab)
+        for path in (args.big_paths if args.big_steps else []):
+            pipeline_big(report, root, args.big_steps, args.big_layers, args.big_vocab, path)
         if not args.skip_fault:
             failed_start(report, root)
     ok = all(report.checks.values())

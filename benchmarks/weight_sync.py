@@ -94,7 +94,9 @@ from benchmarks.common import ROOT, Outcome, at_least, hardware, main as bench_m
 
 RESULTS = ROOT / "benchmarks" / "results"
 ENGINES = ("inprocess", "async")
-TRANSPORTS = ("vllm", "object_store")
+#: ``vllm`` is vLLM's weight-transfer API on the automatic path (``shm`` on one machine);
+#: ``shm``/``gloo`` force a path; ``object_store`` is Ray's object store.
+TRANSPORTS = ("vllm", "shm", "gloo", "object_store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +109,14 @@ class ModelSpec:
     num_layers: int = 0
     num_heads: int = 0
     intermediate_size: int = 0
+    arch: str = "llama"            # ``qwen2``: built by ``benchmarks.archs`` at Qwen2-0.5B's shape
+    served_dtype: str = "float32"  # the engine's dtype, hence the wire's
+    interval_s: float | None = None   # seconds between publishes (None: --interval-s)
+    updates: int | None = None        # timed updates (None: --updates)
 
 
 MODELS = {
+    "qwen05": ModelSpec("qwen05", arch="qwen2", served_dtype="bfloat16", interval_s=2.0, updates=10),
     "default": ModelSpec("default"),
     "large": ModelSpec("large", hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1536),
     "tiny": ModelSpec("tiny", hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128),
@@ -123,7 +130,7 @@ class SyncWorker:
     a generation loop on its own thread, weights taken on one staging thread."""
 
     def __init__(self, engine_kind: str, model_dir: str, max_num_seqs: int, max_new_tokens: int,
-                 max_model_len: int, prompts: list[list[int]], seed: int) -> None:
+                 max_model_len: int, prompts: list[list[int]], seed: int, dtype: str = "float32") -> None:
         from pipeline_rl.runtime_env import ACTOR_ENV
 
         os.environ.update(ACTOR_ENV)
@@ -133,7 +140,7 @@ class SyncWorker:
         from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine, SamplingConfig
 
         cfg = EngineConfig(model_dir=model_dir, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                           kv_cache_gib=1.0, seed=seed)
+                           kv_cache_gib=1.0, seed=seed, dtype=dtype)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         self._engine: GenerationEngine
         if engine_kind == "inprocess":
@@ -152,7 +159,8 @@ class SyncWorker:
         self._max_num_seqs = max_num_seqs
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager")
         self._cond = threading.Condition()
-        self._applied: list[tuple[int, float, float, int, int]] = []  # version, time, stall_s, in flight, bytes
+        # version, time, stall_s, in flight, bytes, transfer_s, load_s
+        self._applied: list[tuple[int, float, float, int, int, float, float]] = []
         self._calls: dict[str, list[float]] = {}
         self._error: str | None = None
         self._stop = threading.Event()
@@ -163,6 +171,12 @@ class SyncWorker:
     def ready(self) -> float:
         """Seconds the engine took to start."""
         return self.start_s
+
+    def placement(self) -> Any:
+        """Where this worker runs (the publisher picks the weight path by it)."""
+        from pipeline_rl.weight_sync.paths import local_placement
+
+        return local_placement("cpu")
 
     # -- generation ----------------------------------------------------------------------
     def start(self) -> None:
@@ -181,7 +195,7 @@ class SyncWorker:
                     now = time.time()
                     with self._cond:
                         self._applied.append((applied.version, now, applied.stall_s, applied.in_flight,
-                                              applied.num_bytes))
+                                              applied.num_bytes, applied.transfer_s, applied.load_s))
                         self._cond.notify_all()
                 while engine.num_unfinished() < self._max_num_seqs:
                     prompt = self._prompts[self._added % len(self._prompts)]
@@ -303,6 +317,10 @@ def model_dir_for(spec: ModelSpec, tmp: Path) -> str:
 
         cfg = Config()
         return str(default_model_dir(cfg.model, cfg.task))
+    if spec.arch == "qwen2":
+        from benchmarks.archs import QWEN2_0_5B, build_arch_model
+
+        return str(build_arch_model("qwen2", tmp / spec.name, seed=0, shape=QWEN2_0_5B, dtype="float32"))
     from pipeline_rl.models.builtin import build_tiny_model
 
     return str(build_tiny_model(tmp / spec.name, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
@@ -325,17 +343,33 @@ def perturb(model: Any, version: int) -> None:
             p.mul_(scale)
 
 
+def plain_copy_ms(num_bytes: int, repeats: int = 3) -> float:
+    """Milliseconds of one ``memcpy`` of ``num_bytes`` between two buffers already touched
+    (median of ``repeats``): what moving the bytes once costs on this machine."""
+    src = np.ones(num_bytes, dtype=np.uint8)
+    dst = np.zeros(num_bytes, dtype=np.uint8)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
 def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport: str,
              args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     """One (model, engine, transport) cell: fresh workers, ``warmup + updates`` publishes."""
     import ray
 
-    from pipeline_rl.weight_sync.publisher import Transport, WeightPublisher, gather_weights
+    from pipeline_rl.weight_sync.publisher import WeightPublisher, gather_weights
 
+    spec = MODELS[model_name]
+    interval_s = spec.interval_s or args.interval_s
+    updates = spec.updates or args.updates
     t_cell = time.perf_counter()
     actor: Any = ray.remote(SyncWorker).options(num_cpus=0.01, max_concurrency=8, max_restarts=0)
     workers: list[Any] = [actor.remote(engine, model_dir, args.max_num_seqs, args.max_new_tokens,
-                            args.prompt_len + args.max_new_tokens + 16, prompts, i)
+                            args.prompt_len + args.max_new_tokens + 16, prompts, i, spec.served_dtype)
                for i in range(args.workers)]
     publisher: WeightPublisher | None = None
     try:
@@ -343,8 +377,12 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
         ray.get([w.start.remote() for w in workers])
         if not all(ray.get([w.wait_generating.remote(1, args.timeout_s) for w in workers])):
             raise RuntimeError(f"{engine}: no sequence finished within {args.timeout_s} s")
-        publisher = WeightPublisher(workers, transport=cast(Transport, transport))
-        total = args.warmup + args.updates
+        if transport == "object_store":
+            publisher = WeightPublisher(workers, transport="object_store")
+        else:
+            path = "auto" if transport == "vllm" else transport
+            publisher = WeightPublisher(workers, transport="vllm", path=cast(Any, path))
+        total = args.warmup + updates
         gather_s: list[float] = []
         block_s: list[float] = []
         num_bytes = 0
@@ -354,7 +392,8 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
         for version in range(1, total + 1):
             perturb(model, version)
             t0 = time.perf_counter()
-            update = gather_weights(model, version, zero_stage=0)
+            update = gather_weights(model, version, zero_stage=0, dtype=cast(Any, spec.served_dtype),
+                                    allocate=publisher.allocator())   # as the trainer does
             gather_s.append(time.perf_counter() - t0)
             num_bytes = update.num_bytes
             block_s.append(publisher.publish(update))
@@ -367,7 +406,7 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
                                 for r in ray.get([w.report.remote() for w in workers])]
                 next_t = time.perf_counter()
             else:
-                next_t += args.interval_s
+                next_t += interval_s
             time.sleep(max(0.0, next_t - time.perf_counter()))
         arrived = ray.get([w.wait_version.remote(total, args.timeout_s) for w in workers])
         if not all(arrived):
@@ -375,6 +414,7 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
         publisher.flush(args.timeout_s)
         pstats = publisher.stats()
         timings = [t for t in publisher.send_timings if t.version > args.warmup]
+        paths = sorted(set(publisher.paths.values()))
         publisher.close()
         publisher = None
         reports = ray.get([w.report.remote() for w in workers])
@@ -402,8 +442,11 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
             arrivals.append(min(times) if times else float("nan"))
         ms = (max(arrivals) - published_at[v]) * 1e3
         (latency_ms if v > args.warmup else warmup_ms).append(ms)
-    stall_ms = [s * 1e3 for rep in reports for ver, _, s, _, _ in rep["applied"] if ver > args.warmup]
-    in_flight = [n for rep in reports for ver, _, _, n, _ in rep["applied"] if ver > args.warmup]
+    applied = [a for rep in reports for a in rep["applied"] if a[0] > args.warmup]
+    stall_ms = [a[2] * 1e3 for a in applied]
+    in_flight = [a[3] for a in applied]
+    worker_transfer_ms = [a[5] * 1e3 for a in applied]
+    load_ms = [a[6] * 1e3 for a in applied]
     calls: dict[str, list[float]] = {}
     for rep, before in zip(reports, calls_before):
         for name, values in rep["calls_s"].items():
@@ -415,6 +458,11 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
     elapsed = max(r["elapsed_s"] for r in reports)
     return {
         "model": model_name, "engine": engine, "transport": transport, "workers": args.workers,
+        "paths": paths if transport != "object_store" else [],
+        "plain_copy_ms": plain_copy_ms(num_bytes),
+        "transfer_ms": _pcts([t.transfer_s * 1e3 for t in timings]) if timings else _pcts(worker_transfer_ms),
+        "worker_transfer_ms": _pcts(worker_transfer_ms), "load_ms": _pcts(load_ms),
+        "load_ms_all": load_ms,
         "updates": len(latency_ms), "bytes_per_update": num_bytes,
         "versions_published": [v for v, _ in pstats.published_at],
         "versions_applied": sorted({ver for rep in reports for ver, *_ in rep["applied"]}),
@@ -471,18 +519,26 @@ def markdown(result: dict[str, Any]) -> str:
         "`ray.put` + offers; vllm: the whole send). Gather ms: `gather_weights` on the training "
         "thread (p50). Warm-up max: the slowest of the warm-up updates left out.",
         "",
-        "| model | params | engine | transport | MB/update | latency p50 ms | latency p90 ms | "
-        "stall p50 ms | stall p90 ms | latency vs object_store | stall vs object_store | "
-        "publisher ms | gather ms | warm-up max ms | tokens/s |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Transfer: the bytes moving (trainer side: shared-memory write or gloo broadcast, and the "
+        "worker's receive/check), beside generation. Load: into a shadow of the model beside "
+        "generation (in-process: in the worker; AsyncLLM on CPU: in its engine core, then swapped "
+        "in while paused). Plain copy: one `memcpy` of the update's bytes on this machine, measured "
+        "in the same cell.",
+        "",
+        "| model | params | engine | transport (path) | MB/update | sync p50 ms | sync p90 ms | "
+        "stall p50 ms | stall p90 ms | transfer p50 ms | load p50 ms | plain copy ms | "
+        "sync vs object_store | publisher ms | gather ms | warm-up max ms | tokens/s |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         params = result["models"][c["model"]]["params"]
+        route = c["transport"] + (f" ({','.join(c['paths'])})" if c.get("paths") else "")
         lines.append(
-            f"| {c['model']} | {params / 1e6:.2f} M | {c['engine']} | {c['transport']} | "
+            f"| {c['model']} | {params / 1e6:.2f} M | {c['engine']} | {route} | "
             f"{c['bytes_per_update'] / 1e6:.1f} | {_f(c['latency_ms']['p50'])} | {_f(c['latency_ms']['p90'])} | "
             f"{_f(c['stall_ms']['p50'], '{:.2f}')} | {_f(c['stall_ms']['p90'], '{:.2f}')} | "
-            f"{_f(c['latency_p50_vs_object_store'], '{:.2f}x')} | {_f(c['stall_p50_vs_object_store'], '{:.2f}x')} | "
+            f"{_f(c['transfer_ms']['p50'])} | {_f(c['load_ms']['p50'])} | {c['plain_copy_ms']:.1f} | "
+            f"{_f(c['latency_p50_vs_object_store'], '{:.2f}x')} | "
             f"{c['publisher']['put_ms_mean'] + c['publisher']['offer_ms_mean']:.1f} | "
             f"{_f(c['trainer']['gather_ms']['p50'])} | "
             f"{_f(max(c['warmup_latency_ms']) if c['warmup_latency_ms'] else None, '{:.0f}')} | "
@@ -507,12 +563,15 @@ def _csv(choices: Sequence[str]) -> Callable[[str], list[str]]:
 def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", type=_csv(tuple(MODELS)), default=["default", "large"],
                    help="Models (default: default,large). default: the built-in default model; "
+                        "qwen05: Qwen2-0.5B's shape (494 M params, random init, served in bfloat16, "
+                        "10 updates 2 s apart); "
                         "large: random-init Llama, hidden 512, 8 layers, 8 heads, MLP 1536 (27 M params); "
                         "tiny: hidden 64, 2 layers, 2 heads, MLP 128 (smoke tests).")
     p.add_argument("--engines", type=_csv(ENGINES), default=list(ENGINES),
                    help="Engine kinds (default: inprocess,async): inprocess = InprocessEngine, async = AsyncEngine.")
-    p.add_argument("--transports", type=_csv(TRANSPORTS), default=list(TRANSPORTS),
-                   help="WeightPublisher transports (default: vllm,object_store).")
+    p.add_argument("--transports", type=_csv(TRANSPORTS), default=["vllm", "object_store"],
+                   help="WeightPublisher transports (default: vllm,object_store): vllm (vLLM's API, "
+                        "automatic path: shm here), shm or gloo (vLLM's API, path forced), object_store.")
     p.add_argument("--workers", type=int, default=1, help="Rollout-worker actors per cell (default 1).")
     p.add_argument("--updates", type=int, default=None, help="Timed updates per cell (default 20; --quick: 5).")
     p.add_argument("--warmup", type=int, default=5,
@@ -548,7 +607,7 @@ def run(args: argparse.Namespace) -> Outcome:
     at_least(args, updates=1, workers=1, warmup=0)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     t_run = time.perf_counter()
@@ -560,14 +619,15 @@ def run(args: argparse.Namespace) -> Outcome:
             for name in args.models:
                 spec = MODELS[name]
                 model_dir = model_dir_for(spec, Path(tmp))
-                model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
                 params = sum(p.numel() for p in model.parameters())
                 cfg = model.config
                 models[name] = {"params": params, "hidden_size": cfg.hidden_size,
                                 "num_layers": cfg.num_hidden_layers, "num_heads": cfg.num_attention_heads,
                                 "intermediate_size": cfg.intermediate_size,
+                                "served_dtype": spec.served_dtype,
                                 "dir": model_dir if name == "default" else None}
-                print(f"weight_sync: model {name}: {params:,} params ({params * 4 / 1e6:.1f} MB fp32)",
+                print(f"weight_sync: model {name}: {params:,} params, served in {spec.served_dtype}",
                       flush=True)
                 prompts = random_prompts(args.max_num_seqs, args.prompt_len, seed=0)
                 for engine in args.engines:

@@ -58,7 +58,15 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1, le=128, description="Built-in model: attention heads "
                            "(head dim = hidden_size / num_heads).")
     intermediate_size: int = Field(256, ge=16, le=65536, description="Built-in model: MLP width.")
-    dtype: DType = Field("float32", description="Trainer parameter dtype.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Trainer parameter dtype (bfloat16: DeepSpeed bf16 with fp32 master "
+        "weights). auto: bfloat16 where the trainer runs on a GPU, float32 on CPU.")
+
+    def trainer_dtype(self, device_type: str) -> DType:
+        """The dtype the trainer holds its parameters in on ``device_type``."""
+        if self.dtype == "auto":
+            return "bfloat16" if device_type == "cuda" else "float32"
+        return self.dtype
     device: Device = Field("auto", description="Where models run: auto picks CUDA when present.")
 
     @property
@@ -198,8 +206,21 @@ class RolloutConfig(Section):
         "inprocess on CPU, async on CUDA.")
     weight_transport: Literal["vllm", "object_store"] = Field(
         "vllm", description="How weights reach the workers: vllm (vLLM's weight-transfer "
-        "API, a gloo channel per worker on CPU) or object_store (Ray's object store, for "
+        "API, through --rollout.weight_path) or object_store (Ray's object store, for "
         "workers that cannot open a connection to the trainer).")
+    weight_path: Literal["auto", "shm", "gloo", "ipc", "nccl"] = Field(
+        "auto", description="Path of the vllm transport, per worker: shm (same node: one "
+        "shared-memory segment the trainer writes once), gloo (buckets over TCP, any "
+        "machine), ipc (vLLM's CUDA IPC, one shared GPU), nccl (vLLM's NCCL, different "
+        "GPUs). auto: ipc/nccl between GPUs where wired, else shm on one node, gloo across "
+        "nodes. The start-up log names each worker's path.")
+
+    @field_validator("weight_path")
+    @classmethod
+    def _path_wired(cls, v: str) -> str:
+        if v in ("ipc", "nccl"):
+            raise ValueError(f"{v}: vLLM's {v} backend is not wired in this build yet (use auto, shm or gloo)")
+        return v
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")

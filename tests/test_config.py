@@ -89,7 +89,7 @@ def test_launch_help_and_dry_run() -> None:
 @pytest.mark.parametrize("argv", [
     ["--staleness", "-3"], ["--correction.type", "nope"], ["--trainer.batch_size", "12"],
     ["--correction.icepop_beta", "0.9"], ["--buffer.capacity_groups", "0"],
-    ["--model.num_heads", "8"], ["--bogus"],
+    ["--model.num_heads", "8"], ["--bogus"], ["--rollout.weight_path", "nccl"], ["--rollout.weight_path", "x"],
 ])
 def test_launch_bad_invocations_exit_2_with_one_line(argv: list[str]) -> None:
     res = _launch(*argv)
@@ -162,3 +162,16 @@ def test_kv_cache_is_sized_for_the_run_unless_given(tiny_model_dir: str) -> None
 def test_inprocess_engine_on_cuda_is_refused() -> None:
     with pytest.raises(UsageError, match="^--rollout.engine: inprocess runs on CPU only"):
         parse_config(["--rollout.engine", "inprocess", "--model.device", "cuda"], check_cpu=False)
+
+
+def test_trainer_dtype_auto_is_bf16_on_a_gpu_only() -> None:
+    from pipeline_rl.config import Config
+    from pipeline_rl.training.deepspeed_setup import deepspeed_config
+
+    cfg = Config()
+    assert cfg.model.dtype == "auto"
+    assert cfg.model.trainer_dtype("cuda") == "bfloat16" and cfg.model.trainer_dtype("cpu") == "float32"
+    assert deepspeed_config(cfg, 1, "cuda")["bf16"] == {"enabled": True}
+    assert "bf16" not in deepspeed_config(cfg, 1, "cpu")
+    cfg.model.dtype = "float32"
+    assert cfg.model.trainer_dtype("cuda") == "float32"

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from staging_helpers import gloo_trainer, send_buckets
 from test_engine_inprocess import (  # noqa: F401 - the fixtures are shared with the in-process engine's tests
     TEMPERATURE,
     TOL,
@@ -27,9 +28,14 @@ from test_engine_inprocess import (  # noqa: F401 - the fixtures are shared with
     model_dirs,
 )
 
+from dataclasses import asdict
+
+from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engine import FinishedSequence, GenRequest, SamplingConfig
 from pipeline_rl.rollout.engine_async import AsyncEngine, transfer_backend
 from pipeline_rl.weight_sync.gloo import BACKEND
+from pipeline_rl.weight_sync.layout import UpdateLayout
+from pipeline_rl.weight_sync.shm import SharedSegment
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, as_checked, load_update
 
 PROMPTS = ("12+34=", "sort 5193=", "hello", "7+8=")
@@ -40,7 +46,7 @@ def engine(model_dirs: tuple[Path, Path]) -> Iterator[AsyncEngine]:
     from pipeline_rl.rollout.engine import EngineConfig
 
     eng = AsyncEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=16, max_model_len=256))
-    eng.load_update(load_update(model_dirs[0], 1))   # opens the loopback channel (same weights)
+    eng.load_update(load_update(model_dirs[0], 1))   # the first load through the calls (same weights)
     yield eng
     eng.close()
 
@@ -102,22 +108,71 @@ def test_update_lands_mid_sequence_through_vllms_api(engine: AsyncEngine, model_
     engine.load_update(load_update(model_dirs[0], engine.version + 1))      # back to model a
 
 
-def test_refused_payload_resumes_on_the_old_weights(engine: AsyncEngine, model_dirs: tuple) -> None:
+def test_refused_payload_leaves_the_old_weights_serving(engine: AsyncEngine, model_dirs: tuple) -> None:
     good = load_update(model_dirs[1], engine.version + 1)
     bad = WeightUpdate(good.version, good.names,
                        tuple(a[:-1] if i == 0 else a for i, a in enumerate(good.arrays)))
     v = engine.version
-    assert engine._loopback is not None
-    with pytest.raises(WeightUpdateError, match="shape"):
-        engine._loopback.send(bad)                  # the engine core's backend refuses it
+    segment = SharedSegment("test_refused")
+    try:
+        engine.start_weight_update()
+        with pytest.raises(WeightUpdateError, match="shape"):
+            engine.update_weights(asdict(segment.write(bad)))   # checked before any pause
+    finally:
+        segment.close()
     assert engine.version == v
     reqs = _requests(engine, "after-bad", 8)
     for r in reqs:
         engine.add(r)
     done = _collect(engine)
     assert all((done[r.request_id].versions == v).all() for r in reqs)
-    applied = engine.load_update(good)              # the channel is still aligned
+    applied = engine.load_update(good)
     assert applied.version == v + 1
+
+
+def test_generation_goes_on_while_the_bytes_arrive(engine: AsyncEngine, model_dirs: tuple) -> None:
+    update = load_update(model_dirs[1], engine.version + 1)
+    channel = gloo_trainer(engine, bucket_bytes=64 << 10)
+    v = engine.version
+    for i in range(6):
+        engine.add(GenRequest(f"during-{i}", tuple(engine.encode(PROMPTS[i % 4])),
+                              SamplingConfig(max_new_tokens=4, temperature=TEMPERATURE, ignore_eos=True)))
+    engine.start_weight_update()
+    receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
+    sending = in_daemon_thread(lambda: send_buckets(channel, update, 64 << 10, pause_s=3.0))
+    finished: list[FinishedSequence] = []
+    while not receiving.done():
+        finished.extend(engine.step())
+    sending.result()
+    receiving.result()
+    assert len(finished) == 6 and all((f.versions == v).all() for f in finished), \
+        "requests did not finish while the bytes were arriving"
+    assert engine.finish_weight_update(v + 1)
+    applied = engine.apply_staged()
+    assert applied is not None and applied.version == v + 1
+    assert applied.stall_s < applied.load_s       # on CPU the core loads beside generation: the stall is the swap
+    channel.close()
+    engine.load_update(load_update(model_dirs[0], engine.version + 1))      # back to model a
+
+
+def test_a_transfer_failing_half_way_leaves_the_old_weights_serving(engine: AsyncEngine,
+                                                                      model_dirs: tuple) -> None:
+    update = load_update(model_dirs[1], engine.version + 1)
+    channel = gloo_trainer(engine, bucket_bytes=64 << 10)
+    v = engine.version
+    engine.start_weight_update()
+    receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
+    send_buckets(channel, update, 64 << 10, stop_after=2)
+    with pytest.raises(WeightUpdateError, match="^weights not received: ") as info:
+        receiving.result(timeout=60)
+    assert "\n" not in str(info.value)
+    assert engine.version == v
+    reqs = _requests(engine, "after-half", 8)
+    for r in reqs:
+        engine.add(r)
+    done = _collect(engine)                                   # never paused: generation goes on
+    assert all((done[r.request_id].versions == v).all() for r in reqs)
+    assert engine.load_update(load_update(model_dirs[0], v + 1)).version == v + 1
 
 
 def test_not_newer_update_keeps_the_version(engine: AsyncEngine, model_dirs: tuple) -> None:

@@ -124,7 +124,7 @@ def test_non_finite_values_are_named_after_the_whole_update_drained() -> None:
 
 def test_publisher_vllm_transport_reopens_a_failed_workers_channel() -> None:
     good, flaky = ThreadClient(), ThreadClient(fail_once=True)
-    pub = WeightPublisher([good, flaky], background=False)
+    pub = WeightPublisher([good, flaky], background=False, path="gloo")
     try:
         pub.publish(_update(1))
         assert pub.stats().offer_failures == 1            # counted, never raised

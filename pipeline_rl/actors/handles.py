@@ -69,7 +69,7 @@ class TrainerHandle(Protocol):
     node_ip: Remote[[], str]
     pid: Remote[[], int]
     setup: Remote[[str, int], int]
-    set_workers: Remote[[list[RolloutHandle]], None]
+    set_workers: Remote[[list[RolloutHandle]], list[str]]
     offer_latest: Remote[[list[RolloutHandle]], None]
     publish_current: Remote[[], None]
     train_step: Remote[[float], "RankStepReport | None"]

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from pipeline_rl.evaluation import EvalRequest, EvalResult
     from pipeline_rl.rollout.worker import WorkerStats
+    from pipeline_rl.weight_sync.paths import Placement
 
 T = TypeVar("T")
 
@@ -92,6 +93,12 @@ class RolloutActor:
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
         """The three calls of one update in one (the trainer's channel makes this one)."""
         return self._take(self._worker.receive_update, update_info, weight_version)
+
+    def placement(self) -> Placement:
+        """Where this worker runs (Ray node, device, GPU): the publisher picks its weight path by it."""
+        from pipeline_rl.weight_sync.paths import local_placement
+
+        return local_placement()
 
     def _take(self, call: Callable[..., T], *args: Any) -> T:
         try:

@@ -99,17 +99,19 @@ class TrainerActor:
         self._trainer_or_none = Trainer(self._cfg, self._model_dir, rank=self._rank,
                                 world_size=self._world_size, master_addr=master_addr,
                                 master_port=master_port, gpu_memory=self._gpu_memory)
-        self._publisher = (WeightPublisher(transport=self._cfg.rollout.weight_transport)
+        self._publisher = (WeightPublisher(transport=self._cfg.rollout.weight_transport,
+                                           path=self._cfg.rollout.weight_path)
                            if self._rank == 0 else None)
         self._rank_step = RankStep(self._trainer, _BufferSource(self._buffer), self._publisher)
         end_of_startup()
         return int(self._trainer.version)
 
-    def set_workers(self, workers: list[RolloutHandle]) -> None:
+    def set_workers(self, workers: list[RolloutHandle]) -> list[str]:
         """Rank 0: the rollout workers to publish to; workers new to the publisher get the
-        newest published weights at once."""
-        if self._publisher is not None:
-            self._publisher.set_workers(workers)
+        newest published weights at once. Returns the weight path each worker gets."""
+        if self._publisher is None:
+            return []
+        return self._publisher.set_workers(workers)
 
     def offer_latest(self, workers: list[RolloutHandle]) -> None:
         """Rank 0: give ``workers`` (restarted ones) the newest published weights."""

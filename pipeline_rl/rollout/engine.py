@@ -122,13 +122,18 @@ class FinishedSequence:
 class AppliedUpdate:
     """What applying one update cost: ``stall_s`` is the time no engine step could
     run; ``in_flight`` the sequences that kept going across it; ``live_at``: when the
-    next engine step could sample with it (``time.time()``)."""
+    next engine step could sample with it (``time.time()``); ``transfer_s``: the
+    worker's ``update_weights`` (bytes received or mapped, and checked), beside
+    generation; ``load_s``: loading them (into a shadow beside generation: the in-process
+    engine, and ``AsyncLLM`` on CPU; else into the live model, inside the stall)."""
 
     version: int
     stall_s: float
     in_flight: int
     num_bytes: int
     live_at: float = 0.0
+    transfer_s: float = 0.0
+    load_s: float = 0.0
 
 
 class GenerationEngine(ABC):
@@ -204,8 +209,7 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def start_weight_update(self) -> None:
-        """Begin one update (the async engine pauses generation here, keeping its
-        requests)."""
+        """Begin one update (generation goes on)."""
 
     @abstractmethod
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -215,8 +219,9 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def finish_weight_update(self, version: int) -> bool:
-        """Make the received update the next weights, labelled ``version``. False
-        (nothing changes) when it is not newer than the loaded or staged weights."""
+        """Make the received update the next weights, labelled ``version`` (the
+        ``AsyncLLM`` engine pauses only here, for the load). False (nothing changes)
+        when it is not newer than the loaded or staged weights."""
 
     def apply_update(self, update: CheckedUpdate) -> AppliedUpdate:
         """Stage and apply at once (the caller is between steps)."""
@@ -244,16 +249,20 @@ def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_ver
     from pipeline_rl.config import RolloutConfig
 
     assert isinstance(rollout, RolloutConfig)
-    dtype: Literal["float32", "bfloat16"]
-    if rollout.dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    else:
-        dtype = rollout.dtype
+    dtype = served_dtype(rollout.dtype, device)
     return EngineConfig(model_dir=model_dir, dtype=dtype, device=device, kv_policy=rollout.kv_policy,
                         max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len,
                         kv_cache_gib=rollout.kv_cache_gib or kv_cache_gib_needed(model_dir, rollout, dtype),
                         gpu_memory_fraction=gpu_memory if gpu_memory is not None else VLLM_DEFAULT_GPU_MEMORY,
                         seed=seed, initial_version=initial_version, fault=fault)
+
+
+def served_dtype(dtype: str, device: str) -> Literal["float32", "bfloat16"]:
+    """The engine's dtype for ``--rollout.dtype`` on ``device``: ``auto`` is float32 on CPU
+    and bfloat16 on CUDA. The trainer sends its weights in it (``gather_weights``)."""
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return "bfloat16" if dtype == "bfloat16" else "float32"
 
 
 #: Smallest KV cache the automatic size gives (1/64 GiB).

@@ -7,24 +7,35 @@ this class drives it from a private asyncio loop on one thread, so every call in
 ``AsyncLLM`` -- shutdown included -- runs on that loop.
 
 An update, as vLLM's weight-transfer API has it (the trainer side drives the calls
-through the rollout worker, see ``pipeline_rl.weight_sync.gloo``)::
+through the rollout worker, see ``pipeline_rl.weight_sync``); generation goes on
+until the bytes are here and checked::
 
-    start_weight_update   pause_generation(mode="keep")   requests stay, none aborted
-                          start_weight_update
-    update_weights        the backend receives the bytes from the trainer
-    finish_weight_update  load, label later tokens with the new version
+    start_weight_update   nothing stops
+    update_weights        the bytes are staged in this process while the engine generates:
+                          received from the trainer's gloo channel into this worker's
+                          shared-memory segment, or (same machine) the trainer's own
+                          segment mapped; checked whole (names, shapes, finite values)
+    finish_weight_update  the engine core maps the segment and, on CPU, loads it into
+                          a shadow of its model on a thread of its own while it keeps
+                          generating (vLLM's start/update calls, this project's backend;
+                          the core reports through a shared status cell)
+                          pause_generation(mode="keep")   requests stay, none aborted
+                          swap the shadow in (vLLM's finish call; elsewhere: the load)
+                          label later tokens with the new version
                           (recompute: re-prefill the requests in flight)
                           resume_generation()
 
+The stall -- from the moment the pause took effect (the step under way has finished)
+to the resume -- is the swap, the label and the resume on CPU; it grows with neither
+the transfer nor the load.
 Token versions come from vLLM's weight-version spans: the version is set while
 generation is paused, so every token is labelled by the weights that sampled it.
 
-Failures: with this project's CPU backend nothing touches the model before
-``finish_weight_update``, so a refused or broken transfer resumes on the old weights
-and raises ``WeightUpdateError``. With a backend that loads while it receives
-(vLLM's ``nccl``) a failed transfer leaves a half-loaded model: the engine then
-stays paused and every later call raises, ending the worker (never generating
-from a half-loaded model). A failure in ``finish_weight_update`` does the same.
+Failures: a transfer or check that fails leaves the old weights serving (nothing was
+paused) and raises ``WeightUpdateError``; a failure in the engine core before the
+load resumes on the old weights; a load that fails half-way leaves a half-loaded
+model: the engine then stays paused and every later call raises, ending the worker
+(never generating from a half-loaded model).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import asyncio
 import queue
 import threading
 import time
+from dataclasses import asdict, replace
 from typing import Any, Coroutine, TypeVar
 
 from pipeline_rl.rollout.engine import (
@@ -45,14 +57,27 @@ from pipeline_rl.rollout.engine import (
 from pipeline_rl import runtime_env
 from pipeline_rl.rollout import vllm_compat as compat
 from pipeline_rl.rollout.engine_inprocess import sampling_params, to_finished
+from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.gloo import (
     BACKEND,
-    GlooTrainerWeightTransfer,
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
+    Channel,
+    GlooInitInfo,
     payload_bytes,
-    receive_in_one_call,
+    receive_update,
     register,
 )
-from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, WeightUpdateError, read_weight_spec
+from pipeline_rl.weight_sync.layout import UpdateLayout
+from pipeline_rl.weight_sync.message import (
+    CheckedUpdate,
+    WeightUpdate,
+    WeightUpdateError,
+    read_weight_spec,
+    validate_update,
+)
+from pipeline_rl.weight_sync.protocol import receive_in_one_call
+from pipeline_rl.weight_sync.shm import SegmentReader, SharedSegment, ShmUpdateInfo, StatusCell, is_shm_info
 from pipeline_rl.faults import inject
 
 _T = TypeVar("_T")
@@ -91,12 +116,18 @@ class AsyncEngine(GenerationEngine):
         self._done: queue.Queue[FinishedSequence | BaseException] = queue.Queue()
         self._unfinished = 0
         self._update_lock = threading.Lock()     # one update at a time
-        self._paused_at: float | None = None
-        self._in_flight = 0
+        self._updating = False
+        self._staged_info: ShmUpdateInfo | None = None   # checked bytes awaiting the load
         self._update_bytes = 0
+        self._transfer_s = 0.0
         self._applied: list[AppliedUpdate] = []  # reported by apply_staged
         self._broken: EngineBroken | None = None
-        self._loopback: GlooTrainerWeightTransfer | None = None
+        self._channel: Channel | None = None     # the trainer's gloo channel (received here)
+        self._bucket_bytes = DEFAULT_BUCKET_BYTES
+        self._staging = SharedSegment("pipeline_rl_stage")   # received bytes, for the engine core
+        self._segments = SegmentReader()         # the trainer's segments (shared-memory path)
+        self._status = StatusCell.create()       # the engine core reports its loads here
+        self._handed = False                     # the core holds this update (session open)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
         self._thread.start()
@@ -190,74 +221,158 @@ class AsyncEngine(GenerationEngine):
         return self._unfinished
 
     # -- vLLM's weight-transfer calls ------------------------------------------------------------
+    # The bytes are staged in this process while the engine generates; only the load into
+    # the engine core's model is inside the pause (module docstring).
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
+        """Join the trainer's gloo channel (in this process: bytes are received here,
+        beside generation, then handed to the engine core through shared memory)."""
         self._check()
-        self._run(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)))
+        try:
+            info = GlooInitInfo(**init_info)
+        except TypeError as e:
+            raise ValueError(f"invalid init_info for {BACKEND}: {e}") from e
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = Channel.connect(info)
+        self._bucket_bytes = info.bucket_bytes
 
     def start_weight_update(self) -> None:
+        """Begin an update; generation goes on (nothing is paused before the load)."""
         self._check()
         self._update_lock.acquire()
+        self._staged_info = None
+        self._updating = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Stage one update while the engine generates: receive it from the channel into
+        this worker's staging segment, or map the trainer's segment; check it whole
+        (names, shapes, finite values). A failure leaves the old weights serving, never
+        paused, and raises ``WeightUpdateError``."""
+        self._require_update()
+        t0 = time.perf_counter()
         try:
-            self._in_flight = self._unfinished
-            self._paused_at = time.perf_counter()    # the stall counts the pause itself
+            self._staged_info = self._stage_bytes(update_info)
+        except BaseException as e:
+            self._end_update()
+            if isinstance(e, WeightUpdateError):
+                raise
+            raise WeightUpdateError(f"weights not received: {_first_line(e)}") from e
+        self._update_bytes = payload_bytes(update_info)
+        self._transfer_s = time.perf_counter() - t0
+
+    def _stage_bytes(self, update_info: dict[str, Any]) -> ShmUpdateInfo:
+        if is_shm_info(update_info):
+            info = ShmUpdateInfo(**update_info)
+            update = self._segments.update(info)
+            validate_update(update, self._spec, check_values=not info.checked)
+            return ShmUpdateInfo.of(info.layout(), info.segment, checked=True)
+        if self._channel is None:
+            raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
+        layout = UpdateLayout(**update_info)
+        got = receive_update(self._channel, layout, self._bucket_bytes,
+                             into=self._staging.buffer(layout.total_bytes()))
+        if got.non_finite is not None:   # after draining: the channel stays aligned
+            raise WeightUpdateError(f"{got.non_finite}: non-finite values")
+        validate_update(got.update, self._spec, check_values=False)
+        assert self._staging.path is not None
+        return ShmUpdateInfo.of(layout, self._staging.path, checked=True)
+
+    def finish_weight_update(self, version: int) -> bool:
+        """Load the staged bytes and make them live, labelled ``version``; False (nothing
+        changes) when ``version`` is not newer than the served one. On CPU the engine core
+        loads them into a shadow of its model while it keeps generating, then generation
+        pauses (requests kept) for the swap, the label and the resume only; elsewhere (or
+        a model that cannot be shadowed) the load itself happens inside the pause."""
+        self._require_update()
+        staged = self._staged_info
+        if staged is None:
+            self._end_update()
+            raise WeightUpdateError("finish_weight_update without received weights")
+        if version <= self._version:
+            self._end_update()
+            return False
+        in_flight = self._unfinished
+        t0 = time.perf_counter()
+        beside = self.cfg.device == "cpu" and self._load_beside(staged, version)
+        try:
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False))
-            self._run(self._llm.start_weight_update())
+            paused_at = time.perf_counter()           # no engine step runs from here
+            if not beside and not self._handed:
+                self._run(self._hand_over(staged))
         except BaseException as e:
             self._fail_update(e, loaded=False)
             raise
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        self._require_update()
-        self._update_bytes = payload_bytes(update_info)
         try:
-            self._run(self._llm.update_weights(WeightTransferUpdateRequest(update_info)))
-        except BaseException as e:
-            # Our backend loads nothing before finish: the old weights are intact.
-            self._fail_update(e, loaded=self.backend != BACKEND)
-            raise WeightUpdateError(f"weights not received: {_first_line(e)}") from e
-
-    def finish_weight_update(self, version: int) -> bool:
-        self._require_update()
-        newer = version > self._version
-        try:
-            # vLLM's session must end either way; an update that is not newer (the same
-            # weights offered again) loads the same values and keeps the version label.
-            self._run(self._finish(version if newer else None))
+            self._run(self._finish(version))
         except BaseException as e:
             self._fail_update(e, loaded=True)
             raise
-        if newer:
-            stall = time.perf_counter() - (self._paused_at or time.perf_counter())
-            self._applied.append(AppliedUpdate(version, stall, self._in_flight, self._update_bytes,
-                                               live_at=time.time()))
-            self._version = version
-        self._paused_at = None
-        self._update_lock.release()
-        return newer
+        done = time.perf_counter()
+        self._applied.append(AppliedUpdate(version, done - paused_at, in_flight, self._update_bytes,
+                                           live_at=time.time(), transfer_s=self._transfer_s,
+                                           load_s=(paused_at if beside else done) - t0))
+        self._version = version
+        self._end_update()
+        return True
 
-    async def _finish(self, version: int | None) -> None:
+    def _load_beside(self, staged: ShmUpdateInfo, version: int) -> bool:
+        """Have the engine core load ``staged`` into its shadow while it generates; True
+        once loaded, False when it cannot shadow its model (it then holds the update for a
+        load inside the pause). A failed or stuck load ends the update with one line, the
+        old weights serving."""
+        self._status.set(-1, StatusCell.PENDING)
+        try:
+            self._run(self._hand_over(replace(staged, status=self._status.path)))
+            self._handed = True
+            state, deadline = StatusCell.PENDING, time.monotonic() + DEFAULT_TIMEOUT_S
+            while state == StatusCell.PENDING and time.monotonic() < deadline:
+                time.sleep(0.002)
+                state = self._status.get(version)
+        except BaseException as e:
+            self._end_update()
+            raise WeightUpdateError(f"weights v{version} not handed to the engine core: {_first_line(e)}") from e
+        if state in (StatusCell.READY, StatusCell.NO_SHADOW):
+            return state == StatusCell.READY
+        try:   # end vLLM's update session: the core swaps nothing after a failed load
+            self._run(compat.async_finish_update(self._llm, None, self._native))
+        finally:
+            self._end_update()
+        what = "failed (see the engine core's log)" if state == StatusCell.FAILED else \
+            f"did not finish within {DEFAULT_TIMEOUT_S:.0f} s"
+        raise WeightUpdateError(f"weights v{version}: loading them in the engine core {what}")
+
+    async def _hand_over(self, staged: ShmUpdateInfo) -> None:
+        """The engine core maps the staged segment and checks names and shapes (no load)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._llm.start_weight_update()
+        await self._llm.update_weights(WeightTransferUpdateRequest(asdict(staged)))
+
+    async def _finish(self, version: int) -> None:
         await compat.async_finish_update(self._llm, version, self._native)
-        if version is not None and self._record is not None:
+        if self._record is not None:
             # Paused: every token so far came from the old weights once its output is processed.
             await compat.drain_async_outputs(self._llm)
             self._record.switch(version, compat.output_token_counts(self._llm.output_processor))
-        if version is not None and self.kv_policy == "recompute":
+        if self.kv_policy == "recompute":
             await self._llm.reset_prefix_cache(reset_running_requests=True)
         await self._llm.resume_generation()
 
     def _require_update(self) -> None:
         self._check()
-        if self._paused_at is None:
+        if not self._updating:
             raise RuntimeError("weight update call without start_weight_update")
 
+    def _end_update(self) -> None:
+        self._updating = False
+        self._handed = False
+        self._staged_info = None
+        if self._update_lock.locked():
+            self._update_lock.release()
+
     def _fail_update(self, error: BaseException, *, loaded: bool) -> None:
-        """End an update that failed: resume on the old weights when nothing was
-        loaded, else stay paused and refuse every later call."""
-        self._paused_at = None
+        """End an update that failed while paused: resume on the old weights when nothing
+        was loaded, else stay paused and refuse every later call."""
         try:
             if loaded:
                 self._broken = EngineBroken(f"weight load failed half-way, generation stopped: "
@@ -265,19 +380,20 @@ class AsyncEngine(GenerationEngine):
             else:
                 self._run(self._llm.resume_generation())
         finally:
-            if self._update_lock.locked():
-                self._update_lock.release()
+            self._end_update()
 
     # -- in-memory updates (tests, the object-store transport) ------------------------------
     def stage(self, update: CheckedUpdate) -> bool:
-        """Send ``update`` through the weight-transfer calls at once (loopback channel);
-        False when it is not newer than the loaded weights."""
+        """Apply ``update`` through the weight-transfer calls at once (its bytes laid out in
+        this worker's staging segment); False when it is not newer than the loaded weights."""
         if update.version <= self._version:
             return False
-        if self._loopback is None:
-            self._loopback = GlooTrainerWeightTransfer.trainer_init(_Loopback(self), address="127.0.0.1")
-        arrays = tuple(t.numpy() for _, t in update.tensors)
-        self._loopback.send(WeightUpdate(update.version, tuple(n for n, _ in update.tensors), arrays))
+        names = tuple(n for n, _ in update.tensors)
+        arrays = tuple(from_torch(t) for _, t in update.tensors)
+        bf16 = any(str(t.dtype) == "torch.bfloat16" for _, t in update.tensors)
+        staged = WeightUpdate(update.version, names, arrays, dtype="bfloat16" if bf16 else "float32")
+        info = self._staging.write(staged, checked=True)   # checked before it was staged
+        receive_in_one_call(_Loopback(self), asdict(info), str(update.version))
         return True
 
     def apply_staged(self) -> AppliedUpdate | None:
@@ -286,8 +402,10 @@ class AsyncEngine(GenerationEngine):
         return self._applied.pop(0) if self._applied else None
 
     def close(self) -> None:
-        if self._loopback is not None:
-            self._loopback.close()
+        if self._channel is not None:
+            self._channel.close()
+        self._staging.close()
+        self._status.unlink()
         if self._loop.is_running():
             try:
                 self._run(self._shutdown())
@@ -316,7 +434,8 @@ class _Loopback:
         self._engine.update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        assert weight_version is not None
+        if weight_version is None:
+            raise WeightUpdateError("finish_weight_update needs the version of the weights")
         self._engine.finish_weight_update(int(weight_version))
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:

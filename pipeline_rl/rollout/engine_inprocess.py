@@ -130,6 +130,7 @@ class InprocessEngine(GenerationEngine):
         self._shadow = make_shadow(compat.inprocess_model(self._llm)) if staged else None
         self._stage_lock = threading.Lock()  # guards the shadow and the staged version
         self._staged: CheckedUpdate | None = None
+        self._transfer_s = self._staged_transfer_s = self._staged_load_s = 0.0
         self._tasks = self._llm.get_supported_tasks()  # what add_copies processes a prompt for
 
     # -- GenerationEngine -------------------------------------------------------------
@@ -172,9 +173,15 @@ class InprocessEngine(GenerationEngine):
             newest = max(self._version, self._staged.version if self._staged else -1)
             if update.version <= newest:
                 return False
+            t0 = time.perf_counter()
             if self._shadow is not None:
                 self._shadow.load(update, self._llm.vllm_config)
+            else:   # kept until the next step: own the bytes (the receive buffer is reused)
+                update = CheckedUpdate(update.version, tuple((n, t.clone()) for n, t in update.tensors),
+                                       update.num_bytes)
             self._staged = update
+            self._staged_load_s = time.perf_counter() - t0
+            self._staged_transfer_s, self._transfer_s = self._transfer_s, 0.0
             return True
 
     def apply_staged(self) -> AppliedUpdate | None:
@@ -195,7 +202,8 @@ class InprocessEngine(GenerationEngine):
                                         self._llm.vllm_config)
             self._after_load(update.version)
             return AppliedUpdate(update.version, time.perf_counter() - start, in_flight, update.num_bytes,
-                                 live_at=time.time())
+                                 live_at=time.time(), transfer_s=self._staged_transfer_s,
+                                 load_s=self._staged_load_s)
         finally:
             self._stage_lock.release()
 
@@ -209,7 +217,18 @@ class InprocessEngine(GenerationEngine):
         self._receiver().start_weight_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._receiver().update_weights(update_info)
+        """Receive (gloo) or map (shm) and check one update while the loop steps; a
+        failed transfer raises ``WeightUpdateError`` and the served weights stay."""
+        t0 = time.perf_counter()
+        try:
+            self._receiver().update_weights(update_info)
+        except WeightUpdateError:
+            raise
+        except Exception as e:
+            from pipeline_rl.calls import first_line
+
+            raise WeightUpdateError(f"weights not received: {first_line(e)}") from e
+        self._transfer_s = time.perf_counter() - t0
 
     def finish_weight_update(self, version: int) -> bool:
         update = self._receiver().take_received()

@@ -101,8 +101,9 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     wait([w.handle.ready.remote() for w in workers], f"{len(workers)} rollout worker(s) to start vLLM",
          "rollout worker")
     say(f"rollout: {len(workers)} vLLM worker(s) ready ({cfg.rollout.dtype})")
-    wait([trainers[0].set_workers.remote([w.handle for w in workers])], "the trainer to register the workers",
-         "trainer")
+    paths = wait([trainers[0].set_workers.remote([w.handle for w in workers])],
+                 "the trainer to register the workers", "trainer")[0]
+    say("weights: " + ", ".join(f"worker {i} via {p}" for i, p in enumerate(paths)))
     wait([t.publish_current.remote() for t in trainers], "the first weights to be published", "trainer")
     for w in workers:
         w.start(version, cfg.groups_per_step)

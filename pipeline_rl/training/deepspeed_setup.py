@@ -33,8 +33,8 @@ def pick_device(want: Device, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``cfg`` (external API: DeepSpeed takes a dict)."""
+def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> dict[str, Any]:
+    """The DeepSpeed config dict for ``cfg`` on ``device_type`` (external API: DeepSpeed takes a dict)."""
     t = cfg.trainer
     per_rank = t.batch_size // world_size
     micro = min(t.micro_batch_size, per_rank)
@@ -49,7 +49,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    if cfg.model.dtype == "bfloat16":
+    if cfg.model.trainer_dtype(device_type) == "bfloat16":
         ds["bf16"] = {"enabled": True}
     return ds
 

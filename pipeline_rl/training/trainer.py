@@ -27,9 +27,7 @@ Invariants:
 :class:`RankStep` is what a rank does per pipeline step, wherever it runs: take the next batch
 as soon as the buffer can give one (never a whole generation round), recording the wait
 (trainer idle time), step, publish the weights (``pipeline_rl.weight_sync.publisher``), open the
-buffer's admission budget for the next version.
-
-DeepSpeed set-up (config, process group, CPU specifics): ``pipeline_rl.training.deepspeed_setup``.
+buffer's admission budget for the next version. DeepSpeed set-up: ``training.deepspeed_setup``.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ import logging
 import shutil
 import time
 from functools import partial
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,6 +58,7 @@ from pipeline_rl.training.logprobs import (
 )
 from pipeline_rl.reports import LossMetrics, RankStepReport, StepResult
 from pipeline_rl.weight_sync.publisher import WeightPublisher, gather_weights
+from pipeline_rl.rollout.engine import served_dtype
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config
 from pipeline_rl.correction.advantages import group_advantages
@@ -110,7 +109,7 @@ class Trainer:
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.model, model_parameters=trained, optimizer=make_optimizer(cfg, trained),
-            config=deepspeed_config(cfg, world_size))
+            config=deepspeed_config(cfg, world_size, self.device.type))
         self.zero_stage = cfg.trainer.zero_stage
         if world_size == 1 and self.zero_stage == 0:
             # One rank has nothing to all-reduce: DeepSpeed would still flatten, "reduce"
@@ -165,7 +164,7 @@ class Trainer:
     def _load_model(self, path: Path) -> Any:
         from transformers import AutoModelForCausalLM
 
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        dtype = torch.bfloat16 if self.cfg.model.trainer_dtype(self.device.type) == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         model.config.use_cache = False
         return model
@@ -247,7 +246,7 @@ class Trainer:
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return False
         diff = float((a.float() - b.float()).abs().max())
-        tol = 1e-3 if self.cfg.model.dtype == "float32" else 0.1
+        tol = 1e-3 if self.cfg.model.trainer_dtype(self.device.type) == "float32" else 0.1
         if not diff <= tol:
             log.warning("trainer: prompts not shared (padded rows instead): log-probs differ by "
                         "%.3g with shared prompts on this model (tolerance %g)", diff, tol)
@@ -323,11 +322,12 @@ class Trainer:
 
     # -- weights -------------------------------------------------------------------------------
 
-    def weights(self, version: int | None = None) -> WeightUpdate:
-        """Full current parameters with their version (ZeRO-3: gathered; a collective)."""
+    def weights(self, version: int | None = None, allocate: Callable[[int], np.ndarray] | None = None) -> WeightUpdate:
+        """Full parameters in the engines' dtype (ZeRO-3: a collective); ``allocate``: see ``gather_weights``."""
         if version is not None and version != self._version:
             raise ValueError(f"trainer.weights: asked for version {version}, trainer is at {self._version}")
-        return gather_weights(self.engine.module, self._version, zero_stage=self.zero_stage)
+        return gather_weights(self.engine.module, self._version, zero_stage=self.zero_stage,
+                              dtype=served_dtype(self.cfg.rollout.dtype, self.device.type), allocate=allocate)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -445,6 +445,6 @@ class RankStep:
         """Publish the current weights (every rank calls it: a ZeRO-3 gather is collective)."""
         if self.publisher is None and not self.trainer.weights_collective:
             return
-        update = self.trainer.weights()
+        update = self.trainer.weights(allocate=self.publisher.allocator() if self.publisher else None)
         if self.publisher is not None:
             self.publisher.publish(update)

@@ -48,11 +48,19 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline_rl.weight_sync.dtypes import all_finite
+from pipeline_rl.weight_sync.layout import UpdateLayout, arrays_in, bucket_plan, contiguous_bytes
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
+from pipeline_rl.weight_sync.protocol import (  # noqa: F401 - re-exported: the protocol's old home
+    SendTiming,
+    SyncClient,
+    WeightSyncCalls,
+    receive_in_one_call,
+)
 from pipeline_rl.calls import in_daemon_thread
 
 if TYPE_CHECKING:
@@ -69,7 +77,6 @@ DEFAULT_BUCKET_BYTES = 16 << 20
 #: A transfer whose peer stops answering fails after this long (never hangs).
 DEFAULT_TIMEOUT_S = 60.0
 
-_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 def register() -> None:
@@ -92,56 +99,17 @@ class GlooInitInfo:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
-@dataclass(frozen=True, slots=True)
-class GlooUpdateInfo:
-    """One update's metadata; lists line up. ``dtype_names`` are numpy names
-    (``float32``/``float16``); bytes follow in :func:`bucket_plan` order."""
-
-    version: int
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-
-    def __post_init__(self) -> None:
-        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
-            raise WeightUpdateError(f"update info lists differ in length: {len(self.names)} names, "
-                                    f"{len(self.dtype_names)} dtypes, {len(self.shapes)} shapes")
-        bad = next((d for d in self.dtype_names if d not in _DTYPES), None)
-        if bad is not None:
-            raise WeightUpdateError(f"dtype {bad!r} not accepted on the wire (float32 or float16)")
-
-    @classmethod
-    def of(cls, update: WeightUpdate) -> "GlooUpdateInfo":
-        return cls(update.version, list(update.names), [str(a.dtype) for a in update.arrays],
-                   [list(a.shape) for a in update.arrays])
-
-    def nbytes(self) -> list[int]:
-        """Bytes of each tensor, in order."""
-        return [int(np.prod(s, dtype=np.int64)) * np.dtype(_DTYPES[d]).itemsize
-                for d, s in zip(self.dtype_names, self.shapes)]
+#: The wire format of one update (``pipeline_rl.weight_sync.layout``), by its gloo name.
+GlooUpdateInfo = UpdateLayout
 
 
 def payload_bytes(update_info: dict[str, Any]) -> int:
-    """Bytes an update's info announces (0 when it is not this backend's format)."""
+    """Bytes an update's info announces (0 when it is not a layout this project sends)."""
+    fields = {k: update_info[k] for k in ("version", "names", "dtype_names", "shapes") if k in update_info}
     try:
-        return sum(GlooUpdateInfo(**update_info).nbytes())
+        return UpdateLayout(**fields).total_bytes()
     except (TypeError, WeightUpdateError):
         return 0
-
-
-def bucket_plan(nbytes: Sequence[int], bucket_bytes: int) -> list[range]:
-    """Consecutive index ranges whose byte totals stay within ``bucket_bytes`` (a
-    tensor larger than that is a bucket alone). Sender and receiver cut alike."""
-    buckets: list[range] = []
-    start, size = 0, 0
-    for i, n in enumerate(nbytes):
-        if i > start and size + n > bucket_bytes:
-            buckets.append(range(start, i))
-            start, size = i, 0
-        size += n
-    if start < len(nbytes):
-        buckets.append(range(start, len(nbytes)))
-    return buckets
 
 
 # -- the channel -------------------------------------------------------------------------
@@ -200,17 +168,27 @@ class Channel:
             pass
 
 
-def send_update(channel: Channel, info: GlooUpdateInfo, arrays: Sequence[np.ndarray],
+def send_update(channel: Channel, info: UpdateLayout, arrays: Sequence[np.ndarray],
                 bucket_bytes: int) -> None:
-    """Trainer side: broadcast the arrays bucket by bucket, packing the next bucket
-    while the previous one is on the wire (two buffers alive at most)."""
+    """Trainer side: broadcast the arrays bucket by bucket. Arrays that already lie back
+    to back (``gather_weights`` writes them so) go out as views of their buffer, no
+    copy; otherwise the next bucket is packed while the previous one is on the wire
+    (two buffers alive at most)."""
     import torch
 
+    nbytes = info.nbytes()
+    flat = contiguous_bytes(arrays)
     in_flight: Any = None
-    for bucket in bucket_plan(info.nbytes(), bucket_bytes):
-        parts = [np.ascontiguousarray(arrays[i]).reshape(-1).view(np.uint8) for i in bucket]
-        buffer = torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
-        work = channel.broadcast(buffer)
+    offset = 0
+    for bucket in bucket_plan(nbytes, bucket_bytes):
+        size = sum(nbytes[i] for i in bucket)
+        if flat is not None:
+            data = flat[offset:offset + size]
+        else:
+            parts = [np.ascontiguousarray(arrays[i]).reshape(-1).view(np.uint8) for i in bucket]
+            data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        offset += size
+        work = channel.broadcast(torch.from_numpy(data))
         if in_flight is not None:
             in_flight.wait()
         in_flight = work
@@ -220,96 +198,50 @@ def send_update(channel: Channel, info: GlooUpdateInfo, arrays: Sequence[np.ndar
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Received:
-    """What :func:`receive_update` got: the update (arrays are views of the received
-    buffers) and the first parameter holding a NaN or infinity, if any."""
+    """What :func:`receive_update` got: the update (arrays are views of the receive
+    buffer) and the first parameter holding a NaN or infinity, if any."""
 
     update: WeightUpdate
     non_finite: str | None
 
 
-def receive_update(channel: Channel, info: GlooUpdateInfo, bucket_bytes: int) -> Received:
-    """Worker side: receive every bucket and cut it into the update's arrays (views of
-    the received buffers, no further copy). The next bucket is already being received
-    while this one is checked for non-finite values, so the check costs no extra time
-    on the wire; every bucket is drained whatever it holds (the channel stays aligned)."""
+def receive_update(channel: Channel, info: UpdateLayout, bucket_bytes: int,
+                   into: np.ndarray | None = None) -> Received:
+    """Worker side: receive every bucket straight into its place in one flat buffer
+    (``into``, uint8 of at least the update's size, reused across updates -- a
+    shared-memory segment where an engine in another process loads from it; else a new
+    one) and cut it into the update's arrays (views, no further copy). Two buckets are
+    posted at a time, so the previous one is checked for non-finite values while the
+    next is on the wire; every bucket is drained whatever it holds (the channel stays
+    aligned)."""
     import torch
 
     nbytes = info.nbytes()
-    arrays: list[np.ndarray] = [np.empty(0)] * len(nbytes)
+    total = sum(nbytes)
+    flat = into[:total] if into is not None else np.empty(total, dtype=np.uint8)
+    arrays = arrays_in(flat, info)
     buckets = bucket_plan(nbytes, bucket_bytes)
+    starts = np.concatenate([[0], np.cumsum(nbytes, dtype=np.int64)]) if nbytes else np.zeros(1, np.int64)
     non_finite: str | None = None
 
-    def post(bucket: range) -> tuple["torch.Tensor", Any]:
-        buffer = torch.empty(sum(nbytes[i] for i in bucket), dtype=torch.uint8)
-        return buffer, channel.broadcast(buffer)
+    def post(bucket: range) -> Any:
+        lo, hi = int(starts[bucket.start]), int(starts[bucket.stop])
+        return channel.broadcast(torch.from_numpy(flat[lo:hi]))
 
     pending = post(buckets[0]) if buckets else None
     for k, bucket in enumerate(buckets):
         assert pending is not None
-        buffer, work = pending
-        work.wait()
+        pending.wait()
         pending = post(buckets[k + 1]) if k + 1 < len(buckets) else None
-        flat = buffer.numpy()
-        offset = 0
         for i in bucket:
-            dtype = _DTYPES[info.dtype_names[i]]
-            arrays[i] = flat[offset:offset + nbytes[i]].view(dtype).reshape(info.shapes[i])
-            offset += nbytes[i]
-            if non_finite is None and not np.isfinite(arrays[i]).all():
+            if non_finite is None and not all_finite(arrays[i], info.dtype_names[i]):
                 non_finite = info.names[i]
-    return Received(WeightUpdate(info.version, tuple(info.names), tuple(arrays)), non_finite)
+    update = WeightUpdate(info.version, tuple(info.names), tuple(arrays),
+                          dtype=info.wire_dtype)  # type: ignore[arg-type]
+    return Received(update, non_finite)
 
 
 # -- trainer side ----------------------------------------------------------------------------
-class WeightSyncCalls(Protocol):
-    """The four control calls of vLLM's ``VLLMWeightSyncClient``, as a rollout worker
-    (or its Ray actor) serves them."""
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
-
-    def start_weight_update(self) -> None: ...
-
-    def update_weights(self, update_info: dict[str, Any]) -> None: ...
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
-
-
-class SyncClient(WeightSyncCalls, Protocol):
-    """One rollout worker as the trainer drives it: vLLM's four calls, and
-    ``receive_update`` -- start, update and finish of one update in a single call (one
-    round trip to a remote worker instead of three), returning the seconds its finish
-    took. The channel uses ``init_weight_transfer_engine`` once, then ``receive_update``
-    per update."""
-
-    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float: ...
-
-
-def receive_in_one_call(worker: WeightSyncCalls, update_info: dict[str, Any],
-                        weight_version: str) -> float:
-    """``receive_update`` for a worker in this process: its three calls in order; the
-    seconds the finish took."""
-    worker.start_weight_update()
-    worker.update_weights(update_info)
-    t = time.perf_counter()
-    worker.finish_weight_update(weight_version)
-    return time.perf_counter() - t
-
-
-@dataclass(frozen=True, slots=True)
-class SendTiming:
-    """Where one send's time went (seconds), as the trainer saw it: the transfer
-    (receive || broadcast, and the worker's calls around it) and the worker's finish
-    (staging the update), which follows it in the same call."""
-
-    version: int
-    transfer_s: float
-    finish_s: float
-    num_bytes: int
-
-    @property
-    def total_s(self) -> float:
-        return self.transfer_s + self.finish_s
-
 
 class GlooTrainerWeightTransfer:
     """Trainer side of :data:`BACKEND` for one worker: vLLM's ``trainer_init`` /
@@ -357,7 +289,7 @@ class GlooTrainerWeightTransfer:
             raise
         finish_s = future.result()
         total = time.perf_counter() - t0
-        return SendTiming(update.version, total - finish_s, finish_s, update.num_bytes)
+        return SendTiming(update.version, total - finish_s, finish_s, update.num_bytes, "gloo")
 
     def close(self) -> None:
         self._channel.close()

@@ -177,6 +177,7 @@ class DirectLoader:
         plan = self._plan(given)
         if plan is None:
             return False
+        borrowed = {t.data_ptr() for t in given.values()}
         with torch.no_grad():
             for name, t in self._plain.items():
                 _copy_rows(t, given[name])
@@ -191,7 +192,10 @@ class DirectLoader:
                     _copy_rows(module.weight, weight)
                 else:
                     dtype = vllm_config.model_config.dtype
-                    module.weight = torch.nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
+                    owned = weight.to(dtype).contiguous()
+                    if owned.data_ptr() in borrowed:   # the update's own memory (a reused receive
+                        owned = owned.clone()          # buffer, a shared segment): never keep it
+                    module.weight = torch.nn.Parameter(owned, requires_grad=False)
                 if module.weight.numel() <= PLAIN_GEMM_MAX_WEIGHTS:
                     compat.plain_cpu_gemm(module)
                 else:
@@ -201,8 +205,6 @@ class DirectLoader:
     def _plan(self, given: dict[str, Any]) -> list[tuple[_Linear, Any, Any]] | None:
         """Per linear layer: (layer, new weight, new bias or None); None unless the
         update covers every target exactly once with fitting shapes."""
-        import torch
-
         used = set(self._plain)
         plan: list[tuple[_Linear, Any, Any]] = []
         for linear in self._linears:
@@ -215,11 +217,11 @@ class DirectLoader:
             if stems is None or (linear.has_bias and not all(f"{x}.bias" in given for x in stems)):
                 return None
             parts = [given[f"{x}.weight"] for x in stems]
-            weight = torch.cat(parts) if len(parts) > 1 else parts[0]
+            weight = _stack_rows(parts) if len(parts) > 1 else parts[0]
             bias = None
             if linear.has_bias:
                 biases = [given[f"{x}.bias"] for x in stems]
-                bias = torch.cat(biases) if len(biases) > 1 else biases[0]
+                bias = _stack_rows(biases) if len(biases) > 1 else biases[0]
                 if tuple(bias.shape) != tuple(linear.module.bias.shape):
                     return None
                 used.update(f"{x}.bias" for x in stems)
@@ -257,6 +259,20 @@ def _fits(target: Any, new: Any) -> bool:
     """Same shape, except that ``target`` may have extra (padding) rows."""
     return (target.dim() == new.dim() and target.shape[1:] == new.shape[1:]
             and target.shape[0] >= new.shape[0])
+
+
+def _stack_rows(parts: list[Any]) -> Any:
+    """``torch.cat(parts)`` (along rows) as copies into one new tensor: the same result,
+    and 10-30x faster here (``torch.cat`` of bfloat16 parts ran at ~0.4 GB/s on one
+    core, 1.3 s of a 0.5 B model's load; ``copy_`` at several GB/s)."""
+    import torch
+
+    out = torch.empty((sum(int(p.shape[0]) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+    row = 0
+    for p in parts:
+        out[row:row + p.shape[0]].copy_(p)
+        row += int(p.shape[0])
+    return out
 
 
 def _copy_rows(target: Any, new: Any) -> None:

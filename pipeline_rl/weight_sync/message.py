@@ -3,8 +3,11 @@ and its validation against the model a worker serves.
 
 Invariants of :class:`WeightUpdate`: ``names`` and ``arrays`` have one length and
 line up; names are Hugging Face parameter names (``model.state_dict()`` keys of
-the HF model); arrays are C-contiguous numpy arrays; ``version`` is the number
-of optimizer steps behind these weights (docs/design.md section 2).
+the HF model); arrays are C-contiguous numpy arrays of the update's wire dtype
+(``dtype``: ``"bfloat16"`` arrays are ``uint16`` bit patterns, see
+``pipeline_rl.weight_sync.dtypes``; a ``"float32"`` update may also hold float16
+arrays); ``version`` is the number of optimizer steps behind these weights
+(docs/design.md section 2).
 
 A worker never applies an update it has not validated: :func:`validate_update`
 checks the whole payload against the model's :class:`WeightSpec` (read from the
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from pipeline_rl.weight_sync.dtypes import WIRE_DTYPES, WireDtype, all_finite, to_torch
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +44,11 @@ class WeightUpdate:
     version: int
     names: tuple[str, ...]
     arrays: tuple[np.ndarray, ...]
+    dtype: WireDtype = "float32"
+
+    def dtype_name(self, arr: np.ndarray) -> str:
+        """The wire dtype of one of this update's arrays."""
+        return "bfloat16" if self.dtype == "bfloat16" else str(arr.dtype)
 
     @property
     def num_bytes(self) -> int:
@@ -134,6 +144,8 @@ def validate_update(update: WeightUpdate, spec: WeightSpec, *, current_version: 
     """
     if not isinstance(update, WeightUpdate):
         raise WeightUpdateError(f"expected a WeightUpdate, got {type(update).__name__}")
+    if update.dtype not in WIRE_DTYPES:
+        raise WeightUpdateError(f"wire dtype {update.dtype!r} not accepted ({', '.join(WIRE_DTYPES)})")
     if not isinstance(update.version, int) or update.version < 0:
         raise WeightUpdateError(f"version must be an int >= 0 (got {update.version!r})")
     if current_version is not None and update.version <= current_version:
@@ -143,7 +155,7 @@ def validate_update(update: WeightUpdate, spec: WeightSpec, *, current_version: 
         raise WeightUpdateError(f"{len(update.names)} names but {len(update.arrays)} arrays")
     seen: set[str] = set()
     for name, arr in zip(update.names, update.arrays):
-        _check_one(name, arr, spec, seen, check_values)
+        _check_one(name, arr, spec, seen, check_values, update.dtype)
         seen.add(name)
     missing = sorted(set(spec.shapes) - seen)
     if missing:
@@ -151,7 +163,8 @@ def validate_update(update: WeightUpdate, spec: WeightSpec, *, current_version: 
         raise WeightUpdateError(f"missing parameter {missing[0]!r}{more}: updates must be complete")
 
 
-def _check_one(name: str, arr: np.ndarray, spec: WeightSpec, seen: set[str], check_values: bool) -> None:
+def _check_one(name: str, arr: np.ndarray, spec: WeightSpec, seen: set[str], check_values: bool,
+               wire: WireDtype = "float32") -> None:
     if name in seen:
         raise WeightUpdateError(f"duplicate parameter {name!r}")
     expected = spec.shapes.get(name)
@@ -159,13 +172,16 @@ def _check_one(name: str, arr: np.ndarray, spec: WeightSpec, seen: set[str], che
         raise WeightUpdateError(f"unknown parameter {name!r} (not in the served model)")
     if not isinstance(arr, np.ndarray):
         raise WeightUpdateError(f"{name}: expected a numpy array, got {type(arr).__name__}")
-    if arr.dtype not in ACCEPTED_DTYPES:
+    if wire == "bfloat16":
+        if arr.dtype != np.uint16:
+            raise WeightUpdateError(f"{name}: a bfloat16 update carries uint16 bit patterns, got {arr.dtype}")
+    elif arr.dtype not in ACCEPTED_DTYPES:
         raise WeightUpdateError(f"{name}: dtype {arr.dtype} not accepted (float32 or float16)")
     if tuple(arr.shape) != expected:
         raise WeightUpdateError(f"{name}: shape {tuple(arr.shape)} != expected {expected}")
     if not arr.flags.c_contiguous:
         raise WeightUpdateError(f"{name}: array is not C-contiguous")
-    if check_values and not np.isfinite(arr).all():
+    if check_values and not all_finite(arr, "bfloat16" if wire == "bfloat16" else str(arr.dtype)):
         raise WeightUpdateError(f"{name}: non-finite values")
 
 
@@ -181,16 +197,15 @@ def check_update(update: WeightUpdate, spec: WeightSpec, *,
 def as_checked(update: WeightUpdate) -> CheckedUpdate:
     """Wrap an update that :func:`validate_update` already passed (ordered by name)."""
     order = sorted(range(len(update.names)), key=lambda i: update.names[i])
-    tensors = tuple((update.names[i], _as_tensor(update.arrays[i])) for i in order)
+    tensors = tuple((update.names[i], _as_tensor(update.arrays[i], update.dtype_name(update.arrays[i])))
+                    for i in order)
     return CheckedUpdate(update.version, tensors, update.num_bytes)
 
 
-def _as_tensor(arr: np.ndarray) -> "torch.Tensor":
-    import torch
-
+def _as_tensor(arr: np.ndarray, dtype_name: str) -> "torch.Tensor":
     if not arr.flags.writeable:  # arrays out of Ray's object store are read-only views
         arr = arr.copy()
-    return torch.from_numpy(arr)
+    return to_torch(arr, dtype_name)
 
 
 def resolve_offer(offer: object) -> WeightUpdate:

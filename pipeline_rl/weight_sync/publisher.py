@@ -27,37 +27,43 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import numpy as np
 
-from pipeline_rl.weight_sync.gloo import (
-    DEFAULT_TIMEOUT_S,
-    GlooTrainerWeightTransfer,
-    SendTiming,
-    SyncClient,
-)
+from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
+from pipeline_rl.weight_sync.dtypes import STORAGE, WireDtype, from_torch, torch_dtype
+from pipeline_rl.weight_sync.gloo import DEFAULT_TIMEOUT_S, GlooTrainerWeightTransfer
 from pipeline_rl.weight_sync.message import WeightUpdate
+from pipeline_rl.weight_sync.paths import REASONS, Placement, ResolvedPath, WeightPath, choose_path, local_placement
+from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
+from pipeline_rl.weight_sync.shm import SharedWriter, ShmSpaceError, ShmTrainerChannel, new_shared_buffer, shm_fits
 
 log = logging.getLogger(__name__)
 
 
-def gather_weights(module: Any, version: int, *, zero_stage: int) -> WeightUpdate:
-    """Full parameters of ``module`` (the HF model inside the DeepSpeed engine) as float32 numpy.
+def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDtype = "float32",
+                   allocate: Callable[[int], np.ndarray] | None = None) -> WeightUpdate:
+    """Full parameters of ``module`` (the HF model inside the DeepSpeed engine) in the wire
+    dtype ``dtype`` -- the served model's: a bfloat16 engine gets bfloat16, cast here once,
+    parameter by parameter as they are copied out (``float32`` keeps float32).
 
-    Names are ``named_parameters()`` names of the HF model (tied weights appear once), which
-    are the names ``save_pretrained`` writes and vLLM's ``load_weights`` expects. Under ZeRO-3
-    this is a collective (``deepspeed.zero.GatheredParameters``); every rank must call it.
-    The arrays are copies: later optimizer steps do not change them.
+    The arrays lie back to back in one buffer (``layout.contiguous_bytes`` finds it), so
+    the shared-memory path writes them with one pass and the gloo path sends buckets as
+    views. Names are ``named_parameters()`` names of the HF model (tied weights appear
+    once), which are the names ``save_pretrained`` writes and vLLM's ``load_weights``
+    expects. Under ZeRO-3 this is a collective (``deepspeed.zero.GatheredParameters``);
+    every rank must call it. The arrays are copies: later optimizer steps do not change them.
+    ``allocate(nbytes)``: where the buffer comes from (a uint8 array; the publisher's
+    :meth:`WeightPublisher.allocator` gives shared memory when a worker takes the shm path,
+    so the gather itself is the one write of the bytes); default: ordinary memory.
     """
     import torch
 
     params = list(module.named_parameters())
-    names: list[str] = []
-    arrays: list[np.ndarray] = []
     if zero_stage == 3:
         import deepspeed
 
@@ -67,15 +73,24 @@ def gather_weights(module: Any, version: int, *, zero_stage: int) -> WeightUpdat
 
         ctx = contextlib.nullcontext()
     with ctx, torch.no_grad():
-        for name, p in params:
-            t = p.detach()
-            if t.dtype != torch.float32:
-                t = t.float()
-            arr = t.to("cpu").numpy()
-            # A float32 CPU tensor shares memory with .numpy(): copy so the update is a snapshot.
-            arrays.append(np.array(arr, dtype=np.float32, order="C", copy=True))
-            names.append(name)
-    return WeightUpdate(version=version, names=tuple(names), arrays=tuple(arrays))
+        shapes = [tuple(p.shape) for _, p in params]   # full shapes: read while gathered (ZeRO-3)
+        sizes = [p.numel() for _, p in params]
+        wire = torch_dtype(dtype)
+        raw = allocate(sum(sizes) * wire.itemsize) if allocate is not None else None
+        flat = torch.empty(sum(sizes), dtype=wire) if raw is None else torch.from_numpy(raw).view(wire)
+        offset = 0
+        for (_, p), n in zip(params, sizes):
+            flat[offset:offset + n].view(p.shape).copy_(p.detach())   # the cast and the copy in one
+            offset += n
+    # Views of the allocated array itself (so the shm path finds the file it lies in).
+    data = from_torch(flat) if raw is None else raw.view(STORAGE[dtype])
+    arrays: list[np.ndarray] = []
+    offset = 0
+    for shape, n in zip(shapes, sizes):
+        arrays.append(data[offset:offset + n].reshape(shape))
+        offset += n
+    return WeightUpdate(version=version, names=tuple(name for name, _ in params), arrays=tuple(arrays),
+                        dtype=dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,50 +125,10 @@ def _is_ray_actor(worker: object) -> bool:
     return isinstance(worker, ActorHandle)
 
 
-class ActorClient:
-    """A rollout worker's Ray actor as vLLM's weight-sync client (``SyncClient``): each
-    call waits for the actor, at most ``timeout_s`` (a dead worker never hangs a send)."""
-
-    def __init__(self, actor: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._actor, self._timeout_s = actor, timeout_s
-
-    def _call(self, method: str, *args: Any) -> Any:
-        import ray
-
-        return ray.get(getattr(self._actor, method).remote(*args), timeout=self._timeout_s)
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish_weight_update", weight_version)
-
-    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        return float(self._call("receive_update", update_info, weight_version))
-
-
 def _key(worker: object) -> str:
     """A worker's identity across calls (a restarted Ray actor keeps its id)."""
     actor_id = getattr(worker, "_actor_id", None)
     return actor_id.hex() if actor_id is not None else f"local-{id(worker)}"
-
-
-def _trainer_address() -> str:
-    """The address workers reach this process at: the Ray node's IP, else loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return str(ray.util.get_node_ip_address())
-    except ImportError:  # pragma: no cover - ray is a dependency
-        pass
-    return "127.0.0.1"
 
 
 Transport = Literal["vllm", "object_store"]
@@ -172,9 +147,15 @@ class WeightPublisher:
     """
 
     def __init__(self, workers: Iterable[object] = (), *, background: bool = True,
-                 max_pending_acks: int = 64, transport: Transport = "vllm") -> None:
+                 max_pending_acks: int = 64, transport: Transport = "vllm",
+                 path: WeightPath = "auto") -> None:
         self.transport: Transport = transport
-        self._channels: dict[str, GlooTrainerWeightTransfer] = {}
+        self.path: WeightPath = path
+        self.paths: dict[str, ResolvedPath] = {}   # the path each worker got (by worker key)
+        self._channels: dict[str, GlooTrainerWeightTransfer | ShmTrainerChannel] = {}
+        self._shared = SharedWriter()              # the shm path's one segment
+        self._placement: Placement | None = None
+        self._last_bytes = 0                       # the size of the last update sent
         self._senders: ThreadPoolExecutor | None = None
         self._published_at: list[tuple[int, float]] = []
         self.send_timings: list[SendTiming] = []   # vllm transport: per worker and version
@@ -241,8 +222,10 @@ class WeightPublisher:
                 self._wake.wait(left)
         return True
 
-    def set_workers(self, workers: Sequence[object]) -> None:
-        """Replace the worker list; workers not seen before get the newest weights at once."""
+    def set_workers(self, workers: Sequence[object]) -> list[str]:
+        """Replace the worker list; workers not seen before get the newest weights at once.
+        Returns the path each worker gets, in order (``object_store`` for that transport;
+        the run's start-up line shows them)."""
         with self._lock:
             new = [w for w in workers if all(w is not old for old in self._workers)]
             self._workers = list(workers)
@@ -251,8 +234,10 @@ class WeightPublisher:
             gone = [self._channels.pop(k) for k in list(self._channels) if k not in keep]
         for channel in gone:
             channel.close()
+        paths = [self._path_of(_key(w), w) if self.transport == "vllm" else "object_store" for w in workers]
         if latest is not None:
             self._offer(new, latest, ref)
+        return paths
 
     def offer_latest(self, workers: Sequence[object]) -> None:
         """Offer the newest published weights to ``workers`` now (e.g. a restarted worker
@@ -261,6 +246,14 @@ class WeightPublisher:
             latest, ref = self._latest, self._latest_ref
         if latest is not None:
             self._offer(list(workers), latest, ref, reconnect=True)
+
+    def allocator(self) -> Callable[[int], np.ndarray] | None:
+        """Where ``gather_weights`` should put the next version: shared memory once some
+        worker takes the shm path (the segment then goes to the workers as it is), else
+        None (ordinary memory)."""
+        if "shm" not in self.paths.values() or not shm_fits(self._last_bytes):
+            return None
+        return new_shared_buffer
 
     def stats(self) -> PublishStats:
         with self._lock:
@@ -283,6 +276,7 @@ class WeightPublisher:
         for channel in list(self._channels.values()):
             channel.close()
         self._channels.clear()
+        self._shared.close()
         if self._senders is not None:
             self._senders.shutdown(wait=False, cancel_futures=True)
 
@@ -322,6 +316,7 @@ class WeightPublisher:
         with self._lock:
             self._published += 1
             self._bytes += update.num_bytes
+            self._last_bytes = update.num_bytes
             self._last_version = update.version
             self._latest, self._latest_ref = update, ref
 
@@ -374,11 +369,16 @@ class WeightPublisher:
                 channel.close()
                 channel = None
             if channel is None:
-                client: SyncClient = ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[assignment]
-                channel = GlooTrainerWeightTransfer.trainer_init(client, address=_trainer_address())
+                channel = self._open(key, worker)
             timing = channel.send(update)
             self._channels[key] = channel
             return timing
+        except ShmSpaceError as e:
+            if self.path != "auto":
+                raise
+            log.warning("weights: %s; worker %s takes the gloo path instead", e, key[-8:])
+            self.paths[key] = "gloo"     # the memory filesystem is too small: over TCP
+            return self._send_one(worker, update, reconnect)
         except Exception as e:
             from pipeline_rl.calls import first_line
 
@@ -388,6 +388,34 @@ class WeightPublisher:
             with self._lock:
                 self._failures += 1
             return None
+
+    def _path_of(self, key: str, worker: object) -> ResolvedPath:
+        """The path ``worker`` gets (asked once per worker key; logged when first chosen)."""
+        path = self.paths.get(key)
+        if path is None:
+            if self._placement is None:
+                self._placement = local_placement()
+            where = placement_of(self._client(worker))
+            path = choose_path(self._placement, where, self.path)
+            if where.node_id == UNKNOWN_NODE:
+                return path   # asked again at its next channel
+            log.info("weights: worker %s gets the %s path (%s%s)", key[-8:], path, REASONS[path],
+                     ", forced" if self.path != "auto" else "")
+            self.paths[key] = path
+        return path
+
+    @staticmethod
+    def _client(worker: object) -> SyncClient:
+        return ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[return-value]
+
+    def _open(self, key: str, worker: object) -> GlooTrainerWeightTransfer | ShmTrainerChannel:
+        """A new channel to ``worker`` on its path."""
+        path, client = self._path_of(key, worker), self._client(worker)
+        if path == "shm":
+            return ShmTrainerChannel(client, self._shared)
+        if path != "gloo":
+            raise RuntimeError(f"weight path {path} is not wired in this build")
+        return GlooTrainerWeightTransfer.trainer_init(client, address=trainer_address())
 
     def _check_acks(self, *, block: bool) -> None:
         """Count failed remote offers (dead actors) without waiting on live ones; bounds memory."""

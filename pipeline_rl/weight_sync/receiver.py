@@ -10,41 +10,49 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+import numpy as np
+
 from pipeline_rl.rollout.vllm_compat import complete_backend, load_served_weights
 from pipeline_rl.weight_sync.gloo import (
     BACKEND,
     DEFAULT_BUCKET_BYTES,
     Channel,
     GlooInitInfo,
-    GlooUpdateInfo,
     receive_update,
 )
+from pipeline_rl.weight_sync.core_staging import CoreStager
+from pipeline_rl.weight_sync.layout import UpdateLayout
 from pipeline_rl.weight_sync.message import (
     CheckedUpdate,
     WeightUpdate,
     WeightUpdateError,
-    check_update,
+    as_checked,
     read_weight_spec,
     validate_update,
 )
+from pipeline_rl.weight_sync.shm import SegmentReader, ShmUpdateInfo, is_shm_info
 
 
 @complete_backend   # vLLM 0.26's base also declares its trainer half abstract
 class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
-    """vLLM worker backend for ``pipeline_rl_gloo``.
+    """vLLM worker backend for ``pipeline_rl_gloo``: the CPU paths' receiving half.
 
-    Lifecycle (vLLM's): ``init_transfer_engine`` joins the trainer's channel;
-    ``start_weight_update`` forgets any unapplied update; ``update_weights``
-    receives one update and validates it against the served model (a bad one is
-    drained from the channel, then refused with ``WeightUpdateError``; nothing is
-    loaded); ``finish_weight_update`` loads it into ``self.model`` -- vLLM calls it
-    only while generation is paused. :meth:`take_received` hands the validated
-    update to a caller that loads it elsewhere (the in-process engine's shadow).
+    Lifecycle (vLLM's): ``init_transfer_engine`` joins the trainer's gloo channel (the
+    shared-memory path needs none); ``start_weight_update`` forgets any unapplied
+    update; ``update_weights`` takes one update -- an :class:`UpdateLayout` is received
+    from the channel into a receive buffer reused across updates, a
+    :class:`~pipeline_rl.weight_sync.shm.ShmUpdateInfo` is mapped from its segment --
+    and validates it against the served model (a bad one is drained from the channel,
+    then refused with ``WeightUpdateError``; nothing is loaded); ``finish_weight_update``
+    loads it into ``self.model`` -- vLLM calls it only while generation is paused.
+    :meth:`take_received` hands the validated update to a caller that loads it
+    elsewhere (the in-process engine's shadow; the update's arrays are views of the
+    receive buffer or the segment, valid until the next ``update_weights``).
     Invariant: the model is touched only by ``finish_weight_update``, and only with
     a complete, validated update."""
 
     init_info_cls = GlooInitInfo
-    update_info_cls = GlooUpdateInfo
+    update_info_cls = UpdateLayout
     supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
@@ -53,6 +61,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         self._bucket_bytes = DEFAULT_BUCKET_BYTES
         self._spec = read_weight_spec(vllm_config.model_config.model)
         self._received: WeightUpdate | None = None
+        self._buffer: np.ndarray | None = None     # the gloo receive buffer, reused
+        self._segments = SegmentReader()
+        self._stager: CoreStager | None = None   # loads beside generation (AsyncLLM on CPU)
+        self._staged = False
         self._lock = threading.Lock()  # one receive at a time on the channel
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> GlooInitInfo:
@@ -61,9 +73,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         except TypeError as e:
             raise ValueError(f"invalid init_info for {BACKEND}: {e}") from e
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> GlooUpdateInfo:
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateLayout | ShmUpdateInfo:
         try:
-            return GlooUpdateInfo(**update_dict)
+            return ShmUpdateInfo(**update_dict) if is_shm_info(update_dict) else UpdateLayout(**update_dict)
         except TypeError as e:
             raise WeightUpdateError(f"invalid update_info for {BACKEND}: {e}") from e
 
@@ -79,11 +91,23 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         # vLLM's base would also synchronise an accelerator; a CPU receive is done when it returns.
         self.receive_weights(self.parse_update_info(update_info))
 
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+    def receive_weights(self, update_info: UpdateLayout | ShmUpdateInfo) -> None:
+        if isinstance(update_info, ShmUpdateInfo):
+            update = self._segments.update(update_info)
+            validate_update(update, self._spec, check_values=not update_info.checked)
+            self._received = update
+            if update_info.status is not None:   # load beside generation; finish swaps
+                if self._stager is None:
+                    self._stager = CoreStager(self.model, self.vllm_config)
+                self._staged = self._stager.start(update, update_info.status)
+            return
         if self._channel is None:
             raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
+        size = update_info.total_bytes()
         with self._lock:
-            got = receive_update(self._channel, update_info, self._bucket_bytes)
+            if self._buffer is None or self._buffer.size < size:
+                self._buffer = np.empty(size, dtype=np.uint8)
+            got = receive_update(self._channel, update_info, self._bucket_bytes, into=self._buffer)
         # After draining, so the channel stays aligned; values were checked as they arrived.
         if got.non_finite is not None:
             raise WeightUpdateError(f"{got.non_finite}: non-finite values")
@@ -98,7 +122,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         return update
 
     def finish_weight_update(self) -> None:
-        load_into(self.model, check_update(self.take_received(), self._spec), self.vllm_config)
+        if self._staged and self._stager is not None:   # loaded beside generation: swap it in
+            self._staged = False
+            self._received = None
+            self._stager.finish()    # a failed load changes nothing (the worker saw it failed)
+            return
+        load_into(self.model, as_checked(self.take_received()), self.vllm_config)
 
     def shutdown(self) -> None:
         if self._channel is not None:

@@ -1,0 +1,96 @@
+"""Which way an update takes from the trainer to one rollout worker.
+
+- ``shm``: trainer and worker on one machine: the trainer lays each version out once
+  in a shared-memory segment and every such worker loads from it
+  (``pipeline_rl.weight_sync.shm``); no byte crosses a socket.
+- ``gloo``: across machines: a two-member gloo group per worker, the bytes broadcast in
+  buckets (``pipeline_rl.weight_sync.gloo``); the fallback that works everywhere.
+- ``ipc`` / ``nccl``: vLLM's own CUDA backends (CUDA IPC handles of the trainer's
+  tensors on a shared GPU; NCCL between GPUs). Not wired yet (docs/design.md, section 6):
+  ``auto`` picks them only from ``gpu_paths``, empty in this build, and the config
+  refuses them when forced.
+
+``auto`` chooses from the two sides' :class:`Placement` (Ray node id, device, GPU):
+one GPU shared -> ``ipc``; two GPUs -> ``nccl``; otherwise one node -> ``shm``, else
+``gloo``. ``--rollout.weight_path`` forces one; a forced path the placement cannot
+take is refused with one line.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+WeightPath = Literal["auto", "shm", "gloo", "ipc", "nccl"]
+ResolvedPath = Literal["shm", "gloo", "ipc", "nccl"]
+
+#: Why a path was chosen, for the start-up log.
+REASONS = {
+    "shm": "same node",
+    "gloo": "other node",
+    "ipc": "same GPU",
+    "nccl": "different GPUs",
+}
+
+
+class PathError(ValueError):
+    """A forced path the two sides' placement cannot take (one line)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one side of a transfer runs: Ray's node id (the host name outside Ray), its
+    device (``cpu``/``cuda``) and, on CUDA, the UUID of its GPU."""
+
+    node_id: str
+    device: str = "cpu"
+    gpu_uuid: str | None = None
+
+
+def local_placement(device: str | None = None) -> Placement:
+    """This process's placement, from public APIs only: ``ray.get_runtime_context()``'s
+    node id (the host name when Ray is not running) and torch's current CUDA device
+    (``device="cpu"`` skips asking)."""
+    node = socket.gethostname()
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = str(ray.get_runtime_context().get_node_id())
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    if device == "cpu":
+        return Placement(node)
+    import torch
+
+    if not torch.cuda.is_available() or device not in (None, "cuda"):
+        return Placement(node)
+    index = torch.cuda.current_device()
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", index))
+    return Placement(node, "cuda", uuid)
+
+
+def choose_path(trainer: Placement, worker: Placement, forced: WeightPath = "auto",
+                gpu_paths: frozenset[str] = frozenset()) -> ResolvedPath:
+    """The path for one worker (module docstring). ``gpu_paths``: the CUDA paths this
+    build drives (``ipc``, ``nccl``); ``auto`` never picks one outside it."""
+    same_node = trainer.node_id == worker.node_id
+    both_cuda = trainer.device == "cuda" and worker.device == "cuda"
+    same_gpu = both_cuda and same_node and trainer.gpu_uuid == worker.gpu_uuid
+    if forced == "auto":
+        if same_gpu and "ipc" in gpu_paths:
+            return "ipc"
+        if both_cuda and not same_gpu and "nccl" in gpu_paths:
+            return "nccl"
+        return "shm" if same_node else "gloo"
+    if forced == "shm" and not same_node:
+        raise PathError("--rollout.weight_path shm: the trainer and a rollout worker are on different "
+                        "nodes (use gloo or auto)")
+    if forced == "ipc" and not same_gpu:
+        raise PathError("--rollout.weight_path ipc: needs the trainer and the worker on one GPU (use auto)")
+    if forced == "nccl" and not both_cuda:
+        raise PathError("--rollout.weight_path nccl: needs the trainer and the worker on GPUs (use auto)")
+    if forced in ("ipc", "nccl") and forced not in gpu_paths:
+        raise PathError(f"--rollout.weight_path {forced}: not available with the installed vLLM")
+    return forced

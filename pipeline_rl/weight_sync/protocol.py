@@ -1,0 +1,64 @@
+"""The weight-update protocol, declared once: vLLM's four calls as a rollout worker
+(its Ray actor, its engine) serves them, and the trainer's one-call form of an update.
+
+Every implementation takes ``finish_weight_update(weight_version)`` with the version as
+the string vLLM's API carries (``None`` only where vLLM's own call has none).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class WeightSyncCalls(Protocol):
+    """The four control calls of vLLM's weight-transfer API (``init_weight_transfer_engine``
+    once per channel, then ``start_weight_update`` -> ``update_weights`` ->
+    ``finish_weight_update`` per update)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+class SyncClient(WeightSyncCalls, Protocol):
+    """One rollout worker as the trainer drives it: vLLM's four calls, and
+    ``receive_update`` -- start, update and finish of one update in a single call (one
+    round trip to a remote worker instead of three), returning the seconds its finish
+    took."""
+
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float: ...
+
+
+def receive_in_one_call(worker: WeightSyncCalls, update_info: dict[str, Any],
+                        weight_version: str) -> float:
+    """``receive_update`` for a worker in this process: its three calls in order; the
+    seconds the finish took."""
+    worker.start_weight_update()
+    worker.update_weights(update_info)
+    t = time.perf_counter()
+    worker.finish_weight_update(weight_version)
+    return time.perf_counter() - t
+
+
+@dataclass(frozen=True, slots=True)
+class SendTiming:
+    """Where one send's time went (seconds), as the trainer saw it: the transfer (bytes
+    moved: gloo broadcast || receive, or the shared-memory write and the worker's
+    check of it) and the worker's finish (staging or loading), which follows it in the
+    same call. ``path``: the path the update took (``shm``, ``gloo``, ...)."""
+
+    version: int
+    transfer_s: float
+    finish_s: float
+    num_bytes: int
+    path: str = "gloo"
+
+    @property
+    def total_s(self) -> float:
+        return self.transfer_s + self.finish_s

@@ -1,0 +1,90 @@
+"""The in-process engine's staging order over a real gloo channel: generation goes on
+while an update's bytes arrive (the stall is the swap), and a transfer that fails
+half-way leaves the old weights serving."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from staging_helpers import gloo_trainer, send_buckets  # noqa: E402
+from test_engine_inprocess import PROMPTS, TEMPERATURE, model_dirs  # noqa: E402, F401
+
+from pipeline_rl.calls import in_daemon_thread  # noqa: E402
+from pipeline_rl.rollout.engine import EngineConfig, FinishedSequence, GenRequest, SamplingConfig  # noqa: E402
+from pipeline_rl.weight_sync.layout import UpdateLayout  # noqa: E402
+from pipeline_rl.weight_sync.message import WeightUpdateError, load_update  # noqa: E402
+
+BUCKET = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs: tuple[Path, Path]) -> Iterator[object]:  # noqa: F811
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+
+    eng = InprocessEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=16, max_model_len=128))
+    yield eng
+    eng.close()
+
+
+def _add_short(engine: object, tag: str, count: int) -> None:
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+
+    assert isinstance(engine, InprocessEngine)
+    for i in range(count):
+        engine.add(GenRequest(f"{tag}-{i}", tuple(engine.encode(PROMPTS[i % 4])),
+                              SamplingConfig(max_new_tokens=4, temperature=TEMPERATURE, ignore_eos=True)))
+
+
+def test_generation_goes_on_while_the_bytes_arrive(engine: object, model_dirs: tuple) -> None:  # noqa: F811
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+
+    assert isinstance(engine, InprocessEngine)
+    v = engine.version
+    update = load_update(model_dirs[1], v + 1)
+    channel = gloo_trainer(engine, BUCKET)
+    try:
+        _add_short(engine, "during", 6)
+        engine.start_weight_update()
+        receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
+        sending = in_daemon_thread(lambda: send_buckets(channel, update, BUCKET, pause_s=2.0))
+        finished: list[FinishedSequence] = []
+        while not receiving.done():
+            finished.extend(engine.step())
+        sending.result()
+        receiving.result()
+    finally:
+        channel.close()
+    assert len(finished) == 6 and all((f.versions == v).all() for f in finished), \
+        "requests did not finish while the bytes were arriving"
+    assert engine.finish_weight_update(v + 1)     # loaded into the shadow, beside generation
+    applied = engine.apply_staged()
+    assert applied is not None and applied.version == v + 1 and engine.version == v + 1
+    assert applied.stall_s < applied.load_s         # the stall is the swap, not the load
+
+
+def test_a_transfer_failing_half_way_leaves_the_old_weights_serving(engine: object,
+                                                                      model_dirs: tuple) -> None:  # noqa: F811
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+
+    assert isinstance(engine, InprocessEngine)
+    v = engine.version
+    update = load_update(model_dirs[0], v + 1)
+    channel = gloo_trainer(engine, BUCKET)
+    engine.start_weight_update()
+    receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
+    send_buckets(channel, update, BUCKET, stop_after=2)
+    with pytest.raises(WeightUpdateError, match="^weights not received: ") as info:
+        receiving.result(timeout=60)
+    assert "\n" not in str(info.value)
+    assert engine.apply_staged() is None and engine.version == v
+    _add_short(engine, "after", 4)
+    done: list[FinishedSequence] = []
+    while engine.num_unfinished():
+        done.extend(engine.step())
+    assert len(done) == 4 and all((f.versions == v).all() for f in done)
