@@ -89,7 +89,7 @@ def updates_in_flight(report: Report, root: Path) -> None:
     from pipeline_rl.rollout.engine import EngineConfig, GenRequest, SamplingConfig
     from pipeline_rl.rollout.engine_async import AsyncEngine
     from pipeline_rl.weight_sync.message import load_update
-    from pipeline_rl.models.builtin import build_tiny_model
+    from pipeline_rl.models.tiny_llama import build_tiny_model
 
     shape = dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256)
     a = build_tiny_model(root / "a", seed=0, **shape)

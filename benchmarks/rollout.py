@@ -137,7 +137,7 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
     from pipeline_rl.rollout.engine import EngineConfig
     from pipeline_rl.rollout.engine_inprocess import InprocessEngine
     from pipeline_rl.weight_sync.message import load_update
-    from pipeline_rl.models.builtin import build_tiny_model
+    from pipeline_rl.models.tiny_llama import build_tiny_model
     from pipeline_rl.rollout.vllm_compat import hidden_from_vllm_kernel_scan
     from pipeline_rl.tasks import AdditionTask
 

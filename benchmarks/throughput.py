@@ -62,7 +62,7 @@ def workloads(quick: bool, model_dir: str | None) -> list[Workload]:
 
 
 def _untrained_model() -> str:
-    from pipeline_rl.models.builtin import build_tiny_model
+    from pipeline_rl.models.tiny_llama import build_tiny_model
 
     out = Path(".cache") / "bench" / "untrained_builtin"
     build_tiny_model(out)

@@ -121,7 +121,7 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
 
     from pipeline_rl.weight_sync.publisher import WeightPublisher
     from pipeline_rl.reports import RankStepReport
-    from pipeline_rl.models.builtin import build_tiny_model
+    from pipeline_rl.models.tiny_llama import build_tiny_model
 
     cfg = Config.model_validate({"staleness": staleness, "trainer": {"zero_stage": zero_stage},
                                  "rollout": {"max_new_tokens": max_new_tokens}})

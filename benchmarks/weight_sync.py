@@ -321,7 +321,7 @@ def model_dir_for(spec: ModelSpec, tmp: Path) -> str:
         from benchmarks.archs import QWEN2_0_5B, build_arch_model
 
         return str(build_arch_model("qwen2", tmp / spec.name, seed=0, shape=QWEN2_0_5B, dtype="float32"))
-    from pipeline_rl.models.builtin import build_tiny_model
+    from pipeline_rl.models.tiny_llama import build_tiny_model
 
     return str(build_tiny_model(tmp / spec.name, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
                                 num_heads=spec.num_heads, intermediate_size=spec.intermediate_size, seed=0))

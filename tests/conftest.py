@@ -22,7 +22,7 @@ for _key, _value in {
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random-init Llama (hidden 64, 2 heads -> head dim 32, 2 layers) with the
     character tokenizer, built once per test session."""
-    from pipeline_rl.models.builtin import build_tiny_model
+    from pipeline_rl.models.tiny_llama import build_tiny_model
 
     out = tmp_path_factory.mktemp("tiny_model")
     build_tiny_model(out, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)

@@ -25,7 +25,7 @@ from pipeline_rl.rollout.engine import (  # noqa: E402
     SamplingConfig,
 )
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, load_update  # noqa: E402
-from pipeline_rl.models.builtin import build_tiny_model  # noqa: E402
+from pipeline_rl.models.tiny_llama import build_tiny_model  # noqa: E402
 
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)  # head dim 32
 PROMPTS = ("12+34=", "sort 5193=", "hello", "7+8=")

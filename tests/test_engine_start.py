@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pipeline_rl.models.builtin import build_tiny_model  # noqa: E402
+from pipeline_rl.models.tiny_llama import build_tiny_model  # noqa: E402
 
 EXIT_WITHIN_S = 10.0
 

@@ -8,7 +8,7 @@ section (a test reads that section and compares), so the doc and the code cannot
 - which modules import vLLM at all (:data:`VLLM_ALLOWED`), and which may reach past its
   public surface (:data:`VLLM_PUBLIC`) into its internals (:data:`VLLM_INTERNALS_ALLOWED`):
   another vLLM module, or a private ``_name`` from any;
-- no two modules share a file name (:data:`KNOWN_DUPLICATES`: today's exceptions, to go);
+- no two modules share a file name;
 - every file the doc's tree names exists.
 
 No import cycle is the other claim; ``tests/test_imports.py`` checks it (not repeated here).
@@ -43,6 +43,8 @@ RAY_ALLOWED = frozenset({
     "pipeline_rl.run",
     "pipeline_rl.weight_sync.publisher",   # its Ray-actor client (calls a worker's actor) and object-store offers
     "pipeline_rl.weight_sync.message",     # resolve_offer: a WeightUpdate offered as a Ray ObjectRef
+    "pipeline_rl.weight_sync.clients",     # a worker's Ray actor as vLLM's weight-sync client; the node IP
+    "pipeline_rl.weight_sync.paths",       # this process's Ray node id (which path a worker gets)
 })
 #: Modules (or packages) that may import vLLM.
 VLLM_ALLOWED = frozenset({"pipeline_rl.rollout", "pipeline_rl.weight_sync"})
@@ -53,15 +55,11 @@ VLLM_PUBLIC = frozenset({
     "vllm.distributed.weight_transfer.base",   # the weight-transfer engine API vLLM documents
 })
 #: The modules that may reach past :data:`VLLM_PUBLIC` (each with a fallback and a comment saying why).
-VLLM_INTERNALS_ALLOWED = frozenset({"pipeline_rl.rollout.vllm_compat"})
+VLLM_INTERNALS_ALLOWED = frozenset({
+    "pipeline_rl.rollout.vllm_compat",   # engines and weight transfer across vLLM 0.26-0.33
+    "pipeline_rl.rollout.vllm_tools",    # the tool-call parsers `vllm serve --tool-call-parser` uses
+})
 
-#: Module file names used twice today, to be renamed after the issue-46 merge (the other
-#: branches read or edit these files; renaming them now would collide):
-#:   pipeline_rl/models/episodes.py -> e.g. models/hf_episodes.py   (vs rollout/episodes.py)
-#:   pipeline_rl/models/builtin.py  -> e.g. models/tiny_model.py    (vs tasks/builtin.py)
-#: Remove a name here when its module is renamed; test_no_known_duplicates_left then passes
-#: and its xfail marker goes too.
-KNOWN_DUPLICATES = frozenset({"episodes", "builtin"})
 #: Modules another issue-46 branch deletes; not checked while they still exist here.
 #: Remove an entry once the module is gone (test_modules_being_deleted_are_gone then passes).
 BEING_DELETED = frozenset({"pipeline_rl.run.preload"})
@@ -232,14 +230,7 @@ def test_only_the_listed_modules_import_vllm_or_its_internals() -> None:
     assert vllm_violations(PACKAGE) == []
 
 
-def test_no_new_module_name_is_used_twice() -> None:
-    shared = duplicate_names(PACKAGE)
-    assert set(shared) <= KNOWN_DUPLICATES, {k: v for k, v in shared.items() if k not in KNOWN_DUPLICATES}
-
-
-@pytest.mark.xfail(strict=True, reason="models/episodes.py and models/builtin.py are renamed after the "
-                   "issue-46 merge; then empty KNOWN_DUPLICATES and drop this marker")
-def test_no_known_duplicates_left() -> None:
+def test_no_two_modules_share_a_name() -> None:
     assert duplicate_names(PACKAGE) == {}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline_rl.config import ModelConfig, TaskConfig
 from pipeline_rl.models import WarmStartRecipe, default_model_dir, recipe_for
-from pipeline_rl.models.builtin import build_tiny_model
+from pipeline_rl.models.tiny_llama import build_tiny_model
 from pipeline_rl.models.default import INFO_FILE
 from pipeline_rl.models.warmstart import EOS_ID, decode, encode
 from pipeline_rl.tasks import build_task

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_rl.config import ModelConfig, TaskConfig
-from pipeline_rl.models.builtin import EOS, build_tiny_model
+from pipeline_rl.models.tiny_llama import EOS, build_tiny_model
 from pipeline_rl.models.warmstart import EOS_ID, WarmStartRecipe, _soft_targets, demonstration, encode
 from pipeline_rl.tasks import CalcTask, SortTask, Task, TaskError, build_task
 from pipeline_rl.tasks.base import Prompt, is_held_out
@@ -157,7 +157,7 @@ def test_episodes_run_turns_until_the_environment_ends_them(tmp_path: Path) -> N
     import torch
     from transformers import LlamaForCausalLM
 
-    from pipeline_rl.models.episodes import run_episodes
+    from pipeline_rl.models.hf_episodes import run_episodes
 
     model = LlamaForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))   # random: any text
     task = calc(digits=2)

@@ -26,7 +26,7 @@ from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, loa
 from pipeline_rl.buffer.replay import ReplayBuffer  # noqa: E402
 from pipeline_rl.buffer.server import BufferServer  # noqa: E402
 from pipeline_rl.config import Config  # noqa: E402
-from pipeline_rl.models.builtin import build_tiny_model  # noqa: E402
+from pipeline_rl.models.tiny_llama import build_tiny_model  # noqa: E402
 from pipeline_rl.samples import Group  # noqa: E402
 from pipeline_rl.tasks import AdditionTask, Prompt  # noqa: E402
 

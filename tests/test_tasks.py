@@ -399,7 +399,7 @@ def test_chat_template_none_or_absent_leaves_prompts_raw(tmp_path: Path, chat_to
 
 
 def test_builtin_tokenizer_has_no_chat_template(tmp_path: Path) -> None:
-    from pipeline_rl.models.builtin import write_tokenizer
+    from pipeline_rl.models.tiny_llama import write_tokenizer
 
     write_tokenizer(tmp_path)
     task = build_task_for_model(TaskConfig(name="addition", digits=2), str(tmp_path), max_prompt_tokens=8)

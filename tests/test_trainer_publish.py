@@ -154,7 +154,7 @@ def _e2e_child(tmp: str, out: str) -> None:
     from pipeline_rl.training.trainer import Trainer
     from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.buffer.server import BufferServer
-    from pipeline_rl.models.builtin import build_tiny_model
+    from pipeline_rl.models.tiny_llama import build_tiny_model
     from pipeline_rl.tasks import AdditionTask
 
     torch.set_num_threads(1)

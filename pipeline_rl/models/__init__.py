@@ -3,7 +3,7 @@
 Importing this package imports no torch; :func:`default_model_dir` does, when called.
 """
 
-from pipeline_rl.models.builtin import build_tiny_model
+from pipeline_rl.models.tiny_llama import build_tiny_model
 from pipeline_rl.models.default import cache_root, default_model_dir
 from pipeline_rl.models.warmstart import Probe, WarmStartRecipe, recipe_for
 

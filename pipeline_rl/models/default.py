@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline_rl.console import Progress, quiet_console
-from pipeline_rl.models.builtin import VOCAB_SIZE, build_tiny_model
+from pipeline_rl.models.tiny_llama import VOCAB_SIZE, build_tiny_model
 from pipeline_rl.models.warmstart import WarmStartRecipe, probe, recipe_for, sampled_reward, warm_start
 
 log = logging.getLogger("pipeline_rl.models")
@@ -169,7 +169,7 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
     import torch
     from transformers import LlamaForCausalLM
 
-    from pipeline_rl.models.episodes import probe_episodes
+    from pipeline_rl.models.hf_episodes import probe_episodes
     from pipeline_rl.tasks import TaskError, build_task
     from pipeline_rl.tasks.env import task_env_factory
     from pipeline_rl.tasks.builtin import countdown_answer_tokens

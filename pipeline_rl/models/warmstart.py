@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from pipeline_rl.models.builtin import EOS, PAD, char_vocab
+from pipeline_rl.models.tiny_llama import EOS, PAD, char_vocab
 from pipeline_rl.tasks.base import Part, Prompt, Task, task_method
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from pipeline_rl.models.builtin import EOS
+from pipeline_rl.models.tiny_llama import EOS
 from pipeline_rl.models.warmstart import EOS_ID, Probe, decode, encode, generate, last_prompts
 from pipeline_rl.tasks.base import Prompt, Task
 from pipeline_rl.tasks.env import EnvFactory, EnvReply, task_env_factory
