@@ -253,7 +253,7 @@ class SyncWorker:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is None:
             raise ValueError("finish_weight_update needs the version of the weights")
-        self._take("finish_weight_update", self._engine.finish_weight_update, int(weight_version))
+        self._take("finish_weight_update", self._engine.load_received, int(weight_version))
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
         """The trainer's one call per update: the three above in order (each timed)."""

@@ -147,7 +147,7 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: AsyncEngine, model_di
     receiving.result()
     assert len(finished) == 6 and all((f.versions == v).all() for f in finished), \
         "requests did not finish while the bytes were arriving"
-    assert engine.finish_weight_update(v + 1)
+    assert engine.load_received(v + 1)
     applied = engine.apply_staged()
     assert applied is not None and applied.version == v + 1
     assert applied.stall_s < applied.load_s       # on CPU the core loads beside generation: the stall is the swap

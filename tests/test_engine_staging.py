@@ -62,7 +62,7 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: object, model_dirs: t
         channel.close()
     assert len(finished) == 6 and all((f.versions == v).all() for f in finished), \
         "requests did not finish while the bytes were arriving"
-    assert engine.finish_weight_update(v + 1)     # loaded into the shadow, beside generation
+    assert engine.load_received(v + 1)     # loaded into the shadow, beside generation
     applied = engine.apply_staged()
     assert applied is not None and applied.version == v + 1 and engine.version == v + 1
     assert applied.stall_s < applied.load_s         # the stall is the swap, not the load

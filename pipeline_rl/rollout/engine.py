@@ -13,8 +13,9 @@
 
 Weights arrive through vLLM's weight-transfer API on both
 (``pipeline_rl.weight_sync.gloo``): the rollout worker forwards the trainer's
-``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
-``finish_weight_update`` calls to the engine's methods of the same names. A
+``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` calls to
+the engine's methods of the same names, and ``finish_weight_update`` to
+:meth:`GenerationEngine.load_received`. A
 :class:`~pipeline_rl.weight_sync.message.WeightUpdate` handed over in memory (tests,
 the object-store transport) goes through :meth:`GenerationEngine.stage`.
 
@@ -218,10 +219,12 @@ class GenerationEngine(ABC):
         the served weights untouched."""
 
     @abstractmethod
-    def finish_weight_update(self, version: int) -> bool:
-        """Make the received update the next weights, labelled ``version`` (the
-        ``AsyncLLM`` engine pauses only here, for the load). False (nothing changes)
-        when it is not newer than the loaded or staged weights."""
+    def load_received(self, version: int) -> bool:
+        """The engine's end of ``finish_weight_update`` (the worker implements
+        :class:`~pipeline_rl.weight_sync.protocol.WeightSyncCalls`): make the received
+        update the next weights, labelled ``version`` (the ``AsyncLLM`` engine pauses only
+        here, for the swap). False (nothing changes) when it is not newer than the loaded
+        or staged weights."""
 
     def apply_update(self, update: CheckedUpdate) -> AppliedUpdate:
         """Stage and apply at once (the caller is between steps)."""

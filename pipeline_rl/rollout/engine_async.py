@@ -277,7 +277,7 @@ class AsyncEngine(GenerationEngine):
         assert self._staging.path is not None
         return ShmUpdateInfo.of(layout, self._staging.path, checked=True)
 
-    def finish_weight_update(self, version: int) -> bool:
+    def load_received(self, version: int) -> bool:
         """Load the staged bytes and make them live, labelled ``version``; False (nothing
         changes) when ``version`` is not newer than the served one. On CPU the engine core
         loads them into a shadow of its model while it keeps generating, then generation
@@ -418,8 +418,8 @@ class AsyncEngine(GenerationEngine):
 
 
 class _Loopback:
-    """This engine as the client of its own loopback channel (``finish_weight_update``
-    takes a version string there)."""
+    """This engine as a :class:`~pipeline_rl.weight_sync.protocol.WeightSyncCalls` client
+    of its own loopback channel (``finish_weight_update`` takes a version string there)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -436,7 +436,7 @@ class _Loopback:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is None:
             raise WeightUpdateError("finish_weight_update needs the version of the weights")
-        self._engine.finish_weight_update(int(weight_version))
+        self._engine.load_received(int(weight_version))
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
         return receive_in_one_call(self, update_info, weight_version)

@@ -230,7 +230,7 @@ class InprocessEngine(GenerationEngine):
             raise WeightUpdateError(f"weights not received: {first_line(e)}") from e
         self._transfer_s = time.perf_counter() - t0
 
-    def finish_weight_update(self, version: int) -> bool:
+    def load_received(self, version: int) -> bool:
         update = self._receiver().take_received()
         if update.version != version:
             raise WeightUpdateError(f"finish names version {version}, the bytes were version {update.version}")

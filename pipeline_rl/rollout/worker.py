@@ -161,7 +161,7 @@ class RolloutWorker:
             raise WeightUpdateError("finish_weight_update needs the version of the weights")
         version = int(weight_version)
         inject(self.cfg.fault, "weight_update", version)
-        if self._engine.finish_weight_update(version):
+        if self._engine.load_received(version):
             self._wake.set()
         else:
             log.info("worker %d: ignoring weights v%d (not newer than v%d)", self.worker_id,
