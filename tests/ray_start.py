@@ -8,7 +8,8 @@ cluster's record only by giving it that ``RAY_TMPDIR``, so nobody else's run on 
 machine finds it. Stopping it signals only the processes this helper started and their
 descendants (never ``ray stop``, which would stop every Ray on the machine): each ``ray
 start --block`` process, then whatever of its process tree is left, then any process whose
-command line names the private folder.
+command line names the private folder. A test process that dies without stopping it takes
+the ``ray start`` processes with it (their parent-death signal), and Ray's reaper their nodes.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class RayStartCluster:
         with log.open("wb") as out:
             proc = subprocess.Popen([ray_cli, "start", "--block", "--disable-usage-stats",
                                      "--node-ip-address", self.ip, *ports, *args],
-                                    stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                                    stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                    preexec_fn=_end_with_parent)
         self.nodes.append(proc)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while _READY not in log.read_text(errors="replace"):
@@ -134,6 +136,18 @@ class RayStartCluster:
             _signal(p, signal.SIGKILL)
         psutil.wait_procs(still, timeout=_STOP_GRACE_S)
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _end_with_parent() -> None:
+    """In the child, before ``ray start`` runs: SIGTERM when the test process ends, however
+    it ends (Linux), so a killed test leaves no cluster behind (``ray start --block`` then
+    ends its node's processes through Ray's reaper)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _alive(pids: set[int]) -> list[psutil.Process]:
