@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import shutil
 import json
 import logging
@@ -148,6 +149,12 @@ def repo_on_path() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
 
 
+#: Whether the Ray of the current :func:`ray_session` was started here (a benchmark's own
+#: local Ray, as the command starts its own): :func:`run_pipeline` then pins the actors as
+#: the command does (``--ray.pin_cores`` unset pins only on a Ray the run started itself).
+_OWN_RAY: contextvars.ContextVar[bool] = contextvars.ContextVar("own_ray", default=False)
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None = None, *, env: dict[str, str] | None = None,
                 object_store_bytes: int = 200 * 2**20, num_cpus: int | None = None,
@@ -170,9 +177,11 @@ def ray_session(address: str | None = None, *, env: dict[str, str] | None = None
 
         start_local(num_cpus=num_cpus or os.cpu_count() or 2, object_store_mb=-(-object_store_bytes // 2**20),
                     env=env_vars, logging_level=logging.WARNING, log_to_driver=log_to_driver)
+    token = _OWN_RAY.set(not address)
     try:
         yield
     finally:
+        _OWN_RAY.reset(token)
         ray.shutdown()
 
 
@@ -187,6 +196,8 @@ def run_pipeline(cfg: Config, watch: Callable[[Any], contextlib.AbstractContextM
     from pipeline_rl.run.conductor import Orchestrator
     from pipeline_rl.run.run_folder import RUN_ENTRIES
 
+    if cfg.ray.pin_cores is None and _OWN_RAY.get():
+        cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"pin_cores": True})})
     if cfg.out_dir is not None and not cfg.resume:
         for name in RUN_ENTRIES:
             target = Path(cfg.out_dir) / name

@@ -198,10 +198,9 @@ def actor_pids(job_hex: str) -> dict[str, int]:
     """``name -> pid`` of this job's live pipeline actors (Ray's actor table, kept by
     the GCS: no dashboard needed). Names: ``buffer``, ``trainer0``.., ``rollout0``..
     (ranks and workers in order of creation)."""
-    from ray._private import state
+    from pipeline_rl.run.ray_compat import actor_table
 
-    table = state.actors(job_id=None)
-    rows = [a for a in table.values()
+    rows = [a for a in actor_table()
             if a.get("State") == "ALIVE" and a.get("JobID") == job_hex
             and a.get("ActorClassName") in _ACTOR_CLASSES and a.get("Pid")]
     rows.sort(key=lambda a: (a["ActorClassName"], a.get("StartTime", 0), a["ActorID"]))

@@ -19,9 +19,9 @@ in the machine's speed reaches both sides of the ratio alike.
 Bounds: ``slowest_actor_s``, the slowest actor's own start (the rollout worker's vLLM
 import + engine build, or the trainer's, whichever is longer), which no command that
 starts that actor can beat; ``chain_s`` = the command's Ray line + the rollout worker's
-start, the chain of a command whose worker starts importing only once Ray is up (the
-design before the preload server, ``pipeline_rl/run/preload.py``, which imports the
-worker's modules while Ray starts: the command now runs below that chain).
+start, the chain of a command whose worker starts importing only once Ray is up (as the
+command's does: its actors are Ray's own worker processes, started through Ray's public
+API; ``docs/design.md`` section 8).
 
 Usage: ``python -m benchmarks.startup [--repeats 3] [--json PATH] [--md PATH]``.
 """
@@ -121,7 +121,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", f"Command to first step: **{first} s**. The slowest actor's own start (the rollout "
               f"worker's vLLM import + engine build, or the trainer's start, alone): **{slowest} s**, the "
               f"command at **{first / slowest:.2f}x** it; the chain Ray line + the rollout worker's start (a "
-              f"worker importing only once Ray is up, as before the preload server): {chain} s, the command "
+              f"worker importing only once Ray is up, as the command's does): {chain} s, the command "
               f"at {first / chain:.2f}x it."]
     return "\n".join(lines)
 

@@ -335,20 +335,16 @@ class RayConfig(Section):
     """Ray placement."""
 
     address: str | None = Field(None, description="Join an existing cluster (e.g. auto or "
-                                "HOST:6379). Unset: start a local Ray.")
+                                "HOST:6379); RAY_ADDRESS, as `ray job submit` sets it, does the same. "
+                                "Unset: start a private local Ray (never another cluster on the machine).")
     num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray (default: all).")
     object_store_mb: int = Field(200, ge=64, description="Object store size for a local Ray (MiB).")
-    dashboard: bool = Field(False, description="Start a local Ray with its dashboard process (job and "
-                            "state APIs; the web UI needs ray[default]) and autoscaler monitor "
-                            "(`ray status`): about 0.6 s more start-up on 2 cores.")
-    preload: bool = Field(True, description="On a machine without GPUs, with a local Ray: import the "
-                          "rollout workers' vLLM while Ray starts, in a server process their processes "
-                          "are forked from (about 1 s less start-up on 2 cores). Off: each worker "
-                          "imports vLLM itself once its actor starts.")
-    pin_cores: bool = Field(True, description="On one machine with a core for every rollout worker and "
-                            "trainer rank (CPU runs), give each its own core (CPU affinity); the buffer, "
-                            "the driver and Ray float. With fewer cores nothing is pinned. Turn off "
-                            "when several runs share one machine (each would take the same cores).")
+    pin_cores: bool | None = Field(None, description="On one machine with a core for every rollout worker "
+                                   "and trainer rank (CPU runs), give each its own core (CPU affinity); the "
+                                   "buffer, the driver and Ray float. Unset: only on a Ray this run starts "
+                                   "itself (never on a cluster it joins, where another run may hold the same "
+                                   "cores); true: on a joined one-node cluster too; false: never. With fewer "
+                                   "cores nothing is pinned.")
     rollout_resource: str | None = Field(None, description="Custom Ray resource every rollout worker "
                                          "needs (places workers on the nodes that declare it).")
     trainer_resource: str | None = Field(None, description="Custom Ray resource every trainer rank "

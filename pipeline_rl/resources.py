@@ -78,9 +78,10 @@ class CorePlan:
         return tuple(s for s in self.workers if s is not None)
 
 
-def plan_cores(cfg: Config, *, alive_nodes: int, on_gpus: bool) -> CorePlan:
+def plan_cores(cfg: Config, *, alive_nodes: int, on_gpus: bool, pin: bool | None = None) -> CorePlan:
     """A core of its own for every rollout worker (slots ``0 .. W-1``) and trainer rank
-    (slots ``W .. W+R-1``) when ``--ray.pin_cores`` is on, the run is on one machine
+    (slots ``W .. W+R-1``) when ``pin`` (None: unless ``--ray.pin_cores false``; the
+    driver decides by whose Ray it is, ``run.cluster``), the run is on one machine
     (one live Ray node) and on CPUs. Each actor checks on its start that the machine
     has a CPU for every slot; else no actor is pinned.
 
@@ -93,7 +94,9 @@ def plan_cores(cfg: Config, *, alive_nodes: int, on_gpus: bool) -> CorePlan:
     and wall time: in a slow hour 29.6 ms against 33.3 ms and 10.2 s against 11.6 s (6
     pairs), in a fast one 29.1 ms against 29.8 ms and 9.8 s against 10.5 s (4 pairs)."""
     w, r = cfg.rollout.num_workers, cfg.trainer.num_ranks
-    if not cfg.ray.pin_cores or alive_nodes != 1 or on_gpus:
+    if pin is None:
+        pin = cfg.ray.pin_cores is not False
+    if not pin or alive_nodes != 1 or on_gpus:
         return CorePlan((None,) * w, (None,) * r)
     n = w + r
     return CorePlan(tuple(CoreSlot(i, n) for i in range(w)), tuple(CoreSlot(w + i, n) for i in range(r)))

@@ -43,7 +43,8 @@ def test_flags_override_toml(tmp_path: Path) -> None:
     (["--config", "/nonexistent.toml"], "--config"),
     (["--trainer.pass_cost_tokens", "-1"], "--trainer.pass_cost_tokens"),
     (["--ray.pin_cores", "maybe"], "--ray.pin_cores"),
-    (["--ray.preload", "maybe"], "--ray.preload"),
+    (["--ray.preload", "false"], "--ray.preload"),      # removed (issue 43): an unknown flag
+    (["--ray.dashboard", "true"], "--ray.dashboard"),
 ])
 def test_bad_values_give_one_line_naming_the_flag(argv: list[str], flag: str | None) -> None:
     if flag is None:  # a valid combination: seq_lo < seq_hi

@@ -53,7 +53,10 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
     # are milliseconds), and the buffer's stock at staleness 2 covers at most 3 more steps,
     # so the run can only finish by restarting the worker, which the last rows then count.
     steps = 16
-    cfg = _config(tiny_model_dir, tmp_path / "run", "--staleness", "2", "--max-steps", str(steps))
+    # The test's own Ray is not the run's: pinning there is asked for (the run pins nothing
+    # on a Ray it did not start unless told).
+    cfg = _config(tiny_model_dir, tmp_path / "run", "--staleness", "2", "--max-steps", str(steps),
+                  "--ray.pin_cores", "true")
     killed: list[int] = []
     cores: dict[str, list[int]] = {}
 
@@ -76,7 +79,7 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
         assert REQUIRED_KEYS <= r.keys()
         assert 0 <= r["lag_max"] <= 2
     assert killed, "the worker was never killed"
-    if len(os.sched_getaffinity(0)) >= 2:   # one worker and one rank: a core each (--ray.pin_cores)
+    if len(os.sched_getaffinity(0)) >= 2:   # one worker and one rank: a core each (--ray.pin_cores true)
         assert len(cores["worker"]) == 1 and len(cores["trainer"]) == 1, cores
         assert cores["worker"] != cores["trainer"], cores
     assert rows[-1]["worker_restarts"] >= 1

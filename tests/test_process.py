@@ -122,34 +122,26 @@ def test_keep_off_leaves_the_workers_cores_to_them() -> None:
     assert got["restored"] == [allowed]
 
 
-_PLAN = """
+_NICE = """
 import json, os
-from pipeline_rl.actors.process import PLAN_CPUS_ENV, keep_off, pin_to_core, plan_cpus
-from pipeline_rl.resources import CoreSlot
-
-allowed = sorted(os.sched_getaffinity(0))
-os.sched_setaffinity(0, set(allowed[1:]))           # as the driver narrows Ray's start
-os.environ[PLAN_CPUS_ENV] = ",".join(map(str, allowed))
-plan = plan_cpus()
-before = keep_off((CoreSlot(0, 2),))                 # the buffer: already off slot 0's CPU
-kept = sorted(os.sched_getaffinity(0))
-cpu = pin_to_core(CoreSlot(0, 2))                    # a rollout worker: slot 0 of the plan's CPUs
-os.environ[PLAN_CPUS_ENV] = "not cpus"
-fallback = plan_cpus()
-print(json.dumps({"plan": plan, "before": sorted(before), "kept": kept, "cpu": cpu, "fallback": fallback}))
+from pipeline_rl.actors.process import raise_to_parent_priority
+took = raise_to_parent_priority()
+print(json.dumps({"took": took, "now": os.getpriority(os.PRIO_PROCESS, 0),
+                  "again": raise_to_parent_priority()}))
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs CPU affinity and two CPUs")
-def test_core_slots_index_the_plans_cpus_in_a_narrowed_process() -> None:
-    """A process started while the driver kept Ray off the workers' cores still takes its
-    slot among all the run's CPUs (PIPELINE_RL_PLAN_CPUS), not among the fewer it inherited;
-    a bad value falls back to its own CPUs."""
-    allowed = sorted(os.sched_getaffinity(0))
-    out = subprocess.run([sys.executable, "-c", _PLAN], capture_output=True, text=True, timeout=120, check=True)
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs process priorities")
+def test_a_pinned_actor_rises_to_its_parents_priority_where_allowed() -> None:
+    """A process started 3 steps below its parent (as Ray starts its workers below the
+    raylet) rises to the parent's niceness when the system allows it, and else stays
+    without an error; once there, nothing changes."""
+    parent = os.getpriority(os.PRIO_PROCESS, 0)
+    out = subprocess.run([sys.executable, "-c", _NICE], capture_output=True, text=True, timeout=120, check=True,
+                         preexec_fn=lambda: os.nice(3))
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["plan"] == allowed
-    assert got["before"] == allowed[1:] and got["kept"] == allowed[1:]
-    assert got["cpu"] == allowed[0]
-    assert got["fallback"] == [allowed[0]]
+    assert got["again"] is None
+    if got["took"] is None:   # not allowed to rise (no privilege): it stayed
+        assert got["now"] == parent + 3
+    else:
+        assert got["took"] == parent and got["now"] == parent

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -30,7 +31,6 @@ from pipeline_rl.resources import CoreSlot
 log = logging.getLogger(__name__)
 
 
-
 def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
                         core: CoreSlot | None = None, avoid: Sequence[CoreSlot] = ()) -> None:
     """Call first in an actor's constructor (see the module docstring); ``name`` names
@@ -43,6 +43,7 @@ def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
         redirect_output(Path(cfg.out_dir or ".") / "logs" / f"{name}.log")
     if core is not None:
         pin_to_core(core)
+        raise_to_parent_priority()
     elif avoid:
         keep_off(avoid)
     if not uses_torch:
@@ -50,6 +51,31 @@ def setup_actor_process(cfg: Config, name: str, *, uses_torch: bool = True,
     import torch
 
     torch.set_num_threads(1)
+
+
+def raise_to_parent_priority() -> int | None:
+    """Run every thread of this process (Linux keeps a niceness per thread; threads started
+    later inherit their creator's) at its parent's CPU priority, when it runs below it and the system
+    lets it rise (root, or a ``RLIMIT_NICE`` that allows it); returns the niceness it took,
+    None when it stayed. Why: Ray starts its worker processes (every actor) at niceness 15,
+    below the driver and Ray's own processes, and a pinned actor is the work of a run that
+    started its own Ray on this machine (its parent, the raylet, runs at the driver's
+    priority). Ray's own setting for it is a test-only system config, so the actor sets its
+    own process instead. Measured with that setting: median step 4-8% shorter over 11
+    alternated runs of 150 steps (28.2-28.9 ms against 30.1-30.6 ms), start-up unchanged."""
+    if not hasattr(os, "getpriority"):
+        return None
+    try:
+        mine, parents = os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, os.getppid())
+        if parents >= mine:
+            return None
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):   # the thread ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, int(tid), parents)
+    except OSError as e:   # not allowed to rise: it stays where Ray put it
+        log.info("stays at niceness %s (%s)", os.getpriority(os.PRIO_PROCESS, 0), e)
+        return None
+    return parents
 
 
 def end_of_startup() -> None:
@@ -67,27 +93,15 @@ def end_of_startup() -> None:
     gc.enable()
 
 
-#: The CPUs a run's core slots index, when the driver narrowed Ray's processes to fewer
-#: for its start-up (``run.cluster``: the rollout workers' cores left to their preload
-#: server): comma-separated. Unset: the CPUs this process may run on.
-PLAN_CPUS_ENV = "PIPELINE_RL_PLAN_CPUS"
-
-
 def plan_cpus() -> list[int]:
-    """The CPUs core slots index (see :data:`PLAN_CPUS_ENV`), in order."""
-    value = os.environ.get(PLAN_CPUS_ENV, "")
-    try:
-        if value:
-            return sorted(int(c) for c in value.split(","))
-    except ValueError:
-        log.warning("%s=%r is not a list of CPUs: ignored", PLAN_CPUS_ENV, value)
+    """The CPUs core slots index: those this process may run on, in order (an actor's
+    process inherits them from the raylet, which started before the driver kept off any)."""
     return sorted(os.sched_getaffinity(0))
 
 
 def pin_to_core(slot: CoreSlot) -> int | None:
     """Bind every thread of this process to the ``slot.index``-th of the run's CPUs
-    (:func:`plan_cpus`: those it may run on, unless the driver says otherwise; threads
-    started later inherit it); returns that CPU. Nothing is pinned (None, said in the
+    (:func:`plan_cpus`: those it may run on; threads started later inherit it); returns that CPU. Nothing is pinned (None, said in the
     log) when there are fewer CPUs than ``slot.of`` or the platform has no CPU affinity
     (not Linux)."""
     if not hasattr(os, "sched_setaffinity"):

@@ -73,7 +73,6 @@ class Orchestrator:
     def _start(self) -> None:
         where = self._cluster.start()
         actors = start_actors(self.cfg, self.model_dir, where, self.stop, self._note_started)
-        self._cluster.started()
         self._actors, self.version = actors, actors.version
         # The starting evaluation goes out first: the workers hold their weights until it is
         # answered, and training does not wait for it.

@@ -1,8 +1,7 @@
 """Starting and stopping a run's actors, with typed handles. Workers (vLLM), buffer and
 trainers (DeepSpeed) start at once (the workers find the buffer by name), the workers first:
 theirs is the longest start, and Ray hands its pre-started processes to the first actors
-asking. With a preload server (``run.preload``) the workers come last instead: the buffer and
-the trainers take the plain processes, the workers the preloaded ones. The trainers are asked
+asking. The trainers are asked
 to start DeepSpeed as soon as they exist (on one node; across nodes once they name their
 node), not after the buffer is up. Every wait says what it waits
 for; a failure or ``_TIMEOUT_S`` ends the run in one line.
@@ -80,19 +79,13 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     classes = remote_classes(cfg, where.node_id, buffer_name, gpus=where.gpus)
     memory = where.gpus.memory if where.gpus else None
 
-    def new_workers() -> list[WorkerSlot]:
-        return [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory))
-                for i in range(cfg.rollout.num_workers)]
-
-    workers = [] if where.preloaded else new_workers()
+    workers = [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory))
+               for i in range(cfg.rollout.num_workers)]
     started(None, [], workers)
     buffer = classes.new_buffer(cfg, where.host, resume_version(cfg), where.cores.worker_slots)
     n = cfg.trainer.num_ranks
     trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory) for r in range(n)]
     started(buffer, trainers, workers)
-    if where.preloaded:   # last: Ray hands them the preloaded processes, which register last
-        workers = new_workers()
-        started(buffer, trainers, workers)
     ahead = import_ahead(TRAINING)   # while the actors start
     setups = _setup_trainers(trainers, where, wait)
     address = wait([buffer.address.remote()], "the replay buffer to bind its socket", "replay buffer")[0]

@@ -127,8 +127,9 @@ def _is_ray_actor(worker: object) -> bool:
 
 def _key(worker: object) -> str:
     """A worker's identity across calls (a restarted Ray actor keeps its id)."""
-    actor_id = getattr(worker, "_actor_id", None)
-    return actor_id.hex() if actor_id is not None else f"local-{id(worker)}"
+    from pipeline_rl.run.ray_compat import actor_key
+
+    return actor_key(worker)
 
 
 Transport = Literal["vllm", "object_store"]
