@@ -60,9 +60,6 @@ VLLM_INTERNALS_ALLOWED = frozenset({
     "pipeline_rl.rollout.vllm_tools",    # the tool-call parsers `vllm serve --tool-call-parser` uses
 })
 
-#: Modules another issue-46 branch deletes; not checked while they still exist here.
-#: Remove an entry once the module is gone (test_modules_being_deleted_are_gone then passes).
-BEING_DELETED = frozenset({"pipeline_rl.run.preload"})
 
 _IMPORTERS = {"import_module", "__import__", "find_spec"}
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -149,8 +146,7 @@ def _checked(package: Path, skip: Iterable[str]) -> Iterator[tuple[str, Path, tu
             yield name, path, _uses_in(path, path.stat().st_mtime_ns)
 
 
-def ray_violations(package: Path, allowed: Iterable[str] = RAY_ALLOWED,
-                   skip: Iterable[str] = BEING_DELETED) -> list[str]:
+def ray_violations(package: Path, allowed: Iterable[str] = RAY_ALLOWED, skip: Iterable[str] = ()) -> list[str]:
     """``module:line imports ray`` for each run-time Ray import outside ``allowed``."""
     return [f"{name}:{u.line} imports {u.module}" for name, _, found in _checked(package, skip)
             if not _covered(name, allowed) for u in found if _of(u.module, "ray") and not u.type_only]
@@ -159,7 +155,7 @@ def ray_violations(package: Path, allowed: Iterable[str] = RAY_ALLOWED,
 def vllm_violations(package: Path, allowed: Iterable[str] = VLLM_ALLOWED,
                     public: Iterable[str] = VLLM_PUBLIC,
                     internals_allowed: Iterable[str] = VLLM_INTERNALS_ALLOWED,
-                    skip: Iterable[str] = BEING_DELETED) -> list[str]:
+                    skip: Iterable[str] = ()) -> list[str]:
     """vLLM imported outside ``allowed``, or its internals outside ``internals_allowed``."""
     public = frozenset(public)
     out = []
@@ -232,13 +228,6 @@ def test_only_the_listed_modules_import_vllm_or_its_internals() -> None:
 
 def test_no_two_modules_share_a_name() -> None:
     assert duplicate_names(PACKAGE) == {}
-
-
-@pytest.mark.xfail(strict=True, reason="run/preload.py is deleted by another issue-46 branch; after "
-                   "the merge empty BEING_DELETED and drop this marker")
-def test_modules_being_deleted_are_gone() -> None:
-    present = [m for m in BEING_DELETED if m in modules(PACKAGE)]
-    assert present == []
 
 
 def test_every_file_the_tree_names_exists() -> None:
