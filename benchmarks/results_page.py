@@ -1,6 +1,6 @@
 """``docs/results.md``, built from the benchmarks' own result files.
 
-Every benchmark writes its report to ``benchmarks/results/NAME.md`` (``--md``). This module
+Every benchmark writes its report to ``benchmarks/results/{NAME}.md`` (``--md``). This module
 puts those reports on one page, in the order of :data:`CATALOG`, each under a heading with
 the command that produced it and what it measures, so the page never says more than the
 result files do. ``python -m benchmarks.results_page`` rewrites the page;
@@ -104,7 +104,7 @@ _INTRO = """\
 # Measured results
 
 Every figure here comes from a benchmark under `benchmarks/` (`python -m benchmarks.NAME`,
-each with `--help`) and its report in `benchmarks/results/NAME.md`; this page is built from
+each with `--help`) and its report in `benchmarks/results/{NAME}.md`; this page is built from
 those reports by `python -m benchmarks.results_page` (the suite checks it is up to date), so
 re-running a benchmark and rebuilding the page is how a figure changes. Each report names the
 machine it was measured on. The CPU machines are shared and their speed drifts by tens of

@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tomllib
 import types
+from pathlib import Path
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline_rl.config import Config, check_cpu_head_dim, load_toml
+from pipeline_rl.config import Config
 
 class UsageError(ValueError):
     """A bad command line or configuration; the message is one line naming the flag."""
@@ -167,6 +169,8 @@ def parse_config(argv: list[str] | None = None, *, check_cpu: bool | None = None
         cfg = Config.model_validate(data)
         cpu_only = check_cpu if check_cpu is not None else not _cuda_visible()
         if cpu_only:
+            from pipeline_rl.models.check import check_cpu_head_dim
+
             check_cpu_head_dim(cfg.model)
             if cfg.model.device == "cuda":
                 raise UsageError("--model.device: cuda asked for, but this machine has no CUDA GPU")
@@ -202,3 +206,14 @@ def main_config(argv: list[str] | None = None, prog: str = "async_grpo.py") -> C
         print(json.dumps(cfg.model_dump(), indent=2))
         return None
     return cfg
+
+
+def load_toml(path: str | Path) -> dict[str, object]:
+    """Read a TOML config file (same keys as the flags, sections as tables)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config: no such file: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config: {p} is not valid TOML: {e}") from None

@@ -19,9 +19,6 @@ This module imports no torch, vLLM or Ray, so ``--help`` is instant.
 
 from __future__ import annotations
 
-import json
-import tomllib
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -442,38 +439,3 @@ class Config(Section):
                 out.append(f"--rollout.max_new_tokens {self.rollout.max_new_tokens} cuts countdown answers "
                            f"of up to {longest} tokens (a cut answer scores 0)")
         return out
-
-
-def head_dim_of(model: ModelConfig) -> int | None:
-    """Attention head dimension of the configured model, or None when it cannot be read
-    without downloading (a hub id that is not a local folder)."""
-    if model.path is None:
-        return model.head_dim
-    cfg_file = Path(model.path) / "config.json"
-    if not cfg_file.is_file():
-        return None
-    cfg = json.loads(cfg_file.read_text())
-    cfg = cfg.get("text_config", cfg)
-    if cfg.get("head_dim"):
-        return int(cfg["head_dim"])
-    return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-
-
-def check_cpu_head_dim(model: ModelConfig) -> None:
-    """Raise ValueError when vLLM's CPU attention cannot run this model's head dimension."""
-    hd = head_dim_of(model)
-    if hd is not None and hd not in CPU_SUPPORTED_HEAD_DIMS:
-        flag = "model.num_heads" if model.path is None else "model.path"
-        raise ValueError(f"{flag}: attention head dimension {hd} is not supported by vLLM's CPU "
-                         f"backend (allowed: {', '.join(map(str, CPU_SUPPORTED_HEAD_DIMS))})")
-
-
-def load_toml(path: str | Path) -> dict[str, object]:
-    """Read a TOML config file (same keys as the flags, sections as tables)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--config: no such file: {p}")
-    try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"--config: {p} is not valid TOML: {e}") from None

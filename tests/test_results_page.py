@@ -17,7 +17,7 @@ def test_page_is_up_to_date() -> None:
 def test_every_result_report_is_on_the_page() -> None:
     on_page = {e.stem for e in CATALOG}
     reports = {p.stem for p in results_page.RESULTS.glob("*.md")}
-    assert reports <= on_page, f"result files missing from benchmarks/results_page.CATALOG: {sorted(reports - on_page)}"
+    assert reports <= on_page, f"result files missing from the results-page catalog (CATALOG): {sorted(reports - on_page)}"
 
 
 def test_a_report_without_its_machine_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline_rl.config import CPU_SUPPORTED_HEAD_DIMS, ModelConfig
 from pipeline_rl.rollout.vllm_compat import text_generation_architectures
 
 _FLAG = "--model.path"
@@ -101,3 +102,27 @@ def _check_tokenizer(folder: Path) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelFolderError(f"{_FLAG}: {folder} has no usable tokenizer (tokenizer.json or "
                                f"tokenizer_config.json with its vocabulary): {first}") from None
+
+
+def head_dim_of(model: ModelConfig) -> int | None:
+    """Attention head dimension of the configured model, or None when it cannot be read
+    without downloading (a hub id that is not a local folder)."""
+    if model.path is None:
+        return model.head_dim
+    cfg_file = Path(model.path) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    cfg = json.loads(cfg_file.read_text())
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+
+
+def check_cpu_head_dim(model: ModelConfig) -> None:
+    """Raise ValueError when vLLM's CPU attention cannot run this model's head dimension."""
+    hd = head_dim_of(model)
+    if hd is not None and hd not in CPU_SUPPORTED_HEAD_DIMS:
+        flag = "model.num_heads" if model.path is None else "model.path"
+        raise ValueError(f"{flag}: attention head dimension {hd} is not supported by vLLM's CPU "
+                         f"backend (allowed: {', '.join(map(str, CPU_SUPPORTED_HEAD_DIMS))})")
