@@ -194,6 +194,7 @@ def run_pipeline(cfg: Config, watch: Callable[[Any], contextlib.AbstractContextM
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.metrics import read_metrics
     from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.startup import open_run
     from pipeline_rl.run.run_folder import RUN_ENTRIES
 
     if cfg.ray.pin_cores is None and _OWN_RAY.get():
@@ -202,7 +203,7 @@ def run_pipeline(cfg: Config, watch: Callable[[Any], contextlib.AbstractContextM
         for name in RUN_ENTRIES:
             target = Path(cfg.out_dir) / name
             shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-    with Orchestrator(cfg, resolve_model_dir(cfg), threading.Event()) as orch, \
+    with Orchestrator(cfg, resolve_model_dir(cfg), threading.Event(), open_run(cfg)) as orch, \
             (watch(orch) if watch is not None else contextlib.nullcontext()):
         orch.train()
     return read_metrics(orch.out / "metrics.jsonl")

@@ -72,16 +72,16 @@ def resolve_model_dir(cfg: Config) -> str:
     return str(default_model_dir(cfg.model, cfg.task))
 
 
-def check_task(cfg: Config, model_dir: str) -> None:
+def check_task(cfg: Config, model_dir: str) -> Config:
     """Load the task (and its held-out split, when evaluation is on) with the model's
     tokenizer before anything starts: a dataset row without the needed fields, a
     prompt longer than the context leaves room for, an empty ``--eval.dataset``, or a
     ``--task.env`` that names no environment is a one-line error here instead of a crash
     mid-run (or an actor's death).
 
-    Adjusts ``cfg.eval`` in place: a training dataset too small to give any row to the
-    held-out split turns evaluation off (one warning line); ``num_prompts`` is capped at
-    the held-out pool's size."""
+    Returns the configuration to run, ``cfg`` itself or a copy with ``eval`` adjusted: a
+    training dataset too small to give any row to the held-out split turns evaluation off
+    (one warning line); ``num_prompts`` is capped at the held-out pool's size."""
     from pipeline_rl.tasks import TaskError, build_task, check_tokenizer, plugin_reward
 
     if cfg.task.env is not None:   # a misnamed environment: one line here, not an actor's death
@@ -96,7 +96,7 @@ def check_task(cfg: Config, model_dir: str) -> None:
     limit = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
     train = build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, max_prompt_tokens=limit, evaluation=cfg.eval)
     if not cfg.eval.every:
-        return
+        return cfg
     try:
         held_out = build_task(cfg.task, seed=cfg.seed, tokenizer=tokenizer, max_prompt_tokens=limit,
                               split="eval", evaluation=cfg.eval, reward_fn=plugin_reward(train))
@@ -104,10 +104,11 @@ def check_task(cfg: Config, model_dir: str) -> None:
         if cfg.task.name != "dataset" or cfg.eval.dataset is not None:
             raise
         log.warning("evaluation off: %s", str(e).splitlines()[0])
-        cfg.eval.every = 0
-        return
+        return cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"every": 0})})
     held_out.prompt(0)
-    cfg.eval.num_prompts = min(cfg.eval.num_prompts, held_out.num_prompts)
+    if held_out.num_prompts >= cfg.eval.num_prompts:
+        return cfg
+    return cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"num_prompts": held_out.num_prompts})})
 
 
 def _configure_logging(cfg: Config) -> None:
@@ -125,8 +126,7 @@ def run(cfg: Config) -> int:
     """Run a whole training job; returns the process exit status."""
     _configure_logging(cfg)
     from pipeline_rl.run.conductor import Orchestrator
-    from pipeline_rl.run.run_folder import open_run_folder
-    from pipeline_rl.run.startup import resume_version
+    from pipeline_rl.run.startup import open_run
     from pipeline_rl.run.supervisor import OrchestratorError
     from pipeline_rl.tasks import TaskError
 
@@ -134,8 +134,8 @@ def run(cfg: Config) -> int:
         log.warning("%s", warning)
     try:
         model_dir = resolve_model_dir(cfg)
-        check_task(cfg, model_dir)
-        folder = open_run_folder(cfg.out_dir, cfg.resume, resume_version(cfg))
+        cfg = check_task(cfg, model_dir)
+        folder = open_run(cfg)
     except (TaskError, OSError, ValueError, OrchestratorError) as e:
         print(f"async_grpo.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -105,6 +105,7 @@ def test_two_nodes_over_tcp_trainer_death_and_resume(two_nodes: Any, tiny_model_
 
     from pipeline_rl.training.checkpoint import latest_checkpoint, read_run_state
     from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.startup import open_run
     from pipeline_rl.run.supervisor import OrchestratorError
 
     placement = ("--ray.rollout_resource", "rollout_node", "--ray.trainer_resource", "trainer_node")
@@ -114,7 +115,7 @@ def test_two_nodes_over_tcp_trainer_death_and_resume(two_nodes: Any, tiny_model_
     seen = _Seen()
     t0 = time.monotonic()
     with pytest.raises(OrchestratorError) as err:
-        with Orchestrator(cfg, tiny_model_dir, threading.Event()) as orch:
+        with Orchestrator(cfg, tiny_model_dir, threading.Event(), open_run(cfg)) as orch:
             threading.Thread(target=_watch_then_kill_trainer, args=(orch, ckpts_dir, seen),
                              daemon=True).start()
             orch.train()
@@ -145,7 +146,7 @@ def test_two_nodes_over_tcp_trainer_death_and_resume(two_nodes: Any, tiny_model_
 
     resumed = _config(tiny_model_dir, tmp_path / "resumed", "--resume", str(last),
                       "--max-steps", str(version + 2), *placement)
-    with Orchestrator(resumed, tiny_model_dir, threading.Event()) as orch:
+    with Orchestrator(resumed, tiny_model_dir, threading.Event(), open_run(resumed)) as orch:
         assert orch.version == version
         orch.train()
     rows = read_metrics(Path(resumed.out_dir) / "metrics.jsonl")

@@ -36,9 +36,10 @@ def _config(tiny_model_dir: str, out: Path, *extra: str) -> Config:
 def _run(cfg: Config, during: Any = None) -> list[dict[str, Any]]:
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.startup import open_run
 
     stop = threading.Event()
-    with Orchestrator(cfg, resolve_model_dir(cfg), stop) as orch:
+    with Orchestrator(cfg, resolve_model_dir(cfg), stop, open_run(cfg)) as orch:
         if during is not None:
             threading.Thread(target=during, args=(orch,), daemon=True).start()
         orch.train()

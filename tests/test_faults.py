@@ -92,6 +92,7 @@ def test_killed_buffer_is_named(ray_local: None, tiny_model_dir: str, tmp_path: 
     import ray
 
     from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.startup import open_run
     from pipeline_rl.run.supervisor import OrchestratorError
 
     cfg = tiny_run_config(tiny_model_dir, tmp_path / "run", "--max-steps", "200")
@@ -105,7 +106,7 @@ def test_killed_buffer_is_named(ray_local: None, tiny_model_dir: str, tmp_path: 
         killed.append(time.monotonic())
 
     with pytest.raises(OrchestratorError) as err:
-        with Orchestrator(cfg, tiny_model_dir, threading.Event()) as orch:
+        with Orchestrator(cfg, tiny_model_dir, threading.Event(), open_run(cfg)) as orch:
             threading.Thread(target=kill_buffer, args=(orch,), daemon=True).start()
             orch.train()
     ended = time.monotonic()

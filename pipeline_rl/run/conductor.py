@@ -23,8 +23,8 @@ from pipeline_rl.metrics import StepMetrics
 from pipeline_rl.run.checkpoints import CheckpointPolicy
 from pipeline_rl.run.cluster import Cluster, say
 from pipeline_rl.run.recorder import StepRecorder
-from pipeline_rl.run.run_folder import RunFolder, open_run_folder
-from pipeline_rl.run.startup import Actors, resume_version, start_actors, stop_actors
+from pipeline_rl.run.run_folder import RunFolder
+from pipeline_rl.run.startup import Actors, start_actors, stop_actors
 from pipeline_rl.run.remote_calls import CallFailed, RayCalls
 from pipeline_rl.run.supervisor import OrchestratorError, Supervisor, WorkerSlot
 
@@ -39,9 +39,10 @@ _EVAL_FINAL_TIMEOUT_S = 300.0  # the end-of-run evaluation must finish by then
 class Orchestrator:
     """Starts Ray and every actor on enter, runs steps in :meth:`train`, stops all on exit."""
 
-    def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder | None = None) -> None:
-        """``folder``: the run folder (:func:`open_run_folder`), opened here when not given."""
-        self.folder = folder or open_run_folder(cfg.out_dir, cfg.resume, resume_version(cfg))
+    def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder) -> None:
+        """``folder``: the run folder (:func:`~pipeline_rl.run.startup.open_run`), which
+        also holds the version the run starts at."""
+        self.folder = folder
         # Actors may run in another working directory: they get the run folder absolute.
         self.out = self.folder.path.resolve()   # trainers save checkpoints there
         self.cfg = cfg.model_copy(update={"out_dir": str(self.out)})
@@ -72,7 +73,8 @@ class Orchestrator:
 
     def _start(self) -> None:
         where = self._cluster.start()
-        actors = start_actors(self.cfg, self.model_dir, where, self.stop, self._note_started)
+        actors = start_actors(self.cfg, self.model_dir, where, self.stop, self._note_started,
+                              self.folder.start_version)
         self._actors, self.version = actors, actors.version
         # The starting evaluation goes out first: the workers hold their weights until it is
         # answered, and training does not wait for it.

@@ -17,7 +17,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -36,13 +36,16 @@ class RunFolderError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RunFolder:
-    """The folder a run writes into. ``resumed_at``: the version a resumed run continues
-    from (None: a new run); ``elapsed_s``: the run's wall time before this segment."""
+    """The folder a run writes into. ``resumed_at``: the version a run resumed in this
+    folder continues from (None: a new folder); ``elapsed_s``: the run's wall time before
+    this segment; ``start_version``: the policy version the run starts at (0, or the
+    ``--resume`` checkpoint's, wherever the run writes), read once, when the folder opens."""
 
     path: Path
     resumed_at: int | None = None
     elapsed_s: float = 0.0
     dropped: int = 0
+    start_version: int = 0
 
     def line(self) -> str:
         if self.resumed_at is None:
@@ -72,6 +75,7 @@ def open_run_folder(out_dir: str | None, resume: str | None, resume_version: int
                                  f"{path}/checkpoints/step_N")
         else:
             folder = RunFolder(path)
+    folder = replace(folder, start_version=resume_version)
     _mark(folder)
     return folder
 

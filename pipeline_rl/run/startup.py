@@ -23,6 +23,7 @@ from pipeline_rl.config import Config
 from pipeline_rl.net import free_port
 from pipeline_rl.run.ahead import TRAINING, import_ahead
 from pipeline_rl.run.cluster import Placement, say
+from pipeline_rl.run.run_folder import RunFolder, open_run_folder
 from pipeline_rl.run.supervisor import OrchestratorError, WorkerSlot, describe_failure
 
 log = logging.getLogger("pipeline_rl.run.startup")
@@ -69,9 +70,11 @@ class StartupWait:
 
 
 def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.Event,
-                 started: Callable[[BufferHandle | None, list[TrainerHandle], list[WorkerSlot]], None]) -> Actors:
-    """Create every actor, bring it up and start generation. ``started`` learns of the
-    actors as soon as they exist, so a start-up failure can still stop them."""
+                 started: Callable[[BufferHandle | None, list[TrainerHandle], list[WorkerSlot]], None],
+                 start_version: int) -> Actors:
+    """Create every actor, bring it up and start generation at ``start_version`` (the run
+    folder's). ``started`` learns of the actors as soon as they exist, so a start-up
+    failure can still stop them."""
     from pipeline_rl.actors.placement import remote_classes
 
     wait = StartupWait(stop)
@@ -82,7 +85,7 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     workers = [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory))
                for i in range(cfg.rollout.num_workers)]
     started(None, [], workers)
-    buffer = classes.new_buffer(cfg, where.host, resume_version(cfg), where.cores.worker_slots)
+    buffer = classes.new_buffer(cfg, where.host, start_version, where.cores.worker_slots)
     n = cfg.trainer.num_ranks
     trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory) for r in range(n)]
     started(buffer, trainers, workers)
@@ -102,6 +105,11 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
         w.start(version, cfg.groups_per_step)
     ahead.join()   # long done: the workers' start took seconds
     return Actors(buffer, trainers, workers, version)
+
+
+def open_run(cfg: Config) -> RunFolder:
+    """The run's folder, opened once, with the version the run starts at read once."""
+    return open_run_folder(cfg.out_dir, cfg.resume, resume_version(cfg))
 
 
 def resume_version(cfg: Config) -> int:
