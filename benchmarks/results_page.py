@@ -157,7 +157,8 @@ def _anchor(title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.results_page",
+                                     description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when docs/results.md differs from what the result files give")
     args = parser.parse_args(argv)

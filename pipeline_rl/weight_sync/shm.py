@@ -16,6 +16,7 @@ stays valid until it drops it.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import tempfile
@@ -140,6 +141,7 @@ def check_space(size: int) -> None:
 #: Buffers made by :func:`new_shared_buffer`: id of the mapping -> its file (unlinked, and
 #: forgotten, when the last array viewing the mapping is gone).
 _GATHERED: dict[int, str] = {}
+_AT_EXIT: list[bool] = []   # non-empty once release_gathered is registered to run at exit
 
 
 def new_shared_buffer(size: int) -> np.ndarray:
@@ -150,12 +152,22 @@ def new_shared_buffer(size: int) -> np.ndarray:
     import weakref
 
     check_space(size)
+    if not _AT_EXIT:   # an exit with buffers still referenced leaves no file either
+        atexit.register(release_gathered)
+        _AT_EXIT.append(True)
     path = str(shm_dir() / f"pipeline_rl_gather-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     array = _map(path, max(size, 1), create=True)
     mapping = array.base.obj  # type: ignore[union-attr]
     _GATHERED[id(mapping)] = path
     weakref.finalize(mapping, _release, id(mapping), path)
     return array[:size]
+
+
+def release_gathered() -> None:
+    """Unlink the files of every gather buffer still alive (their mappings stay valid):
+    on close and at exit, while an update may still hold the newest buffer."""
+    for key, path in list(_GATHERED.items()):
+        _release(key, path)
 
 
 def _release(key: int, path: str) -> None:
@@ -277,6 +289,7 @@ class SharedWriter:
         with self._lock:
             self._segment.close()
             self._info = self._kept = None
+        release_gathered()
 
 
 class ShmTrainerChannel:
