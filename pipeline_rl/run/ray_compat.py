@@ -12,22 +12,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def actor_key(handle: object) -> str:
-    """A stable key for an actor handle across calls and pickling (a restarted actor keeps
-    it). Ray has no public accessor for an actor's id from its handle (only from inside the
-    actor, ``get_runtime_context().get_actor_id()``), so this reads the handle's private
-    ``_actor_id``; fallback: the handle object's own identity (a plain object in tests, or
-    a Ray without the attribute: keys then hold per handle object, not per actor)."""
-    actor_id = getattr(handle, "_actor_id", None)
-    hex_id = getattr(actor_id, "hex", None)
-    return str(hex_id()) if callable(hex_id) else f"local-{id(handle)}"
-
-
 def actor_table() -> list[dict[str, Any]]:
     """Every actor the GCS knows of, as Ray's own global state returns it (``ActorID``,
-    ``JobID``, ``State``, ``Pid``, ``ActorClassName``, ...). Ray's public state API
-    (``ray.util.state.list_actors``) asks the dashboard's API server over HTTP, which a
-    benchmark cannot count on; the GCS's table is read through ``ray._private.state``.
+    ``JobID``, ``State``, ``Pid``, ``ActorClassName``, ...), for the soak benchmark. Ray's
+    public state API (``ray.util.state.list_actors``) asks the dashboard over HTTP, and a
+    run's own Ray starts without it (``include_dashboard=False``: the call then fails with
+    ``ServerUnavailable``); the GCS's table is read through ``ray._private.state``.
     Fallback: the public state API, then nothing (the caller samples fewer processes)."""
     try:
         from ray._private import state

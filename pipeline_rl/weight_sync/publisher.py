@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -125,11 +125,9 @@ def _is_ray_actor(worker: object) -> bool:
     return isinstance(worker, ActorHandle)
 
 
-def _key(worker: object) -> str:
-    """A worker's identity across calls (a restarted Ray actor keeps its id)."""
-    from pipeline_rl.run.ray_compat import actor_key
-
-    return actor_key(worker)
+def _label(worker: object) -> str:
+    """A worker in a log line (a Ray handle's repr names its class and actor id)."""
+    return repr(worker)
 
 
 Transport = Literal["vllm", "object_store"]
@@ -152,8 +150,10 @@ class WeightPublisher:
                  path: WeightPath = "auto") -> None:
         self.transport: Transport = transport
         self.path: WeightPath = path
-        self.paths: dict[str, ResolvedPath] = {}   # the path each worker got (by worker key)
-        self._channels: dict[str, GlooTrainerWeightTransfer | ShmTrainerChannel] = {}
+        # The path each worker got. Workers are keys as they are: a Ray actor handle hashes and
+        # compares by its actor id, so a restarted actor keeps its entry and its channel.
+        self.paths: dict[Hashable, ResolvedPath] = {}
+        self._channels: dict[Hashable, GlooTrainerWeightTransfer | ShmTrainerChannel] = {}
         self._shared = SharedWriter()              # the shm path's one segment
         self._placement: Placement | None = None
         self._last_bytes = 0                       # the size of the last update sent
@@ -231,11 +231,11 @@ class WeightPublisher:
             new = [w for w in workers if all(w is not old for old in self._workers)]
             self._workers = list(workers)
             latest, ref = self._latest, self._latest_ref
-            keep = {_key(w) for w in workers}
+            keep = set(workers)
             gone = [self._channels.pop(k) for k in list(self._channels) if k not in keep]
         for channel in gone:
             channel.close()
-        paths = [self._path_of(_key(w), w) if self.transport == "vllm" else "object_store" for w in workers]
+        paths = [self._path_of(w) if self.transport == "vllm" else "object_store" for w in workers]
         if latest is not None:
             self._offer(new, latest, ref)
         return paths
@@ -363,22 +363,21 @@ class WeightPublisher:
             del self.send_timings[:-PUBLISHED_AT_KEPT]
 
     def _send_one(self, worker: object, update: WeightUpdate, reconnect: bool) -> SendTiming | None:
-        key = _key(worker)
-        channel = self._channels.pop(key, None)
+        channel = self._channels.pop(worker, None)
         try:
             if channel is not None and reconnect:
                 channel.close()
                 channel = None
             if channel is None:
-                channel = self._open(key, worker)
+                channel = self._open(worker)
             timing = channel.send(update)
-            self._channels[key] = channel
+            self._channels[worker] = channel
             return timing
         except ShmSpaceError as e:
             if self.path != "auto":
                 raise
-            log.warning("weights: %s; worker %s takes the gloo path instead", e, key[-8:])
-            self.paths[key] = "gloo"     # the memory filesystem is too small: over TCP
+            log.warning("weights: %s; worker %s takes the gloo path instead", e, _label(worker))
+            self.paths[worker] = "gloo"     # the memory filesystem is too small: over TCP
             return self._send_one(worker, update, reconnect)
         except Exception as e:
             from pipeline_rl.calls import first_line
@@ -390,9 +389,9 @@ class WeightPublisher:
                 self._failures += 1
             return None
 
-    def _path_of(self, key: str, worker: object) -> ResolvedPath:
-        """The path ``worker`` gets (asked once per worker key; logged when first chosen)."""
-        path = self.paths.get(key)
+    def _path_of(self, worker: Hashable) -> ResolvedPath:
+        """The path ``worker`` gets (asked once per worker; logged when first chosen)."""
+        path = self.paths.get(worker)
         if path is None:
             if self._placement is None:
                 self._placement = local_placement()
@@ -400,18 +399,18 @@ class WeightPublisher:
             path = choose_path(self._placement, where, self.path)
             if where.node_id == UNKNOWN_NODE:
                 return path   # asked again at its next channel
-            log.info("weights: worker %s gets the %s path (%s%s)", key[-8:], path, REASONS[path],
+            log.info("weights: worker %s gets the %s path (%s%s)", _label(worker), path, REASONS[path],
                      ", forced" if self.path != "auto" else "")
-            self.paths[key] = path
+            self.paths[worker] = path
         return path
 
     @staticmethod
     def _client(worker: object) -> SyncClient:
         return ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[return-value]
 
-    def _open(self, key: str, worker: object) -> GlooTrainerWeightTransfer | ShmTrainerChannel:
+    def _open(self, worker: Hashable) -> GlooTrainerWeightTransfer | ShmTrainerChannel:
         """A new channel to ``worker`` on its path."""
-        path, client = self._path_of(key, worker), self._client(worker)
+        path, client = self._path_of(worker), self._client(worker)
         if path == "shm":
             return ShmTrainerChannel(client, self._shared)
         if path != "gloo":
