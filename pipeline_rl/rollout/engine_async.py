@@ -14,7 +14,9 @@ until the bytes are here and checked::
     update_weights        the bytes are staged in this process while the engine generates:
                           received from the trainer's gloo channel into this worker's
                           shared-memory segment, or (same machine) the trainer's own
-                          segment mapped; checked whole (names, shapes, finite values)
+                          segment mapped; checked whole (names, shapes, finite values).
+                          ipc (one GPU): nothing to stage here; the engine core opens the
+                          trainer's GPU buffer and checks it, still generating
     finish_weight_update  the engine core maps the segment and, on CPU, loads it into
                           a shadow of its model on a thread of its own while it keeps
                           generating (vLLM's start/update calls, this project's backend;
@@ -57,6 +59,7 @@ from pipeline_rl.rollout.engine import (
 from pipeline_rl import runtime_env
 from pipeline_rl.rollout import vllm_compat as compat
 from pipeline_rl.rollout.engine_inprocess import sampling_params, to_finished
+from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo, info_of, is_ipc_info
 from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.gloo import (
     BACKEND,
@@ -89,11 +92,9 @@ class EngineBroken(RuntimeError):
 
 
 def transfer_backend(device: str) -> str:
-    """vLLM weight-transfer backend per device. This project's gloo backend on every
-    device for now: on CUDA its bytes cross host memory and are loaded with vLLM's
-    layerwise reload. vLLM's ``nccl`` backend (GPU to GPU) needs the trainer half wired
-    to ``NCCLTrainerWeightTransferEngine`` in the publisher, which has not run on a GPU
-    yet, so it is not offered."""
+    """vLLM weight-transfer backend per device: this project's on every device and path
+    (its backend takes the shm, gloo and ipc infos alike, so the engine need not know
+    its path when it starts; ``pipeline_rl.weight_sync.cuda_ipc`` says why)."""
     return BACKEND
 
 
@@ -117,7 +118,7 @@ class AsyncEngine(GenerationEngine):
         self._unfinished = 0
         self._update_lock = threading.Lock()     # one update at a time
         self._updating = False
-        self._staged_info: ShmUpdateInfo | None = None   # checked bytes awaiting the load
+        self._staged_info: ShmUpdateInfo | IpcUpdateInfo | None = None   # awaiting the load
         self._update_bytes = 0
         self._transfer_s = 0.0
         self._applied: list[AppliedUpdate] = []  # reported by apply_staged
@@ -260,7 +261,9 @@ class AsyncEngine(GenerationEngine):
         self._update_bytes = payload_bytes(update_info)
         self._transfer_s = time.perf_counter() - t0
 
-    def _stage_bytes(self, update_info: dict[str, Any]) -> ShmUpdateInfo:
+    def _stage_bytes(self, update_info: dict[str, Any]) -> ShmUpdateInfo | IpcUpdateInfo:
+        if is_ipc_info(update_info):   # the bytes stay on the GPU; the engine core checks them
+            return info_of(update_info)
         if is_shm_info(update_info):
             info = ShmUpdateInfo(**update_info)
             update = self._segments.update(info)
@@ -293,7 +296,9 @@ class AsyncEngine(GenerationEngine):
             return False
         in_flight = self._unfinished
         t0 = time.perf_counter()
-        beside = self.cfg.device == "cpu" and self._load_beside(staged, version)
+        if isinstance(staged, IpcUpdateInfo):
+            self._open_in_core(staged, version)
+        beside = self.cfg.device == "cpu" and isinstance(staged, ShmUpdateInfo) and self._load_beside(staged, version)
         try:
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False))
             paused_at = time.perf_counter()           # no engine step runs from here
@@ -314,6 +319,17 @@ class AsyncEngine(GenerationEngine):
         self._version = version
         self._end_update()
         return True
+
+    def _open_in_core(self, staged: IpcUpdateInfo, version: int) -> None:
+        """The ``ipc`` path, while the engine generates: the engine core opens the trainer's
+        GPU buffer and checks it (names, shapes, finite values); nothing is loaded. A
+        failure ends the update with one line, the old weights serving."""
+        try:
+            self._run(self._hand_over(staged), timeout_s=DEFAULT_TIMEOUT_S)
+            self._handed = True
+        except BaseException as e:
+            self._end_update()
+            raise WeightUpdateError(f"weights v{version} not opened by the engine core: {_first_line(e)}") from e
 
     def _load_beside(self, staged: ShmUpdateInfo, version: int) -> bool:
         """Have the engine core load ``staged`` into its shadow while it generates; True
@@ -341,8 +357,8 @@ class AsyncEngine(GenerationEngine):
             f"did not finish within {DEFAULT_TIMEOUT_S:.0f} s"
         raise WeightUpdateError(f"weights v{version}: loading them in the engine core {what}")
 
-    async def _hand_over(self, staged: ShmUpdateInfo) -> None:
-        """The engine core maps the staged segment and checks names and shapes (no load)."""
+    async def _hand_over(self, staged: ShmUpdateInfo | IpcUpdateInfo) -> None:
+        """The engine core maps the staged segment (or opens the GPU buffer) and checks it (no load)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         await self._llm.start_weight_update()

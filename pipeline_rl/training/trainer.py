@@ -322,12 +322,15 @@ class Trainer:
 
     # -- weights -------------------------------------------------------------------------------
 
-    def weights(self, version: int | None = None, allocate: Callable[[int], np.ndarray] | None = None) -> WeightUpdate:
-        """Full parameters in the engines' dtype (ZeRO-3: a collective); ``allocate``: see ``gather_weights``."""
+    def weights(self, version: int | None = None, allocate: Callable[[int], np.ndarray] | None = None,
+                on_device: bool = False) -> WeightUpdate:
+        """Full parameters in the engines' dtype (ZeRO-3: a collective); ``allocate`` and
+        ``on_device``: see ``gather_weights``."""
         if version is not None and version != self._version:
             raise ValueError(f"trainer.weights: asked for version {version}, trainer is at {self._version}")
         return gather_weights(self.engine.module, self._version, zero_stage=self.zero_stage,
-                              dtype=served_dtype(self.cfg.rollout.dtype, self.device.type), allocate=allocate)
+                              dtype=served_dtype(self.cfg.rollout.dtype, self.device.type), allocate=allocate,
+                              on_device=on_device)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -445,6 +448,8 @@ class RankStep:
         """Publish the current weights (every rank calls it: a ZeRO-3 gather is collective)."""
         if self.publisher is None and not self.trainer.weights_collective:
             return
-        update = self.trainer.weights(allocate=self.publisher.allocator() if self.publisher else None)
+        pub = self.publisher
+        update = self.trainer.weights(allocate=pub.allocator() if pub else None,
+                                      on_device=pub.on_device() if pub else False)
         if self.publisher is not None:
             self.publisher.publish(update)

@@ -254,6 +254,8 @@ class GlooTrainerWeightTransfer:
     send with that error, and the channel is then unusable (close it; a new
     ``trainer_init`` makes a fresh one)."""
 
+    path = "gloo"
+
     def __init__(self, client: SyncClient, channel: Channel, bucket_bytes: int) -> None:
         self.client = client
         self._channel = channel

@@ -38,13 +38,26 @@ class WeightUpdateError(ValueError):
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class DeviceCopy:
+    """An update's tensors still on the trainer's GPU: ``flat``, one 1-D tensor of the
+    wire dtype holding them back to back in ``names`` order, with their ``shapes`` (the
+    ``ipc`` path shares it as it is, ``pipeline_rl.weight_sync.cuda_ipc``)."""
+
+    flat: "torch.Tensor"
+    shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class WeightUpdate:
-    """Full model weights for one policy version."""
+    """Full model weights for one policy version: in host memory (``arrays``), or on
+    the trainer's GPU (``device``, and ``arrays`` empty; ``cuda_ipc.to_host`` copies it
+    out for the paths that move bytes)."""
 
     version: int
     names: tuple[str, ...]
     arrays: tuple[np.ndarray, ...]
     dtype: WireDtype = "float32"
+    device: DeviceCopy | None = None
 
     def dtype_name(self, arr: np.ndarray) -> str:
         """The wire dtype of one of this update's arrays."""
@@ -52,10 +65,14 @@ class WeightUpdate:
 
     @property
     def num_bytes(self) -> int:
+        if self.device is not None:
+            return int(self.device.flat.numel()) * int(self.device.flat.element_size())
         return sum(int(a.nbytes) for a in self.arrays)
 
     @property
     def num_params(self) -> int:
+        if self.device is not None:
+            return int(self.device.flat.numel())
         return sum(int(a.size) for a in self.arrays)
 
 
@@ -151,6 +168,9 @@ def validate_update(update: WeightUpdate, spec: WeightSpec, *, current_version: 
     if current_version is not None and update.version <= current_version:
         raise WeightUpdateError(f"version {update.version} is not newer than the served version "
                                 f"{current_version}")
+    if update.device is not None:
+        raise WeightUpdateError(f"weights v{update.version} are on the trainer's GPU (the ipc path's); "
+                                "copy them to host memory first")
     if len(update.names) != len(update.arrays):
         raise WeightUpdateError(f"{len(update.names)} names but {len(update.arrays)} arrays")
     seen: set[str] = set()

@@ -5,10 +5,11 @@
   (``pipeline_rl.weight_sync.shm``); no byte crosses a socket.
 - ``gloo``: across machines: a two-member gloo group per worker, the bytes broadcast in
   buckets (``pipeline_rl.weight_sync.gloo``); the fallback that works everywhere.
-- ``ipc`` / ``nccl``: vLLM's own CUDA backends (CUDA IPC handles of the trainer's
-  tensors on a shared GPU; NCCL between GPUs). Not wired yet (docs/design.md, section 6):
-  ``auto`` picks them only from ``gpu_paths``, empty in this build, and the config
-  refuses them when forced.
+- ``ipc``: trainer and worker on one GPU: CUDA IPC handles of the trainer's bf16
+  snapshot, the engine copies from them (``pipeline_rl.weight_sync.cuda_ipc``).
+- ``nccl``: different GPUs, vLLM's NCCL backend. Not wired yet (docs/design.md,
+  section 6): ``auto`` never picks it (it is not in :data:`GPU_PATHS`) and the config
+  refuses it when forced.
 
 ``auto`` chooses from the two sides' :class:`Placement` (Ray node id, device, GPU):
 one GPU shared -> ``ipc``; two GPUs -> ``nccl``; otherwise one node -> ``shm``, else
@@ -32,6 +33,10 @@ REASONS = {
     "ipc": "same GPU",
     "nccl": "different GPUs",
 }
+
+
+#: The CUDA paths this build drives.
+GPU_PATHS: frozenset[str] = frozenset({"ipc"})
 
 
 class PathError(ValueError):

@@ -34,11 +34,20 @@ from typing import Any, Literal
 
 import numpy as np
 
+from pipeline_rl.weight_sync.cuda_ipc import IpcTrainerChannel, to_host
 from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
 from pipeline_rl.weight_sync.dtypes import STORAGE, WireDtype, from_torch, torch_dtype
 from pipeline_rl.weight_sync.gloo import DEFAULT_TIMEOUT_S, GlooTrainerWeightTransfer
 from pipeline_rl.weight_sync.message import WeightUpdate
-from pipeline_rl.weight_sync.paths import REASONS, Placement, ResolvedPath, WeightPath, choose_path, local_placement
+from pipeline_rl.weight_sync.paths import (
+    GPU_PATHS,
+    REASONS,
+    Placement,
+    ResolvedPath,
+    WeightPath,
+    choose_path,
+    local_placement,
+)
 from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
 from pipeline_rl.weight_sync.shm import SharedWriter, ShmSpaceError, ShmTrainerChannel, new_shared_buffer, shm_fits
 
@@ -46,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDtype = "float32",
-                   allocate: Callable[[int], np.ndarray] | None = None) -> WeightUpdate:
+                   allocate: Callable[[int], np.ndarray] | None = None, on_device: bool = False) -> WeightUpdate:
     """Full parameters of ``module`` (the HF model inside the DeepSpeed engine) in the wire
     dtype ``dtype`` -- the served model's: a bfloat16 engine gets bfloat16, cast here once,
     parameter by parameter as they are copied out (``float32`` keeps float32).
@@ -60,6 +69,8 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
     ``allocate(nbytes)``: where the buffer comes from (a uint8 array; the publisher's
     :meth:`WeightPublisher.allocator` gives shared memory when a worker takes the shm path,
     so the gather itself is the one write of the bytes); default: ordinary memory.
+    ``on_device`` (a worker takes the ``ipc`` path): parameters on a GPU are gathered
+    into one tensor on that GPU instead (``WeightUpdate.device``; a device-to-device copy).
     """
     import torch
 
@@ -76,6 +87,9 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
         shapes = [tuple(p.shape) for _, p in params]   # full shapes: read while gathered (ZeRO-3)
         sizes = [p.numel() for _, p in params]
         wire = torch_dtype(dtype)
+        device = params[0][1].device if params else torch.device("cpu")
+        if on_device and device.type == "cuda":
+            return _gather_on_device(params, sizes, shapes, version, dtype, device)
         raw = allocate(sum(sizes) * wire.itemsize) if allocate is not None else None
         flat = torch.empty(sum(sizes), dtype=wire) if raw is None else torch.from_numpy(raw).view(wire)
         offset = 0
@@ -91,6 +105,22 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
         offset += n
     return WeightUpdate(version=version, names=tuple(name for name, _ in params), arrays=tuple(arrays),
                         dtype=dtype)
+
+
+def _gather_on_device(params: list[tuple[str, Any]], sizes: list[int], shapes: list[tuple[int, ...]],
+                      version: int, dtype: WireDtype, device: Any) -> WeightUpdate:
+    """``gather_weights`` into one tensor on ``device`` (inside its gather context)."""
+    import torch
+
+    from pipeline_rl.weight_sync.cuda_ipc import device_copy
+
+    flat = torch.empty(sum(sizes), dtype=torch_dtype(dtype), device=device)
+    offset = 0
+    for (_, p), n in zip(params, sizes):
+        flat[offset:offset + n].view(p.shape).copy_(p.detach())
+        offset += n
+    return WeightUpdate(version=version, names=tuple(name for name, _ in params), arrays=(), dtype=dtype,
+                        device=device_copy(flat, shapes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +161,7 @@ def _label(worker: object) -> str:
 
 
 Transport = Literal["vllm", "object_store"]
+TrainerChannel = GlooTrainerWeightTransfer | ShmTrainerChannel | IpcTrainerChannel
 PUBLISHED_AT_KEPT = 1024  # versions whose publish time the stats keep
 
 
@@ -153,7 +184,8 @@ class WeightPublisher:
         # The path each worker got. Workers are keys as they are: a Ray actor handle hashes and
         # compares by its actor id, so a restarted actor keeps its entry and its channel.
         self.paths: dict[Hashable, ResolvedPath] = {}
-        self._channels: dict[Hashable, GlooTrainerWeightTransfer | ShmTrainerChannel] = {}
+        self._channels: dict[Hashable, TrainerChannel] = {}
+        self._host_copy: WeightUpdate | None = None   # a GPU-gathered version, for byte paths
         self._shared = SharedWriter()              # the shm path's one segment
         self._placement: Placement | None = None
         self._last_bytes = 0                       # the size of the last update sent
@@ -247,6 +279,11 @@ class WeightPublisher:
             latest, ref = self._latest, self._latest_ref
         if latest is not None:
             self._offer(list(workers), latest, ref, reconnect=True)
+
+    def on_device(self) -> bool:
+        """Whether ``gather_weights`` should keep the next version on the GPU: some worker
+        takes the ``ipc`` path (the others get a host copy of it)."""
+        return "ipc" in self.paths.values()
 
     def allocator(self) -> Callable[[int], np.ndarray] | None:
         """Where ``gather_weights`` should put the next version: shared memory once some
@@ -370,7 +407,7 @@ class WeightPublisher:
                 channel = None
             if channel is None:
                 channel = self._open(worker)
-            timing = channel.send(update)
+            timing = channel.send(update if channel.path == "ipc" else self._host(update))
             self._channels[worker] = channel
             return timing
         except ShmSpaceError as e:
@@ -389,6 +426,16 @@ class WeightPublisher:
                 self._failures += 1
             return None
 
+    def _host(self, update: WeightUpdate) -> WeightUpdate:
+        """``update`` in host memory (one copy per version, shared by the workers)."""
+        if update.device is None:
+            return update
+        with self._lock:
+            cached = self._host_copy
+            if cached is None or cached.version != update.version:
+                cached = self._host_copy = to_host(update)
+        return cached
+
     def _path_of(self, worker: Hashable) -> ResolvedPath:
         """The path ``worker`` gets (asked once per worker; logged when first chosen)."""
         path = self.paths.get(worker)
@@ -396,7 +443,7 @@ class WeightPublisher:
             if self._placement is None:
                 self._placement = local_placement()
             where = placement_of(self._client(worker))
-            path = choose_path(self._placement, where, self.path)
+            path = choose_path(self._placement, where, self.path, GPU_PATHS)
             if where.node_id == UNKNOWN_NODE:
                 return path   # asked again at its next channel
             log.info("weights: worker %s gets the %s path (%s%s)", _label(worker), path, REASONS[path],
@@ -408,11 +455,13 @@ class WeightPublisher:
     def _client(worker: object) -> SyncClient:
         return ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[return-value]
 
-    def _open(self, worker: Hashable) -> GlooTrainerWeightTransfer | ShmTrainerChannel:
+    def _open(self, worker: Hashable) -> TrainerChannel:
         """A new channel to ``worker`` on its path."""
         path, client = self._path_of(worker), self._client(worker)
         if path == "shm":
             return ShmTrainerChannel(client, self._shared)
+        if path == "ipc":
+            return IpcTrainerChannel(client)
         if path != "gloo":
             raise RuntimeError(f"weight path {path} is not wired in this build")
         return GlooTrainerWeightTransfer.trainer_init(client, address=trainer_address())

@@ -21,6 +21,7 @@ from pipeline_rl.weight_sync.gloo import (
     receive_update,
 )
 from pipeline_rl.weight_sync.core_staging import CoreStager
+from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo, OpenedUpdate, check_opened, info_of, is_ipc_info, open_update
 from pipeline_rl.weight_sync.layout import UpdateLayout
 from pipeline_rl.weight_sync.message import (
     CheckedUpdate,
@@ -61,6 +62,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         self._bucket_bytes = DEFAULT_BUCKET_BYTES
         self._spec = read_weight_spec(vllm_config.model_config.model)
         self._received: WeightUpdate | None = None
+        self._opened: OpenedUpdate | None = None   # the ipc path: views of the trainer's GPU buffer
         self._buffer: np.ndarray | None = None     # the gloo receive buffer, reused
         self._segments = SegmentReader()
         self._stager: CoreStager | None = None   # loads beside generation (AsyncLLM on CPU)
@@ -73,7 +75,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         except TypeError as e:
             raise ValueError(f"invalid init_info for {BACKEND}: {e}") from e
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateLayout | ShmUpdateInfo:
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateLayout | ShmUpdateInfo | IpcUpdateInfo:
+        if is_ipc_info(update_dict):
+            return info_of(update_dict)
         try:
             return ShmUpdateInfo(**update_dict) if is_shm_info(update_dict) else UpdateLayout(**update_dict)
         except TypeError as e:
@@ -86,12 +90,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
 
     def start_weight_update(self) -> None:
         self._received = None
+        self._opened = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base would also synchronise an accelerator; a CPU receive is done when it returns.
         self.receive_weights(self.parse_update_info(update_info))
 
-    def receive_weights(self, update_info: UpdateLayout | ShmUpdateInfo) -> None:
+    def receive_weights(self, update_info: UpdateLayout | ShmUpdateInfo | IpcUpdateInfo) -> None:
+        if isinstance(update_info, IpcUpdateInfo):   # opened and checked on the GPU, not loaded
+            index = self.device.index if self.device.index is not None else 0
+            opened = open_update(update_info, index)
+            check_opened(opened, self._spec)
+            self._opened = opened
+            return
         if isinstance(update_info, ShmUpdateInfo):
             update = self._segments.update(update_info)
             validate_update(update, self._spec, check_values=not update_info.checked)
@@ -122,6 +133,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[Any, Any]):
         return update
 
     def finish_weight_update(self) -> None:
+        if self._opened is not None:   # the ipc path: copy from the trainer's buffer, then let it go
+            opened, self._opened = self._opened, None
+            load_served_weights(self.model, sorted(opened.tensors, key=lambda nt: nt[0]), self.vllm_config)
+            import torch
+
+            torch.cuda.synchronize(self.device)   # the trainer may free its buffer once this returns
+            return
         if self._staged and self._stager is not None:   # loaded beside generation: swap it in
             self._staged = False
             self._received = None
