@@ -226,6 +226,8 @@ def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int
         report.facts[key + "lag_max"] = max(r["lag_max"] for r in run.rows)
     report.facts[key + "weight_sync_ms_p50_p90"] = run.summary_value(
         "weight sync, step end -> every worker on it (p50 / p90)")
+    if run.returncode and report.json_path is not None:   # the whole console, beside the report
+        report.json_path.with_name(f"run_big_{path}.log").write_text(run.stdout + "\n" + run.stderr)
     last_line = run.stderr_tail.splitlines()[-1:] if run.returncode else []
     report.check(f"{steps}-step pipeline, {params / 1e6:.0f} M-parameter Qwen2-shaped model, weight path {path}",
                  run.returncode == 0 and len(run.rows) >= steps,
