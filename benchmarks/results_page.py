@@ -75,6 +75,9 @@ CATALOG: tuple[Entry, ...] = (
           "generation stall, per engine, model size and path."),
     Entry("gpu_smoke", "The GPU check", "python -m benchmarks.gpu_smoke",
           "The GPU road end to end on one GPU: in-flight updates, the default run, a 0.5 B model."),
+    Entry("gpu_weight_paths", "Weights at 0.5 B on one GPU", "python -m benchmarks.gpu_smoke --steps 0 "
+          "--big-steps 10 --big-paths ipc,shm --skip-inflight --skip-fault",
+          "Sync and stall per update of a 494 M-parameter model, the CUDA IPC path against shared memory."),
     Entry("ablation", "Staleness x correction", "python -m benchmarks.ablation --quick --seeds 3",
           "Final reward and reward AUC per staleness and correction, with intervals and "
           "Holm-corrected tests.", figure="ablation_bf16.png"),
