@@ -17,8 +17,10 @@ is of the starting weights alone while training goes on (:attr:`EvalFeed.pinned`
 training does not wait for it), every ``--eval.every`` steps and at the end, the same
 ``--eval.num_prompts`` held-out ids are split over the live workers; training goes on
 and the answers are collected after later steps. At most one evaluation is in flight (a
-due one is skipped and counted meanwhile); the final one is waited for, bounded. A worker
-that dies loses that evaluation (logged); any other failure is raised.
+due one is skipped and counted meanwhile); the final one is waited for, bounded. The
+answers are read through the run's supervisor, the one place that handles a dead worker:
+an evaluation with a share on a worker the supervisor reports lost (``WorkerLost``, through
+:meth:`Evaluations.worker_lost`) is lost (counted, one line); any other failure is raised.
 """
 
 from __future__ import annotations
@@ -34,12 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.config import EvalConfig
 from pipeline_rl.metrics import EvalMetrics
-from pipeline_rl.run.remote_calls import ActorDied, Calls, RayCalls
+from pipeline_rl.run.remote_calls import Calls, RayCalls, WorkerCall, WorkerLost
 from pipeline_rl.tasks.base import Prompt
 
 if TYPE_CHECKING:
     import numpy as np
-    from ray import ObjectRef
 
 
 #: How long a due evaluation waits for the starting one (:meth:`Evaluations.start_due`).
@@ -50,6 +51,9 @@ SOLVED = 1.0 - 1e-6
 RewardOf = Callable[[Prompt, str], float]
 #: Request ids of evaluation sequences start with this (training ids are ``GROUP:INDEX``).
 EVAL_PREFIX = "eval:"
+#: Reads the answers to calls made to the workers; None when the reader reported them lost
+#: (the run's: ``Supervisor.answers``).
+ReadAnswers = Callable[[Sequence[WorkerCall]], "list[Any] | None"]
 #: Share of a worker's engine sequences (``--rollout.max_num_seqs``) a side-stream
 #: evaluation holds at most at a time; training generation keeps the rest.
 STREAM_SHARE = 0.25
@@ -275,19 +279,23 @@ class _InFlight:
     step: int
     version: int
     launched: float
-    refs: "list[ObjectRef[EvalResult]]"
+    shares: list[WorkerCall]    # refs: ``ObjectRef[EvalResult]``
     stream: bool = True
 
 
 class Evaluations:
     """Launches, collects and reports held-out evaluations (see the module docstring).
-    ``clock`` gives the run's elapsed seconds (for ``EvalMetrics.time_s``); ``calls`` reads
-    the workers' answers (Ray's, unless a test gives stand-ins)."""
+    ``clock`` gives the run's elapsed seconds (for ``EvalMetrics.time_s``); ``calls`` waits
+    for the workers' answers (Ray's, unless a test gives stand-ins); ``answers`` reads them:
+    the run gives its supervisor's (``Supervisor.answers``), which reports a dead worker's
+    share to :meth:`worker_lost` before it returns None; without one, a failure is raised."""
 
-    def __init__(self, cfg: EvalConfig, clock: Callable[[], float], calls: Calls | None = None) -> None:
+    def __init__(self, cfg: EvalConfig, clock: Callable[[], float], calls: Calls | None = None,
+                 answers: ReadAnswers | None = None) -> None:
         self.cfg = cfg
         self._clock = clock
         self._calls: Calls = calls if calls is not None else RayCalls()
+        self._answers: ReadAnswers = answers if answers is not None else self._read
         self._next_id = 0
         self._in_flight: _InFlight | None = None
         self.skipped = 0
@@ -301,9 +309,9 @@ class Evaluations:
         return self.enabled and step % self.cfg.every == 0
 
     def launch(self, step: int, version: int, workers: Sequence[Any], *, stream: bool = True) -> bool:
-        """Ask ``workers`` (Ray handles of rollout actors) to evaluate (``stream``: as a
-        side-stream, :class:`EvalFeed`); False (and counted as skipped) while the previous
-        evaluation is still running."""
+        """Ask ``workers`` (Ray handles of rollout actors, ``workers[i]`` being worker ``i``)
+        to evaluate (``stream``: as a side-stream, :class:`EvalFeed`); False (and counted as
+        skipped) while the previous evaluation is still running."""
         if self._in_flight is not None:
             self.skipped += 1
             log.info("evaluation after step %d skipped: the one after step %d is still running",
@@ -312,25 +320,36 @@ class Evaluations:
         shares = split_prompts(self.cfg.num_prompts, len(workers))
         eval_id = self._next_id
         self._next_id += 1
-        refs = [w.evaluate.remote(EvalRequest(eval_id, share, self.cfg.k, stream)) for w, share in zip(workers, shares)]
-        self._in_flight = _InFlight(eval_id, step, version, time.monotonic(), refs, stream)
+        calls = [WorkerCall(i, w.evaluate.remote(EvalRequest(eval_id, share, self.cfg.k, stream)))
+                 for i, (w, share) in enumerate(zip(workers, shares))]
+        self._in_flight = _InFlight(eval_id, step, version, time.monotonic(), calls, stream)
         return True
+
+    def worker_lost(self, notice: WorkerLost) -> None:
+        """The supervisor's notice: the evaluation in flight, if it has a share on that worker,
+        is lost (counted, one line)."""
+        job = self._in_flight
+        if job is None or all(c.index != notice.index for c in job.shares):
+            return
+        self._in_flight = None
+        self.lost += 1
+        log.warning("evaluation after step %d lost: rollout worker %d: %s", job.step, notice.index, notice.why)
+
+    def _read(self, calls: Sequence[WorkerCall]) -> list[Any]:
+        return [self._calls.get(c.ref) for c in calls]
 
     def poll(self, timeout_s: float = 0.0) -> EvalMetrics | None:
         """The in-flight evaluation's metrics once all its answers are in (waiting up to
-        ``timeout_s``), else None."""
+        ``timeout_s``), else None (also when the answers' reader reported it lost)."""
         job = self._in_flight
         if job is None:
             return None
-        if self._calls.pending(job.refs, timeout_s):
+        if self._calls.pending([c.ref for c in job.shares], timeout_s):
+            return None
+        parts: list[EvalResult] | None = self._answers(job.shares)
+        if parts is None or self._in_flight is not job:   # lost: worker_lost was told
             return None
         self._in_flight = None
-        try:
-            parts: list[EvalResult] = [self._calls.get(ref) for ref in job.refs]
-        except ActorDied as e:
-            self.lost += 1
-            log.warning("evaluation after step %d lost: a rollout worker died (%s)", job.step, e)
-            return None
         res = EvalResult.merge(parts)
         return EvalMetrics(
             step=job.step, version=job.version, time_s=self._clock(),

@@ -1,6 +1,7 @@
 """The run's supervisor without Ray: stand-in actor handles and remote results drive a worker
 death (restarted, then one too many), a trainer death, a buffer death and a stall, and each
-must produce its one line (actor, cause, where to resume from)."""
+must produce its one line (actor, cause, where to resume from). The evaluations read their
+answers through it: a dead worker's share is lost by its notice, whichever sees the death first."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from pipeline_rl.config import Config
 from pipeline_rl.run.checkpoints import CheckpointPolicy
-from pipeline_rl.run.remote_calls import ActorDied, ActorRaised, CallFailed, NoAnswer
+from pipeline_rl.run.remote_calls import ActorDied, ActorRaised, ActorUnavailable, CallFailed, NoAnswer, WorkerLost
 from pipeline_rl.run.supervisor import OrchestratorError, Supervisor, WorkerSlot
 
 
@@ -86,14 +87,22 @@ class Trainer:
 
 
 def supervisor(tmp_path: Path, buffer: Buffer, workers: list[Worker], trainer: Trainer | None = None,
+               on_lost: Callable[[WorkerLost], None] = lambda notice: None,
                **flags: Any) -> tuple[Supervisor, list[WorkerSlot], list[int]]:
+    """The supervisor of ``workers``; the list it returns gets the index of each worker it restarts."""
     cfg = Config.model_validate({"out_dir": str(tmp_path), **flags})
     slots = [WorkerSlot(i, w) for i, w in enumerate(workers)]   # type: ignore[arg-type]
     for s in slots:
         s.start(3, cfg.groups_per_step)
     restarted: list[int] = []
+
+    def lost(notice: WorkerLost) -> None:
+        if notice.restarted:
+            restarted.append(notice.index)
+        on_lost(notice)
+
     sup = Supervisor(cfg, FakeCalls(), buffer, [trainer or Trainer()], slots,  # type: ignore[arg-type]
-                     threading.Event(), CheckpointPolicy(cfg, tmp_path), lambda: 3, restarted.append)
+                     threading.Event(), CheckpointPolicy(cfg, tmp_path), lambda: 3, lost)
     return sup, slots, restarted
 
 
@@ -159,15 +168,40 @@ def test_a_stall_says_who_waits_for_what(tmp_path: Path) -> None:
 
 
 # -- evaluations read through the same stand-ins ---------------------------------------------
-def test_evaluations_wait_merge_and_count_a_dead_workers_share_as_lost() -> None:
-    from pipeline_rl.config import EvalConfig
-    from pipeline_rl.evaluation import EvalResult, Evaluations
+def _share() -> Any:
+    from pipeline_rl.evaluation import EvalResult
 
-    share = EvalResult(num_prompts=2, k=2, greedy_reward_sum=1.0, sampled_reward_sum=3.0, passed=2,
-                       greedy_tokens=8, version_min=4, version_max=5)
-    late = Ref(share, answered=False)
-    workers = [SimpleNamespace(evaluate=Method(answered(share))), SimpleNamespace(evaluate=Method(lambda *a: late))]
-    ev = Evaluations(EvalConfig(every=5, num_prompts=4, k=2), clock=lambda: 1.5, calls=FakeCalls())
+    return EvalResult(num_prompts=2, k=2, greedy_reward_sum=1.0, sampled_reward_sum=3.0, passed=2,
+                      greedy_tokens=8, version_min=4, version_max=5)
+
+
+class EvalWorker(Worker):
+    """A rollout worker that also evaluates (its share answered, unless a test says otherwise);
+    its generation loop runs until a test says otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__(Ref(answered=False))
+        self.evaluate = Method(answered(_share()))
+
+
+def evaluations(tmp_path: Path, workers: list[EvalWorker]) -> tuple[Any, Supervisor, list[WorkerSlot], list[int]]:
+    """Evaluations whose answers the supervisor reads and whose losses it reports, wired as the run does."""
+    from pipeline_rl.config import EvalConfig
+    from pipeline_rl.evaluation import Evaluations
+
+    told: list[Callable[[WorkerLost], None]] = []
+    sup, slots, restarted = supervisor(tmp_path, Buffer(), list(workers), on_lost=lambda n: told[0](n))
+    ev = Evaluations(EvalConfig(every=5, num_prompts=4, k=2), clock=lambda: 1.5, calls=FakeCalls(),
+                     answers=sup.answers)
+    told.append(ev.worker_lost)
+    return ev, sup, slots, restarted
+
+
+def test_evaluations_wait_for_every_share_and_merge_them(tmp_path: Path) -> None:
+    late = Ref(_share(), answered=False)
+    workers = [EvalWorker(), EvalWorker()]
+    workers[1].evaluate = Method(lambda *a: late)
+    ev, _, _, _ = evaluations(tmp_path, workers)
     assert ev.launch(5, 5, workers)
     assert ev.poll() is None and ev.in_flight_step == 5          # one share still out
     late.answered = True
@@ -176,6 +210,57 @@ def test_evaluations_wait_merge_and_count_a_dead_workers_share_as_lost() -> None
     assert (done.step, done.num_prompts, done.greedy_accuracy, done.mean_at_k) == (5, 4, 0.5, 0.75)
     assert (done.version_min, done.version_max, done.time_s) == (4, 5, 1.5)
 
-    workers[1] = SimpleNamespace(evaluate=Method(lambda *a: Ref(error=died("worker 1 died"))))
+
+def test_a_share_lost_with_its_worker_is_handled_by_the_supervisor(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The evaluation reads a share that failed because its worker died: the supervisor, not
+    the evaluation, handles the death (the worker restarted once, its loop's call having
+    failed alongside) and its notice makes the evaluation lost, in one line; the run goes on."""
+    dead = died("The actor died unexpectedly")
+    workers = [EvalWorker(), EvalWorker()]
+    workers[1].evaluate = Method(lambda *a: Ref(error=dead))
+    ev, sup, slots, restarted = evaluations(tmp_path, workers)
     assert ev.launch(10, 10, workers)
-    assert ev.poll() is None and ev.lost == 1 and ev.in_flight_step is None
+    slots[1].run_ref = Ref(error=dead)                            # the loop's call fails with the process
+    with caplog.at_level("WARNING", logger="pipeline_rl.evaluation"):
+        assert ev.poll() is None
+    assert ev.lost == 1 and ev.in_flight_step is None and restarted == [1] and slots[1].restarts == 1
+    assert [r.getMessage() for r in caplog.records if r.name == "pipeline_rl.evaluation"] == [
+        "evaluation after step 10 lost: rollout worker 1: its process died (RuntimeError: The actor "
+        "died unexpectedly)"]
+    sup.check()
+    assert restarted == [1]                                       # not restarted again by the loop
+    assert ev.launch(15, 15, workers[:1]) and ev.poll() is not None   # later evaluations go on
+
+
+def test_a_worker_death_the_supervisor_sees_first_loses_the_evaluation_unread(tmp_path: Path) -> None:
+    workers = [EvalWorker(), EvalWorker()]
+    never = Ref(answered=False)
+    workers[0].evaluate = Method(lambda *a: never)
+    ev, sup, slots, restarted = evaluations(tmp_path, workers)
+    assert ev.launch(10, 10, workers)
+    slots[0].run_ref = Ref(error=died("The actor died unexpectedly"))   # seen while awaiting a step
+    sup.check()
+    assert restarted == [0] and ev.lost == 1 and ev.in_flight_step is None
+    assert ev.poll() is None and ev.lost == 1
+
+
+def test_a_share_that_fails_while_its_worker_lives_is_lost_without_a_restart(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    workers = [EvalWorker()]
+    workers[0].evaluate = Method(lambda *a: Ref(error=ActorUnavailable(RuntimeError("connection reset"))))
+    ev, _, slots, restarted = evaluations(tmp_path, workers)
+    assert ev.launch(10, 10, workers)
+    with caplog.at_level("WARNING", logger="pipeline_rl.evaluation"):
+        assert ev.poll() is None and ev.lost == 1 and restarted == [] and slots[0].restarts == 0
+    assert caplog.records[-1].getMessage() == ("evaluation after step 10 lost: rollout worker 0: a call to it "
+                                               "failed (RuntimeError: connection reset)")
+
+
+def test_a_share_that_raised_is_raised(tmp_path: Path) -> None:
+    workers = [EvalWorker()]
+    workers[0].evaluate = Method(lambda *a: Ref(error=ActorRaised(ValueError("no evaluation task"))))
+    ev, _, _, _ = evaluations(tmp_path, workers)
+    assert ev.launch(10, 10, workers)
+    with pytest.raises(ActorRaised, match="no evaluation task"):
+        ev.poll()

@@ -119,7 +119,9 @@ class WorkerStats:
     (``HeapTrimmer``, on the engine's thread between steps); ``applied``: when the most
     recent applied updates went live (at most ``STALL_WINDOW``, oldest first); ``rewards``:
     its reward calls (:class:`RewardTally`); ``episodes``: its multi-turn episodes
-    (:class:`EpisodeTally`)."""
+    (:class:`EpisodeTally`); ``at``: the worker's clock (``time.monotonic()``) when the
+    snapshot was taken, so a poller measures rates over the worker's own time between two
+    snapshots, however late each answer reaches it."""
 
     worker_id: int
     version: int
@@ -140,6 +142,7 @@ class WorkerStats:
     applied: tuple[AppliedAt, ...] = ()
     rewards: RewardTally = RewardTally()
     episodes: EpisodeTally = EpisodeTally()
+    at: float = 0.0
 
     @property
     def reward_errors(self) -> int:
@@ -200,7 +203,7 @@ class Counters:
             updates_applied=c.updates_applied, stall_ms_total=c.stall_ms_total,
             updates_rejected=c.updates_rejected,
             send_wait_s=send_wait_s, in_flight_groups=in_flight_groups, heap_trim_s=heap_trim_s,
-            applied=tuple(c.applied), rewards=rewards, episodes=self._episode_tally())
+            applied=tuple(c.applied), rewards=rewards, episodes=self._episode_tally(), at=time.monotonic())
 
     def _episode_tally(self) -> EpisodeTally:
         ends = self.episode_ends

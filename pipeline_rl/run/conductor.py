@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from pipeline_rl.run.cluster import Cluster, say
 from pipeline_rl.run.recorder import StepRecorder
 from pipeline_rl.run.run_folder import RunFolder
 from pipeline_rl.run.startup import Actors, start_actors, stop_actors
-from pipeline_rl.run.remote_calls import CallFailed, RayCalls
+from pipeline_rl.run.remote_calls import CallFailed, RayCalls, WorkerCall, WorkerLost
 from pipeline_rl.run.supervisor import OrchestratorError, Supervisor, WorkerSlot
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class Orchestrator:
         self._actors: Actors | None = None
         self._supervisor: Supervisor | None = None
         self._recorder: StepRecorder | None = None
-        self._evals = Evaluations(self.cfg.eval, lambda: self._parts()[0].since_start(), self._calls)
+        self._evals = Evaluations(self.cfg.eval, lambda: self._parts()[0].since_start(), self._calls,
+                                  self._read_answers)
 
     def __enter__(self) -> "Orchestrator":
         try:
@@ -83,10 +85,20 @@ class Orchestrator:
         self._recorder = StepRecorder(self.folder, self._calls, actors.workers, actors.buffer)
         self._supervisor = Supervisor(self.cfg, self._calls, actors.buffer, actors.trainers, actors.workers,
                                       self.stop, self._checkpoints, lambda: self.version,
-                                      self._recorder.worker_restarted)
+                                      self._worker_lost)
         self._checkpoints.restart_clock()
         logs = "" if self.cfg.log_level == "debug" else f"; actor logs in {self.out / 'logs'}"
         say(f"training: {self.cfg.max_steps} steps at staleness {self.cfg.staleness}{logs}")
+
+    def _read_answers(self, calls: Sequence[WorkerCall]) -> list[Any] | None:
+        """The workers' answers, read by the supervisor (it handles a dead worker)."""
+        return self._parts()[1].answers(calls)
+
+    def _worker_lost(self, notice: WorkerLost) -> None:
+        """The supervisor's notice of a lost worker, to whom it concerns."""
+        if notice.restarted:
+            self._parts()[0].worker_restarted(notice.index)
+        self._evals.worker_lost(notice)
 
     def _note_started(self, buffer: BufferHandle | None, trainers: list[TrainerHandle],
                       workers: list[WorkerSlot]) -> None:

@@ -2,10 +2,13 @@
 line, ``metrics.jsonl``, TensorBoard) with the workers' and the buffer's statistics; the
 run ends with its summary table.
 
-Statistics are polled at most every ``_STATS_EVERY_S`` and never waited for: a poll's
-answers are taken at a later step once all are in (a worker silent for 2 s is left out
-of that window), and each step carries the last completed window's rates. A poll calls
-into every worker and the buffer: once a step, it cost them more than it was worth.
+Statistics are polled at most every ``_STATS_EVERY_S`` per actor and never waited for:
+each worker (and the buffer) has at most one stats call in flight, its answer is taken at
+whichever later step finds it in, however late, and a worker's rates are measured over
+its own clock between two of its snapshots (``WorkerStats.at``), so an answer delayed by a
+weight load or a long engine step neither drops nor distorts them. Each step carries
+the rates of every worker's last interval (tokens per second: their sum). Asking every
+worker once a step cost them more than it was worth.
 A worker's first reward failure is printed once (a warning line on the console), the
 rest are counted on the step lines.
 """
@@ -42,39 +45,54 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_STATS_EVERY_S = 0.25      # worker and buffer statistics: one poll at most this often
+_STATS_EVERY_S = 0.25      # worker and buffer statistics: one call to each actor at most this often
 _HISTORY_STEPS = 1000      # steps of metrics the driver keeps in memory
+
+
+@dataclass(frozen=True, slots=True)
+class _WorkerRates:
+    """One worker over the interval between its last two snapshots (its own clock): tokens
+    generated per second, and the shares of that time its engine idled and it had a reward
+    call in flight."""
+
+    tokens_per_s: float
+    idle_frac: float
+    reward_busy_frac: float
 
 
 @dataclass(slots=True)
 class _Seen:
-    """A worker's counters at its last answered poll (reset when it restarts)."""
+    """A worker as the poll sees it (reset when it restarts): its counters at its last
+    answered snapshot (``at``: the worker's clock then, None before the first), its rates
+    since the one before, and its stats call in flight (``ref``, sent at ``sent``)."""
 
+    at: float | None = None
     tokens: int = 0
     idle_s: float = 0.0
     stalls: int = 0
     rewards: RewardTally = RewardTally()
     episodes: EpisodeTally = EpisodeTally()
+    rates: _WorkerRates | None = None
+    ref: Any = None
+    sent: float = float("-inf")
 
 
 @dataclass(slots=True)
 class _Delta:
-    """Sums over the workers that answered a poll."""
+    """Sums over the snapshots taken at one update."""
 
-    tokens: int = 0
-    idle_s: float = 0.0
     stalls_ms: list[float] = field(default_factory=list)
-    answered: int = 0
     rewards: RewardTally = RewardTally()
     episodes: EpisodeTally = EpisodeTally()
 
 
 @dataclass(frozen=True, slots=True)
 class _Rates:
-    """The workers' generation over the last completed window: tokens per second, the share
-    of time their engines idled, the mean weight-update stall (ms), the mean weight sync
-    (ms, :class:`WeightSyncLatency`) of the versions resolved in it, the mean duration of
-    a reward call (s) and the share of time the workers had a reward call in flight."""
+    """The workers' generation over each one's last interval: tokens per second (summed),
+    the share of time their engines idled (mean), the mean weight-update stall (ms) and
+    weight sync (ms, :class:`WeightSyncLatency`) of the updates last reported, the mean
+    duration of a reward call (s) and the share of time the workers had a reward call in
+    flight (mean)."""
 
     tokens_per_s: float = 0.0
     idle_frac: float = 0.0
@@ -117,14 +135,13 @@ def turn_metrics(shape: EpisodeShape | None, run: EpisodeTally) -> dict[str, flo
 
 
 class _StatsPoll:
-    """Worker and buffer statistics for the step lines."""
+    """Worker and buffer statistics for the step lines (see the module docstring)."""
 
-    def __init__(self, calls: Calls, workers: Sequence[WorkerSlot], buffer: BufferHandle, start: float) -> None:
+    def __init__(self, calls: Calls, workers: Sequence[WorkerSlot], buffer: BufferHandle) -> None:
         self._calls, self._workers, self._buffer = calls, workers, buffer
         self._seen = [_Seen() for _ in workers]
-        self._refs: list[Any] = []     # the poll in flight: worker stats..., buffer stats
-        self._sent = start             # when the poll in flight was sent
-        self._window_start = start     # when the last completed poll was sent
+        self._buffer_ref: Any = None   # the buffer's stats call in flight
+        self._buffer_sent = float("-inf")
         self.rates = _Rates()
         self.buffer: BufferStats | None = None
         self.sync = WeightSyncLatency(len(workers))
@@ -132,65 +149,77 @@ class _StatsPoll:
         self.episodes = EpisodeTally()  # the run's episodes, all workers (``recent`` left empty)
 
     def restarted(self, index: int) -> None:
-        self._seen[index] = _Seen()
+        self._seen[index] = _Seen()    # its call in flight went to the process that died
 
     def update(self) -> None:
-        """Take the poll in flight if it is complete; send the next when it is due. The
-        first call waits for the buffer's snapshot (every step line needs one)."""
+        """Take the answers that are in, then ask every actor without a call in flight whose
+        last call is ``_STATS_EVERY_S`` old. Never waits, except for the buffer's first
+        snapshot (every step line needs one)."""
         now = time.perf_counter()
-        if self._refs:
-            late = self._calls.pending(self._refs, 0)
-            if late and now - self._sent < 2.0:
-                return
-            self._take(late)
-        if now - self._window_start >= _STATS_EVERY_S or self.buffer is None:
-            self._refs = [w.handle.stats.remote() for w in self._workers] + [self._buffer.stats.remote()]
-            self._sent = now
-            if self.buffer is None:
-                self.buffer = self._calls.get(self._refs[-1])
-
-    def _take(self, late: list[Any]) -> None:
-        *worker_refs, buffer_ref = self._refs
-        self._refs = []
-        if buffer_ref not in late:
-            self.buffer = self._calls.get(buffer_ref)
-        delta = _Delta()
-        for i, ref in enumerate(worker_refs):
-            if ref not in late:
-                self._count(i, ref, delta)
+        out = [s.ref for s in self._seen if s.ref is not None]
+        if self._buffer_ref is not None:
+            out.append(self._buffer_ref)
+        late = self._calls.pending(out, 0) if out else []
+        if self._buffer_ref is not None and self._buffer_ref not in late:
+            self.buffer = self._calls.get(self._buffer_ref)
+            self._buffer_ref = None
+        delta, answered = _Delta(), False
+        for i, seen in enumerate(self._seen):
+            if seen.ref is not None and seen.ref not in late:
+                answered |= self._count(i, delta)
         synced = self.sync.resolve()
-        window = self._sent - self._window_start
-        self._window_start = self._sent
-        if window <= 0 or not delta.answered:
-            return
+        if answered or synced:
+            self._set_rates(delta, synced)
+        self._ask(now)
+        if self.buffer is None:
+            self.buffer = self._calls.get(self._buffer_ref)
+            self._buffer_ref = None
+
+    def _ask(self, now: float) -> None:
+        for seen, w in zip(self._seen, self._workers):
+            if seen.ref is None and now - seen.sent >= _STATS_EVERY_S:
+                seen.ref, seen.sent = w.handle.stats.remote(), now
+        if self._buffer_ref is None and (now - self._buffer_sent >= _STATS_EVERY_S or self.buffer is None):
+            self._buffer_ref, self._buffer_sent = self._buffer.stats.remote(), now
+
+    def _set_rates(self, delta: _Delta, synced: list[float]) -> None:
+        """The rates after new snapshots: every worker's last interval, the updates and
+        reward calls ``delta`` reports and the syncs just resolved (else the previous values)."""
+        known = [s.rates for s in self._seen if s.rates is not None]
         r = delta.rewards
         self.rates = _Rates(
-            tokens_per_s=delta.tokens / window,
-            idle_frac=min(1.0, delta.idle_s / (window * delta.answered)),
+            tokens_per_s=sum(k.tokens_per_s for k in known),
+            idle_frac=statistics.fmean(k.idle_frac for k in known) if known else self.rates.idle_frac,
             stall_ms=statistics.fmean(delta.stalls_ms) if delta.stalls_ms else self.rates.stall_ms,
             sync_ms=statistics.fmean(synced) if synced else self.rates.sync_ms,
             reward_s=r.seconds / r.calls if r.calls else self.rates.reward_s,
-            reward_busy_frac=min(1.0, r.busy_s / (window * delta.answered)),
+            reward_busy_frac=(statistics.fmean(k.reward_busy_frac for k in known) if known
+                              else self.rates.reward_busy_frac),
             turns=EpisodeShape.of(delta.episodes) or self.rates.turns)
 
-    def _count(self, i: int, ref: Any, delta: _Delta) -> None:
+    def _count(self, i: int, delta: _Delta) -> bool:
+        """Take worker ``i``'s answer into ``delta`` and its rates; False when it failed."""
+        seen = self._seen[i]
+        ref, seen.ref = seen.ref, None
         try:
             st = self._calls.get(ref)
         except CallFailed:
-            return
-        seen = self._seen[i]
-        delta.tokens += max(0, st.tokens_generated - seen.tokens)
-        delta.idle_s += max(0.0, st.idle_s - seen.idle_s)
+            return False
+        if seen.at is not None and st.at > seen.at:
+            span = st.at - seen.at
+            busy = st.rewards.busy_s - seen.rewards.busy_s
+            seen.rates = _WorkerRates(max(0, st.tokens_generated - seen.tokens) / span,
+                                      min(1.0, max(0.0, st.idle_s - seen.idle_s) / span),
+                                      min(1.0, max(0.0, busy) / span))
         new = st.updates_applied - seen.stalls  # stall_ms holds the most recent ones only
         delta.stalls_ms += list(st.stall_ms[-new:]) if new > 0 else []
-        delta.answered += 1
         rewards = st.rewards.minus(seen.rewards)
         delta.rewards = delta.rewards.plus(rewards)
         self.rewards = self.rewards.plus(rewards)
         if st.rewards.first_error and not seen.rewards.first_error:
             log.warning("rollout worker %d: %s (scored 0; further reward failures are counted on the "
                         "step lines)", i, st.rewards.first_error)
-        seen.tokens, seen.idle_s, seen.stalls = st.tokens_generated, st.idle_s, st.updates_applied
+        seen.at, seen.tokens, seen.idle_s, seen.stalls = st.at, st.tokens_generated, st.idle_s, st.updates_applied
         seen.rewards = st.rewards
         episodes = st.episodes.minus(seen.episodes)
         delta.episodes = delta.episodes.plus(episodes)
@@ -198,6 +227,7 @@ class _StatsPoll:
         seen.episodes = st.episodes
         for applied in st.applied:
             self.sync.applied(i, applied.version, applied.at)
+        return True
 
 
 class StepRecorder:
@@ -211,7 +241,8 @@ class StepRecorder:
         self._elapsed_before = folder.elapsed_s
         self._workers = workers
         self.start = self._last_step_end = time.perf_counter()
-        self._stats = _StatsPoll(calls, workers, buffer, self.start)
+        self._stats = _StatsPoll(calls, workers, buffer)
+        self._stats.update()   # the first snapshots, so the first step's rates have a start
         out.mkdir(parents=True, exist_ok=True)
         self._logger = MetricsLogger(out)
         self.history: deque[StepMetrics] = deque(maxlen=_HISTORY_STEPS)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline_rl.calls import first_line
@@ -33,6 +34,26 @@ class NoAnswer(CallFailed):
 
 class ActorRaised(CallFailed):
     """An exception inside an actor method."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCall:
+    """A call made to rollout worker ``index`` (its position among the run's workers) and
+    its remote result ``ref``: what the supervisor reads for a caller (``Supervisor.answers``)."""
+
+    index: int
+    ref: Any
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLost:
+    """The supervisor's notice that every call to rollout worker ``index`` not answered yet
+    is lost (``why``, one line). ``restarted``: its process stopped and was restarted (its
+    counters start again from zero); False: one call failed while its process went on."""
+
+    index: int
+    why: str
+    restarted: bool = True
 
 
 class Calls(Protocol):

@@ -2,7 +2,11 @@
 innermost cause (:func:`describe_failure`, also through a chain of actor calls), a dead
 rollout worker is restarted, and a run that stops progressing (the :class:`Watchdog`:
 ``max(floor_s, factor x median step time)`` between completed steps) says who waits
-for what. No Ray here: actors are typed handles, results come through ``Calls``."""
+for what. No Ray here: actors are typed handles, results come through ``Calls``.
+
+A dead rollout worker is handled here and nowhere else: whoever reads answers from the
+workers reads them through :meth:`Supervisor.answers`, and learns what a worker's death
+cost it from the :class:`~pipeline_rl.run.remote_calls.WorkerLost` notice (``on_lost``)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.calls import first_line
 from pipeline_rl.config import Config
-from pipeline_rl.run.remote_calls import ActorDied, ActorRaised, ActorUnavailable, CallFailed, Calls, NoAnswer
+from pipeline_rl.run.remote_calls import (
+    ActorDied,
+    ActorRaised,
+    ActorUnavailable,
+    CallFailed,
+    Calls,
+    NoAnswer,
+    WorkerCall,
+    WorkerLost,
+)
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
@@ -113,6 +126,7 @@ class OrchestratorError(RuntimeError):
 _POLL_S = 0.5
 _STOP_GRACE_S = 3.0
 _RESTART_TIMEOUT_S = 300.0  # a restarted rollout worker must have its engine up by then
+_DEATH_SETTLE_S = 5.0       # a worker call failed as dead: its generation loop's call fails by then too
 
 
 @dataclass(slots=True)
@@ -135,13 +149,15 @@ class Supervisor:
     """Watches every actor while the driver waits for a step; any failure is one
     :class:`OrchestratorError` line (actor, cause, checkpoint to resume from): an exception
     inside an actor method, a dead buffer or trainer, a worker process that died more than
-    ``rollout.max_restarts`` times (before that it is restarted), a stalled run."""
+    ``rollout.max_restarts`` times (before that it is restarted), a stalled run. ``on_lost``
+    is told (:class:`WorkerLost`) before a worker is restarted, and when a call to a worker
+    failed while its process went on."""
 
     def __init__(self, cfg: Config, calls: Calls, buffer: BufferHandle, trainers: Sequence[TrainerHandle],
                  workers: Sequence[WorkerSlot], stop: threading.Event, checkpoints: CheckpointPolicy,
-                 version: Callable[[], int], on_restart: Callable[[int], None] = lambda index: None) -> None:
+                 version: Callable[[], int], on_lost: Callable[[WorkerLost], None] = lambda notice: None) -> None:
         self.cfg, self._calls, self._buffer, self._trainers, self._workers = cfg, calls, buffer, trainers, workers
-        self._stop, self._checkpoints, self._version, self._on_restart = stop, checkpoints, version, on_restart
+        self._stop, self._checkpoints, self._version, self._on_lost = stop, checkpoints, version, on_lost
         self.watchdog = Watchdog(cfg.watchdog_s)
         self.abandoned_step = False   # a stop left a train step unfinished: no final checkpoint
         self._buffer_watch = buffer.watch.remote()   # answers only when the buffer fails or closes
@@ -252,13 +268,38 @@ class Supervisor:
                                 f"(at version {self._version()})") from None
             self._restart(w, why)
 
+    def answers(self, calls: Sequence[WorkerCall]) -> list[Any] | None:
+        """The answers to ``calls`` made to rollout workers, every one answered (the caller
+        waited). None when one failed because its worker's process died or could not be
+        reached: the worker is then handled as any dead one (:meth:`supervise_workers`), and
+        ``on_lost`` has been told (:class:`WorkerLost`) before this returns, so the caller
+        learns there what it lost. Any other failure is raised as it came (``CallFailed``)."""
+        out: list[Any] = []
+        for call in calls:
+            try:
+                out.append(self._calls.get(call.ref))
+            except ActorDied as e:
+                self._call_lost(self._workers[call.index], e)
+                return None
+        return out
+
+    def _call_lost(self, w: WorkerSlot, e: ActorDied) -> None:
+        """A call to ``w`` failed as dead. Its generation loop's call fails with it when its
+        process died (within ``_DEATH_SETTLE_S``), and the worker is restarted as usual; when
+        that loop goes on (a passing outage, or the run is stopping), the call alone is lost."""
+        restarts = w.restarts
+        self._calls.pending([w.run_ref], _DEATH_SETTLE_S)
+        self.supervise_workers()
+        if w.restarts == restarts:
+            self._on_lost(WorkerLost(w.index, f"a call to it failed ({e})", restarted=False))
+
     def _restart(self, w: WorkerSlot, why: str) -> None:
         if w.restarts >= self.cfg.rollout.max_restarts:
             raise self.fail(f"rollout worker {w.index} stopped {w.restarts + 1} times, more than "
                             f"--rollout.max_restarts={self.cfg.rollout.max_restarts} allows: {why}")
         lost = self._calls.get(self._buffer.worker_lost.remote(w.index))
         w.restarts += 1
-        self._on_restart(w.index)
+        self._on_lost(WorkerLost(w.index, why))
         log.warning("rollout worker %d stopped (%s): restarting, %d in-flight groups lost", w.index, why, lost)
         if not self._await_restart(w):
             return
