@@ -3,7 +3,7 @@
 The buffer actor's ``ReplayBuffer`` and ``BufferServer``, a rollout actor's ``RolloutWorker``
 (task and in-process vLLM engine built from the configuration as that actor builds them)
 sending over ZeroMQ, and a trainer rank's ``Trainer`` with the ranks' own step
-(:class:`~pipeline_rl.training.trainer.RankStep`: batch from the buffer, train, offer the
+(:class:`~pipeline_rl.training.rank_step.RankStep`: batch from the buffer, train, offer the
 weights to the worker, open the admission budget) -- no Ray, no other process. Each piece
 is built on first use, so a benchmark takes what it measures: the whole loop (the
 colocated synchronous schedule of ``throughput``), buffer and worker (``soak --in-process``,
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from pipeline_rl.rollout.engine import GenerationEngine
     from pipeline_rl.rollout.worker import RolloutWorker
     from pipeline_rl.tasks import Task
-    from pipeline_rl.training.trainer import RankStep, Trainer
+    from pipeline_rl.training.rank_step import RankStep
+    from pipeline_rl.training.trainer import Trainer
     from pipeline_rl.weight_sync.publisher import WeightPublisher
 
 
@@ -92,7 +93,7 @@ class LocalPipeline:
 
     @cached_property
     def rank_step(self) -> RankStep:
-        from pipeline_rl.training.trainer import RankStep
+        from pipeline_rl.training.rank_step import RankStep
 
         return RankStep(self.trainer, self.buffer, self.publisher)
 

@@ -2,7 +2,7 @@
 
 The built-in model (``ModelConfig`` defaults: hidden 128, 2 layers, 4 heads) is trained by the
 real DeepSpeed trainer (ZeRO from ``--zero-stage``, one rank, gloo, CPU) running the step the
-pipeline's trainer ranks run (:class:`pipeline_rl.training.trainer.RankStep`: wait for the batch,
+pipeline's trainer ranks run (:class:`pipeline_rl.training.rank_step.RankStep`: wait for the batch,
 step, publish, open the admission budget), back to back, fed by a producer thread that
 plays the rollout workers: it asks the real :class:`ReplayBuffer` for admission (global budget,
 staleness ``--staleness``), generates random well-formed groups (``rollout.n`` completions of up

@@ -361,7 +361,8 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
     """One (model, engine, transport) cell: fresh workers, ``warmup + updates`` publishes."""
     import ray
 
-    from pipeline_rl.weight_sync.publisher import WeightPublisher, gather_weights
+    from pipeline_rl.weight_sync.gather import gather_weights
+    from pipeline_rl.weight_sync.publisher import WeightPublisher
 
     spec = MODELS[model_name]
     interval_s = spec.interval_s or args.interval_s

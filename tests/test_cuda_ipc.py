@@ -25,7 +25,7 @@ from pipeline_rl.weight_sync.cuda_ipc import (
 )
 from pipeline_rl.weight_sync.message import DeviceCopy, WeightSpec, WeightUpdate, WeightUpdateError, validate_update
 from pipeline_rl.weight_sync.paths import GPU_PATHS, Placement, choose_path
-from pipeline_rl.weight_sync.publisher import gather_weights
+from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.weight_sync.shm import is_shm_info
 
 

@@ -334,7 +334,7 @@ def test_rank_step_consumes_from_replay_buffer(trainer_factory: Any) -> None:
     import time
 
     from pipeline_rl.weight_sync.publisher import WeightPublisher
-    from pipeline_rl.training.trainer import RankStep
+    from pipeline_rl.training.rank_step import RankStep
     from pipeline_rl.buffer.replay import ReplayBuffer
 
     cfg = make_cfg(micro_batch_size=8)

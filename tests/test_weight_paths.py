@@ -20,7 +20,8 @@ from pipeline_rl.weight_sync.layout import UpdateLayout, contiguous_bytes
 from pipeline_rl.weight_sync.message import WeightSpec, WeightUpdate, WeightUpdateError, validate_update
 from pipeline_rl.weight_sync.paths import PathError, Placement, choose_path
 from pipeline_rl.weight_sync.protocol import receive_in_one_call
-from pipeline_rl.weight_sync.publisher import WeightPublisher, gather_weights
+from pipeline_rl.weight_sync.gather import gather_weights
+from pipeline_rl.weight_sync.publisher import WeightPublisher
 from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo, gathered_in
 
 

@@ -21,14 +21,15 @@ if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle, RolloutHandle
     from pipeline_rl.reports import RankStepReport
     from pipeline_rl.samples import Group
-    from pipeline_rl.training.trainer import RankStep, Trainer
+    from pipeline_rl.training.rank_step import RankStep
+    from pipeline_rl.training.trainer import Trainer
     from pipeline_rl.weight_sync.publisher import WeightPublisher
 
 T = TypeVar("T")
 
 
 class _BufferSource:
-    """The buffer's Ray actor seen as a :class:`~pipeline_rl.training.trainer.BatchSource`."""
+    """The buffer's Ray actor seen as a :class:`~pipeline_rl.training.rank_step.BatchSource`."""
 
     def __init__(self, buffer: BufferHandle) -> None:
         self._buffer = buffer
@@ -94,7 +95,8 @@ class TrainerActor:
         # Ray shows each rank only its own device: local rank 0, whatever the driver inherited
         runtime_env.for_rendezvous(master_addr, master_port, self._rank, self._world_size, local_rank=0)
         from pipeline_rl.weight_sync.publisher import WeightPublisher
-        from pipeline_rl.training.trainer import RankStep, Trainer
+        from pipeline_rl.training.rank_step import RankStep
+        from pipeline_rl.training.trainer import Trainer
 
         self._trainer_or_none = Trainer(self._cfg, self._model_dir, rank=self._rank,
                                 world_size=self._world_size, master_addr=master_addr,

@@ -51,6 +51,7 @@ from typing import Any, Coroutine, TypeVar
 
 from pipeline_rl.rollout.engine import (
     AppliedUpdate,
+    EngineCalls,
     EngineConfig,
     FinishedSequence,
     GenerationEngine,
@@ -409,7 +410,7 @@ class AsyncEngine(GenerationEngine):
         bf16 = any(str(t.dtype) == "torch.bfloat16" for _, t in update.tensors)
         staged = WeightUpdate(update.version, names, arrays, dtype="bfloat16" if bf16 else "float32")
         info = self._staging.write(staged, checked=True)   # checked before it was staged
-        receive_in_one_call(_Loopback(self), asdict(info), str(update.version))
+        receive_in_one_call(EngineCalls(self), asdict(info), str(update.version))
         return True
 
     def apply_staged(self) -> AppliedUpdate | None:
@@ -431,31 +432,6 @@ class AsyncEngine(GenerationEngine):
 
     async def _shutdown(self) -> None:
         self._llm.shutdown()
-
-
-class _Loopback:
-    """This engine as a :class:`~pipeline_rl.weight_sync.protocol.WeightSyncCalls` client
-    of its own loopback channel (``finish_weight_update`` takes a version string there)."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._engine.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> None:
-        self._engine.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._engine.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if weight_version is None:
-            raise WeightUpdateError("finish_weight_update needs the version of the weights")
-        self._engine.load_received(int(weight_version))
-
-    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        return receive_in_one_call(self, update_info, weight_version)
 
 
 def _first_line(e: BaseException) -> str:

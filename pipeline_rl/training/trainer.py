@@ -24,7 +24,7 @@ Invariants:
   i.e. optimizer steps, the batch gets): the unit of ``max_steps``, checkpoint names, lag,
   staleness eviction and the admission budget.
 
-:class:`RankStep` is what a rank does per pipeline step, wherever it runs: take the next batch
+``training.rank_step.RankStep`` is what a rank does per pipeline step, wherever it runs: take the next batch
 as soon as the buffer can give one (never a whole generation round), recording the wait
 (trainer idle time), step, publish the weights (``pipeline_rl.weight_sync.publisher``), open the
 buffer's admission budget for the next version. DeepSpeed set-up: ``training.deepspeed_setup``.
@@ -38,7 +38,7 @@ import time
 from functools import partial
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,8 +56,8 @@ from pipeline_rl.training.deepspeed_setup import (
 from pipeline_rl.training.logprobs import (
     micro_batch_logp, padded_logp, sampled_entropy, shared_prompt_logp, sharing_check_groups,
 )
-from pipeline_rl.reports import LossMetrics, RankStepReport, StepResult
-from pipeline_rl.weight_sync.publisher import WeightPublisher, gather_weights
+from pipeline_rl.reports import LossMetrics, StepResult
+from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.rollout.engine import served_dtype
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config
@@ -324,8 +324,7 @@ class Trainer:
 
     def weights(self, version: int | None = None, allocate: Callable[[int], np.ndarray] | None = None,
                 on_device: bool = False) -> WeightUpdate:
-        """Full parameters in the engines' dtype (ZeRO-3: a collective); ``allocate`` and
-        ``on_device``: see ``gather_weights``."""
+        """Full parameters in the engines' dtype (ZeRO-3: a collective); see ``gather_weights``."""
         if version is not None and version != self._version:
             raise ValueError(f"trainer.weights: asked for version {version}, trainer is at {self._version}")
         return gather_weights(self.engine.module, self._version, zero_stage=self.zero_stage,
@@ -397,59 +396,3 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------------
 # Continuous consumption
-# ------------------------------------------------------------------------------------------------
-
-class BatchSource(Protocol):
-    """Where a rank's batches come from: the :class:`ReplayBuffer` itself (tests,
-    benchmarks) or an adapter over the buffer's Ray actor (the pipeline)."""
-
-    def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float | None = None, *,
-                  rank: int = 0) -> list[Group] | None: ...
-
-    def set_version(self, version: int) -> None: ...
-
-
-class RankStep:
-    """The step every trainer rank runs -- the pipeline's trainer actors, the tests and the
-    trainer benchmark alike: wait for this rank's share of the next batch, train on it,
-    publish the new weights, open the buffer's admission budget for the next version.
-
-    The loop around it (how many steps, checkpoints, supervision) is the driver's
-    (:class:`pipeline_rl.run.conductor.Orchestrator`). The version is the trainer's
-    (:attr:`Trainer.version`, one per batch): the driver reads it from the reports.
-    ``publisher`` is given on the rank that publishes (rank 0) and None elsewhere; under
-    ZeRO-3 every rank still joins the gather.
-    """
-
-    def __init__(self, trainer: Trainer, source: BatchSource, publisher: WeightPublisher | None) -> None:
-        self.trainer, self.source, self.publisher = trainer, source, publisher
-        self.share = trainer.cfg.groups_per_step // trainer.world_size
-
-    def __call__(self, timeout_s: float) -> RankStepReport | None:
-        """One step; None when no batch came within ``timeout_s``."""
-        from pipeline_rl.faults import inject
-
-        t0 = time.perf_counter()
-        tr = self.trainer
-        groups = self.source.get_batch(self.share, tr.version, timeout_s, rank=tr.rank)
-        if not groups:
-            return None
-        wait_s = time.perf_counter() - t0
-        inject(tr.cfg.fault, "trainer_step", tr.version)
-        result = tr.step(groups)
-        t1, step_end_at = time.perf_counter(), time.time()
-        self.publish()
-        publish_s = time.perf_counter() - t1
-        if tr.rank == 0:   # opens the admission budget for the next version now
-            self.source.set_version(tr.version)
-        return RankStepReport(result, wait_s, publish_s, time.perf_counter() - t0, step_end_at)
-
-    def publish(self) -> None:
-        """Publish the current weights (every rank calls it: a ZeRO-3 gather is collective)."""
-        if self.publisher is None and not self.trainer.weights_collective:
-            return
-        pub = self.publisher
-        update = self.trainer.weights(allocate=pub.allocator() if pub else None,
-                                      on_device=pub.on_device() if pub else False)
-        if self.publisher is not None:
-            self.publisher.publish(update)

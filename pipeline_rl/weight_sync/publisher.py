@@ -2,10 +2,10 @@
 
 Two halves with different costs:
 
-1. :func:`gather_weights` (on the training thread, must finish before the next optimizer step
-   changes the parameters): copies the full parameters into contiguous float32 numpy arrays.
-   Under ZeRO-3 it gathers the partitioned parameters first, which is a collective: every rank
-   must call it. This copy is the only part of publishing on the critical path.
+1. ``pipeline_rl.weight_sync.gather`` (on the training thread, must finish before the next
+   optimizer step changes the parameters): copies the full parameters out once, in the served
+   dtype. Under ZeRO-3 a collective: every rank calls it. This copy is the only part of
+   publishing on the critical path.
 2. :class:`WeightPublisher` (off the critical path): a background thread sends the update to
    every worker. Transport ``vllm`` (the default): through vLLM's weight-transfer API, one
    channel per worker (``pipeline_rl.weight_sync.gloo``), opened on first use and sent
@@ -36,8 +36,7 @@ import numpy as np
 
 from pipeline_rl.weight_sync.cuda_ipc import IpcTrainerChannel, to_host
 from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
-from pipeline_rl.weight_sync.dtypes import STORAGE, WireDtype, from_torch, torch_dtype
-from pipeline_rl.weight_sync.gloo import DEFAULT_TIMEOUT_S, GlooTrainerWeightTransfer
+from pipeline_rl.weight_sync.gloo import GlooTrainerWeightTransfer
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.weight_sync.paths import (
     GPU_PATHS,
@@ -52,75 +51,6 @@ from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
 from pipeline_rl.weight_sync.shm import SharedWriter, ShmSpaceError, ShmTrainerChannel, new_shared_buffer, shm_fits
 
 log = logging.getLogger(__name__)
-
-
-def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDtype = "float32",
-                   allocate: Callable[[int], np.ndarray] | None = None, on_device: bool = False) -> WeightUpdate:
-    """Full parameters of ``module`` (the HF model inside the DeepSpeed engine) in the wire
-    dtype ``dtype`` -- the served model's: a bfloat16 engine gets bfloat16, cast here once,
-    parameter by parameter as they are copied out (``float32`` keeps float32).
-
-    The arrays lie back to back in one buffer (``layout.contiguous_bytes`` finds it), so
-    the shared-memory path writes them with one pass and the gloo path sends buckets as
-    views. Names are ``named_parameters()`` names of the HF model (tied weights appear
-    once), which are the names ``save_pretrained`` writes and vLLM's ``load_weights``
-    expects. Under ZeRO-3 this is a collective (``deepspeed.zero.GatheredParameters``);
-    every rank must call it. The arrays are copies: later optimizer steps do not change them.
-    ``allocate(nbytes)``: where the buffer comes from (a uint8 array; the publisher's
-    :meth:`WeightPublisher.allocator` gives shared memory when a worker takes the shm path,
-    so the gather itself is the one write of the bytes); default: ordinary memory.
-    ``on_device`` (a worker takes the ``ipc`` path): parameters on a GPU are gathered
-    into one tensor on that GPU instead (``WeightUpdate.device``; a device-to-device copy).
-    """
-    import torch
-
-    params = list(module.named_parameters())
-    if zero_stage == 3:
-        import deepspeed
-
-        ctx: Any = deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
-    else:
-        import contextlib
-
-        ctx = contextlib.nullcontext()
-    with ctx, torch.no_grad():
-        shapes = [tuple(p.shape) for _, p in params]   # full shapes: read while gathered (ZeRO-3)
-        sizes = [p.numel() for _, p in params]
-        wire = torch_dtype(dtype)
-        device = params[0][1].device if params else torch.device("cpu")
-        if on_device and device.type == "cuda":
-            return _gather_on_device(params, sizes, shapes, version, dtype, device)
-        raw = allocate(sum(sizes) * wire.itemsize) if allocate is not None else None
-        flat = torch.empty(sum(sizes), dtype=wire) if raw is None else torch.from_numpy(raw).view(wire)
-        offset = 0
-        for (_, p), n in zip(params, sizes):
-            flat[offset:offset + n].view(p.shape).copy_(p.detach())   # the cast and the copy in one
-            offset += n
-    # Views of the allocated array itself (so the shm path finds the file it lies in).
-    data = from_torch(flat) if raw is None else raw.view(STORAGE[dtype])
-    arrays: list[np.ndarray] = []
-    offset = 0
-    for shape, n in zip(shapes, sizes):
-        arrays.append(data[offset:offset + n].reshape(shape))
-        offset += n
-    return WeightUpdate(version=version, names=tuple(name for name, _ in params), arrays=tuple(arrays),
-                        dtype=dtype)
-
-
-def _gather_on_device(params: list[tuple[str, Any]], sizes: list[int], shapes: list[tuple[int, ...]],
-                      version: int, dtype: WireDtype, device: Any) -> WeightUpdate:
-    """``gather_weights`` into one tensor on ``device`` (inside its gather context)."""
-    import torch
-
-    from pipeline_rl.weight_sync.cuda_ipc import device_copy
-
-    flat = torch.empty(sum(sizes), dtype=torch_dtype(dtype), device=device)
-    offset = 0
-    for (_, p), n in zip(params, sizes):
-        flat[offset:offset + n].view(p.shape).copy_(p.detach())
-        offset += n
-    return WeightUpdate(version=version, names=tuple(name for name, _ in params), arrays=(), dtype=dtype,
-                        device=device_copy(flat, shapes))
 
 
 @dataclass(frozen=True, slots=True)
