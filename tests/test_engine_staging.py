@@ -21,6 +21,9 @@ from pipeline_rl.weight_sync.layout import UpdateLayout  # noqa: E402
 from pipeline_rl.weight_sync.message import WeightUpdateError, load_update  # noqa: E402
 
 BUCKET = 64 << 10
+#: The channel's timeout where the trainer dies half-way: the engine learns of it only when
+#: its next receive times out, so the test waits this long (the helper's default is 30 s).
+HALF_WAY_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +78,7 @@ def test_a_transfer_failing_half_way_leaves_the_old_weights_serving(engine: obje
     assert isinstance(engine, InprocessEngine)
     v = engine.version
     update = load_update(model_dirs[0], v + 1)
-    channel = gloo_trainer(engine, BUCKET)
+    channel = gloo_trainer(engine, BUCKET, timeout_s=HALF_WAY_TIMEOUT_S)
     engine.start_weight_update()
     receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
     send_buckets(channel, update, BUCKET, stop_after=2)
