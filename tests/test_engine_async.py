@@ -132,7 +132,9 @@ def test_refused_payload_leaves_the_old_weights_serving(engine: AsyncEngine, mod
 
 def test_generation_goes_on_while_the_bytes_arrive(engine: AsyncEngine, model_dirs: tuple) -> None:
     update = load_update(model_dirs[1], engine.version + 1)
-    channel = gloo_trainer(engine, bucket_bytes=64 << 10)
+    # The worker's receive waits out the channel's timeout for the missing buckets: 5 s
+    # (the default 30 s is the wait a real peer gets) keeps the failure's path the same.
+    channel = gloo_trainer(engine, bucket_bytes=64 << 10, timeout_s=5.0)
     v = engine.version
     for i in range(6):
         engine.add(GenRequest(f"during-{i}", tuple(engine.encode(PROMPTS[i % 4])),
@@ -158,7 +160,9 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: AsyncEngine, model_di
 def test_a_transfer_failing_half_way_leaves_the_old_weights_serving(engine: AsyncEngine,
                                                                       model_dirs: tuple) -> None:
     update = load_update(model_dirs[1], engine.version + 1)
-    channel = gloo_trainer(engine, bucket_bytes=64 << 10)
+    # The worker's receive waits out the channel's timeout for the missing buckets: 5 s
+    # (the default 30 s is the wait a real peer gets) keeps the failure's path the same.
+    channel = gloo_trainer(engine, bucket_bytes=64 << 10, timeout_s=5.0)
     v = engine.version
     engine.start_weight_update()
     receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
