@@ -357,6 +357,17 @@ def packed_own_copy(module: Any) -> bool:
         return False
 
 
+def is_input_embedding(module: Any) -> bool:
+    """Whether ``module`` is vLLM's input embedding (``VocabParallelEmbedding``, not its
+    ``ParallelLMHead`` subclass): its forward is a lookup, its GEMM closure unused unless
+    the model calls it as a head. False when the classes cannot be imported."""
+    try:
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    except ImportError:
+        return False
+    return isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+
+
 def plain_cpu_gemm(module: Any) -> None:
     """Make a CPU linear layer compute ``torch.nn.functional.linear`` on the ``weight`` it
     is called with (vLLM's own fallback closure): nothing to re-create when the weight
