@@ -213,7 +213,7 @@ def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int
                  "--rollout.max_new_tokens", "128", "--rollout.max_model_len", "512", "--eval.every", "0",
                  "--trainer.lr", "1e-6", "--trainer.batch_timeout_s", "300", "--rollout.weight_path", path)
     report.facts[key + "run_s"] = round(run.wall_s, 1)
-    report.facts[key + "path_lines"] = [x for x in (run.stderr + run.stdout).splitlines() if "gets the" in x][:4]
+    report.facts[key + "path_lines"] = [x for x in (run.stderr + run.stdout).splitlines() if x.startswith("weights: worker")][:4]
     rows = run.rows[len(run.rows) // 4:] or run.rows
     if rows:
         report.facts[key + "tokens_per_s_median"] = round(statistics.median(r["tokens_per_s"] for r in rows))
