@@ -194,44 +194,45 @@ def rss_parts(pid: int) -> dict[str, int]:
 # --------------------------------------------------------------------------- the real pipeline
 
 
-def actor_pids(job_hex: str) -> dict[str, int]:
-    """``name -> pid`` of this job's live pipeline actors (Ray's actor table, kept by
-    the GCS: no dashboard needed). Names: ``buffer``, ``trainer0``.., ``rollout0``..
-    (ranks and workers in order of creation)."""
-    from pipeline_rl.run.ray_compat import actor_table
+def actor_pids() -> dict[str, int]:
+    """``name -> pid`` of the pipeline actors of the Ray this process started, found by
+    the title Ray gives an actor's process (``ray::BufferActor``, ``ray::RolloutActor.run``
+    while a call runs; what ``ps`` shows), among this process's descendants. Names:
+    ``buffer``, ``trainer0``.., ``rollout0``.. (ranks and workers in order of start)."""
+    import psutil
 
-    rows = [a for a in actor_table()
-            if a.get("State") == "ALIVE" and a.get("JobID") == job_hex
-            and a.get("ActorClassName") in _ACTOR_CLASSES and a.get("Pid")]
-    rows.sort(key=lambda a: (a["ActorClassName"], a.get("StartTime", 0), a["ActorID"]))
+    found: list[tuple[float, str, int]] = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            title = (proc.cmdline() or [""])[0]
+            cls = title.removeprefix("ray::").split(".")[0] if title.startswith("ray::") else ""
+            if cls in _ACTOR_CLASSES:
+                found.append((proc.create_time(), cls, proc.pid))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     out: dict[str, int] = {}
     counts: dict[str, int] = {}
-    for a in rows:
-        kind = _ACTOR_CLASSES[a["ActorClassName"]]
-        if kind == "buffer":
-            name = kind
-        else:
-            name = f"{kind}{counts.get(kind, 0)}"
-            counts[kind] = counts.get(kind, 0) + 1
-        out[name] = int(a["Pid"])
+    for _, cls, pid in sorted(found):
+        kind = _ACTOR_CLASSES[cls]
+        name = kind if kind == "buffer" else f"{kind}{counts.get(kind, 0)}"
+        counts[kind] = counts.get(kind, 0) + 1
+        out[name] = pid
     return out
 
 
 def run_real(cfg: Config, every: int, actor_env: dict[str, str]) -> tuple[RssSampler, float]:
     """Run ``cfg`` through the orchestrator on a local Ray started here, sampling RSS."""
-    import ray
-
     pids: dict[str, int] = {}
     last_resolve = [0.0]
 
     def resolve() -> dict[str, int]:
-        # Re-read the actor table only when a process is gone (a restart) or now and then.
+        # Look the actors up again only when a process is gone (a restart) or now and then.
         import psutil
 
         now = time.monotonic()
         if not pids or now - last_resolve[0] > 60 or not all(psutil.pid_exists(p) for p in pids.values()):
             pids.clear()
-            pids.update(actor_pids(ray.get_runtime_context().get_job_id()))
+            pids.update(actor_pids())
             last_resolve[0] = now
         return {**pids, "driver": os.getpid()}
 

@@ -3,9 +3,9 @@ of its syntax.
 
 - Nothing assigns to an attribute of a Ray module or class (``ray.x.y = ...``,
   ``setattr(ray_module, ...)``, ``del ray.x``): no patched internals.
-- Only the one reading module (``pipeline_rl/run/ray_compat.py``) imports a private Ray
-  module (``ray._private``, ``ray._raylet``, any ``ray._*``) or reaches one through an
-  attribute (``ray._private.worker``).
+- No module imports a private Ray module (``ray._private``, ``ray._raylet``, any
+  ``ray._*``) or reaches one through an attribute (``ray._private.worker``): no reads of
+  Ray's internals either.
 - No stand-in for Ray's worker start (``setup_worker.py``, ``default_worker.py``) or its
   agents, and none of the environment-variable side channels they needed, in the code
   (the docs may tell their history).
@@ -21,8 +21,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 #: What the audit reads: the package, the benchmarks and the launcher.
 AUDITED = ("pipeline_rl", "benchmarks", "launch")
-#: The one module allowed to read Ray's internals (each read with a fallback).
-READING_MODULE = "pipeline_rl/run/ray_compat.py"
 #: Words only a stand-in for Ray's worker start or agents, or their side channels, would use.
 STAND_IN_WORDS = ("setup_worker", "default_worker", "SETUP_WORKER_FILENAME", "dashboard_agent",
                   "runtime_env_agent", "_build_python_executable_command", "PIPELINE_RL_PRELOAD",
@@ -65,7 +63,7 @@ def _ray_names(tree: ast.AST) -> dict[str, str]:
     return names
 
 
-def audit(source: str, *, may_read_internals: bool = False) -> list[str]:
+def audit(source: str) -> list[str]:
     """What in ``source`` breaks the rules of the module docstring, one line each."""
     tree = ast.parse(source)
     ray_names = _ray_names(tree)
@@ -96,8 +94,6 @@ def audit(source: str, *, may_read_internals: bool = False) -> list[str]:
                         and str(first.args[0].value).split(".")[0] == "ray")
             if func.split(".")[-1] in ("setattr", "delattr", "__setattr__") and (is_ray(first) or imported):
                 found.append(f"line {node.lineno}: {func}() on Ray's {_dotted(first) or 'module'}")
-        if may_read_internals:
-            continue
         if isinstance(node, ast.Import):
             found += [f"line {node.lineno}: imports {a.name}" for a in node.names if _private(a.name)]
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
@@ -116,9 +112,9 @@ def _sources() -> list[Path]:
 
 
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_patched_ray_and_no_private_import_outside_the_reading_module(path: Path) -> None:
+def test_no_patched_ray_and_no_private_import(path: Path) -> None:
     rel = str(path.relative_to(ROOT))
-    problems = audit(path.read_text(), may_read_internals=rel == READING_MODULE)
+    problems = audit(path.read_text())
     assert not problems, f"{rel}: " + "; ".join(problems)
 
 
@@ -129,7 +125,7 @@ def test_no_stand_in_for_rays_workers_or_agents_in_the_tree() -> None:
              and p.resolve() != this]
     hits = [f"{p.relative_to(ROOT)}: {w}" for p in files for w in STAND_IN_WORDS if w in p.read_text(errors="replace")]
     assert not hits, "; ".join(hits)
-    gone = ("ray_worker.py", "ray_agents.py", "preload.py")
+    gone = ("ray_worker.py", "ray_agents.py", "preload.py", "ray_compat.py")
     assert not [p for p in (ROOT / "pipeline_rl").rglob("*.py") if p.name in gone]
 
 
@@ -147,9 +143,8 @@ def test_the_audit_catches_what_it_forbids(source: str, why: str) -> None:
     assert any(why in line for line in audit(source)), audit(source)
 
 
-def test_the_audit_lets_public_use_and_the_reading_module_through() -> None:
+def test_the_audit_lets_public_use_through() -> None:
     public = ("import ray\nfrom ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy\n"
               "ray.init(address='local', num_cpus=2)\nx = ray.get_runtime_context().get_node_id()\n"
               "class A:\n    pass\nA.remote = 1\n")
     assert audit(public) == []
-    assert audit("from ray._private import state\nrows = state.actors()\n", may_read_internals=True) == []
