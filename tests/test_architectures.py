@@ -39,18 +39,16 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-
-from benchmarks.archs import ARCHS, EOS, HF_ARCHITECTURE, IM_START, build_arch_model, write_addition_jsonl  # noqa: E402
-from pipeline_rl.rollout.engine import (  # noqa: E402
+from benchmarks.archs import ARCHS, EOS, HF_ARCHITECTURE, IM_START, build_arch_model, write_addition_jsonl
+from pipeline_rl.rollout.engine import (
     EngineConfig,
     FinishedSequence,
     GenerationEngine,
     GenRequest,
     SamplingConfig,
 )
-from pipeline_rl.weight_sync.message import WeightUpdate, check_update  # noqa: E402
-from tiny_run import TINY_RUN_FLAGS, tiny_run_config  # noqa: E402
+from pipeline_rl.weight_sync.message import WeightUpdate, check_update
+from tiny_run import TINY_RUN_FLAGS, tiny_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-4                # max abs log-prob difference, fp32

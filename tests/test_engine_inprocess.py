@@ -15,17 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-
-from pipeline_rl.rollout.engine import (  # noqa: E402
+from pipeline_rl.rollout.engine import (
     EngineConfig,
     FinishedSequence,
     GenerationEngine,
     GenRequest,
     SamplingConfig,
 )
-from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, load_update  # noqa: E402
-from pipeline_rl.models.tiny_llama import build_tiny_model  # noqa: E402
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, load_update
+from pipeline_rl.models.tiny_llama import build_tiny_model
 
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)  # head dim 32
 PROMPTS = ("12+34=", "sort 5193=", "hello", "7+8=")

@@ -10,15 +10,13 @@ from typing import Iterator
 
 import pytest
 
-pytest.importorskip("vllm")
+from staging_helpers import gloo_trainer, send_buckets
+from test_engine_inprocess import PROMPTS, TEMPERATURE, model_dirs  # noqa: F401
 
-from staging_helpers import gloo_trainer, send_buckets  # noqa: E402
-from test_engine_inprocess import PROMPTS, TEMPERATURE, model_dirs  # noqa: E402, F401
-
-from pipeline_rl.calls import in_daemon_thread  # noqa: E402
-from pipeline_rl.rollout.engine import EngineConfig, FinishedSequence, GenRequest, SamplingConfig  # noqa: E402
-from pipeline_rl.weight_sync.layout import UpdateLayout  # noqa: E402
-from pipeline_rl.weight_sync.message import WeightUpdateError, load_update  # noqa: E402
+from pipeline_rl.calls import in_daemon_thread
+from pipeline_rl.rollout.engine import EngineConfig, FinishedSequence, GenRequest, SamplingConfig
+from pipeline_rl.weight_sync.layout import UpdateLayout
+from pipeline_rl.weight_sync.message import WeightUpdateError, load_update
 
 BUCKET = 64 << 10
 #: The channel's timeout where the trainer dies half-way: the engine learns of it only when

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from pipeline_rl.models.tiny_llama import build_tiny_model  # noqa: E402
+from pipeline_rl.models.tiny_llama import build_tiny_model
 
 EXIT_WITHIN_S = 10.0
 

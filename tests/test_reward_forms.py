@@ -199,8 +199,6 @@ def test_trls_own_reward_functions_on_a_chat_dataset(tmp_path: Path) -> None:
     """TRL's shipped ``accuracy_reward(completions, solution, **kwargs)`` and
     ``think_format_reward``, written for conversational data, as they are: a templated
     prompt gives TRL's conversational form."""
-    pytest.importorskip("trl")
-    pytest.importorskip("math_verify")
     from test_tasks import _char_tokenizer, TEMPLATE
 
     data = tmp_path / "math.jsonl"

@@ -18,17 +18,15 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm")
-
-from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine  # noqa: E402
-from pipeline_rl.rollout.worker import RolloutWorker  # noqa: E402
-from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, load_update  # noqa: E402
-from pipeline_rl.buffer.replay import ReplayBuffer  # noqa: E402
-from pipeline_rl.buffer.server import BufferServer  # noqa: E402
-from pipeline_rl.config import Config  # noqa: E402
-from pipeline_rl.models.tiny_llama import build_tiny_model  # noqa: E402
-from pipeline_rl.samples import Group  # noqa: E402
-from pipeline_rl.tasks import AdditionTask, Prompt  # noqa: E402
+from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine
+from pipeline_rl.rollout.worker import RolloutWorker
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, load_update
+from pipeline_rl.buffer.replay import ReplayBuffer
+from pipeline_rl.buffer.server import BufferServer
+from pipeline_rl.config import Config
+from pipeline_rl.models.tiny_llama import build_tiny_model
+from pipeline_rl.samples import Group
+from pipeline_rl.tasks import AdditionTask, Prompt
 
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
 N, MAX_SEQS, MAX_NEW = 4, 16, 12

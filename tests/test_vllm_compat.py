@@ -22,15 +22,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm")
+import test_engine_async as async_tests
+import test_engine_inprocess as cpu_tests
+from test_engine_inprocess import hf_models, model_dirs  # noqa: F401 - shared fixtures
 
-import test_engine_async as async_tests  # noqa: E402
-import test_engine_inprocess as cpu_tests  # noqa: E402
-from test_engine_inprocess import hf_models, model_dirs  # noqa: E402,F401 - shared fixtures
-
-from pipeline_rl.rollout import vllm_compat as compat  # noqa: E402
-from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine  # noqa: E402
-from pipeline_rl.weight_sync.message import load_update  # noqa: E402
+from pipeline_rl.rollout import vllm_compat as compat
+from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine
+from pipeline_rl.weight_sync.message import load_update
 
 
 # -- the pieces, without an engine ------------------------------------------------------------
