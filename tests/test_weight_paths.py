@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from pipeline_rl.weight_sync.dtypes import to_torch
-from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo, GlooTrainerWeightTransfer, receive_update
-from pipeline_rl.weight_sync.layout import UpdateLayout, contiguous_bytes
+from pipeline_rl.weight_sync.gloo import GlooTrainerWeightTransfer
+from pipeline_rl.weight_sync.layout import contiguous_bytes
 from pipeline_rl.weight_sync.message import WeightSpec, WeightUpdate, WeightUpdateError, validate_update
 from pipeline_rl.weight_sync.paths import PathError, Placement, choose_path
-from pipeline_rl.weight_sync.protocol import receive_in_one_call
 from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.weight_sync.publisher import WeightPublisher
 from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo, gathered_in
+from staging_helpers import ThreadClient
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -47,37 +47,9 @@ def test_gather_casts_to_bf16_once_into_one_buffer() -> None:
     assert fp32.dtype == "float32" and all(a.dtype == np.float32 for a in fp32.arrays)
 
 
-class GlooClient:
-    """The worker side in this process, with the backend's own receive."""
-
-    def __init__(self, die: bool = False) -> None:
-        self.got: list[WeightUpdate] = []
-        self.die = die
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        info = GlooInitInfo(**init_info)
-        self.channel, self.bucket_bytes = Channel.connect(info), info.bucket_bytes
-
-    def start_weight_update(self) -> None:
-        pass
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        if self.die:   # the peer goes away before the bytes: its end of the group closes
-            self.channel.close()
-            raise ConnectionError("worker died")
-        got = receive_update(self.channel, UpdateLayout(**update_info), self.bucket_bytes)
-        self.got.append(got.update)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        pass
-
-    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        return receive_in_one_call(self, update_info, weight_version)
-
-
 def test_bf16_round_trip_is_bit_exact_over_gloo() -> None:
     update = gather_weights(_model(1), 1, zero_stage=0, dtype="bfloat16")
-    client = GlooClient()
+    client = ThreadClient()
     sender = GlooTrainerWeightTransfer.trainer_init(client, address="127.0.0.1", bucket_bytes=8 << 10)
     try:
         timing = sender.send(update)
@@ -134,7 +106,7 @@ def test_path_choice_by_placement_and_forced() -> None:
         assert "\n" not in str(info.value) and "--rollout.weight_path" in str(info.value)
 
 
-class ShmClient(GlooClient):
+class ShmClient(ThreadClient):
     """A worker on this machine: maps the trainer's segment (the backend's reader)."""
 
     def __init__(self) -> None:
@@ -162,7 +134,7 @@ def test_publisher_takes_the_shared_memory_path_on_one_machine() -> None:
 
 
 def test_a_transfer_whose_peer_dies_ends_within_its_timeout_in_one_line() -> None:
-    client = GlooClient(die=True)
+    client = ThreadClient(dies=True)
     sender = GlooTrainerWeightTransfer.trainer_init(client, address="127.0.0.1", timeout_s=3.0)
     t = time.perf_counter()
     try:
@@ -230,7 +202,7 @@ def test_a_memory_filesystem_too_small_sends_over_gloo_instead(monkeypatch: pyte
     from pipeline_rl.weight_sync import shm
 
     monkeypatch.setattr(shm, "check_space", _no_space)
-    client = GlooClient()
+    client = ThreadClient()
     pub = WeightPublisher([client], background=False)
     try:
         update = gather_weights(_model(6), 6, zero_stage=0, dtype="bfloat16")

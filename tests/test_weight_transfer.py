@@ -6,22 +6,14 @@ the newest weights on its next channel."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 import pytest
 
 from pipeline_rl.weight_sync.publisher import WeightPublisher
-from pipeline_rl.weight_sync.gloo import (
-    Channel,
-    GlooInitInfo,
-    GlooTrainerWeightTransfer,
-    GlooUpdateInfo,
-    bucket_plan,
-    receive_in_one_call,
-    receive_update,
-)
+from pipeline_rl.weight_sync.gloo import GlooTrainerWeightTransfer, GlooUpdateInfo, bucket_plan
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
+from staging_helpers import ThreadClient
 
 
 def _update(version: int, scale: float = 1.0) -> WeightUpdate:
@@ -45,39 +37,6 @@ def test_update_info_refuses_bad_metadata_in_one_line() -> None:
         GlooUpdateInfo(1, ["a", "b"], ["float32"], [[1], [2]])
     with pytest.raises(WeightUpdateError, match="'int8' not accepted"):
         GlooUpdateInfo(1, ["a"], ["int8"], [[1]])
-
-
-class ThreadClient:
-    """The worker side in this process: joins the channel and receives with the
-    backend's own functions (what the vLLM backend does inside vLLM's worker)."""
-
-    def __init__(self, fail_once: bool = False) -> None:
-        self.got: list[WeightUpdate] = []
-        self.finished: list[str | None] = []
-        self.fail_once = fail_once
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        info = GlooInitInfo(**init_info)
-        self.channel, self.bucket_bytes = Channel.connect(info), info.bucket_bytes
-
-    def start_weight_update(self) -> None:
-        pass
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        got = receive_update(self.channel, GlooUpdateInfo(**update_info), self.bucket_bytes)
-        update = got.update
-        if got.non_finite is not None:
-            raise WeightUpdateError(f"{got.non_finite}: non-finite values")
-        if self.fail_once:
-            self.fail_once = False
-            raise WeightUpdateError("refused once")
-        self.got.append(update)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.finished.append(weight_version)
-
-    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        return receive_in_one_call(self, update_info, weight_version)
 
 
 def test_channel_moves_exact_bytes_in_small_buckets() -> None:
@@ -154,7 +113,10 @@ def test_publisher_sends_to_ray_actors_and_survives_a_dead_one(ray_local: None) 
     import ray
     from ray import cloudpickle
 
+    import staging_helpers
+
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(staging_helpers)   # its ThreadClient is the base class
     actor = ray.remote(num_cpus=0.1, max_concurrency=4)(ActorReceiver)
     workers = [actor.remote(), actor.remote()]
     pub = WeightPublisher(workers)
