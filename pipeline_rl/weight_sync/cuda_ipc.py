@@ -25,6 +25,7 @@ before the call returns, so the trainer may then free it.
 from __future__ import annotations
 
 import base64
+import math
 import pickle
 import time
 from dataclasses import asdict, dataclass
@@ -150,9 +151,7 @@ def to_host(update: WeightUpdate) -> WeightUpdate:
     data = from_torch(copy.flat.cpu())
     arrays, offset = [], 0
     for shape in copy.shapes:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         arrays.append(data[offset:offset + n].reshape(shape))
         offset += n
     return WeightUpdate(update.version, update.names, tuple(arrays), dtype=update.dtype)
@@ -175,18 +174,22 @@ class IpcTrainerChannel:
         export_s = time.perf_counter() - t0
         finish_s = self.client.receive_update(asdict(info), str(update.version))
         call_s = time.perf_counter() - t0 - export_s
-        self.close()   # the worker let go of the buffer: CUDA may free the older ones now
+        _collect()   # the worker let go of the buffer: CUDA may free the older ones now
         return SendTiming(update.version, export_s + call_s - finish_s, finish_s, update.num_bytes, "ipc")
 
     def close(self) -> None:
-        """Free what CUDA IPC kept of buffers the worker has let go of."""
-        try:
-            import torch
+        _collect()
 
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.ipc_collect()
-        except Exception:  # noqa: BLE001 - nothing to free on a broken context
-            pass
+
+def _collect() -> None:
+    """Free what CUDA IPC kept of buffers the worker has let go of."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+    except Exception:  # noqa: BLE001 - nothing to free on a broken context
+        pass
 
 
 def device_copy(flat: "torch.Tensor", shapes: list[tuple[int, ...]]) -> DeviceCopy:

@@ -48,14 +48,22 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
         sizes = [p.numel() for _, p in params]
         wire = torch_dtype(dtype)
         device = params[0][1].device if params else torch.device("cpu")
+        raw: np.ndarray | None = None
         if on_device and device.type == "cuda":
-            return _gather_on_device(params, sizes, shapes, version, dtype, device)
-        raw = allocate(sum(sizes) * wire.itemsize) if allocate is not None else None
-        flat = torch.empty(sum(sizes), dtype=wire) if raw is None else torch.from_numpy(raw).view(wire)
+            flat = torch.empty(sum(sizes), dtype=wire, device=device)
+        else:
+            on_device = False
+            raw = allocate(sum(sizes) * wire.itemsize) if allocate is not None else None
+            flat = torch.empty(sum(sizes), dtype=wire) if raw is None else torch.from_numpy(raw).view(wire)
         offset = 0
         for (_, p), n in zip(params, sizes):
             flat[offset:offset + n].view(p.shape).copy_(p.detach())   # the cast and the copy in one
             offset += n
+    names = tuple(name for name, _ in params)
+    if on_device:
+        from pipeline_rl.weight_sync.cuda_ipc import device_copy
+
+        return WeightUpdate(version=version, names=names, arrays=(), dtype=dtype, device=device_copy(flat, shapes))
     # Views of the allocated array itself (so the shm path finds the file it lies in).
     data = from_torch(flat) if raw is None else raw.view(STORAGE[dtype])
     arrays: list[np.ndarray] = []
@@ -63,21 +71,4 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
     for shape, n in zip(shapes, sizes):
         arrays.append(data[offset:offset + n].reshape(shape))
         offset += n
-    return WeightUpdate(version=version, names=tuple(name for name, _ in params), arrays=tuple(arrays),
-                        dtype=dtype)
-
-
-def _gather_on_device(params: list[tuple[str, Any]], sizes: list[int], shapes: list[tuple[int, ...]],
-                      version: int, dtype: WireDtype, device: Any) -> WeightUpdate:
-    """``gather_weights`` into one tensor on ``device`` (inside its gather context)."""
-    import torch
-
-    from pipeline_rl.weight_sync.cuda_ipc import device_copy
-
-    flat = torch.empty(sum(sizes), dtype=torch_dtype(dtype), device=device)
-    offset = 0
-    for (_, p), n in zip(params, sizes):
-        flat[offset:offset + n].view(p.shape).copy_(p.detach())
-        offset += n
-    return WeightUpdate(version=version, names=tuple(name for name, _ in params), arrays=(), dtype=dtype,
-                        device=device_copy(flat, shapes))
+    return WeightUpdate(version=version, names=names, arrays=tuple(arrays), dtype=dtype)
