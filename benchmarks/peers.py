@@ -58,12 +58,13 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, BadFlag, Outcome, at_least, config, hardware, main as bench_main, pyplot
 from benchmarks.peers_env import describe
+from benchmarks.peers_heldout import HeldOut, fmt as _f, fmt_range as _mr, heldout_markdown, read_held_out
 from benchmarks.stats import median_range, trailing_mean
 
 SYSTEMS = ("trl", "s0", "s2")   # the default set; any sN (pipeline_rl --staleness N) is accepted
@@ -97,6 +98,8 @@ class Settings:
     model_dir: str
     builtin: bool  # model_dir is the built-in model (no --model given)
     trl_python: str = sys.executable  # the interpreter TRL runs in (its own environment, or the project's)
+    eval_every: int = 0     # held-out greedy evaluation every N steps on both sides (0: the project's default only)
+    eval_prompts: int = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,7 @@ class Curve:
     time_s: list[float]
     reward: list[float]
     completion_len: list[float]
+    evals: list[HeldOut] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,11 @@ class RunResult:
     tokens_per_s: float | None
     final_reward: float | None
     wall_s: float
+    greedy_first: float | None = None
+    greedy_last: float | None = None
+    heldout_steps_to_target: int | None = None
+    heldout_train_s_to_target: float | None = None
+    heldout_wall_s_to_target: float | None = None
 
 
 def trailing(values: list[float], window: int) -> list[float | None]:
@@ -135,7 +144,7 @@ def trailing(values: list[float], window: int) -> list[float | None]:
 
 
 def measure(system: str, seed: int, launched: float, curve: Curve | None, wall_s: float, s: Settings,
-            target: float, window: int, error: str | None) -> RunResult:
+            target: float, window: int, error: str | None, heldout_target: float | None = None) -> RunResult:
     """The figures of one run from its curve (``launched``: wall clock at its command)."""
     if curve is None or not curve.reward:
         return RunResult(system, seed, False, error or "no steps", 0, None, None, None, None, None, None,
@@ -146,6 +155,8 @@ def measure(system: str, seed: int, launched: float, curve: Curve | None, wall_s
     steps_time = [b - a for a, b in zip(curve.time_s, curve.time_s[1:])]
     tokens = sum(curve.completion_len) * s.prompts * s.n
     k = max(1, len(curve.reward) // 10)
+    ev = curve.evals
+    reached = next((e for e in ev if heldout_target is not None and e.greedy >= heldout_target), None)
     return RunResult(
         system, seed, error is None and len(curve.reward) == s.steps, error, len(curve.reward),
         first_start - launched, hit + 1 if hit is not None else None,
@@ -153,7 +164,10 @@ def measure(system: str, seed: int, launched: float, curve: Curve | None, wall_s
         curve.unix_time_s[hit] - launched if hit is not None else None,
         statistics.median(steps_time) if steps_time else None,
         tokens / curve.time_s[-1] if curve.time_s[-1] > 0 else None,
-        statistics.fmean(curve.reward[-k:]), wall_s)
+        statistics.fmean(curve.reward[-k:]), wall_s,
+        ev[0].greedy if ev else None, ev[-1].greedy if ev else None,
+        reached.step if reached else None, reached.train_s if reached else None,
+        reached.unix_time_s - launched if reached else None)
 
 
 # ---------------------------------------------------------------------------- runs
@@ -165,12 +179,14 @@ def command(system: str, seed: int, s: Settings, run_dir: Path) -> list[str]:
                 "--out", str(run_dir / "metrics.jsonl"), "--seed", str(seed), "--max-steps", str(s.steps),
                 "--prompts", str(s.prompts), "--n", str(s.n), "--lr", str(s.lr),
                 "--temperature", str(s.temperature), "--max-new-tokens", str(s.max_new_tokens),
-                "--threads", str(s.trl_threads), f"--task-flags={' '.join(s.task_flags)}"]
+                "--threads", str(s.trl_threads), f"--task-flags={' '.join(s.task_flags)}",
+                "--eval-every", str(s.eval_every), "--eval-prompts", str(s.eval_prompts)]
     staleness = system[1:].removesuffix(NOEVAL)
     # The built-in model is what the plain command uses (no --model.path: the folder is the
     # same, and the command a user runs skips the checks of a user's folder).
     model = [] if s.builtin else ["--model.path", s.model_dir]
-    evaluation = ["--eval.every", "0"] if system.endswith(NOEVAL) else []
+    evaluation = (["--eval.every", "0"] if system.endswith(NOEVAL) else
+                  ["--eval.every", str(s.eval_every), "--eval.num_prompts", str(s.eval_prompts)] if s.eval_every else [])
     return [py, str(ROOT / "launch" / "async_grpo.py"), "--staleness", staleness, "--seed", str(seed),
             "--max-steps", str(s.steps), "--out-dir", str(run_dir), *model,
             "--rollout.n", str(s.n), "--trainer.batch_size", str(s.prompts * s.n),
@@ -189,7 +205,8 @@ def read_curve(path: Path) -> Curve | None:
     if not rows:
         return None
     return Curve([float(r["unix_time_s"]) for r in rows], [float(r["time_s"]) for r in rows],
-                 [float(r["reward_mean"]) for r in rows], [float(r["completion_len_mean"]) for r in rows])
+                 [float(r["reward_mean"]) for r in rows], [float(r["completion_len_mean"]) for r in rows],
+                 read_held_out(path.with_name("eval.jsonl"), rows))
 
 
 def run_one(system: str, seed: int, s: Settings, out: Path, timeout_s: float) -> tuple[float, Curve | None,
@@ -198,7 +215,8 @@ def run_one(system: str, seed: int, s: Settings, out: Path, timeout_s: float) ->
     wall seconds, error line or None)."""
     run_dir = out / f"{system}_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        (run_dir / name).unlink(missing_ok=True)
     # A fresh process of its own: no torch.distributed rendezvous inherited from the caller
     # (a caller that ran DeepSpeed in-process leaves MASTER_PORT & co. set, still bound).
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
@@ -219,7 +237,8 @@ def run_one(system: str, seed: int, s: Settings, out: Path, timeout_s: float) ->
 # ---------------------------------------------------------------------------- report
 
 FIGURES = ("steps_to_target", "train_s_to_target", "wall_s_to_target", "startup_s", "step_time_s",
-           "tokens_per_s", "final_reward")
+           "tokens_per_s", "final_reward", "greedy_first", "greedy_last", "heldout_steps_to_target",
+           "heldout_train_s_to_target", "heldout_wall_s_to_target")
 
 
 def summarize(runs: list[RunResult]) -> dict[str, Any]:
@@ -235,20 +254,11 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
     if "trl" in per:
         for sys_ in (x for x in systems if x != "trl"):
             ratios[sys_] = {}
-            for f in ("train_s_to_target", "wall_s_to_target", "startup_s", "step_time_s", "tokens_per_s"):
+            for f in ("train_s_to_target", "wall_s_to_target", "startup_s", "step_time_s", "tokens_per_s",
+                      "heldout_train_s_to_target", "heldout_wall_s_to_target"):
                 a, b = per[sys_][f]["median"], per["trl"][f]["median"]
                 ratios[sys_][f] = a / b if a is not None and b else None
     return {"systems": per, "ratios_vs_trl": ratios}
-
-
-def _f(x: float | None, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _mr(d: dict[str, Any], spec: str = ".1f") -> str:
-    if d["median"] is None:
-        return "never"
-    return f"{_f(d['median'], spec)} ({_f(d['min'], spec)}–{_f(d['max'], spec)})"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -276,6 +286,7 @@ def markdown(result: dict[str, Any]) -> str:
         for sys_, r in summ["ratios_vs_trl"].items():
             lines.append(f"| {label(sys_)} | {_f(r['train_s_to_target'])} | {_f(r['wall_s_to_target'])} | "
                          f"{_f(r['startup_s'])} | {_f(r['step_time_s'])} | {_f(r['tokens_per_s'])} |")
+    lines += heldout_markdown(summ, st, label)
     return "\n".join(lines)
 
 
@@ -325,6 +336,13 @@ def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Model folder (default: the built-in model).")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="Limit per run (default 1800 s).")
     p.add_argument("--png", type=Path, default=None, help="Also write the plot here.")
+    p.add_argument("--eval-every", type=int, default=0, help="Held-out greedy evaluation every N steps on both "
+                   "sides, on the same --eval-prompts prompts of the task's held-out split (TRL: Hugging Face "
+                   "generate, its time left out of TRL's). Default 0: the project's runs evaluate as by "
+                   "default and TRL not at all.")
+    p.add_argument("--eval-prompts", type=int, default=32, help="Held-out prompts per evaluation (default 32).")
+    p.add_argument("--heldout-target", type=float, default=None, help="Also time both sides to this held-out "
+                   "greedy accuracy (needs --eval-every).")
 
 
 def resolve(args: argparse.Namespace) -> tuple[list[str], Settings]:
@@ -333,7 +351,9 @@ def resolve(args: argparse.Namespace) -> tuple[list[str], Settings]:
     if bad or not systems:
         raise BadFlag(f"--systems: unknown value(s) {', '.join(bad) or '(none)'} (allowed: trl, sN for a "
                       "staleness N, sN-noeval)")
-    at_least(args, seeds=1, steps=1, window=1, prompts=1, trl_threads=1, n=2)
+    at_least(args, seeds=1, steps=1, window=1, prompts=1, trl_threads=1, n=2, eval_every=0, eval_prompts=1)
+    if args.heldout_target is not None and not args.eval_every:
+        raise BadFlag("--heldout-target: needs --eval-every N (held-out evaluations on both sides)")
     if any(not f.startswith("--task.") for f in args.run_flags[::2]):
         raise BadFlag("only --task.* flags may follow '--' (the rest is fixed for both systems)")
     from pipeline_rl.driver import resolve_model_dir
@@ -347,7 +367,8 @@ def resolve(args: argparse.Namespace) -> tuple[list[str], Settings]:
         trl_python = str(clean_python(log=lambda line: print(line, flush=True)))
     return systems, Settings(args.steps, args.prompts, args.n, args.lr, args.max_new_tokens,
                              args.max_model_len, args.temperature,
-                             tuple(args.run_flags), args.trl_threads, model_dir, args.model is None, trl_python)
+                             tuple(args.run_flags), args.trl_threads, model_dir, args.model is None, trl_python,
+                             args.eval_every, args.eval_prompts)
 
 
 def installs(systems: list[str], s: Settings) -> dict[str, Any]:
@@ -372,7 +393,8 @@ def run(args: argparse.Namespace) -> Outcome:
         for system in systems:
             print(f"peers: {system} seed {seed} ...", flush=True)
             launched, curve, wall_s, error = run_one(system, seed, s, out, args.timeout_s)
-            res = measure(system, seed, launched, curve, wall_s, s, args.target, args.window, error)
+            res = measure(system, seed, launched, curve, wall_s, s, args.target, args.window, error,
+                          args.heldout_target)
             runs.append(res)
             if curve is not None:
                 curves.append({"system": system, "seed": seed, "launched": launched, **asdict(curve)})
@@ -382,6 +404,7 @@ def run(args: argparse.Namespace) -> Outcome:
                   + (f"; {res.error}" if res.error else ""), flush=True)
     result = {"hardware": hardware(), "installs": installs(systems, s),
               "settings": {**asdict(s), "seeds": list(range(args.seeds)), "target": args.target,
+                           "heldout_target": args.heldout_target,
                            "window": args.window, "systems": systems},
               "runs": [asdict(r) for r in runs], "summary": summarize(runs), "curves": curves}
     for path in (out / "peers.png", args.png):

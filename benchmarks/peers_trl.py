@@ -13,8 +13,16 @@ batch. Generation is Hugging Face ``generate`` (TRL without vLLM); the process u
 ``--threads`` torch threads (2 on a 2-core machine: TRL has one process to give them).
 
 Each step appends a JSON line to ``--out``: ``step``, ``unix_time_s`` (wall clock at
-the step's end), ``time_s`` (since training started, as in the project's
-``metrics.jsonl``), ``reward_mean``, ``completion_len_mean`` (tokens), ``step_time_s``.
+the step's end, held-out evaluation taken out), ``time_s`` (since training started, as in the project's
+``metrics.jsonl``, held-out evaluation taken out), ``reward_mean``, ``completion_len_mean``
+(tokens), ``step_time_s``.
+
+With ``--eval-every E`` the run is also evaluated as the project's runs are: greedy answers
+to the first ``--eval-prompts`` prompts of the task's held-out split (the same prompts, the
+same reward) before the first step, every ``E`` steps and after the last, by Hugging Face
+``generate`` in batches, each appended to ``--eval-out`` as the project's ``eval.jsonl`` rows
+are (``step``, ``time_s``: training time at that step, ``greedy_accuracy``, ``eval_s``). The
+evaluation's own time is left out of ``time_s``: TRL is timed on training alone.
 Needs ``trl``: ``benchmarks.peers`` runs it in TRL's own environment (``benchmarks/peers_env.py``:
 TRL's pins and pydantic, for the task code it reads from ``pipeline_rl``); ``pip install -e
 '.[peers]'`` adds TRL to the project's.
@@ -48,6 +56,11 @@ def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (default 1).")
     p.add_argument("--max-new-tokens", type=int, default=16, help="Completion limit (default 16).")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2).")
+    p.add_argument("--eval-every", type=int, default=0, help="Held-out greedy evaluation every N steps, at "
+                   "the start and at the end (default 0: none).")
+    p.add_argument("--eval-prompts", type=int, default=32, help="Held-out prompts per evaluation (default 32).")
+    p.add_argument("--eval-out", type=Path, default=None, help="Evaluation rows go here (default: eval.jsonl "
+                   "beside --out).")
 
 
 def task_and_prompts(args: argparse.Namespace) -> tuple[Any, list[Any]]:
@@ -60,6 +73,44 @@ def task_and_prompts(args: argparse.Namespace) -> tuple[Any, list[Any]]:
                   "--model.path", args.model])
     task = build_task_for_model(cfg.task, args.model, seed=args.seed)
     return task, [task.prompt(i) for i in range(args.max_steps * args.prompts)]
+
+
+def held_out(args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    """The task's held-out split as the project's evaluation builds it, and its first
+    ``--eval-prompts`` prompts (ids 0, 1, ...: the ids the project's evaluation asks for)."""
+    from pipeline_rl.tasks import build_task_for_model
+
+    cfg = config(["--task.name", args.task, *args.task_flags.split(), "--seed", str(args.seed),
+                  "--model.path", args.model, "--eval.num_prompts", str(args.eval_prompts)])
+    task = build_task_for_model(cfg.task, args.model, seed=args.seed, split="eval", evaluation=cfg.eval)
+    count = min(args.eval_prompts, getattr(task, "num_prompts", args.eval_prompts))
+    return task, [task.prompt(i) for i in range(count)]
+
+
+def greedy_accuracy(model: Any, tokenizer: Any, task: Any, prompts: list[Any], max_new_tokens: int,
+                    batch: int = 16) -> float:
+    """Mean reward of greedy answers to ``prompts`` (left-padded batches of ``batch``)."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    total = 0.0
+    try:
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            enc = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True,
+                            add_special_tokens=not getattr(chunk[0], "templated", False))
+            with torch.no_grad():
+                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            total += sum(float(task.reward(p.text, t, p)) for p, t in zip(chunk, texts))
+    finally:
+        tokenizer.padding_side = side
+        if was_training:
+            model.train()
+    return total / max(1, len(prompts))
 
 
 def run(args: argparse.Namespace) -> Outcome:
@@ -88,22 +139,51 @@ def run(args: argparse.Namespace) -> Outcome:
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("")
+    eval_out: Path = args.eval_out or out.with_name("eval.jsonl")
+    eval_task, eval_prompts = held_out(args) if args.eval_every > 0 else (None, [])
+    if args.eval_every > 0:
+        eval_out.write_text("")
 
     class StepLog(TrainerCallback):  # type: ignore[misc]
         start = last = time.time()
+        eval_s = 0.0   # held-out evaluation time so far, left out of time_s
 
         def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             logs = kwargs.get("logs")
             if not logs or "reward" not in logs:
                 return
             now = time.time()
-            row = {"step": state.global_step, "unix_time_s": now, "time_s": now - StepLog.start,
+            row = {"step": state.global_step, "unix_time_s": now - StepLog.eval_s,
+                   "time_s": now - StepLog.start - StepLog.eval_s,
                    "reward_mean": logs["reward"],
                    "completion_len_mean": logs.get("completions/mean_length", float("nan")),
                    "step_time_s": now - StepLog.last}
             StepLog.last = now
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+
+        def _evaluate(self, step: int) -> None:
+            t = time.time()
+            acc = greedy_accuracy(model, tokenizer, eval_task, eval_prompts, args_.max_new_tokens)
+            took = time.time() - t
+            row = {"step": step, "time_s": t - StepLog.start - StepLog.eval_s, "greedy_accuracy": acc,
+                   "num_prompts": len(eval_prompts), "eval_s": took,
+                   "unix_time_s": t - StepLog.eval_s}   # wall clock, earlier evaluations left out
+            StepLog.eval_s += took
+            StepLog.last += took
+            with eval_out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if args_.eval_every > 0:
+                self._evaluate(0)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step = state.global_step
+            if args_.eval_every > 0 and (step % args_.eval_every == 0 or step == args_.max_steps):
+                self._evaluate(step)
+
+    args_ = args
 
     with tempfile.TemporaryDirectory(prefix="trl-") as scratch:
         config = GRPOConfig(

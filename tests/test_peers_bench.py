@@ -67,7 +67,8 @@ def test_trl_and_pipeline_side_by_side_on_a_tiny_model(tiny_model_dir: str, tmp_
     out = tmp_path / "peers"
     code = peers.main(["--model", tiny_model_dir, "--systems", "trl,s2", "--trl-env", "project", "--seeds", "1", "--steps", "3",
                        "--window", "2", "--target", "0", "--max-new-tokens", "8", "--prompts", "2", "--n", "4",
-                       "--timeout-s", "600", "--out", str(out)])
+                       "--timeout-s", "600", "--out", str(out), "--eval-every", "2", "--eval-prompts", "4",
+                       "--heldout-target", "0"])
     logs = {p.name: p.read_text()[-2000:] for p in out.glob("*/console.log")}
     assert code == 0, logs
     result = json.loads((out / "peers.json").read_text())
@@ -75,6 +76,12 @@ def test_trl_and_pipeline_side_by_side_on_a_tiny_model(tiny_model_dir: str, tmp_
     for r in result["runs"]:
         assert r["ok"] and r["startup_s"] > 0 and r["tokens_per_s"] > 0 and r["wall_s_to_target"] > r["train_s_to_target"]
     assert set(result["summary"]["ratios_vs_trl"]) == {"s2"}
+    # Both sides evaluated the same held-out prompts, from the start: target 0 is met at step 0.
+    for r in result["runs"]:
+        assert r["greedy_first"] is not None and r["heldout_steps_to_target"] == 0, r
+    trl_evals = [json.loads(line) for line in (out / "trl_seed0" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in trl_evals] == [0, 2, 3] and all(e["num_prompts"] == 4 for e in trl_evals)
     md = (out / "peers.md").read_text()
+    assert "Held-out greedy accuracy (4 prompts" in md
     assert "TRL GRPOTrainer" in md and f"pipeline_rl: {sys.prefix} (" in md
     assert (out / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
