@@ -259,6 +259,11 @@ class AlgorithmConfig(Section):
     ppo_clip: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon.")
     ppo_epochs: int = Field(1, ge=1, le=64, description="PPO passes over each batch.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the reference policy (0 = off).")
+    skip_zero_variance: bool = Field(False, description="Drop every group whose rewards are all equal "
+                                     "(zero advantage: a training pass that teaches nothing) at the buffer, "
+                                     "and generate more instead (DAPO's dynamic sampling), so each batch "
+                                     "carries signal; counted on the step line (skip N) and in metrics "
+                                     "(zero_variance_groups). Off: such groups are trained like any other.")
     kl_estimator: KLEstimator = Field("k3", description="KL estimator for the penalty (k3; k1 "
                                       "is refused as a loss term: its gradient is that of log pi "
                                       "whatever the reference).")
