@@ -88,8 +88,8 @@ class TaskConfig(Section):
         "--rollout.max_model_len 512; calc: multi-turn with a calculator tool, 'calc 4821*7396=' -> "
         "the call '[4821*7396]', the tool's reply '=35655316;', then '35655316'; --task.digits "
         "1-6); word_problems: arithmetic word problems in English for a pretrained chat model "
-        "('Tom has 7 apples. He buys 5 more. How many apples does Tom have now? Give the final answer "
-        "as a number.' -> 12, checked by math answer matching; --task.max_level 1-5), or 'dataset' for "
+        "('Tom has 7 apples. Tom gets 5 more. How many apples does Tom have now? Answer in one short "
+        "sentence.' -> 12, checked by math answer matching; --task.max_level 1-5), or 'dataset' for "
         "--task.dataset.")
     dataset: str | None = Field(None, description="Local data file: .jsonl, .json, .parquet, .arrow, "
                                 ".csv, or a datasets save_to_disk folder (nothing is downloaded), with "

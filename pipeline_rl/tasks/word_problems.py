@@ -13,14 +13,20 @@ Levels (``--task.max_level L`` draws levels 1..L equally often):
 5. equal sharing after a sum ("Ana has 23 marbles and Ben has 25. They share them equally
    among 4 friends. ...": the sum always divides).
 
-Each prompt ends with :data:`INSTRUCTION`, asking for the final answer as a number. The
-reference answer is that number (a non-negative integer). The reward is
+Each prompt ends with :data:`INSTRUCTION`, asking for a one-sentence answer. The reference
+answer is a number (a non-negative integer). The reward is
 :func:`pipeline_rl.tasks.math_reward.math_reward`: the completion's final answer (the last
 ``\\boxed{}``, the words after "the answer is", else its last number) equal to the reference,
 so natural answers ("Tom has 12 apples now.", "The answer is 12.") score 1.
 
 Prompts are a pure function of ``(seed, level mix, prompt id)``; the held-out split takes 5%
 of prompt texts, never seen in training (as every built-in task does).
+
+Measured on SmolLM2-135M-Instruct (vLLM, greedy, 32 new tokens, 24 held-out prompts per
+level): level 1 0.50, level 2 0.04, level 3 0.04 with this instruction; asking for "the final
+answer as a number" instead gave 0.21 / 0.13 / 0.04 with answers twice as long (it explains
+first, past the budget). So the default, ``--task.max_level 2``, starts near 0.27 with room
+to rise.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from pipeline_rl.tasks.base import Prompt, Split, TaskError, is_held_out, pool_i
 from pipeline_rl.tasks.math_reward import math_reward
 
 #: Appended to every problem.
-INSTRUCTION = "Give the final answer as a number."
+INSTRUCTION = "Answer in one short sentence."
 #: Levels that exist.
 MAX_LEVEL = 5
 #: Draws a prompt may take to land on its split.
