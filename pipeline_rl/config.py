@@ -81,13 +81,16 @@ class ModelConfig(Section):
 class TaskConfig(Section):
     """What the policy is trained on."""
 
-    name: Literal["addition", "sort", "countdown", "calc", "dataset"] = Field(
+    name: Literal["addition", "sort", "countdown", "calc", "word_problems", "dataset"] = Field(
         "sort", description="Built-in verifiable task (sort: 'sort 5193=' -> '1359'; addition: "
         "'12+34=' -> '46'; countdown: 'countdown 003=' -> '003 002 001 000', heavy-tailed lengths "
         "of 4-492 tokens with --task.digits 3, so give it --rollout.max_new_tokens 492 "
         "--rollout.max_model_len 512; calc: multi-turn with a calculator tool, 'calc 4821*7396=' -> "
         "the call '[4821*7396]', the tool's reply '=35655316;', then '35655316'; --task.digits "
-        "1-6), or 'dataset' for --task.dataset.")
+        "1-6); word_problems: arithmetic word problems in English for a pretrained chat model "
+        "('Tom has 7 apples. Tom gets 5 more. How many apples does Tom have now? Answer in one short "
+        "sentence.' -> 12, checked by math answer matching; --task.max_level 1-5), or 'dataset' for "
+        "--task.dataset.")
     dataset: str | None = Field(None, description="Local data file: .jsonl, .json, .parquet, .arrow, "
                                 ".csv, or a datasets save_to_disk folder (nothing is downloaded), with "
                                 "the --task.prompt_field and --task.answer_field columns; math "
@@ -146,6 +149,10 @@ class TaskConfig(Section):
         "zero", description="Episodes: an environment that raises, answers with no EnvReply or times "
         "out: zero ends that episode with reward 0 (counted like a reward failure); fail ends the run.")
     digits: int = Field(4, ge=1, le=12, description="Built-in tasks: operand digits / list length.")
+    max_level: int = Field(2, ge=1, le=5, description="word_problems: the hardest level drawn; levels "
+                           "1..max_level come equally often (1: one step up to 20; 2: larger numbers or a "
+                           "small product; 3: two steps; 4: a product then a difference; 5: equal sharing "
+                           "of a sum).")
     num_prompts: int = Field(100_000, ge=1, description="Built-in tasks: size of the prompt pool.")
 
     @model_validator(mode="before")
@@ -259,6 +266,11 @@ class AlgorithmConfig(Section):
     ppo_clip: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon.")
     ppo_epochs: int = Field(1, ge=1, le=64, description="PPO passes over each batch.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the reference policy (0 = off).")
+    skip_zero_variance: bool = Field(False, description="Drop every group whose rewards are all equal "
+                                     "(zero advantage: a training pass that teaches nothing) at the buffer, "
+                                     "and generate more instead (DAPO's dynamic sampling), so each batch "
+                                     "carries signal; counted on the step line (skip N) and in metrics "
+                                     "(zero_variance_groups). Off: such groups are trained like any other.")
     kl_estimator: KLEstimator = Field("k3", description="KL estimator for the penalty (k3; k1 "
                                       "is refused as a loss term: its gradient is that of log pi "
                                       "whatever the reference).")
@@ -416,6 +428,9 @@ class Config(Section):
         if self.rollout.engine == "inprocess" and self.model.device == "cuda":
             raise ValueError("rollout.engine: inprocess runs on CPU only; use async (or auto) "
                              "with model.device cuda")
+        if self.task.name == "word_problems" and self.model.path is None:
+            raise ValueError("task.name: word_problems is English for a pretrained chat model; give one "
+                             "with --model (e.g. --model smollm2-135m-instruct)")
         return self
 
     @property

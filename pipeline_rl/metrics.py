@@ -45,7 +45,8 @@ class StepMetrics:
     ``reward_s``: the mean duration of a reward call and ``reward_busy_frac`` the share of
     the workers' time with a reward call in flight, over the last window;
     ``reward_unscored``: completions a reward gave no score (``None``, TRL's convention),
-    scored 0 (cumulative, all workers).
+    scored 0 (cumulative, all workers); ``zero_variance_groups``: groups the buffer dropped
+    because their rewards were all equal (``--algorithm.skip_zero_variance``; cumulative).
     A multi-turn run
     adds its turn metrics to ``extra`` (``run/recorder.py``, ``turn_metrics``): ``turns_mean``
     / ``turns_max`` and ``env_s_mean`` / ``env_s_p90`` (seconds an episode spent in its
@@ -79,6 +80,7 @@ class StepMetrics:
     reward_s: float = 0.0
     reward_busy_frac: float = 0.0
     reward_unscored: int = 0
+    zero_variance_groups: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_record(self) -> dict[str, Any]:
@@ -203,6 +205,7 @@ def progress_line(m: StepMetrics) -> str:
     failed = (f" | reward errors {m.reward_errors + m.reward_timeouts}"
               f"{f' ({m.reward_timeouts} timed out)' if m.reward_timeouts else ''}"
               if m.reward_errors or m.reward_timeouts else "")
+    failed += f" | skip {m.zero_variance_groups}" if m.zero_variance_groups else ""
     return (f"step {m.step:4d} | reward {m.reward_mean:.3f} | {m.tokens_per_s:7.0f} tok/s | "
             f"lag {m.lag_mean:.2f} (max {m.lag_max}) | buffer {m.buffer_fill:3d} | "
             f"kl {m.mismatch_kl:+.1e} | ent {m.entropy:.2f} | mixed {m.mixed_version_frac:.2f} | "

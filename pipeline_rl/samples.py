@@ -193,6 +193,13 @@ class Group:
         return len(self.completions)
 
     @property
+    def has_signal(self) -> bool:
+        """Whether the completions' rewards differ: a group of equal rewards has zero
+        group-relative advantage on every token (it teaches nothing)."""
+        r = self.rewards
+        return bool(r) and max(r) - min(r) > 1e-9
+
+    @property
     def oldest_version(self) -> int:
         """Oldest version of the group's model tokens (a group without any counts as
         the newest possible, so it is never stale)."""

@@ -411,3 +411,32 @@ def test_stats_as_dict_is_flat_scalars() -> None:
     d = buf.stats().as_dict()
     assert d["evicted/stale"] == 1 and d["rejected/not_msgpack"] == 1 and d["lag/0"] == 1
     assert all(isinstance(v, (int, float)) for v in d.values())
+
+
+def equal_group(gid: int, reward: float = 1.0, version: int = 0, worker: int = 0) -> Group:
+    """A 2-completion group whose rewards are equal (no signal)."""
+    comps = tuple(Completion(np.array([1], np.int32), np.array([-0.1], np.float32), np.array([version], np.int32),
+                             reward, "stop") for _ in range(2))
+    return Group(gid, gid, worker, np.array([1, 2], np.int32), comps)
+
+
+def test_zero_variance_groups_are_dropped_counted_and_give_their_budget_back() -> None:
+    buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2, skip_zero_variance=True)
+    assert buf.acquire(0, 10).granted == 2          # staleness 0: one step's groups at a time
+    assert buf.put(equal_group(0)) and buf.put(group(1))   # the equal one is taken, and dropped
+    s = buf.stats()
+    assert (s.zero_variance, s.groups_in, s.fill) == (1, 1, 1)
+    assert buf.acquire(0, 10).granted == 1          # its slot came back: the step still gets 2 groups
+    assert buf.get_batch(2, 0, timeout_s=0) is None  # only one group with signal yet
+    assert buf.put(equal_group(2, reward=0.0)) and buf.put(group(3))
+    assert ids(buf.get_batch(2, 0, timeout_s=0)) == [1, 3]    # every trained group carries signal
+    s = buf.stats()
+    assert s.zero_variance == 2 and s.as_dict()["zero_variance"] == 2 and s.admission.outstanding == 0
+    check_conservation(buf)                          # dropped groups never entered groups_in
+
+
+def test_zero_variance_groups_are_kept_by_default() -> None:
+    buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2)
+    assert buf.put(equal_group(0)) and buf.put(group(1))
+    assert ids(buf.get_batch(2, 0, timeout_s=0)) == [0, 1]
+    assert buf.stats().zero_variance == 0

@@ -67,6 +67,9 @@ def test_turn_metrics_reach_the_record_the_step_line_and_the_summary() -> None:
     assert "| turns 2.00 (max 3) | env 0.500s (p90" in line and "| tools 6 (1 failed)" in line
     assert "env errors 0 / timeouts 1" in line
     assert "turns" not in progress_line(StepMetrics(**base))              # type: ignore[arg-type]
+    # Groups dropped for equal rewards: on the step line once there are any.
+    assert "skip" not in progress_line(StepMetrics(**base))               # type: ignore[arg-type]
+    assert "| skip 7" in progress_line(StepMetrics(**base, zero_variance_groups=7))  # type: ignore[arg-type]
     table = summary_table([StepMetrics(**base, extra=rec)])               # type: ignore[arg-type]
     rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in table.splitlines()[2:]}
     assert rows["turns per episode (mean / max)"] == "2.00 / 3"

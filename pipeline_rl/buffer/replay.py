@@ -39,6 +39,12 @@ Invariants (checked by the tests):
   be generated with weights ``v`` (``min_version``), and the trainer waits for
   all of them -- nothing can overtake.
 
+* Groups with no signal (``skip_zero_variance``, DAPO's dynamic sampling): a group
+  whose rewards are all equal has zero GRPO advantage everywhere; it is dropped on
+  arrival, counted (``zero_variance``), never stored or trained, and gives its budget
+  slot back as an evicted group does (it is not in ``groups_in``), so every batch is
+  made of groups with signal and the run asks for more groups instead of starving.
+
 Several trainer ranks (``num_ranks=R``): each rank calls
 ``get_batch(n, version, rank=r)`` once per optimizer step with the same
 ``version``. The first rank able to do so assembles the whole step's ``n * R``
@@ -84,12 +90,13 @@ class ReplayBuffer:
 
     def __init__(self, capacity_groups: int, staleness: int, groups_per_step: int, *,
                  num_ranks: int = 1, start_version: int = 0,
-                 straggler_wait_s: float = STRAGGLER_WAIT_S) -> None:
+                 straggler_wait_s: float = STRAGGLER_WAIT_S, skip_zero_variance: bool = False) -> None:
         """``groups_per_step``: groups the trainer consumes per optimizer step (all
         ranks together); ``start_version``: the trainer's version when the buffer
         starts (non-zero when resuming, so the admission budget does not open
         ``start_version * groups_per_step`` slots at once); ``straggler_wait_s``:
-        how long a step waits for a grant due at it (module docstring)."""
+        how long a step waits for a grant due at it; ``skip_zero_variance``: drop groups
+        whose rewards are all equal (module docstring)."""
         _check_positive(capacity_groups=capacity_groups, groups_per_step=groups_per_step,
                         num_ranks=num_ranks)
         if staleness < 0 or start_version < 0 or straggler_wait_s < 0:
@@ -105,6 +112,7 @@ class ReplayBuffer:
         self.groups_per_step = groups_per_step
         self.num_ranks = num_ranks
         self.straggler_wait_s = straggler_wait_s
+        self.skip_zero_variance = skip_zero_variance
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified on any change a waiter can use
         # The stored groups by oldest token version (the hand-out order), each version's in
@@ -130,11 +138,18 @@ class ReplayBuffer:
     def put_many(self, groups: Sequence[Group], timeout_s: float | None = None, *,
                  nbytes: int = 0) -> int:
         """Store groups in order, waiting for room; returns how many were stored
-        (fewer only on timeout or close). ``nbytes``: their wire size, for stats."""
+        (fewer only on timeout or close; a group dropped for zero reward variance counts as
+        taken). ``nbytes``: their wire size, for stats."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stored = 0
         with self._lock:
             for group in groups:
+                if self.skip_zero_variance and not group.has_signal:
+                    self._c.zero_variance += 1
+                    self._grants.receive(group.worker_id, group.oldest_version + self.staleness)
+                    self._changed.notify_all()  # its budget slot is free again
+                    stored += 1
+                    continue
                 if not self._wait_locked(lambda: self._fill < self.capacity, deadline, "full"):
                     break
                 self._append_locked(group)
@@ -405,7 +420,7 @@ class ReplayBuffer:
                 capacity=self.capacity, full_wait_s=c.full_wait_s, consumer_wait_s=c.consumer_wait_s,
                 lag_histogram=dict(c.lag_histogram), bytes_in=c.bytes_in,
                 straggler_wait_s=c.straggler_wait_s, straggler_timeouts=c.straggler_timeouts,
-                connections=c.connections, disconnections=c.disconnections,
+                zero_variance=c.zero_variance, connections=c.connections, disconnections=c.disconnections,
                 admission=AdmissionStats(
                     version=self._version, limit=self._limit_locked(), used=self._used_locked(),
                     granted=self._grants.granted, outstanding=self._grants.owed(),

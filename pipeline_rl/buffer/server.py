@@ -208,6 +208,7 @@ def configured_server(cfg: Config, bind_host: str = "127.0.0.1", start_version: 
     ``--buffer.address`` (else a free port on ``bind_host``) and the message-size limit.
     The buffer is the server's ``buffer``."""
     buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step,
-                          num_ranks=cfg.trainer.num_ranks, start_version=start_version)
+                          num_ranks=cfg.trainer.num_ranks, start_version=start_version,
+                          skip_zero_variance=cfg.algorithm.skip_zero_variance)
     limits = WireLimits(max_message_bytes=int(cfg.buffer.max_message_mb * 2**20))
     return BufferServer(buffer, cfg.buffer.address or f"tcp://{bind_host}:*", limits=limits)

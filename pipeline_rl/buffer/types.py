@@ -103,7 +103,9 @@ class BufferStats:
     (``straggler_timeouts``: steps assembled without it after the wait ran out);
     ``lag_histogram``: lag -> count over groups handed out; ``bytes_in``:
     message bytes accepted; ``connections``/``disconnections``: producer
-    connection events seen by the receiver.
+    connection events seen by the receiver; ``zero_variance``: groups dropped on arrival
+    because their rewards were all equal (``--algorithm.skip_zero_variance``; never in
+    ``groups_in``).
     Invariant: ``groups_in == groups_out + sum(evicted.values()) + fill``
     (plus groups held for a multi-rank step not yet collected: ``held``).
     """
@@ -124,6 +126,7 @@ class BufferStats:
     connections: int
     disconnections: int
     admission: AdmissionStats
+    zero_variance: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """Flat scalar metrics for a logger (histograms as ``lag/<k>`` keys)."""
@@ -133,7 +136,7 @@ class BufferStats:
             "consumer_wait_s": self.consumer_wait_s, "bytes_in": self.bytes_in,
             "straggler_wait_s": self.straggler_wait_s, "straggler_timeouts": self.straggler_timeouts,
             "connections": self.connections, "disconnections": self.disconnections,
-            "evicted": sum(self.evicted.values()), "rejected": sum(self.rejected.values()),
+            "zero_variance": self.zero_variance, "evicted": sum(self.evicted.values()), "rejected": sum(self.rejected.values()),
         }
         out.update({f"evicted/{k}": v for k, v in self.evicted.items()})
         out.update({f"rejected/{k}": v for k, v in self.rejected.items()})
@@ -158,6 +161,7 @@ class _Counters:
     straggler_timeouts: int = 0
     connections: int = 0
     disconnections: int = 0
+    zero_variance: int = 0
     evicted: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, int] = field(default_factory=dict)
     lag_histogram: dict[int, int] = field(default_factory=dict)

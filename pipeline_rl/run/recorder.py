@@ -276,7 +276,7 @@ class StepRecorder:
             reward_mean=statistics.fmean(r.reward_mean for r in res),
             tokens_per_s=rates.tokens_per_s,
             lag_mean=statistics.fmean(r.lag.mean for r in res), lag_max=max(r.lag.max for r in res),
-            evicted=sum(buf.evicted.values()), mismatch_kl=float(lm.mismatch_kl_k1),
+            evicted=sum(buf.evicted.values()), zero_variance_groups=buf.zero_variance, mismatch_kl=float(lm.mismatch_kl_k1),
             masked_frac=float(lm.masked_token_frac),
             mixed_version_frac=statistics.fmean(r.mixed_version_frac for r in res),
             trainer_idle_frac=min(1.0, max(r.wait_s for r in reports) / step_wall) if step_wall else 0.0,

@@ -232,8 +232,10 @@ class Supervisor:
         try:
             buf = self._calls.get(self._buffer.stats.remote(), timeout_s=2.0)
             adm = buf.admission
+            skipped = (f", {buf.zero_variance} dropped for equal rewards (--algorithm.skip_zero_variance)"
+                       if buf.zero_variance else "")
             parts.append(f"the buffer holds {buf.fill} groups (capacity {buf.capacity}, "
-                         f"{sum(buf.evicted.values())} evicted); admission budget {adm.used}/{adm.limit} "
+                         f"{sum(buf.evicted.values())} evicted{skipped}); admission budget {adm.used}/{adm.limit} "
                          f"used at version {adm.version}")
         except CallFailed as e:
             parts.append(f"the buffer does not answer ({e})")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.tasks.base import BatchReward, Prompt, RewardFn, Split, Task, TaskError
 from pipeline_rl.tasks.builtin import AdditionTask, CountdownTask, SortTask
+from pipeline_rl.tasks.word_problems import WordProblemsTask, longest_problem
 from pipeline_rl.tasks.calc import CalcTask
 from pipeline_rl.tasks.chat import ConfiguredTask, Renderer, chat_renderer, has_chat_template, plugin_reward
 from pipeline_rl.tasks.dataset import DatasetTask, Encoder, load_dataset_task, prompt_tokens
@@ -29,7 +30,7 @@ from pipeline_rl.tasks.reward_mix import Reward, WeightedReward
 if TYPE_CHECKING:
     from pipeline_rl.config import EvalConfig, TaskConfig
 
-__all__ = ["AdditionTask", "CalcTask", "BatchReward", "ConfiguredTask", "CountdownTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task",
+__all__ = ["AdditionTask", "CalcTask", "BatchReward", "ConfiguredTask", "CountdownTask", "DatasetTask", "Prompt", "RewardFn", "SortTask", "Split", "Task", "WordProblemsTask",
            "TaskError", "build_task", "build_task_for_model", "longest_prompt", "plugin_reward", "resolve_reward",
            "check_tokenizer", "task_tokenizer"]
 
@@ -45,6 +46,8 @@ def longest_prompt(cfg: "TaskConfig") -> str | None:
         return f"countdown {nines}="
     if cfg.name == "calc":
         return f"calc {nines}*{nines}="
+    if cfg.name == "word_problems":
+        return longest_problem()
     return None
 
 
@@ -120,7 +123,8 @@ def build_task(cfg: "TaskConfig", *, seed: int = 0, tokenizer: Encoder | None = 
     else:
         builtin = AdditionTask if cfg.name == "addition" else SortTask if cfg.name == "sort" else (
             CalcTask if cfg.name == "calc" else CountdownTask)
-        base = builtin(cfg.digits, cfg.num_prompts, seed, split)
+        base = (WordProblemsTask(cfg.max_level, cfg.num_prompts, seed, split) if cfg.name == "word_problems"
+                else builtin(cfg.digits, cfg.num_prompts, seed, split))
         if tokenizer is not None and max_prompt_tokens is not None:
             _check_builtin_fits(cfg, tokenizer, max_prompt_tokens, render)
     if isinstance(reward_fn, (PluginReward, WeightedReward)):
