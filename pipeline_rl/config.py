@@ -375,7 +375,8 @@ class Config(Section):
                                 "new runs/<date>-<time>, with runs/latest pointing at it (a --resume "
                                 "continues in its checkpoint's run folder).")
     seed: int = Field(0, ge=0, description="Random seed.")
-    resume: str | None = Field(None, description="Checkpoint folder to resume from.")
+    resume: str | None = Field(None, description="Checkpoint folder to resume from, or a run folder "
+                                "(its newest complete checkpoint).")
     log_level: Literal["info", "debug"] = Field(
         "info", description="info: one line per start-up phase, the step lines and the summary on "
         "the console; the actors' own output (vLLM, DeepSpeed, Ray workers) goes to "
