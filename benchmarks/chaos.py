@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, BadFlag, Outcome, at_least, hardware, main as bench_main
+from benchmarks.chaos_report import acceptance, markdown, records
 from benchmarks.soak import actor_pids
 
 _POLL_S = 0.1
@@ -159,6 +160,40 @@ class Launch:
     def tail(self) -> str:
         lines = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
         return lines[-1] if lines else "(no output)"
+
+
+class _DirWatch:
+    """The names created in (or moved into) a folder, from Linux's inotify (libc, ctypes)."""
+
+    _IN_CREATE, _IN_MOVED_TO = 0x100, 0x80
+
+    def __init__(self, folder: Path) -> None:
+        import ctypes
+
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0 or self._libc.inotify_add_watch(self.fd, str(folder).encode(),
+                                                       self._IN_CREATE | self._IN_MOVED_TO) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify on {folder}")
+
+    def __enter__(self) -> "_DirWatch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def created(self, timeout_s: float) -> list[str]:
+        """The names created since the last call, waiting up to ``timeout_s`` for one."""
+        import select
+
+        if not select.select([self.fd], [], [], timeout_s)[0]:
+            return []
+        raw, names, pos = os.read(self.fd, 65536), [], 0
+        while pos + 16 <= len(raw):   # struct inotify_event: wd, mask, cookie, len, name[len]
+            length = int.from_bytes(raw[pos + 12:pos + 16], sys.byteorder)
+            names.append(raw[pos + 16:pos + 16 + length].rstrip(b"\0").decode(errors="replace"))
+            pos += 16 + length
+        return names
 
 
 class Tail:
@@ -283,16 +318,18 @@ class Chaos:
         self.worker_kills.append(WorkerKill(step, time.time(), segment, pid))
 
     def _wait_for_save(self, launch: Launch) -> bool:
-        """Wait (at most ``--stall-s``) until a checkpoint is being written; True when one
-        is. A save of a small model takes milliseconds: this looks without sleeping."""
-        ckpts, t0 = str(self.out / "checkpoints"), time.monotonic()
-        while time.monotonic() - t0 < self.args.stall_s and launch.proc.poll() is None:
-            try:
-                if any(name.endswith(".partial") for name in os.listdir(ckpts)):
+        """Wait (at most ``--stall-s``) until a checkpoint is being written; True when one is.
+        A save of a small model takes milliseconds, so this sleeps on inotify (a process
+        woken by an event runs at once on a busy machine; one that polls does not)."""
+        ckpts, t0 = self.out / "checkpoints", time.monotonic()
+        while not ckpts.is_dir() and time.monotonic() - t0 < self.args.stall_s and launch.proc.poll() is None:
+            time.sleep(_POLL_S)   # before the run's first checkpoint
+        if not ckpts.is_dir():
+            return False
+        with _DirWatch(ckpts) as watch:
+            while time.monotonic() - t0 < self.args.stall_s and launch.proc.poll() is None:
+                if any(name.endswith(".partial") for name in watch.created(_POLL_S)):
                     return True
-            except FileNotFoundError:
-                pass
-            time.sleep(0)
         return False
 
     def resolve(self) -> None:
@@ -328,25 +365,6 @@ class Chaos:
         return statistics.median(gaps) if gaps else 0.0
 
 
-def records(folder: Path, steps: int) -> dict[str, Any]:
-    """The run's records as they ended: steps reached, twice and missing; the same for
-    its evaluations; the final held-out greedy accuracy."""
-    from collections import Counter
-
-    from pipeline_rl.metrics import read_evals, read_metrics
-
-    rows = read_metrics(folder / "metrics.jsonl") if (folder / "metrics.jsonl").exists() else []
-    counts = Counter(int(r["step"]) for r in rows)
-    evals = read_evals(folder / "eval.jsonl")
-    eval_counts = Counter(e.step for e in evals)
-    return {"reached": max(counts, default=0), "rows": len(rows),
-            "twice": sorted(s for s, n in counts.items() if n > 1),
-            "missing": sorted(set(range(1, steps + 1)) - set(counts)),
-            "evals_twice": sorted(s for s, n in eval_counts.items() if n > 1),
-            "final_greedy": evals[-1].greedy_accuracy if evals and evals[-1].step == steps else None,
-            "train_s": float(rows[-1]["time_s"]) if rows else 0.0}
-
-
 def baseline(args: argparse.Namespace, out: Path, flags: list[str]) -> tuple[dict[str, Any], str | None]:
     """The same run unbroken, bounded the same way."""
     launch = Launch(flags, out.parent / "unbroken.log")
@@ -362,60 +380,6 @@ def baseline(args: argparse.Namespace, out: Path, flags: list[str]) -> tuple[dic
     if failure is None and launch.proc.returncode != 0:
         failure = f"unbroken run exited with status {launch.proc.returncode}: {launch.tail()}"
     return records(out, args.steps), failure
-
-
-def _num(x: float | None, fmt: str = "{:.1f}") -> str:
-    return "n/a" if x is None else fmt.format(x)
-
-
-def markdown(res: dict[str, Any]) -> str:
-    c, u, hw = res["chaos"], res.get("unbroken"), res["hardware"]
-    every = res["checkpoint_every"]
-    lines = [f"Chaos: {res['steps']:,} steps of `launch/async_grpo.py {' '.join(res['flags'])}`, "
-             f"{len(res['worker_kills'])} rollout-worker kills and {len(res['run_kills'])} whole-run kills "
-             f"(SIGKILL) each followed by `--resume RUN_DIR` (seed {res['seed']}).",
-             f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB.", ""]
-    if res["failure"]:
-        lines += [f"**Failed:** {res['failure']}", ""]
-    lines += ["| | chaos | unbroken |", "|---|---:|---:|"]
-    both: list[tuple[str, str, str]] = [
-        ("steps reached / target", f"{c['reached']:,} / {res['steps']:,}",
-         f"{u['reached']:,} / {res['steps']:,}" if u else "-"),
-        ("steps twice / missing in metrics.jsonl", f"{len(c['twice'])} / {len(c['missing'])}",
-         f"{len(u['twice'])} / {len(u['missing'])}" if u else "-"),
-        ("evaluations twice in eval.jsonl", f"{len(c['evals_twice'])}", f"{len(u['evals_twice'])}" if u else "-"),
-        ("final held-out greedy accuracy", _num(c["final_greedy"], "{:.3f}"),
-         _num(u["final_greedy"], "{:.3f}") if u else "-"),
-        ("wall time (start-ups included)", f"{res['chaos_wall_s']:,.0f} s",
-         f"{res['unbroken_wall_s']:,.0f} s" if u else "-"),
-        ("training time (the run's clock)", f"{c['train_s']:,.0f} s", f"{u['train_s']:,.0f} s" if u else "-"),
-    ]
-    lines += [f"| {a} | {b} | {x} |" for a, b, x in both]
-    lines += ["", f"Median step: {res['median_step_s'] * 1e3:.0f} ms.", "",
-              "| worker kill | after step | groups lost in flight | restart seen at step | time lost |",
-              "|---:|---:|---:|---:|---:|"]
-    lines += [f"| {i + 1} | {k['step']} | {_num(k['groups_lost'], '{:.0f}')} | {k['restart_step'] or 'n/a'} | "
-              f"{_num(k['time_lost_s'])} s |" for i, k in enumerate(res["worker_kills"])]
-    lines += ["", "| run kill | after step | during a checkpoint write | resumed at step | steps lost "
-              f"(bound {every}) | groups in the buffer (lost) | kill to first step | kill to the step again "
-              "| processes outside its group |", "|---:|---:|:---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {i + 1} | {k['step']} | {'yes' if k['in_save'] else 'no'} | {k['resumed_at']} | {k['steps_lost']} | "
-              f"{k['buffer_fill']} | {_num(k['restart_s'])} s | {_num(k['time_lost_s'])} s | {k['outside_group']} |"
-              for i, k in enumerate(res["run_kills"])]
-    lines += ["", "| acceptance | met |", "|---|:---:|"]
-    lines += [f"| {name} | {'yes' if ok else 'no'} |" for name, ok in res["acceptance"].items()]
-    return "\n".join(lines)
-
-
-def acceptance(res: dict[str, Any]) -> dict[str, bool]:
-    c, u, every = res["chaos"], res.get("unbroken"), res["checkpoint_every"]
-    out = {f"reaches step {res['steps']:,}": c["reached"] >= res["steps"],
-           "no step twice (or missing) in metrics.jsonl": not c["twice"] and not c["missing"],
-           f"steps lost per whole-run kill <= one checkpoint interval ({every})":
-               all(k["steps_lost"] is not None and 0 <= k["steps_lost"] <= every for k in res["run_kills"])}
-    if u is not None and u["final_greedy"] is not None and c["final_greedy"] is not None:
-        out["final held-out greedy within 0.1 of the unbroken run"] = abs(c["final_greedy"] - u["final_greedy"]) <= 0.1
-    return out
 
 
 def flags(p: argparse.ArgumentParser) -> None:

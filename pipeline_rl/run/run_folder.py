@@ -54,7 +54,9 @@ class RunFolder:
     """The folder a run writes into. ``resumed_at``: the version a run resumed in this
     folder continues from (None: a new folder); ``elapsed_s``: the run's wall time before
     this segment; ``start_version``: the policy version the run starts at (0, or the
-    ``--resume`` checkpoint's, wherever the run writes), read once, when the folder opens."""
+    ``--resume`` checkpoint's, wherever the run writes), read once, when the folder opens;
+    ``dropped``: the records a resume dropped (rows, evaluations, events); ``mark``: this
+    resume's :class:`ResumeMark` (None unless resumed in this folder)."""
 
     path: Path
     resumed_at: int | None = None
