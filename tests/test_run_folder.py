@@ -136,6 +136,18 @@ def test_resume_a_run_folder_takes_its_newest_complete_checkpoint_and_tidies_kil
     assert "without a complete checkpoint" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_resume_of_a_run_folder_without_a_checkpoint_is_one_line(tiny_model_dir: str, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline_rl.driver import run
+
+    empty = tmp_path / "run"
+    (empty / "checkpoints" / "step_000005.partial").mkdir(parents=True)   # a first save, killed
+    assert run(tiny_run_config(tiny_model_dir, empty, "--resume", str(empty))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"async_grpo.py: error: --resume: {empty} is a run folder without a complete checkpoint in " \
+                      f"{empty / 'checkpoints'}"
+
+
 @pytest.mark.slow
 def test_two_default_runs_never_mix(ray_local: None, tiny_model_dir: str, tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
