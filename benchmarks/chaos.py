@@ -15,11 +15,12 @@ This process follows its ``metrics.jsonl`` and, as the steps pass points fixed i
 - every ``steps / (worker_kills + 1)`` steps, SIGKILLs one rollout worker, picked at
   random (seeded) among the processes Ray titles ``ray::RolloutActor`` under this process
   (``benchmarks.soak.actor_pids``; public API only): Ray restarts it, the run goes on;
-- at ``--run-kills`` random steps (seeded), SIGKILLs the whole run: its process group,
-  then every process under it that outlived it (Ray's own included), and starts it again
-  with ``--resume OUT/chaos`` (the run folder: its newest complete checkpoint). The first
-  of these kills is made while a checkpoint is being written (when a ``step_N.partial``
-  folder appears), so the resume must tidy a killed save and take the one before.
+- at ``--run-kills`` random steps (seeded), SIGKILLs the whole run at once -- every
+  process under it and its process group -- and starts it again with ``--resume OUT/chaos``
+  (the run folder: its newest complete checkpoint). One of these kills waits for a
+  periodic checkpoint write and strikes during it (when inotify reports a
+  ``step_N.partial`` folder), so the resume must tidy a killed save and take the one
+  before. No whole-run kill falls in the few steps after a worker kill.
 
 Then, unless ``--no-baseline``, the same run unbroken (same flags and seed) in
 ``OUT/unbroken``. Everything is bounded: a run that completes no step for ``--stall-s``

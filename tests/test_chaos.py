@@ -25,7 +25,7 @@ def test_a_worker_kill_and_a_whole_run_kill_in_a_save_then_resume(tiny_model_dir
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     out = tmp_path / "chaos"
-    status = chaos.main(["--quick", "--stall-s", "120", "--out", str(out), "--",
+    status = chaos.main(["--quick", "--stall-s", "240", "--out", str(out), "--",
                          "--model.path", tiny_model_dir, *TINY_RUN_FLAGS])
     res = json.loads((out / "chaos.json").read_text())
     assert status == 0, (out / "chaos.md").read_text()
