@@ -17,10 +17,11 @@ This process follows its ``metrics.jsonl`` and, as the steps pass points fixed i
   (``benchmarks.soak.actor_pids``; public API only): Ray restarts it, the run goes on;
 - at ``--run-kills`` random steps (seeded), SIGKILLs the whole run at once -- every
   process under it and its process group -- and starts it again with ``--resume OUT/chaos``
-  (the run folder: its newest complete checkpoint). One of these kills waits for a
-  periodic checkpoint write and strikes during it (when inotify reports a
-  ``step_N.partial`` folder), so the resume must tidy a killed save and take the one
-  before. No whole-run kill falls in the few steps after a worker kill.
+  (the run folder: its newest complete checkpoint). One of these kills strikes during
+  a periodic checkpoint write: the launch carries ``--fault checkpoint_write@N``, so a
+  trainer rank SIGKILLs itself while it writes ``step_N.partial`` and the run ends on it;
+  the resume must tidy the killed save and take the checkpoint before. No whole-run kill
+  falls in the few steps after a worker kill.
 
 Then, unless ``--no-baseline``, the same run unbroken (same flags and seed) in
 ``OUT/unbroken``. Everything is bounded: a run that completes no step for ``--stall-s``
@@ -163,40 +164,6 @@ class Launch:
         return lines[-1] if lines else "(no output)"
 
 
-class _DirWatch:
-    """The names created in (or moved into) a folder, from Linux's inotify (libc, ctypes)."""
-
-    _IN_CREATE, _IN_MOVED_TO = 0x100, 0x80
-
-    def __init__(self, folder: Path) -> None:
-        import ctypes
-
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if self.fd < 0 or self._libc.inotify_add_watch(self.fd, str(folder).encode(),
-                                                       self._IN_CREATE | self._IN_MOVED_TO) < 0:
-            raise OSError(ctypes.get_errno(), f"inotify on {folder}")
-
-    def __enter__(self) -> "_DirWatch":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)
-
-    def created(self, timeout_s: float) -> list[str]:
-        """The names created since the last call, waiting up to ``timeout_s`` for one."""
-        import select
-
-        if not select.select([self.fd], [], [], timeout_s)[0]:
-            return []
-        raw, names, pos = os.read(self.fd, 65536), [], 0
-        while pos + 16 <= len(raw):   # struct inotify_event: wd, mask, cookie, len, name[len]
-            length = int.from_bytes(raw[pos + 12:pos + 16], sys.byteorder)
-            names.append(raw[pos + 16:pos + 16 + length].rstrip(b"\0").decode(errors="replace"))
-            pos += 16 + length
-        return names
-
-
 class Tail:
     """``metrics.jsonl`` as it grows (read again from the start when a resume rewrote it)."""
 
@@ -224,8 +191,8 @@ class Tail:
 @dataclass(slots=True)
 class Plan:
     """The kills, fixed in advance from the seed: the steps after which a worker dies, and
-    those after which the whole run dies; ``in_save``: the run kill that waits for the next
-    checkpoint write (a periodic one, from the second on) and strikes during it.
+    those after which the whole run dies; ``in_save``: the periodic checkpoint (from the
+    second on) whose write one of the whole-run kills interrupts, None once it has.
     No run kill falls in the few steps a worker's restart takes to show."""
 
     worker_at: list[int]
@@ -237,14 +204,12 @@ class Plan:
         rng = random.Random(seed)
         worker_at = [round((i + 1) * steps / (worker_kills + 1)) for i in range(worker_kills)]
         clear = set(range(every + 1, steps - 1)) - {s for w in worker_at for s in range(w - 2, w + 8)}
-        lead = max(3, every // 10)   # steps before the save the kill starts watching for it
-        saves = [s - lead for s in range(2 * every, steps, every) if set(range(s - lead, s + 1)) <= clear]
+        saves = [s for s in range(2 * every, steps, every) if s in clear]
         if not run_kills:
             return cls(worker_at, [], None)
         save = rng.choice(saves) if saves else None
-        pool = sorted(clear - ({save} if save else set()))
-        run_at = [*rng.sample(pool, min(len(pool), run_kills - (save is not None)))]
-        return cls(worker_at, sorted(run_at + ([save] if save else [])), save)
+        pool = sorted(clear - {s for s in range(save - every, save + every)} if save else clear)
+        return cls(worker_at, sorted(rng.sample(pool, min(len(pool), run_kills - (save is not None)))), save)
 
 
 class Chaos:
@@ -263,7 +228,8 @@ class Chaos:
     def run(self) -> None:
         tail, segment, resume = Tail(self.out / "metrics.jsonl"), 0, False
         while self.failure is None:
-            launch = Launch([*self.flags, *(["--resume", str(self.out)] if resume else [])],
+            fault = ["--fault", f"checkpoint_write@{self.plan.in_save}"] if self.plan.in_save else []
+            launch = Launch([*self.flags, *fault, *(["--resume", str(self.out)] if resume else [])],
                             self.out.parent / f"chaos_segment{segment}.log")
             status = self._follow(launch, tail, segment)
             if status == "done":
@@ -282,9 +248,15 @@ class Chaos:
             last_progress = now if rows else last_progress
             code = launch.proc.poll()
             if code is not None:
-                launch.kill()
+                outside = launch.kill()
+                for r in tail.new_rows():   # the rows written after the last look
+                    self.timeline.rows.append((segment, r))
+                    step, fill = r.step, r.buffer_fill
                 if code == 0 and max((r.step for _, r in self.timeline.rows), default=0) >= self.args.steps:
                     return "done"
+                killed = self._killed_in_save(step, segment, fill, outside)
+                if killed:
+                    return "killed"
                 self.failure = f"segment {segment} exited with status {code} at step {step}: {launch.tail()}"
                 return "failed"
             if now - last_progress > self.args.stall_s or now > self.deadline:
@@ -295,16 +267,25 @@ class Chaos:
             if self.plan.worker_at and step >= self.plan.worker_at[0]:
                 self._kill_worker(step, segment)
             if self.plan.run_at and step >= self.plan.run_at[0]:
-                below = launch.below()
-                in_save = self.plan.run_at.pop(0) == self.plan.in_save and self._wait_for_save(launch)
-                outside = launch.kill(below)
+                self.plan.run_at.pop(0)
+                outside = launch.kill()
                 for r in tail.new_rows():   # the steps it finished before it died
                     self.timeline.rows.append((segment, r))
                     step, fill = r.step, r.buffer_fill
-                left = any(p.name.endswith(".partial") for p in (self.out / "checkpoints").glob("step_*"))
-                self.run_kills.append(RunKill(step, time.time(), segment, in_save and left, fill, outside))
+                self.run_kills.append(RunKill(step, time.time(), segment, False, fill, outside))
                 return "killed"
             time.sleep(_POLL_S)
+
+    def _killed_in_save(self, step: int, segment: int, fill: int, outside: int) -> bool:
+        """Whether the launch that just ended was the one the ``checkpoint_write`` fault killed
+        during the write of ``plan.in_save``: a trainer rank SIGKILLed itself there, and the
+        run ended on it. The kill's time is the last change to the ``.partial`` folder."""
+        left = sorted((self.out / "checkpoints").glob("step_*.partial"))
+        if self.plan.in_save is None or not left:
+            return False
+        self.plan.in_save = None
+        self.run_kills.append(RunKill(step, left[-1].stat().st_mtime, segment, True, fill, outside))
+        return True
 
     def _kill_worker(self, step: int, segment: int) -> None:
         pids = [pid for name, pid in actor_pids().items() if name.startswith("rollout")]
@@ -317,21 +298,6 @@ class Chaos:
             return
         self.plan.worker_at.pop(0)
         self.worker_kills.append(WorkerKill(step, time.time(), segment, pid))
-
-    def _wait_for_save(self, launch: Launch) -> bool:
-        """Wait (at most ``--stall-s``) until a checkpoint is being written; True when one is.
-        A save of a small model takes milliseconds, so this sleeps on inotify (a process
-        woken by an event runs at once on a busy machine; one that polls does not)."""
-        ckpts, t0 = self.out / "checkpoints", time.monotonic()
-        while not ckpts.is_dir() and time.monotonic() - t0 < self.args.stall_s and launch.proc.poll() is None:
-            time.sleep(_POLL_S)   # before the run's first checkpoint
-        if not ckpts.is_dir():
-            return False
-        with _DirWatch(ckpts) as watch:
-            while time.monotonic() - t0 < self.args.stall_s and launch.proc.poll() is None:
-                if any(name.endswith(".partial") for name in watch.created(_POLL_S)):
-                    return True
-        return False
 
     def resolve(self) -> None:
         """Fill in what each kill cost, from the rows that followed it."""

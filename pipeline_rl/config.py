@@ -386,7 +386,8 @@ class Config(Section):
                               "seconds (0 = off).")
     fault: str | None = Field(None, description="Failure tests: make one actor raise at POINT@VERSION "
                               "(weight_update, engine_step, trainer_step, buffer, engine_hang, "
-                              "engine_start) once the policy reaches VERSION.")
+                              "engine_start; checkpoint_write: a trainer killed mid-save) once the "
+                              "policy reaches VERSION.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
