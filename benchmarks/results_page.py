@@ -101,6 +101,10 @@ CATALOG: tuple[Entry, ...] = (
     Entry("soak", "Memory over 20,000 steps", "python -m benchmarks.soak --steps 20000",
           "Resident-memory slope of every process after step 2,000 (limit 500 KiB per 1,000 steps).",
           machine="AMD EPYC, 2 cores, 23.5 GiB, no GPU"),
+    Entry("chaos", "A run killed again and again", "python -m benchmarks.chaos",
+          "2,000 default steps with 10 rollout-worker SIGKILLs and 3 whole-run SIGKILLs (one during a "
+          "checkpoint write), each followed by `--resume RUN_DIR`: steps reached, steps twice or missing, "
+          "what each kill cost, and the final held-out greedy against an unbroken run of the same seed."),
 )
 
 _INTRO = """\

@@ -387,7 +387,8 @@ class Config(Section):
                                 "new runs/<date>-<time>, with runs/latest pointing at it (a --resume "
                                 "continues in its checkpoint's run folder).")
     seed: int = Field(0, ge=0, description="Random seed.")
-    resume: str | None = Field(None, description="Checkpoint folder to resume from.")
+    resume: str | None = Field(None, description="Checkpoint folder to resume from, or a run folder "
+                                "(its newest complete checkpoint).")
     log_level: Literal["info", "debug"] = Field(
         "info", description="info: one line per start-up phase, the step lines and the summary on "
         "the console; the actors' own output (vLLM, DeepSpeed, Ray workers) goes to "
@@ -397,7 +398,8 @@ class Config(Section):
                               "seconds (0 = off).")
     fault: str | None = Field(None, description="Failure tests: make one actor raise at POINT@VERSION "
                               "(weight_update, engine_step, trainer_step, buffer, engine_hang, "
-                              "engine_start) once the policy reaches VERSION.")
+                              "engine_start; checkpoint_write: a trainer killed mid-save) once the "
+                              "policy reaches VERSION.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -126,6 +126,7 @@ def run(cfg: Config) -> int:
     """Run a whole training job; returns the process exit status."""
     _configure_logging(cfg)
     from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.run_folder import resolve_resume
     from pipeline_rl.run.startup import open_run
     from pipeline_rl.run.supervisor import OrchestratorError
     from pipeline_rl.tasks import TaskError
@@ -134,7 +135,7 @@ def run(cfg: Config) -> int:
         log.warning("%s", warning)
     try:
         model_dir = resolve_model_dir(cfg)
-        cfg = check_task(cfg, model_dir)
+        cfg = resolve_resume(check_task(cfg, model_dir))   # --resume RUN_DIR: its newest checkpoint
         folder = open_run(cfg)
     except (TaskError, OSError, ValueError, OrchestratorError) as e:
         print(f"async_grpo.py: error: {str(e).splitlines()[0]}", file=sys.stderr)

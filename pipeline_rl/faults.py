@@ -11,14 +11,22 @@ policy version >= ``VERSION``. Points:
 - ``engine_start``: a vLLM engine's start, after vLLM built it (``InprocessEngine``,
   ``AsyncEngine``): what it started must be shut down, never left holding the process;
 - ``engine_hang``: a rollout worker stops stepping its engine without an error
-  (a hung engine), until it is told to stop: the progress watchdog's case.
+  (a hung engine), until it is told to stop: the progress watchdog's case;
+- ``checkpoint_write``: a trainer rank SIGKILLs its own process while it writes a
+  checkpoint (its files are in ``step_N.partial``, the run state is not): what a machine
+  dying mid-save leaves behind. The run ends as on any trainer death; the previous
+  checkpoint resumes (``benchmarks.chaos`` uses it to kill a run during a write).
 
 Unset (the normal case) every check is one comparison. Nothing here runs at import.
 """
 
 from __future__ import annotations
 
-FAULT_POINTS = ("weight_update", "engine_step", "trainer_step", "buffer", "engine_hang", "engine_start")
+import os
+import signal
+
+FAULT_POINTS = ("weight_update", "engine_step", "trainer_step", "buffer", "engine_hang", "engine_start",
+                "checkpoint_write")
 
 
 class InjectedFault(RuntimeError):
@@ -39,6 +47,13 @@ def reached(spec: str | None, point: str, version: int) -> bool:
         return False
     name, _, at = spec.partition("@")
     return name == point and version >= int(at or 0)
+
+
+def kill_here(spec: str | None, point: str, version: int) -> None:
+    """SIGKILL this process if ``spec`` names ``point`` and ``version`` has reached its
+    version (``checkpoint_write``: no handler, no clean-up, as when a machine dies)."""
+    if reached(spec, point, version):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def check_fault_spec(spec: str) -> None:

@@ -141,6 +141,22 @@ class TensorBoardScalars:
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()])
         self._writer.add_event(Event(summary=summary, wall_time=time.time(), step=step))
 
+    def add_mark(self, tag: str, count: int, text: str, step: int) -> None:
+        """A mark at ``step``: the scalar ``tag + 's'`` (``count``, how many so far) and the text
+        ``tag`` (TensorBoard's text tab), as one event."""
+        from tensorboard.compat.proto import types_pb2
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+
+        as_text = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))
+        tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode()],
+                             tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+        summary = Summary(value=[Summary.Value(tag=tag + "s", simple_value=float(count)),
+                                 Summary.Value(tag=tag, metadata=as_text, tensor=tensor)])
+        self._writer.add_event(Event(summary=summary, wall_time=time.time(), step=step))
+
     def close(self) -> None:
         self._writer.close()
 
@@ -186,6 +202,12 @@ class MetricsLogger:
             self._wandb.log({f"eval/{k}": v for k, v in rec.items()}, step=m.step)
         self._stream.write(eval_line(m) + "\n")
         self._stream.flush()
+
+    def log_resume(self, number: int, step: int, line: str) -> None:
+        """Mark the run's ``number``-th resume, at ``step``, in TensorBoard (``run/resumes``,
+        ``run/resume``); ``resumes.jsonl`` holds it already (``run.run_folder``)."""
+        if self._tb is not None:
+            self._tb.add_mark("run/resume", number, line, step)
 
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""

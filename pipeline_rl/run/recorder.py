@@ -245,6 +245,8 @@ class StepRecorder:
         self._stats.update()   # the first snapshots, so the first step's rates have a start
         out.mkdir(parents=True, exist_ok=True)
         self._logger = MetricsLogger(out)
+        if folder.mark is not None:
+            self._logger.log_resume(folder.mark.number, folder.mark.resumed_at, folder.line())
         self.history: deque[StepMetrics] = deque(maxlen=_HISTORY_STEPS)
         self.steps_done = 0
 

@@ -7,27 +7,42 @@ checkpoints) ever lands in another run's folder.
 - ``--out-dir DIR``: DIR must not hold a run already (a ``run.json``, ``metrics.jsonl`` or
   ``checkpoints/``); one line refuses it otherwise.
 - ``--resume DIR/checkpoints/step_N`` continues that run in DIR (``--out-dir`` may only name
-  DIR): its records past step N (the steps the resumed run redoes) are dropped, later
-  steps are appended, and the line says so; the summary covers the whole run.
+  DIR); ``--resume DIR`` means DIR's newest complete checkpoint (:func:`resolve_resume`).
+  What the resumed run redoes is dropped from every record -- ``metrics.jsonl`` rows past
+  step N, ``eval.jsonl`` evaluations from step N on (the resumed run evaluates at its
+  start) and the same TensorBoard events -- later steps are appended, and the line says
+  so; the summary covers the whole run. Each resume is marked where it happened: a
+  :class:`ResumeMark` line in ``resumes.jsonl`` and, in TensorBoard, ``run/resumes`` (how
+  many so far) and the text ``run/resume`` at step N. So a run resumed again and again
+  keeps one row per step, one evaluation per evaluated step and one curve.
+- A save a kill interrupted (a ``step_N.partial`` or ``step_N.old`` left behind) is
+  tidied before a resume (``training.checkpoint.recover_checkpoints``): it never resumes
+  unless it had finished, and the previous checkpoint stays the one to resume from.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pipeline_rl.config import Config
 from pipeline_rl.metrics import read_metrics
+
+log = logging.getLogger("pipeline_rl.run.run_folder")
 
 RUNS = Path("runs")
 MARKER = "run.json"
+RESUMES = "resumes.jsonl"
 #: What a run writes into its folder (a new run into a used folder clears these first).
-RUN_ENTRIES = (MARKER, "metrics.jsonl", "eval.jsonl", "checkpoints", "tb")
+RUN_ENTRIES = (MARKER, "metrics.jsonl", "eval.jsonl", RESUMES, "checkpoints", "tb")
 
 
 class RunFolderError(ValueError):
@@ -39,19 +54,72 @@ class RunFolder:
     """The folder a run writes into. ``resumed_at``: the version a run resumed in this
     folder continues from (None: a new folder); ``elapsed_s``: the run's wall time before
     this segment; ``start_version``: the policy version the run starts at (0, or the
-    ``--resume`` checkpoint's, wherever the run writes), read once, when the folder opens."""
+    ``--resume`` checkpoint's, wherever the run writes), read once, when the folder opens;
+    ``dropped``: the records a resume dropped (rows, evaluations, events); ``mark``: this
+    resume's :class:`ResumeMark` (None unless resumed in this folder)."""
 
     path: Path
     resumed_at: int | None = None
     elapsed_s: float = 0.0
     dropped: int = 0
     start_version: int = 0
+    mark: ResumeMark | None = None
 
     def line(self) -> str:
-        if self.resumed_at is None:
+        if self.mark is None:
             return f"run folder: {self.path}"
-        return (f"run folder: {self.path} (resuming at step {self.resumed_at}: appending to its records"
-                + (f", {self.dropped} rows past step {self.resumed_at} dropped)" if self.dropped else ")"))
+        m = self.mark
+        redone = (f", dropped what it redoes: {m.dropped_steps} step rows, {m.dropped_evals} evaluation(s), "
+                  f"{m.dropped_events} TensorBoard event(s)" if self.dropped else "")
+        return (f"run folder: {self.path} (resume {m.number}, at step {m.resumed_at}: appending to its "
+                f"records{redone})")
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeMark:
+    """One resume of a run (a line of ``resumes.jsonl``): the ``number``-th, at step
+    ``resumed_at`` (the checkpoint's version), from ``checkpoint``; what it dropped because
+    the resumed run redoes it (``metrics.jsonl`` rows, ``eval.jsonl`` evaluations,
+    TensorBoard events); ``time_s``: the run's clock at that step (the resumed run goes on
+    from it); ``unix_time_s``: when the resume started."""
+
+    number: int
+    resumed_at: int
+    checkpoint: str
+    dropped_steps: int
+    dropped_evals: int
+    dropped_events: int
+    time_s: float
+    unix_time_s: float
+
+
+def read_resumes(path: Path) -> list[ResumeMark]:
+    """The resumes of the run in folder ``path``, oldest first (none for a run never resumed)."""
+    file = path / RESUMES
+    return [ResumeMark(**rec) for rec in read_metrics(file)] if file.exists() else []
+
+
+def resolve_resume(cfg: Config) -> Config:
+    """``cfg`` with ``--resume`` naming a checkpoint: a run folder (one with ``checkpoints/``)
+    stands for its newest complete checkpoint. The leftovers of a save a kill interrupted
+    are tidied first (``training.checkpoint.recover_checkpoints``, one warning line each).
+    Raises :class:`RunFolderError` when a run folder holds no complete checkpoint."""
+    if not cfg.resume:
+        return cfg
+    from pipeline_rl.training.checkpoint import latest_checkpoint, recover_checkpoints
+
+    given = Path(cfg.resume)
+    run_dir = (given / "checkpoints").is_dir()
+    root = given / "checkpoints" if run_dir else given.parent
+    if root.name == "checkpoints" and root.is_dir():
+        for done in recover_checkpoints(root):
+            log.warning("--resume: a checkpoint save was interrupted: %s", done)
+    if not run_dir:
+        return cfg
+    latest = latest_checkpoint(root)
+    if latest is None:
+        raise RunFolderError(f"--resume: {given} is a run folder without a complete checkpoint in {root}")
+    return cfg.model_copy(update={"resume": str(latest)})
 
 
 def holds_run(path: Path) -> bool:
@@ -68,7 +136,7 @@ def open_run_folder(out_dir: str | None, resume: str | None, resume_version: int
         path = Path(out_dir) if out_dir is not None else home
         assert path is not None
         if home is not None and path.resolve() == home.resolve():
-            folder = _continue(path, resume_version)
+            folder = _continue(path, resume_version, str(resume))
         elif holds_run(path):
             raise RunFolderError(f"--out-dir: {path} already holds a run; give a new folder, leave --out-dir "
                                  f"out (a new runs/<date>-<time>), or continue it with --resume "
@@ -110,12 +178,45 @@ def _new_folder(runs: Path) -> Path:
     return path
 
 
-def _continue(path: Path, version: int) -> RunFolder:
-    """Resume in ``path`` at ``version``: keep the records of steps up to it."""
+def _continue(path: Path, version: int, checkpoint: str) -> RunFolder:
+    """Resume in ``path`` at ``version``: keep the records of steps up to it, and mark the resume."""
     kept, dropped = _keep(path / "metrics.jsonl", lambda rec: rec["step"] <= version)
     _, dropped_evals = _keep(path / "eval.jsonl", lambda rec: rec["step"] < version)
+    dropped_events = sum(_trim_events(f, version) for f in sorted((path / "tb").glob("*tfevents*")))
     elapsed = float(kept[-1].get("time_s", 0.0)) if kept else 0.0
-    return RunFolder(path, resumed_at=version, elapsed_s=elapsed, dropped=dropped + dropped_evals)
+    mark = ResumeMark(number=len(read_resumes(path)) + 1, resumed_at=version, checkpoint=checkpoint,
+                      dropped_steps=dropped, dropped_evals=dropped_evals, dropped_events=dropped_events,
+                      time_s=elapsed, unix_time_s=time.time())
+    with (path / RESUMES).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(asdict(mark)) + "\n")
+    return RunFolder(path, resumed_at=version, elapsed_s=elapsed, dropped=dropped + dropped_evals + dropped_events,
+                     mark=mark)
+
+
+def _trim_events(file: Path, version: int) -> int:
+    """Drop from a TensorBoard event file what a run resumed at ``version`` redoes (as
+    :func:`_continue` does from the JSON records: steps past it, evaluations from it on);
+    rewritten only when something goes; the number of events dropped. A record cut short
+    by a kill ends the file."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    raw, kept, seen, pos = file.read_bytes(), [], 0, 0
+    while pos + 12 <= len(raw):   # a record: length (8 bytes), its CRC (4), the event, its CRC (4)
+        (length,) = struct.unpack_from("<Q", raw, pos)
+        end = pos + 12 + length + 4
+        if end > len(raw):
+            break
+        record, seen = raw[pos:end], seen + 1
+        event = Event.FromString(record[12:12 + length])
+        is_eval = any(v.tag.startswith("eval/") for v in event.summary.value)
+        if not event.HasField("summary") or event.step < version or (event.step == version and not is_eval):
+            kept.append(record)
+        pos = end
+    if len(kept) < seen or pos != len(raw):
+        tmp = file.with_name(file.name + ".tmp")
+        tmp.write_bytes(b"".join(kept))
+        tmp.replace(file)
+    return seen - len(kept)
 
 
 def _keep(file: Path, keep: Callable[[dict[str, Any]], bool]) -> tuple[list[dict[str, Any]], int]:

@@ -234,5 +234,37 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return best[1] if best else None
 
 
+def recover_checkpoints(root: str | Path) -> list[str]:
+    """Tidy what a save killed part-way left under ``root`` (one line per folder touched).
+
+    A save writes ``step_N.partial`` and renames it; replacing an existing ``step_N`` first
+    moves that one to ``step_N.old``. So, for each leftover: a ``.partial`` whose
+    ``run_state.json`` is valid (written last: the save had finished) becomes ``step_N``
+    when there is none, else it is removed; a ``.old`` is removed when ``step_N`` exists,
+    else it is put back (when complete). Afterwards only complete checkpoints remain, and
+    the newest of them is the one :func:`latest_checkpoint` names."""
+    done: list[str] = []
+    for left in sorted(Path(root).glob("step_*")):
+        for suffix in (".partial", ".old"):
+            if not left.name.endswith(suffix):
+                continue
+            final = left.with_name(left.name.removesuffix(suffix))
+            if not final.exists() and _complete(left):
+                left.replace(final)
+                done.append(f"{left.name} -> {final.name} (complete)")
+            else:
+                shutil.rmtree(left, ignore_errors=True)
+                done.append(f"{left.name} removed")
+    return done
+
+
+def _complete(d: Path) -> bool:
+    try:
+        read_run_state(d)
+    except CheckpointError:
+        return False
+    return True
+
+
 def checkpoint_name(version: int) -> str:
     return f"step_{version:06d}"

@@ -61,6 +61,7 @@ from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.rollout.engine import served_dtype
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config
+from pipeline_rl.faults import kill_here
 from pipeline_rl.correction.advantages import group_advantages
 from pipeline_rl.correction.loss import PolicyBatch, loss_normalizer, policy_loss, warm_up
 from pipeline_rl.samples import Group
@@ -351,6 +352,7 @@ class Trainer:
         if self.rank == 0:
             self._save_hf(part, update)
         save_rng(part, self.rank)
+        kill_here(self.cfg.fault, "checkpoint_write", self._version)   # a fault test's mid-save death
         dist.barrier()
         if self.rank == 0:
             write_run_state(part, RunState(version=self._version,

@@ -1,0 +1,81 @@
+"""The chaos benchmark's report (``benchmarks.chaos``): what a run's records say once it
+ended, the Markdown tables and the acceptance lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def records(folder: Path, steps: int) -> dict[str, Any]:
+    """The run's records as they ended: steps reached, twice and missing; the same for
+    its evaluations; the final held-out greedy accuracy."""
+    from collections import Counter
+
+    from pipeline_rl.metrics import read_evals, read_metrics
+
+    rows = read_metrics(folder / "metrics.jsonl") if (folder / "metrics.jsonl").exists() else []
+    counts = Counter(int(r["step"]) for r in rows)
+    evals = read_evals(folder / "eval.jsonl")
+    eval_counts = Counter(e.step for e in evals)
+    return {"reached": max(counts, default=0), "rows": len(rows),
+            "twice": sorted(s for s, n in counts.items() if n > 1),
+            "missing": sorted(set(range(1, steps + 1)) - set(counts)),
+            "evals_twice": sorted(s for s, n in eval_counts.items() if n > 1),
+            "final_greedy": evals[-1].greedy_accuracy if evals and evals[-1].step == steps else None,
+            "train_s": float(rows[-1]["time_s"]) if rows else 0.0}
+
+
+
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    c, u, hw = res["chaos"], res.get("unbroken"), res["hardware"]
+    every = res["checkpoint_every"]
+    lines = [f"Chaos: {res['steps']:,} steps of `launch/async_grpo.py {' '.join(res['flags'])}`, "
+             f"{len(res['worker_kills'])} rollout-worker kills and {len(res['run_kills'])} whole-run kills "
+             f"(SIGKILL) each followed by `--resume RUN_DIR` (seed {res['seed']}).",
+             f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB.", ""]
+    if res["failure"]:
+        lines += [f"**Failed:** {res['failure']}", ""]
+    lines += ["| | chaos | unbroken |", "|---|---:|---:|"]
+    both: list[tuple[str, str, str]] = [
+        ("steps reached / target", f"{c['reached']:,} / {res['steps']:,}",
+         f"{u['reached']:,} / {res['steps']:,}" if u else "-"),
+        ("steps twice / missing in metrics.jsonl", f"{len(c['twice'])} / {len(c['missing'])}",
+         f"{len(u['twice'])} / {len(u['missing'])}" if u else "-"),
+        ("evaluations twice in eval.jsonl", f"{len(c['evals_twice'])}", f"{len(u['evals_twice'])}" if u else "-"),
+        ("final held-out greedy accuracy", _num(c["final_greedy"], "{:.3f}"),
+         _num(u["final_greedy"], "{:.3f}") if u else "-"),
+        ("wall time (start-ups included)", f"{res['chaos_wall_s']:,.0f} s",
+         f"{res['unbroken_wall_s']:,.0f} s" if u else "-"),
+        ("training time (the run's clock)", f"{c['train_s']:,.0f} s", f"{u['train_s']:,.0f} s" if u else "-"),
+    ]
+    lines += [f"| {a} | {b} | {x} |" for a, b, x in both]
+    lines += ["", f"Median step: {res['median_step_s'] * 1e3:.0f} ms.", "",
+              "| worker kill | after step | groups lost in flight | restart seen at step | time lost |",
+              "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {i + 1} | {k['step']} | {_num(k['groups_lost'], '{:.0f}')} | {k['restart_step'] or 'n/a'} | "
+              f"{_num(k['time_lost_s'])} s |" for i, k in enumerate(res["worker_kills"])]
+    lines += ["", "| run kill | after step | during a checkpoint write | resumed at step | steps lost "
+              f"(bound {every}) | groups in the buffer (lost) | kill to first step | kill to the step again "
+              "| processes outside its group |", "|---:|---:|:---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {i + 1} | {k['step']} | {'yes' if k['in_save'] else 'no'} | {k['resumed_at']} | {k['steps_lost']} | "
+              f"{k['buffer_fill']} | {_num(k['restart_s'])} s | {_num(k['time_lost_s'])} s | {k['outside_group']} |"
+              for i, k in enumerate(res["run_kills"])]
+    lines += ["", "| acceptance | met |", "|---|:---:|"]
+    lines += [f"| {name} | {'yes' if ok else 'no'} |" for name, ok in res["acceptance"].items()]
+    return "\n".join(lines)
+
+
+def acceptance(res: dict[str, Any]) -> dict[str, bool]:
+    c, u, every = res["chaos"], res.get("unbroken"), res["checkpoint_every"]
+    out = {f"reaches step {res['steps']:,}": c["reached"] >= res["steps"],
+           "no step twice (or missing) in metrics.jsonl": not c["twice"] and not c["missing"],
+           f"steps lost per whole-run kill <= one checkpoint interval ({every})":
+               all(k["steps_lost"] is not None and 0 <= k["steps_lost"] <= every for k in res["run_kills"])}
+    if u is not None and u["final_greedy"] is not None and c["final_greedy"] is not None:
+        out["final held-out greedy within 0.1 of the unbroken run"] = abs(c["final_greedy"] - u["final_greedy"]) <= 0.1
+    return out

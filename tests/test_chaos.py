@@ -1,0 +1,45 @@
+"""The chaos benchmark, short: a run that loses a rollout worker and then is SIGKILLed whole
+while it writes a checkpoint still reaches its last step after ``--resume RUN_DIR``, with
+every step once in ``metrics.jsonl`` and in TensorBoard, and the killed save tidied."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import chaos
+from pipeline_rl.run.run_folder import read_resumes
+from tiny_run import TINY_RUN_FLAGS
+
+
+def test_chaos_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        chaos.main(["--steps", "20", "--checkpoint-every", "20", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "leaves no room" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_worker_kill_and_a_whole_run_kill_in_a_save_then_resume(tiny_model_dir: str, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out = tmp_path / "chaos"
+    status = chaos.main(["--quick", "--stall-s", "240", "--out", str(out), "--",
+                         "--model.path", tiny_model_dir, *TINY_RUN_FLAGS])
+    res = json.loads((out / "chaos.json").read_text())
+    assert status == 0, (out / "chaos.md").read_text()
+    c = res["chaos"]
+    assert (c["reached"], c["twice"], c["missing"]) == (50, [], [])
+    (worker,), (whole,) = res["worker_kills"], res["run_kills"]
+    assert worker["restart_step"] is not None and worker["groups_lost"] is not None
+    assert whole["in_save"], "the whole-run kill was meant to land in a checkpoint write"
+    assert whole["resumed_at"] % 10 == 0 and 0 < whole["steps_lost"] <= 10   # the save before the killed one
+    run = out / "chaos"
+    assert [m.resumed_at for m in read_resumes(run)] == [whole["resumed_at"]]
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.endswith((".partial", ".old"))]
+    tidied = (out / "chaos_segment1.log").read_text()
+    assert "a checkpoint save was interrupted" in tidied and "resume 1, at step" in tidied
+    losses = [e.step for f in sorted((run / "tb").glob("*tfevents*")) for e in EventFileLoader(str(f)).Load()
+              if any(v.tag == "loss" for v in e.summary.value)]
+    assert sorted(losses) == list(range(1, 51))
