@@ -224,3 +224,69 @@ def test_a_misnamed_agent_is_one_line_and_exit_status_2(tiny_model_dir: str, tmp
         err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
         assert len(err) == 1 and needle in err[0], err
         assert not (tmp_path / "out").exists()   # nothing started, Ray included
+
+
+def test_a_chat_loop_renders_as_the_template_when_answers_are_their_texts_encoding(tmp_path: Path) -> None:
+    """No engine: answers whose ids are their text's encoding give the template's own rendering."""
+    from transformers import AutoTokenizer
+
+    from pipeline_rl.rollout.agent_tokens import Answer, render_ids
+    from pipeline_rl.rollout.chat_turns import ChatTurns
+
+    for family in ("qwen2", "llama3"):
+        tok = AutoTokenizer.from_pretrained(str(build_chat_model(family, tmp_path / family)))
+        chat = ChatTurns(tok, TOOLS)
+        end = tok.convert_tokens_to_ids(tok.eos_token)
+        said = ["Let me add.", "It is 5."]
+        answers = [Answer(tuple(tok.encode(t, add_special_tokens=False)) + (end,), (0.0,) * 9, (0,) * 9, "stop", t)
+                   for t in said]
+        convo: list[dict[str, Any]] = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": said[0]},
+                                       {"role": "tool", "tool_call_id": "c0", "name": "add", "content": "5"},
+                                       {"role": "assistant", "content": said[1]}, {"role": "user", "content": "ok"}]
+        want = tok.encode(chat.conversation_text(convo), add_special_tokens=False)
+        assert list(render_ids(chat, lambda t: tok.encode(t, add_special_tokens=False), convo, answers)) == want
+        other = [dict(m, content="Rewritten.") if m["role"] == "assistant" else m for m in convo]   # no match:
+        assert list(render_ids(chat, lambda t: tok.encode(t, add_special_tokens=False), other, answers)) == \
+            tok.encode(chat.conversation_text(other), add_special_tokens=False)                      # all text
+
+
+def test_a_text_loop_reuses_the_sampled_ids_with_their_end_token() -> None:
+    from pipeline_rl.rollout.agent_tokens import Answer, Call, episode_samples, text_prompt_ids
+
+    def encode(text: str, special: bool) -> list[int]:
+        return ([1] if special else []) + [ord(c) for c in text]
+
+    first = Call((1, *map(ord, "calc 2*3=")), (Answer((91, 50, 42, 51, 93, 2), (-1.0,) * 6, (3,) * 6, "stop",
+                                                       "[2*3]"),), "calc 2*3=")
+    ids = text_prompt_ids("calc 2*3=[2*3]=6;", [first], encode)
+    assert ids == first.prompt_ids + first.answers[0].token_ids + tuple(map(ord, "=6;"))   # <eos> (2) kept
+    second = Call(ids, (Answer((54, 2), (-0.5, -0.1), (4, 4), "stop", "6"),), "calc 2*3=[2*3]=6;")
+    (sample,) = episode_samples([first, second])
+    assert sample.tokens == list(ids) + [54, 2]
+    assert sample.mask == [0] * 10 + [1] * 6 + [0] * 3 + [1] * 2 and sample.versions[-2:] == [4, 4]
+    assert text_prompt_ids("calc 2*3=", [first], encode) == (1, *map(ord, "calc 2*3="))        # a new start
+
+
+def test_calc_runs_as_an_agent_through_the_endpoint(tiny_model_dir: str) -> None:
+    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.tasks.calc import CalcTask
+
+    engine = InprocessEngine(EngineConfig(model_dir=tiny_model_dir, max_num_seqs=8, max_model_len=128))
+    buffer = ReplayBuffer(capacity_groups=64, staleness=1000, groups_per_step=1)
+    server = BufferServer(buffer)
+    cfg = Config.model_validate({"rollout": {"n": N, "max_new_tokens": 16, "max_num_seqs": 8, "max_model_len": 128},
+                                 "trainer": {"batch_size": 2 * N}, "staleness": 1000,
+                                 "task": {"name": "calc", "agent": "pipeline_rl.tasks.calc_agent:calc"}})
+    task = CalcTask(4, 1000, 0)
+    worker = RolloutWorker(cfg, 0, tiny_model_dir, server.address, buffer, task, engine=engine)
+    try:
+        worker.run(max_groups=2)
+        groups = buffer.get_batch(2, trainer_version=0, timeout_s=20.0)
+    finally:
+        worker.close()
+        server.close()
+    assert groups is not None
+    for g in groups:
+        assert g.prompt_ids.tolist() == engine.encode(task.prompt(g.prompt_id).text)   # the environment form's start
+        for c in g.completions:
+            assert c.mask is None or c.mask[0] == 1                                     # the model's turn first

@@ -12,6 +12,12 @@ chat loop the ids therefore equal the template's rendering of the whole conversa
 whenever each answer is the encoding of its text, exactly as for environments
 (``rollout/chat_turns.py``), and otherwise they are what the model actually saw.
 
+A completion request's text prompt (:func:`text_prompt_ids`) that starts with an earlier
+request's prompt followed by one of its answers' text is likewise that request's prompt ids,
+the answer's sampled ids (its end-of-sequence token included, which the text omits) and only
+the rest encoded: the agent's loop of ``prompt += answer + reply`` is the environment form's
+episode, token for token.
+
 **Samples** (:func:`episode_samples`). Each request made for an episode is recorded
 (:class:`Call`: its prompt ids, and per answer the sampled ids, log-probs and versions). In
 request order, an answer whose prompt extends a sample so far (its prompt and answers, token
@@ -52,10 +58,12 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One request of an episode: the prompt ids the endpoint rendered, and its answers."""
+    """One request of an episode: the prompt ids the endpoint rendered, and its answers;
+    ``prompt_text``: a completion request's prompt as the agent wrote it (None: a chat one)."""
 
     prompt_ids: tuple[int, ...]
     answers: tuple[Answer, ...]
+    prompt_text: str | None = None
 
 
 @dataclass(slots=True)
@@ -185,3 +193,21 @@ def render_ids(chat: ChatTurns, encode: Any, messages: Sequence[dict[str, Any]],
         ids += answer.token_ids
         ids += chat.continuation_ids(shown[i + 1:end], answer.token_ids[-1] if answer.token_ids else None)
     return tuple(ids)
+
+
+def text_prompt_ids(prompt: str, calls: Sequence[Call], encode: Any) -> tuple[int, ...]:
+    """The prompt ids of a completion request (module docstring): the longest earlier prompt
+    and answer it starts with, spliced, the rest encoded once; else ``encode(prompt, True)``
+    (the tokenizer's special tokens added, as vLLM's completions do)."""
+    best: tuple[int, tuple[int, ...]] | None = None
+    for call in calls:
+        if call.prompt_text is None or not prompt.startswith(call.prompt_text):
+            continue
+        for answer in call.answers:
+            head = call.prompt_text + answer.text
+            if prompt.startswith(head) and (best is None or len(head) > best[0]):
+                best = (len(head), call.prompt_ids + answer.token_ids)
+    if best is None:
+        return tuple(encode(prompt, True))
+    rest = prompt[best[0]:]
+    return best[1] + tuple(encode(rest, False) if rest else ())

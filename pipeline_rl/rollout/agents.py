@@ -32,9 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from pipeline_rl.calls import LoopThread, first_line
+from pipeline_rl.evaluation import EVAL_PREFIX
 from pipeline_rl.config import Config
-from pipeline_rl.rollout.agent_tokens import Answer, Call, Sample, episode_samples, group_completions, render_ids
+from pipeline_rl.rollout.agent_tokens import (Answer, Call, Sample, episode_samples, group_completions, render_ids,
+                                              text_prompt_ids)
 from pipeline_rl.rollout.bounded_calls import BoundedCalls, Outcome
 from pipeline_rl.rollout.chat_turns import ChatTurns
 from pipeline_rl.rollout.endpoint import Endpoint, UnknownEpisode
@@ -57,6 +61,7 @@ class AgentEpisode:
 
     key: str
     prompt: Prompt
+    sampling: SamplingConfig | None = None   # an evaluation's: it wins over the requests'
     calls: list[Call] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)
     requests: int = 0
@@ -78,15 +83,18 @@ class AgentRunner:
     engine loop calls :meth:`start`, :meth:`pump`, :meth:`collect` and reads :attr:`waiting`;
     the endpoint calls :meth:`chat` and :meth:`complete` on its own thread. A group is the
     worker's ``pending`` entry until sent (then removed); ``release(k)``: give ``k`` admitted
-    groups back (a group none of whose agents made a request has nothing to send)."""
+    groups back (a group none of whose agents made a request has nothing to send). An
+    evaluation's episode (its key ``EVAL_PREFIX...``) runs the agent too, under the
+    evaluation's sampling; ``answered(key, text, versions, reward)`` takes its end."""
 
     def __init__(self, cfg: Config, agent: AgentSpec, engine: GenerationEngine, name: str, key: str | None,
                  wake: Callable[[], None], scorer: Scorer, counters: Counters, lock: threading.Lock,
-                 pending: dict[int, PendingGroup], release: Callable[[int], object]) -> None:
+                 pending: dict[int, PendingGroup], release: Callable[[int], object],
+                 answered: Callable[[str, str, np.ndarray, float | None], None]) -> None:
         self.served_name, self.max_model_len = SERVED_NAME, cfg.rollout.max_model_len
         self._cfg, self._agent, self._engine, self._wake = cfg, agent, engine, wake
         self._scorer, self._c, self._clock, self._release = scorer, counters, lock, release
-        self._pending, self.n = pending, cfg.rollout.n
+        self._pending, self.n, self._answered = pending, cfg.rollout.n, answered
         self._key = key or secrets.token_urlsafe(32)   # a worker of its own (tests): a key of its own
         self._lock = threading.Lock()
         self._live: dict[str, AgentEpisode] = {}
@@ -118,12 +126,13 @@ class AgentRunner:
         return None
 
     def start(self, key: str, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
-        """Start an agent call: episode ``key`` (``GROUP:INDEX``) of ``prompt`` (the agent renders
-        its own prompts and asks for its own sampling: ``prompt_ids`` and ``sampling`` unused)."""
-        gid = int(key.split(":")[0])
-        if gid not in self._groups:
+        """Start an agent call: episode ``key`` (``GROUP:INDEX``, or an evaluation's) of ``prompt``
+        (the agent renders its own prompts: ``prompt_ids`` unused; ``sampling`` is an evaluation's only)."""
+        evaluation = key.startswith(EVAL_PREFIX)
+        gid = -1 if evaluation else int(key.split(":")[0])
+        if not evaluation and gid not in self._groups:
             self._groups[gid] = AgentGroup(prompt, self.n)
-        episode = AgentEpisode(key, prompt)
+        episode = AgentEpisode(key, prompt, sampling if evaluation else None)
         with self._lock:
             self._live[key] = episode
         self._loops.submit(self._run(episode))
@@ -167,6 +176,11 @@ class AgentRunner:
                                  f"{episode.prompt.prompt_id}: {first_line(e)}", env=True, timeout=out.timed_out)
         with self._clock:
             self._c.episode_ended(ended, len(calls), out.seconds, episode.tool_calls, 0)
+        if episode.sampling is not None:   # an evaluation's: its answers and reward
+            answers = [a for c in calls for a in c.answers]
+            self._answered(episode.key, "".join(a.text for a in answers),
+                           np.array([v for a in answers for v in a.versions], np.int32), reward)
+            return
         samples = episode_samples(calls)
         for s in samples:
             s.finish = "abort" if ended != "done" else s.finish
@@ -234,11 +248,16 @@ class AgentRunner:
 
     async def complete(self, key: str, call: TextCall) -> dict[str, Any]:
         episode = self._episode(key)
-        prompt_ids = call.prompt if isinstance(call.prompt, tuple) else tuple(self._engine.encode(call.prompt))
+        if isinstance(call.prompt, tuple):
+            prompt_ids = call.prompt
+        else:
+            with self._lock:
+                calls = list(episode.calls)
+            prompt_ids = text_prompt_ids(call.prompt, calls, lambda t, special: self._engine.encode(t, special))
         seqs = await self._generate(episode, prompt_ids, call.n, call.max_tokens, call.temperature, call.top_p,
                                     call.seed)
         choices = [self._choice(seq, None) for seq in seqs]
-        self._record(episode, prompt_ids, seqs, choices)
+        self._record(episode, prompt_ids, seqs, choices, call.prompt if isinstance(call.prompt, str) else None)
         return text_response(call.model, prompt_ids, choices, call.logprobs)
 
     def _chat_turns(self, tools: tuple[dict[str, Any], ...] | None) -> ChatTurns:
@@ -259,10 +278,12 @@ class AgentRunner:
         if room <= 0:
             raise RequestError(f"the prompt's {len(prompt_ids)} tokens fill the context "
                                f"(--rollout.max_model_len {self.max_model_len})")
-        r = self._cfg.rollout
+        r, forced = self._cfg.rollout, episode.sampling
         sampling = SamplingConfig(max_new_tokens=min(max_tokens or r.max_new_tokens, room),
                                   temperature=r.temperature if temperature is None else temperature,
                                   top_p=r.top_p if top_p is None else top_p, top_k=r.top_k, seed=seed)
+        if forced is not None:
+            sampling = replace(forced, max_new_tokens=min(max_tokens or forced.max_new_tokens, room))
         loop = asyncio.get_running_loop()
         futures: dict[str, asyncio.Future[FinishedSequence]] = {}
         with self._lock:
@@ -296,14 +317,14 @@ class AgentRunner:
                       turn.content if turn is not None and calls else None)
 
     def _record(self, episode: AgentEpisode, prompt_ids: tuple[int, ...], seqs: list[FinishedSequence],
-                choices: list[Choice]) -> None:
+                choices: list[Choice], prompt_text: str | None = None) -> None:
         answers = tuple(Answer(c.token_ids, c.logprobs, tuple(s.versions.tolist()), s.finish_reason, c.text,
                                c.calls, c.content) for s, c in zip(seqs, choices))
         with self._lock:
             self.requests += 1
             if episode.closed:
                 return
-            episode.calls.append(Call(prompt_ids, answers))
+            episode.calls.append(Call(prompt_ids, answers, prompt_text))
             episode.answers += answers
             episode.tool_calls += sum(len(c.calls) for c in choices)
 

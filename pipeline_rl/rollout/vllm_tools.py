@@ -164,7 +164,7 @@ def text_call(body: Any) -> TextCall:
     if req.stream or not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                                       and all(isinstance(t, int) for t in prompt))):
         raise RequestError("prompt: one prompt (text or token ids), not streamed")
-    return TextCall(req.model or "", prompt if isinstance(prompt, str) else tuple(int(t) for t in prompt), req.n or 1,
+    return TextCall(req.model or "", prompt if isinstance(prompt, str) else tuple(t for t in prompt if isinstance(t, int)), req.n or 1,
                     req.temperature, req.top_p, req.max_tokens, req.logprobs is not None, req.seed)
 
 

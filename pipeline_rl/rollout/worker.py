@@ -113,7 +113,7 @@ class RolloutWorker:
         if cfg.task.agent:   # an agent's groups are its runner's until sent (from self._pending)
             self._episodes = AgentRunner(cfg, resolve_agent(cfg.task.agent), self._engine, str(worker_id), endpoint_key,
                                          self._wake.set, self._scorer, self._c, self._lock, self._pending,
-                                         lambda k: self._admission.release(worker_id, k))
+                                         lambda k: self._admission.release(worker_id, k), self._answered)
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:
@@ -370,7 +370,7 @@ class RolloutWorker:
             if ids is None:
                 ids = pending.encoded[i] = self._prompt_ids(prompt)
             rid, sampling = eval_request_id(pending.request.eval_id, i, j), self._greedy if j == 0 else self._sampling
-            (self._episodes.start(rid, prompt, ids, sampling) if isinstance(self._episodes, EpisodeDriver)
+            (self._episodes.start(rid, prompt, ids, sampling) if self._episodes is not None
              else self._engine.add(GenRequest(rid, ids, sampling)))
 
     def _answered(self, key: str, text: str, versions: np.ndarray, reward: float | None = None) -> None:
