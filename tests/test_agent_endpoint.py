@@ -162,6 +162,7 @@ def test_an_agent_that_rewrites_its_history_gives_a_sample_per_divergence(qwen_e
     finally:
         rig.close()
     assert len(group.completions) == 2 * N and rig.runner.samples_split == N
+    assert rig.worker.stats().episodes.samples_split == N
     for c in group.completions:
         assert c.reward == 0.5 and c.mask is not None and c.mask.sum() >= 1
 
@@ -189,7 +190,7 @@ def test_the_endpoint_takes_only_the_runs_key(qwen_engine: GenerationEngine) -> 
         assert [m.id for m in good.models.list()] == ["policy"]
         with pytest.raises(openai.NotFoundError):   # the key, but no such episode running
             good.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
-        assert rig.runner.endpoint.refused == 3
+        assert rig.runner.endpoint.refused == 3 and rig.worker.stats().episodes.endpoint_refused == 3
     finally:
         rig.close()
 

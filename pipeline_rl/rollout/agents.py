@@ -111,7 +111,7 @@ class AgentRunner:
         self._calls = BoundedCalls(cfg.task.env_concurrency, cfg.task.env_timeout_s, f"agent-{name}",
                                    "--task.env_timeout_s")
         self._loops = LoopThread(f"agents-{name}")
-        self.endpoint = Endpoint(self, self._key, name)
+        self.endpoint = Endpoint(self, self._key, name, self._refused)
         self.endpoint.start()
 
     # -- the engine loop ----------------------------------------------------------------------
@@ -194,13 +194,20 @@ class AgentRunner:
     def _send(self, group_id: int, group: AgentGroup) -> None:
         pairs = [(s, r) for i in range(group.n) for samples, r in [group.ended[i]] for s in samples]
         prompt_ids, completions = group_completions(pairs)
-        self.samples_split += sum(max(0, len(s) - 1) for s, _ in group.ended.values())
+        split = sum(max(0, len(s) - 1) for s, _ in group.ended.values())
+        self.samples_split += split
+        with self._clock:
+            self._c.samples_split += split
         self.samples_dropped += len(pairs) - len(completions)
         pending = self._pending.pop(group_id)
         if not completions:
             self._release(1)
             return
         self._scorer.send_scored(replace(pending, prompt_ids=prompt_ids), completions)
+
+    def _refused(self) -> None:
+        with self._clock:
+            self._c.endpoint_refused += 1
 
     # -- the agent calls (their own loop, or threads) -------------------------------------------
     async def _run(self, episode: AgentEpisode) -> None:

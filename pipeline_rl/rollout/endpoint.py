@@ -56,10 +56,11 @@ class Endpoint:
     """See the module docstring. :attr:`url` is ``http://127.0.0.1:PORT``;
     :meth:`base_url` is an episode's OpenAI ``base_url``. Start with :meth:`start`."""
 
-    def __init__(self, serving: Serving, key: str, name: str) -> None:
+    def __init__(self, serving: Serving, key: str, name: str, refused: Callable[[], None] | None = None) -> None:
+        """``refused``: told of each request refused for want of the key (besides :attr:`refused`)."""
         if not key:
             raise ValueError("the endpoint needs the run's key")
-        self._serving, self._key, self._name = serving, f"Bearer {key}", name
+        self._serving, self._key, self._name, self._on_refused = serving, f"Bearer {key}", name, refused
         self._lock = threading.Lock()
         self.refused = 0   # requests without the run's key (answered 401)
         self.url = ""
@@ -108,6 +109,8 @@ class Endpoint:
             if not hmac.compare_digest(got.encode(), self._key.encode()):
                 with self._lock:
                     self.refused += 1
+                if self._on_refused is not None:
+                    self._on_refused()
                 return self._error(401, "this endpoint takes the run's key (Authorization: Bearer KEY)")
             return await handler(request)
 
