@@ -29,7 +29,7 @@ from pipeline_rl.samples import Group
 from pipeline_rl.tasks import AdditionTask, Prompt
 
 N = 2
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+TOOLS: list[Any] = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
 SEEN: dict[str, list[Any]] = {}   # what the agents got back, by test
 
@@ -49,9 +49,9 @@ async def two_turns(client: openai.AsyncOpenAI, sample: Prompt) -> dict[str, flo
 
 async def rewrites(client: openai.AsyncOpenAI, sample: Prompt) -> float:
     """Asks, then asks again from a summary: the second request does not extend the first."""
-    first = await client.chat.completions.create(model="policy", max_tokens=4,
-                                                 messages=[{"role": "user", "content": sample.question}])
-    summary = [{"role": "user", "content": f"Earlier you said {first.choices[0].message.content!r}. Again?"}]
+    question: list[Any] = [{"role": "user", "content": sample.question}]
+    first = await client.chat.completions.create(model="policy", max_tokens=4, messages=question)
+    summary: list[Any] = [{"role": "user", "content": f"Earlier you said {first.choices[0].message.content!r}. Again?"}]
     await client.chat.completions.create(model="policy", messages=summary, max_tokens=4)
     return 0.5
 
@@ -148,7 +148,7 @@ def test_a_two_turn_tool_conversation_is_one_sample_of_the_endpoints_own_ids(cha
             assert p2[len(p1) + len(a1):] == chat.continuation_ids(tool, a1[-1])
             model = np.zeros(len(whole), bool)
             model[len(p1):len(p1) + len(a1)] = model[len(p2):] = True
-            assert (c.mask != 0).tolist() == model[len(g.prompt_ids):].tolist()
+            assert c.mask is not None and (c.mask != 0).tolist() == model[len(g.prompt_ids):].tolist()
             got = [x.logprob for x in first.choices[0].logprobs.content + second.choices[0].logprobs.content]
             np.testing.assert_allclose(c.logprobs[c.mask != 0], got, rtol=1e-6)
             assert c.reward == 1.0 and (c.versions[c.mask != 0] == chat_engine.version).all()
@@ -291,3 +291,26 @@ def test_calc_runs_as_an_agent_through_the_endpoint(tiny_model_dir: str) -> None
         assert g.prompt_ids.tolist() == engine.encode(task.prompt(g.prompt_id).text)   # the environment form's start
         for c in g.completions:
             assert c.mask is None or c.mask[0] == 1                                     # the model's turn first
+
+
+def test_an_answer_with_tool_calls_is_matched_by_its_calls_and_spliced(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from pipeline_rl.rollout.agent_tokens import Answer, is_answer, render_ids
+    from pipeline_rl.rollout.chat_turns import ChatTurns
+    from pipeline_rl.rollout.vllm_tools import ParsedCall
+
+    tok = AutoTokenizer.from_pretrained(str(build_chat_model("qwen2", tmp_path / "q")))
+    chat = ChatTurns(tok, TOOLS)
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    sampled = (7, 8, 9, tok.eos_token_id)    # not the text's encoding: must be kept
+    answer = Answer(sampled, (0.0,) * 4, (0,) * 4, "stop", text, (ParsedCall("c0", "add", '{"a": 2, "b": 3}'),), "")
+    message = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "add", "arguments": '{"b":3, "a":2}'}}]}
+    assert is_answer(message, answer) and not is_answer(dict(message, tool_calls=[]), answer)
+    user = {"role": "user", "content": "2+3?"}
+    tool = {"role": "tool", "tool_call_id": "c0", "name": "add", "content": "5"}
+    enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    ids = render_ids(chat, enc, [user, message, tool], [answer])
+    head = enc(chat.conversation_text([user]))
+    assert list(ids) == head + list(sampled) + chat.continuation_ids([tool], sampled[-1])

@@ -248,7 +248,8 @@ class AgentRunner:
                                 call.messages, answers)
         seqs = await self._generate(episode, prompt_ids, call.n, call.max_tokens, call.temperature, call.top_p,
                                     call.seed)
-        parser = ToolCallParser(self._agent.tool_parser, self._engine.tokenizer, call.tools) if call.tools else None
+        parser = (ToolCallParser(self._agent.tool_parser, self._engine.tokenizer, call.tools)
+                  if call.tools and call.parse_tools else None)
         choices = [self._choice(seq, parser) for seq in seqs]
         self._record(episode, prompt_ids, seqs, choices)
         return chat_response(call.model, prompt_ids, choices, call.logprobs)

@@ -71,12 +71,15 @@ class ToolCallParser:
 class ChatCall:
     """A ``/v1/chat/completions`` request, validated by vLLM's own ``ChatCompletionRequest``:
     ``messages`` as the chat template takes them (content parts joined into text, a tool
-    call's arguments as the JSON text the client sent), ``tools`` (JSON schemas) or None when
-    ``tool_choice`` is ``none``; sampling as asked (None: the worker's)."""
+    call's arguments as the JSON text the client sent), ``tools`` (JSON schemas, rendered by the
+    template as ``vllm serve`` does), ``parse_tools`` (False for ``tool_choice: none``: answers
+    are not read for calls; a named or ``required`` choice is read as ``auto``, unconstrained);
+    sampling as asked (None: the worker's)."""
 
     model: str
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] | None
+    parse_tools: bool
     n: int
     temperature: float | None
     top_p: float | None
@@ -144,9 +147,9 @@ def chat_call(body: Any) -> ChatCall:
         if d.get("tool_calls"):
             d["tool_calls"] = [dict(c) for c in d["tool_calls"]]
         messages.append(d)
-    tools = None if req.tool_choice == "none" or not req.tools else tuple(t.model_dump(exclude_none=True)
-                                                                          for t in req.tools)
-    return ChatCall(req.model or "", tuple(messages), tools, req.n or 1, req.temperature, req.top_p,
+    tools = tuple(t.model_dump(exclude_none=True) for t in req.tools) if req.tools else None
+    return ChatCall(req.model or "", tuple(messages), tools, req.tool_choice != "none", req.n or 1,
+                    req.temperature, req.top_p,
                     req.max_completion_tokens or req.max_tokens, bool(req.logprobs), req.seed)
 
 
