@@ -141,14 +141,15 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {r.wall_s:.1f} | {r.tokens_per_s:.0f} | {r.reward_first:.3f} -> {r.reward_last:.3f} "
                      f"| {'yes' if r.passed else 'no'} |")
     lines += ["", "Held-out greedy success by step: " + "; ".join(
-        f"seed {r.seed}: " + ", ".join(f"{step} {acc:.2f}" for step, acc in r.curve) for r in runs) + "."]
+        f"seed {r.seed}{' (agent)' if r.form == 'agent' else ''}: " + ", ".join(f"{step} {acc:.2f}" for step, acc in r.curve) for r in runs) + "."]
     pairs = [(e, a) for e in runs if e.form == "env" for a in runs if a.form == "agent" and a.seed == e.seed]
     if pairs:
         ratios = [e.tokens_per_s / a.tokens_per_s for e, a in pairs if a.tokens_per_s > 0]
         lines += ["", "Environment form's tokens/s over the agent form's (the endpoint's overhead), per seed: "
                   + ", ".join(f"{x:.2f}x" for x in ratios) + "."]
     probe = result["warm_start"].get("probe") or {}
-    lines += ["", f"{sum(r.passed for r in runs)} of {len(runs)} seeds met the bar (step 0 <= {START_MAX}, "
+    unit = "runs" if any(r.form == "agent" for r in runs) else "seeds"
+    lines += ["", f"{sum(r.passed for r in runs)} of {len(runs)} {unit} met the bar (step 0 <= {START_MAX}, "
               f"end >= {TARGET}, within {result['minutes']:g} minutes). Warm start "
               f"{result['warm_start']['folder']} (built once, {result['warm_start'].get('build_s')} s on one "
               f"core, not in the wall times): its own probe (256 held-out prompts, transformers) "

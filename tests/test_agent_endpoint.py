@@ -8,6 +8,7 @@ never stall the worker; a misnamed ``--task.agent`` is one line and exit status 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +23,7 @@ from chat_models import build_chat_model
 from pipeline_rl.buffer.replay import ReplayBuffer
 from pipeline_rl.buffer.server import BufferServer
 from pipeline_rl.config import Config
+from pipeline_rl.evaluation import EvalRequest
 from pipeline_rl.rollout.agents import AgentRunner
 from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine
 from pipeline_rl.rollout.worker import RolloutWorker
@@ -128,7 +130,7 @@ def test_a_two_turn_tool_conversation_is_one_sample_of_the_endpoints_own_ids(cha
         groups = rig.received(2)
     finally:
         rig.close()
-    assert rig.runner.samples_split == 0 and rig.runner.metrics["requests"] == [2.0] * 2 * N
+    assert rig.runner.samples_split == 0 and list(rig.runner.metrics["requests"]) == [2.0] * 2 * N
     seen = {tuple(r[1].prompt_token_ids + r[1].choices[0].token_ids): r for r in SEEN["two_turns"]}
     from pipeline_rl.rollout.chat_turns import ChatTurns
 
@@ -279,13 +281,19 @@ def test_calc_runs_as_an_agent_through_the_endpoint(tiny_model_dir: str) -> None
                                  "trainer": {"batch_size": 2 * N}, "staleness": 1000,
                                  "task": {"name": "calc", "agent": "pipeline_rl.tasks.calc_agent:calc"}})
     task = CalcTask(4, 1000, 0)
-    worker = RolloutWorker(cfg, 0, tiny_model_dir, server.address, buffer, task, engine=engine)
-    try:
-        worker.run(max_groups=2)
+    worker = RolloutWorker(cfg, 0, tiny_model_dir, server.address, buffer, task, engine=engine, eval_task=task)
+    loop = threading.Thread(target=worker.run, daemon=True)
+    loop.start()
+    try:   # evaluations run the agent too, its first sample of each prompt greedy
+        a = worker.evaluate(EvalRequest(0, (0, 1, 2), k=2)).result(timeout=60)
+        b = worker.evaluate(EvalRequest(1, (0, 1, 2), k=2)).result(timeout=60)
         groups = buffer.get_batch(2, trainer_version=0, timeout_s=20.0)
     finally:
+        worker.stop()
+        loop.join(30)
         worker.close()
         server.close()
+    assert (a.num_prompts, a.k) == (3, 2) and a.greedy_tokens == b.greedy_tokens > 0
     assert groups is not None
     for g in groups:
         assert g.prompt_ids.tolist() == engine.encode(task.prompt(g.prompt_id).text)   # the environment form's start

@@ -25,6 +25,7 @@ episode ended are dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import threading
 from collections import deque
@@ -52,6 +53,8 @@ from pipeline_rl.tasks.base import Prompt
 
 #: The model name ``/v1/models`` lists (requests may name any).
 SERVED_NAME = "policy"
+#: The agents' own metrics (a dict reward's numbers) kept per name: the latest episodes'.
+METRICS_KEPT = 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -103,11 +106,12 @@ class AgentRunner:
         self._ended: deque[tuple[AgentEpisode, Outcome]] = deque()
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[FinishedSequence]]] = {}
         self._chats: dict[str, ChatTurns] = {}
+        self._clients: dict[bool, Any] = {}   # the agents' openai clients (sync: True), made at first use
         self.in_engine = 0       # answers queued or generating
         self.requests = 0        # requests served
         self.samples_split = 0   # samples beyond one per episode (an agent rewrote its history)
         self.samples_dropped = 0  # samples sharing no first token with their group's
-        self.metrics: dict[str, list[float]] = {}   # the agents' own metrics (dict rewards)
+        self.metrics: dict[str, deque[float]] = {}   # the agents' own metrics (dict rewards), the latest
         self._calls = BoundedCalls(cfg.task.env_concurrency, cfg.task.env_timeout_s, f"agent-{name}",
                                    "--task.env_timeout_s")
         self._loops = LoopThread(f"agents-{name}")
@@ -168,7 +172,7 @@ class AgentRunner:
                 raise out.error
             reward, metrics = agent_reward(out.value)
             for k, v in metrics.items():
-                self.metrics.setdefault(k, []).append(v)
+                self.metrics.setdefault(k, deque(maxlen=METRICS_KEPT)).append(v)
         except Exception as e:  # noqa: BLE001 -- the agent's failure: counted, the episode scored 0
             verb = "timed out" if out.timed_out else ("raised" if out.error is not None else "")
             ended = "timeout" if out.timed_out else "env_error"
@@ -217,19 +221,24 @@ class AgentRunner:
             self._ended.append((episode, out))
         self._wake()
 
-    async def _call_async(self, episode: AgentEpisode) -> Any:
+    def _client(self, episode: AgentEpisode, sync: bool) -> Any:
+        """An episode's client: a copy of the runner's one, pointed at the episode (the copies
+        share its connection pool: no connection, TLS context or pool made per episode)."""
         import openai
 
-        async with openai.AsyncOpenAI(base_url=self.endpoint.base_url(episode.key), api_key=self._key,
-                                      max_retries=0, timeout=self._cfg.task.env_timeout_s) as client:
-            return await self._agent.fn(client, episode.prompt)
+        with self._lock:
+            base = self._clients.get(sync)
+            if base is None:
+                make = openai.OpenAI if sync else openai.AsyncOpenAI
+                base = self._clients[sync] = make(base_url=self.endpoint.base_url("-"), api_key=self._key,
+                                                  max_retries=0, timeout=self._cfg.task.env_timeout_s)
+        return base.with_options(base_url=self.endpoint.base_url(episode.key))
+
+    async def _call_async(self, episode: AgentEpisode) -> Any:
+        return await self._agent.fn(self._client(episode, sync=False), episode.prompt)
 
     def _call_sync(self, episode: AgentEpisode) -> Any:
-        import openai
-
-        with openai.OpenAI(base_url=self.endpoint.base_url(episode.key), api_key=self._key,
-                           max_retries=0, timeout=self._cfg.task.env_timeout_s) as client:
-            return self._agent.fn(client, episode.prompt)
+        return self._agent.fn(self._client(episode, sync=True), episode.prompt)
 
     # -- the endpoint's thread ------------------------------------------------------------------
     def _episode(self, key: str) -> AgentEpisode:
@@ -339,8 +348,15 @@ class AgentRunner:
     def close(self) -> None:
         """Stop the endpoint and the agent calls (the groups not sent stay the worker's pending)."""
         self.endpoint.close()
+        client = self._clients.pop(False, None)
+        if client is not None and not self._loops.closed:   # closed on the loop it served
+            with contextlib.suppress(Exception):
+                self._loops.submit(client.close()).result(timeout=LoopThread.CLOSE_WAIT_S)
         self._loops.close()
         self._calls.close()
+        sync = self._clients.pop(True, None)
+        if sync is not None:
+            sync.close()
 
 
 def _resolve(fut: asyncio.Future[FinishedSequence], seq: FinishedSequence) -> None:
