@@ -58,6 +58,16 @@ async def rewrites(client: openai.AsyncOpenAI, sample: Prompt) -> float:
     return 0.5
 
 
+async def asks_badly(client: openai.AsyncOpenAI, sample: Prompt) -> float:
+    """A request the engine refuses (an id past the vocabulary) is a 400; the episode goes on."""
+    try:
+        await client.completions.create(model="policy", prompt=[10**7])
+    except openai.BadRequestError as e:
+        SEEN.setdefault("refused", []).append(e)
+    await client.completions.create(model="policy", prompt=sample.question, max_tokens=2)
+    return 1.0
+
+
 def fails(client: openai.OpenAI, sample: Prompt) -> float:
     """A plain agent: one request, then it raises (even prompts) or hangs (odd ones)."""
     client.completions.create(model="policy", prompt=sample.question, max_tokens=3)
@@ -195,6 +205,17 @@ def test_the_endpoint_takes_only_the_runs_key(qwen_engine: GenerationEngine) -> 
         assert rig.runner.endpoint.refused == 3 and rig.worker.stats().episodes.endpoint_refused == 3
     finally:
         rig.close()
+
+
+def test_requests_the_engine_refuses_are_answered_400_and_the_worker_goes_on(qwen_engine: GenerationEngine) -> None:
+    SEEN.clear()
+    rig = Rig(qwen_engine, "asks_badly")
+    try:
+        rig.worker.run(max_groups=1)
+        (group,) = rig.received(1)
+    finally:
+        rig.close()
+    assert len(SEEN["refused"]) == N and all(c.reward == 1.0 for c in group.completions)
 
 
 def test_agents_that_raise_or_hang_are_counted_and_never_stall_the_worker(qwen_engine: GenerationEngine) -> None:

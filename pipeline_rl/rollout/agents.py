@@ -148,9 +148,20 @@ class AgentRunner:
             self._inbox.clear()
             self._ended.clear()
         for request in adds:
-            self._engine.add(request)
+            try:
+                self._engine.add(request)
+            except Exception as e:  # noqa: BLE001 -- vLLM refused the request: the client is told (400)
+                self._refuse(request.request_id, RequestError(f"the engine refused the request: {first_line(e)}"))
         for episode, out in ended:
             self._end(episode, out)
+
+    def _refuse(self, request_id: str, error: Exception) -> None:
+        with self._lock:
+            self.in_engine -= 1
+            waiter = self._waiters.pop(request_id, None)
+        if waiter is not None:
+            loop, fut = waiter
+            loop.call_soon_threadsafe(_reject, fut, error)
 
     def collect(self, seq: FinishedSequence) -> None:
         """A finished answer: back to the request waiting for it (dropped when none is)."""
@@ -362,3 +373,8 @@ class AgentRunner:
 def _resolve(fut: asyncio.Future[FinishedSequence], seq: FinishedSequence) -> None:
     if not fut.done():
         fut.set_result(seq)
+
+
+def _reject(fut: asyncio.Future[FinishedSequence], error: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(error)
