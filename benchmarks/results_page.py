@@ -85,6 +85,10 @@ CATALOG: tuple[Entry, ...] = (
           "Staleness {0,1,2,4,8} x 4 corrections x fp32/bf16 generation, 200 steps (an earlier default model)."),
     Entry("multiturn", "A multi-turn tool task learns", "python -m benchmarks.multiturn --seeds 3 --steps 200",
           "Held-out greedy success of `--task.name calc` before and after 200 steps."),
+    Entry("multiturn_agent", "The same task as agent code", "python -m benchmarks.multiturn --seeds 1 --agent "
+          "--json benchmarks/results/multiturn_agent.json --md benchmarks/results/multiturn_agent.md",
+          "`calc` as an agent function through the rollout worker's OpenAI endpoint beside the environment "
+          "form: held-out greedy success and tokens/s of each."),
     Entry("slow_env", "A slow environment", "python -m benchmarks.slow_env --steps 100 --warmup 20 --sleep-ms 50",
           "Steps/s with a 50 ms environment against an instant one."),
     Entry("hung_env", "A hung environment", "python -m benchmarks.slow_env --steps 60 --warmup 10 "

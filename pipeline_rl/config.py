@@ -139,6 +139,10 @@ class TaskConfig(Section):
     env: str | None = Field(None, description="Multi-turn episodes with an environment MODULE:CLASS "
                             "(pipeline_rl.tasks.env.Environment; a class: one instance per episode, an "
                             "instance: shared). Unset: the task's own (--task.name calc), else single-turn.")
+    agent: str | None = Field(None, description="An agent as the rollout: MODULE:FUNCTION naming "
+                              "agent(client, sample) -> reward (async def: an openai.AsyncOpenAI client, def: "
+                              "an openai.OpenAI one, pointed at the worker's endpoint), called --rollout.n "
+                              "times per prompt, each bounded by --task.env_timeout_s (docs/episodes.md).")
     max_turns: int = Field(4, ge=1, le=1024, description="Episodes: model turns at most (then finish "
                            "reason 'turns').")
     env_concurrency: int = Field(64, ge=1, le=4096, description="Episodes: environment calls in flight "
@@ -187,6 +191,10 @@ class TaskConfig(Section):
             check_reward_spec(self.reward)
         if self.env is not None and not REWARD_SPEC.match(self.env):
             raise ValueError(f"task.env: expected MODULE:CLASS (e.g. my_envs:Game), got {self.env!r}")
+        if self.agent is not None and not REWARD_SPEC.match(self.agent):
+            raise ValueError(f"task.agent: expected MODULE:FUNCTION (e.g. my_agents:solve), got {self.agent!r}")
+        if self.agent is not None and self.env is not None:
+            raise ValueError("task.agent: an agent is the rollout; it takes no --task.env")
         return self
 
 

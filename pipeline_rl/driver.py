@@ -88,6 +88,10 @@ def check_task(cfg: Config, model_dir: str) -> Config:
         from pipeline_rl.tasks.env import resolve_env
 
         resolve_env(cfg.task.env)
+    if cfg.task.agent is not None:   # likewise a misnamed agent
+        from pipeline_rl.tasks.agent import resolve_agent
+
+        resolve_agent(cfg.task.agent)
     tokenizer = check_tokenizer(cfg.task, model_dir)
     if cfg.task.name == "dataset" and cfg.task.reward is None:
         from pipeline_rl.tasks.math_reward import backend

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.archs import build_arch_model
+from dataclasses import replace
+
+from benchmarks.archs import TINY, TOKENIZER_VOCAB, build_arch_model
 
 QWEN_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
@@ -66,7 +68,9 @@ def build_chat_model(family: str, out_dir: Path, seed: int = 0) -> Path:
     from transformers import AutoTokenizer
 
     arch = {"qwen2": "qwen2", "llama3": "llama"}[family]
-    out = build_arch_model(arch, out_dir, seed=seed)
+    # Llama's specials are added after the tokenizer is trained: 64 rows more hold them.
+    vocab = 64 * -(-(TOKENIZER_VOCAB + len(LLAMA_SPECIALS)) // 64) if family == "llama3" else None
+    out = build_arch_model(arch, out_dir, seed=seed, shape=replace(TINY, vocab_size=vocab))
     tok = AutoTokenizer.from_pretrained(str(out))
     if family == "llama3":
         tok.add_tokens(list(LLAMA_SPECIALS), special_tokens=True)

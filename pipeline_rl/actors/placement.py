@@ -6,7 +6,8 @@ plan. The classes are wrapped at run time (no Ray import, no side effect at impo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
@@ -17,11 +18,14 @@ from pipeline_rl.resources import CoreSlot, GpuPlan, plan_gpus
 @dataclass(frozen=True, slots=True)
 class ActorClasses:
     """The three actor classes as Ray places them (resources, restarts, placement), with
-    constructors that return typed handles."""
+    constructors that return typed handles. ``endpoint_key``: the run's key to the rollout
+    workers' agent endpoints (``rollout/endpoint.py``), one per run, handed to each worker
+    (a restarted one gets the same)."""
 
     buffer: Any
     rollout: Any
     trainer: Any
+    endpoint_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def new_buffer(self, cfg: Config, bind_host: str, start_version: int,
                    avoid: tuple[CoreSlot, ...]) -> BufferHandle:
@@ -29,7 +33,8 @@ class ActorClasses:
 
     def new_rollout(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
                     core: CoreSlot | None, gpu_memory: float | None) -> RolloutHandle:
-        return cast(RolloutHandle, self.rollout.remote(cfg, worker_id, model_dir, buffer_name, core, gpu_memory))
+        return cast(RolloutHandle, self.rollout.remote(cfg, worker_id, model_dir, buffer_name, core, gpu_memory,
+                                                       self.endpoint_key))
 
     def new_trainer(self, cfg: Config, model_dir: str, rank: int, world_size: int, buffer: BufferHandle,
                     core: CoreSlot | None, gpu_memory: float | None) -> TrainerHandle:

@@ -36,11 +36,13 @@ class RolloutActor:
     generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
-                 core: CoreSlot | None = None, gpu_memory: float | None = None) -> None:
+                 core: CoreSlot | None = None, gpu_memory: float | None = None,
+                 endpoint_key: str | None = None) -> None:
         """``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
         so the driver starts this actor while the buffer is still starting. ``core``: the
         core slot this worker's process is pinned to (None: unpinned); ``gpu_memory``: the
-        share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``)."""
+        share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``);
+        ``endpoint_key``: the run's key to this worker's agent endpoint (``ActorClasses``)."""
         setup_actor_process(cfg, f"rollout-{worker_id}", core=core)
         from pipeline_rl.rollout.worker import RolloutWorker
         from pipeline_rl.tasks import build_task_for_model, plugin_reward, task_tokenizer
@@ -55,7 +57,7 @@ class RolloutActor:
         admission = RayAdmission(buffer_name)
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
                                      buffer_address=admission.buffer_address(), admission=admission,
-                                     task=task, eval_task=eval_task, gpu_memory=gpu_memory)
+                                     task=task, eval_task=eval_task, gpu_memory=gpu_memory, endpoint_key=endpoint_key)
         end_of_startup()
 
     def ready(self) -> bool:

@@ -62,13 +62,21 @@ class ChatTurns:
         """A conversation's start (system, user, ... messages) with the generation prompt."""
         return self._render([m.as_dict() for m in messages], generation=True)
 
+    def conversation_text(self, messages: Sequence[dict[str, Any]]) -> str:
+        """A conversation of message dicts (as a chat request holds them) with the generation prompt."""
+        return self._render(list(messages), generation=True)
+
     def reply_ids(self, messages: Sequence[Message], last_model_id: int | None) -> list[int]:
         """The ids the template adds after a model turn ending with ``last_model_id`` when
         ``messages`` answer it, up to and with the next generation prompt. A model turn that
         ended with the template's own end-of-turn token (``<|im_end|>``, ``<|eot_id|>``) keeps
         it: the continuation then starts after it."""
+        return self.continuation_ids([m.as_dict() for m in messages], last_model_id)
+
+    def continuation_ids(self, messages: Sequence[dict[str, Any]], last_model_id: int | None) -> list[int]:
+        """:meth:`reply_ids` for message dicts (as a chat request holds them)."""
         base = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _MODEL}]
-        full = self._render(base + [m.as_dict() for m in messages], generation=True)
+        full = self._render(base + list(messages), generation=True)
         if not full.startswith(self._after_model):
             raise TaskError("task.chat_template: the chat template renders earlier messages differently "
                             "once a reply follows them; its episodes cannot be rendered turn by turn")

@@ -139,6 +139,10 @@ class Scorer:
         by the reward, on the model's text), then send the group."""
         self._submit(self._score_episodes(pending))
 
+    def send_scored(self, pending: PendingGroup, completions: tuple[Completion, ...]) -> None:
+        """Send ``completions``, already scored (an agent's samples), as ``pending``'s group."""
+        self._submit(self._send(pending, completions))
+
     def eval_done(self, pending: PendingEval, version: int) -> None:
         """Score every answer of ``pending`` and set its future (``version``: the serving one)."""
         self._submit(self._score_eval(pending, version))

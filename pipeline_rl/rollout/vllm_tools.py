@@ -63,3 +63,166 @@ class ToolCallParser:
         calls = tuple(ParsedCall(c.id, c.function.name, c.function.arguments) for c in info.tool_calls)
         malformed = not calls and self._marker is not None and self._marker in text
         return ParsedTurn(calls, info.content, malformed)
+
+
+# -- The OpenAI-compatible endpoint's requests and responses, as vLLM's server types them -------
+
+@dataclass(frozen=True, slots=True)
+class ChatCall:
+    """A ``/v1/chat/completions`` request, validated by vLLM's own ``ChatCompletionRequest``:
+    ``messages`` as the chat template takes them (content parts joined into text, a tool
+    call's arguments as the JSON text the client sent), ``tools`` (JSON schemas, rendered by the
+    template as ``vllm serve`` does), ``parse_tools`` (False for ``tool_choice: none``: answers
+    are not read for calls; a named or ``required`` choice is read as ``auto``, unconstrained);
+    sampling as asked (None: the worker's)."""
+
+    model: str
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None
+    parse_tools: bool
+    n: int
+    temperature: float | None
+    top_p: float | None
+    max_tokens: int | None
+    logprobs: bool
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TextCall:
+    """A ``/v1/completions`` request (vLLM's ``CompletionRequest``): one prompt, as text or token ids."""
+
+    model: str
+    prompt: str | tuple[int, ...]
+    n: int
+    temperature: float | None
+    top_p: float | None
+    max_tokens: int | None
+    logprobs: bool
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One sampled answer as the endpoint returns it: the text (special tokens dropped), the
+    sampled ids and their log-probs, how it ended (``stop``/``length``), the tool calls found."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    tokens: tuple[str, ...]
+    finish: str
+    calls: tuple[ParsedCall, ...] = ()
+    content: str | None = None
+
+
+class RequestError(ValueError):
+    """A request vLLM's types refuse (the endpoint answers 400 with its first line)."""
+
+
+def _first(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _content_text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def chat_call(body: Any) -> ChatCall:
+    """``body`` (the request's JSON) validated as vLLM's ``ChatCompletionRequest``."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except Exception as e:  # pydantic's validation error: one line to the client
+        raise RequestError(_first(e)) from None
+    if req.stream:
+        raise RequestError("stream: the endpoint answers whole responses only")
+    messages = []
+    for m in req.messages:
+        d = dict(m)
+        d["content"] = _content_text(d.get("content"))
+        if d.get("tool_calls"):
+            d["tool_calls"] = [dict(c) for c in d["tool_calls"]]
+        messages.append(d)
+    tools = tuple(t.model_dump(exclude_none=True) for t in req.tools) if req.tools else None
+    return ChatCall(req.model or "", tuple(messages), tools, req.tool_choice != "none", req.n or 1,
+                    req.temperature, req.top_p,
+                    req.max_completion_tokens or req.max_tokens, bool(req.logprobs), req.seed)
+
+
+def text_call(body: Any) -> TextCall:
+    """``body`` validated as vLLM's ``CompletionRequest`` (one prompt)."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    try:
+        req = CompletionRequest.model_validate(body)
+    except Exception as e:  # pydantic's validation error: one line to the client
+        raise RequestError(_first(e)) from None
+    prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if req.stream or not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                                      and all(isinstance(t, int) for t in prompt))):
+        raise RequestError("prompt: one prompt (text or token ids), not streamed")
+    return TextCall(req.model or "", prompt if isinstance(prompt, str) else tuple(t for t in prompt if isinstance(t, int)), req.n or 1,
+                    req.temperature, req.top_p, req.max_tokens, req.logprobs is not None, req.seed)
+
+
+def _usage(prompt_tokens: int, choices: Sequence[Choice]) -> Any:
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    out = sum(len(c.token_ids) for c in choices)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=out, total_tokens=prompt_tokens + out)
+
+
+def chat_response(model: str, prompt_ids: Sequence[int], choices: Sequence[Choice], logprobs: bool) -> dict[str, Any]:
+    """vLLM's ``ChatCompletionResponse`` for ``choices``, as JSON data (with the prompt's and
+    each choice's token ids, as vLLM returns them to agents that trace tokens)."""
+    from vllm.entrypoints.generate.base.protocol import FunctionCall, ToolCall
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionResponse,
+        ChatCompletionResponseChoice, ChatMessage)
+
+    out = []
+    for i, c in enumerate(choices):
+        calls = [ToolCall(id=k.call_id, function=FunctionCall(name=k.name, arguments=k.arguments)) for k in c.calls]
+        message = ChatMessage(role="assistant", content=c.content if c.calls else c.text, tool_calls=calls)
+        lp = ChatCompletionLogProbs(content=[ChatCompletionLogProbsContent(token=t, logprob=p)
+                                             for t, p in zip(c.tokens, c.logprobs)]) if logprobs else None
+        out.append(ChatCompletionResponseChoice(index=i, message=message, logprobs=lp, token_ids=list(c.token_ids),
+                                                finish_reason="tool_calls" if c.calls else c.finish))
+    resp = ChatCompletionResponse(model=model, choices=out, usage=_usage(len(prompt_ids), choices),
+                                  prompt_token_ids=list(prompt_ids))
+    return resp.model_dump(mode="json", exclude_none=True)
+
+
+def text_response(model: str, prompt_ids: Sequence[int], choices: Sequence[Choice], logprobs: bool) -> dict[str, Any]:
+    """vLLM's ``CompletionResponse`` for ``choices``, as JSON data."""
+    from vllm.entrypoints.openai.completion.protocol import (CompletionLogProbs, CompletionResponse,
+                                                             CompletionResponseChoice)
+
+    out = [CompletionResponseChoice(index=i, text=c.text, finish_reason=c.finish, token_ids=list(c.token_ids),
+                                    prompt_token_ids=list(prompt_ids),
+                                    logprobs=CompletionLogProbs(tokens=list(c.tokens), token_logprobs=list(c.logprobs))
+                                    if logprobs else None)
+           for i, c in enumerate(choices)]
+    resp = CompletionResponse(model=model, choices=out, usage=_usage(len(prompt_ids), choices))
+    return resp.model_dump(mode="json", exclude_none=True)
+
+
+def model_list(name: str, max_model_len: int) -> dict[str, Any]:
+    """vLLM's ``ModelList`` naming the one served model."""
+    from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+
+    return ModelList(data=[ModelCard(id=name, root=name, max_model_len=max_model_len)]).model_dump(mode="json")
+
+
+def error_body(message: str, status: int) -> dict[str, Any]:
+    """vLLM's ``ErrorResponse`` as JSON data."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    kind = {401: "AuthenticationError", 404: "NotFoundError"}.get(status, "BadRequestError")
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, code=status)).model_dump(mode="json")

@@ -12,7 +12,8 @@ The loop (one thread, the only one touching the engine)::
 
 With an environment (``--task.env``, or a multi-turn task's own) a group is ``n``
 episodes (``pipeline_rl.rollout.episodes``): each finished turn goes to its environment
-off the loop, and the loop adds the next turn when the reply is in.
+off the loop, and the loop adds the next turn when the reply is in; with an agent
+(``--task.agent``), ``n`` agent calls whose requests the loop adds (``rollout.agents``).
 
 Invariants:
 
@@ -44,6 +45,7 @@ import numpy as np
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from pipeline_rl.rollout.agents import AgentRunner
 from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.rollout.engine_factory import build_engine
 from pipeline_rl.rollout.episodes import Episode, EpisodeDriver
@@ -58,6 +60,7 @@ from pipeline_rl.weight_sync.message import WeightUpdateError, check_update, res
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task
+from pipeline_rl.tasks.agent import resolve_agent
 from pipeline_rl.tasks.env import resolve_env, task_env_factory
 
 if TYPE_CHECKING:
@@ -73,19 +76,16 @@ _ANSWER_WAIT_S = 5.0
 
 class RolloutWorker:
     """See the module docstring. ``engine`` and ``sender`` may be passed in (tests,
-    benchmarks); otherwise they are built from ``cfg`` and ``buffer_address``."""
+    benchmarks); otherwise they are built from ``cfg`` and ``buffer_address``.
+    ``endpoint_key``: the run's key to the agents' endpoint (None: a key of its own)."""
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_address: str,
-                 admission: AdmissionSource, task: Task, *, reward_fn: RewardFn | None = None,
-                 eval_task: Task | None = None,
+                 admission: AdmissionSource, task: Task, *, reward_fn: RewardFn | None = None, eval_task: Task | None = None,
                  engine: GenerationEngine | None = None, sender: SenderLike | None = None,
                  poll_s: float = 0.005, acquire_hold_s: float = 0.5,
-                 idle_wait_s: float = 0.05, gpu_memory: float | None = None) -> None:
-        self.cfg = cfg
-        self.worker_id = worker_id
-        self.n = cfg.rollout.n
-        self._admission = admission
-        self._task = task
+                 idle_wait_s: float = 0.05, gpu_memory: float | None = None, endpoint_key: str | None = None) -> None:
+        self.cfg, self.worker_id, self.n = cfg, worker_id, cfg.rollout.n
+        self._admission, self._task = admission, task
         self._engine = engine if engine is not None else build_engine(
             cfg, model_dir, seed=cfg.seed + worker_id, gpu_memory=gpu_memory)
         self._sender = sender if sender is not None else connect_sender(buffer_address, worker_id, cfg)
@@ -93,27 +93,27 @@ class RolloutWorker:
                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                         top_k=cfg.rollout.top_k)
         self._pending: dict[int, PendingGroup] = {}
-        self._granted = 0  # admitted groups not started yet
-        self._min_version = 0
+        self._granted, self._min_version = 0, 0  # admitted groups not started yet; the version they need
         self._asking: Future[Admission] | None = None  # the admission request in flight (one at most)
         self._local = 0
         self.poll_s, self.acquire_hold_s, self.idle_wait_s = poll_s, acquire_hold_s, idle_wait_s
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._lock, self._wake, self._stop = threading.Lock(), threading.Event(), threading.Event()
         self._error: BaseException | None = None
         self._c = Counters()
         self._scorer = Scorer(worker_id, self.n, cfg.task, reward_source(cfg.task, task, reward_fn),
                               self._sender, self._c, self._lock, self.fail)
         self._heap = HeapTrimmer()   # free C-heap pages back to the OS every few seconds
-        self._eval_task = eval_task
-        self._evals = EvalFeed(int(cfg.rollout.max_num_seqs * STREAM_SHARE))
+        self._eval_task, self._evals = eval_task, EvalFeed(int(cfg.rollout.max_num_seqs * STREAM_SHARE))
         self._loop_done = False                            # run() returned (until it runs again)
         self._greedy = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
-        factory = resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
-        self._episodes = None if factory is None else EpisodeDriver(
+        factory = None if cfg.task.agent else resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
+        self._episodes: EpisodeDriver | AgentRunner | None = None if factory is None else EpisodeDriver(
             factory, cfg.task, self._engine, cfg.rollout.max_model_len, str(worker_id), self._wake.set,
             self._episode_ended, lambda line, timeout: self._scorer.failure(line, env=True, timeout=timeout))
+        if cfg.task.agent:   # an agent's groups are its runner's until sent (from self._pending)
+            self._episodes = AgentRunner(cfg, resolve_agent(cfg.task.agent), self._engine, str(worker_id), endpoint_key,
+                                         self._wake.set, self._scorer, self._c, self._lock, self._pending,
+                                         lambda k: self._admission.release(worker_id, k), self._answered)
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:

@@ -70,7 +70,9 @@ class EpisodeTally:
     environments reported; ``done`` ... ``timeout``: episodes by how they ended (the
     environment ended it, the turn cap, the context, the environment failed, it timed out);
     ``env_errors`` / ``env_timeouts``: environment calls that failed / timed out (one per
-    failed episode: it ends there)."""
+    failed episode: it ends there); agents (``rollout/agents.py``): ``samples_split``, samples
+    beyond one per episode (an agent rewrote its history), ``endpoint_refused``, requests to
+    the endpoint without the run's key."""
 
     episodes: int = 0
     ok: int = 0
@@ -84,6 +86,8 @@ class EpisodeTally:
     timeout: int = 0
     env_errors: int = 0
     env_timeouts: int = 0
+    samples_split: int = 0
+    endpoint_refused: int = 0
 
     def since(self, old: "EpisodeTally") -> tuple[EpisodeRecord, ...]:
         """The episodes ended since ``old`` (an earlier tally of the same worker) that are remembered."""
@@ -93,7 +97,8 @@ class EpisodeTally:
     def counts(self) -> tuple[int, ...]:
         """The counters, in field order (``recent`` left out)."""
         return (self.episodes, self.ok, self.tool_calls, self.tool_errors, self.done, self.turns, self.length,
-                self.env_error, self.timeout, self.env_errors, self.env_timeouts)
+                self.env_error, self.timeout, self.env_errors, self.env_timeouts, self.samples_split,
+                self.endpoint_refused)
 
     def minus(self, old: "EpisodeTally") -> "EpisodeTally":
         """The counts since ``old`` (never negative; ``recent``: the episodes since it)."""
@@ -183,6 +188,8 @@ class Counters:
     episode_ends: dict[str, int] = field(default_factory=dict)
     tool_calls: int = 0
     tool_errors: int = 0
+    samples_split: int = 0          # agents: samples beyond one per episode; requests without the key
+    endpoint_refused: int = 0
     recent_episodes: deque[EpisodeRecord] = field(default_factory=lambda: deque(maxlen=EPISODE_WINDOW))
     updates_applied: int = 0
     stall_ms_total: float = 0.0
@@ -209,7 +216,8 @@ class Counters:
         ends = self.episode_ends
         return EpisodeTally(self.episodes, self.env_ok, tuple(self.recent_episodes), self.tool_calls,
                             self.tool_errors, ends.get("done", 0), ends.get("turns", 0), ends.get("length", 0),
-                            ends.get("env_error", 0), ends.get("timeout", 0), self.env_errors, self.env_timeouts)
+                            ends.get("env_error", 0), ends.get("timeout", 0), self.env_errors, self.env_timeouts,
+                            self.samples_split, self.endpoint_refused)
 
     def episode_ended(self, ended: str, turns: int, env_s: float, tool_calls: int, tool_errors: int) -> None:
         """Count one ended episode (the caller holds the worker's lock)."""

@@ -130,7 +130,8 @@ def turn_metrics(shape: EpisodeShape | None, run: EpisodeTally) -> dict[str, flo
            "env_s_p90": shape.env_s_p90} if shape is not None else {}
     out.update({"tool_calls": run.tool_calls, "tool_errors": run.tool_errors, "finish_done": run.done,
                 "finish_turns": run.turns, "finish_length": run.length, "finish_env_error": run.env_error,
-                "finish_timeout": run.timeout, "env_errors": run.env_errors, "env_timeouts": run.env_timeouts})
+                "finish_timeout": run.timeout, "env_errors": run.env_errors, "env_timeouts": run.env_timeouts,
+                "samples_split": run.samples_split, "endpoint_refused": run.endpoint_refused})
     return {k: float(v) for k, v in out.items()}
 
 
