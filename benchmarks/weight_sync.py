@@ -257,7 +257,7 @@ class SyncWorker:
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
         """The trainer's one call per update: the three above in order (each timed)."""
-        from pipeline_rl.weight_sync.gloo import receive_in_one_call
+        from pipeline_rl.weight_sync.protocol import receive_in_one_call
 
         return receive_in_one_call(self, update_info, weight_version)
 

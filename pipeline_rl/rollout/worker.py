@@ -53,7 +53,7 @@ from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
 from pipeline_rl.evaluation import EVAL_PREFIX, STREAM_SHARE, EvalFeed, EvalRequest, EvalResult, PendingEval
 from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id, request_id as eval_request_id
 from pipeline_rl.actors.process import HeapTrimmer
-from pipeline_rl.weight_sync.gloo import receive_in_one_call
+from pipeline_rl.weight_sync.protocol import receive_in_one_call
 from pipeline_rl.weight_sync.message import WeightUpdateError, check_update, resolve_offer
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached

@@ -34,9 +34,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline_rl.weight_sync.cuda_ipc import IpcTrainerChannel, to_host
+from pipeline_rl.weight_sync.channel import TrainerChannel, open_channel
+from pipeline_rl.weight_sync.cuda_ipc import to_host
 from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
-from pipeline_rl.weight_sync.gloo import GlooTrainerWeightTransfer
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.weight_sync.paths import (
     GPU_PATHS,
@@ -47,8 +47,8 @@ from pipeline_rl.weight_sync.paths import (
     choose_path,
     local_placement,
 )
-from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
-from pipeline_rl.weight_sync.shm import SharedWriter, ShmSpaceError, ShmTrainerChannel, new_shared_buffer, shm_fits
+from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient
+from pipeline_rl.weight_sync.shm import SharedWriter, ShmSpaceError, new_shared_buffer, shm_fits
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def _label(worker: object) -> str:
 
 
 Transport = Literal["vllm", "object_store"]
-TrainerChannel = GlooTrainerWeightTransfer | ShmTrainerChannel | IpcTrainerChannel
 PUBLISHED_AT_KEPT = 1024  # versions whose publish time the stats keep
+DEVICE_PATHS = frozenset({"ipc", "nccl"})   # paths sent the GPU copy as it is
 
 
 class WeightPublisher:
@@ -212,8 +212,8 @@ class WeightPublisher:
 
     def on_device(self) -> bool:
         """Whether ``gather_weights`` should keep the next version on the GPU: some worker
-        takes the ``ipc`` path (the others get a host copy of it)."""
-        return "ipc" in self.paths.values()
+        takes the ``ipc`` or ``nccl`` path (the others get a host copy of it)."""
+        return any(p in DEVICE_PATHS for p in self.paths.values())
 
     def allocator(self) -> Callable[[int], np.ndarray] | None:
         """Where ``gather_weights`` should put the next version: shared memory once some
@@ -337,7 +337,7 @@ class WeightPublisher:
                 channel = None
             if channel is None:
                 channel = self._open(worker)
-            timing = channel.send(update if channel.path == "ipc" else self._host(update))
+            timing = channel.send(update if channel.path in DEVICE_PATHS else self._host(update))
             self._channels[worker] = channel
             return timing
         except ShmSpaceError as e:
@@ -363,7 +363,7 @@ class WeightPublisher:
         with self._lock:
             cached = self._host_copy
             if cached is None or cached.version != update.version:
-                cached = self._host_copy = to_host(update)
+                cached = self._host_copy = to_host(update, self.allocator())
         return cached
 
     def _path_of(self, worker: Hashable) -> ResolvedPath:
@@ -386,15 +386,10 @@ class WeightPublisher:
         return ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[return-value]
 
     def _open(self, worker: Hashable) -> TrainerChannel:
-        """A new channel to ``worker`` on its path."""
+        """A new channel to ``worker`` on its path (``weight_sync.channel``)."""
         path, client = self._path_of(worker), self._client(worker)
-        if path == "shm":
-            return ShmTrainerChannel(client, self._shared)
-        if path == "ipc":
-            return IpcTrainerChannel(client)
-        if path != "gloo":
-            raise RuntimeError(f"weight path {path} is not wired in this build")
-        return GlooTrainerWeightTransfer.trainer_init(client, address=trainer_address())
+        address = trainer_address() if path in ("gloo", "nccl") else "127.0.0.1"
+        return open_channel(path, client, OpenContext(address=address, shared=self._shared))
 
     def _check_acks(self, *, block: bool) -> None:
         """Count failed remote offers (dead actors) without waiting on live ones; bounds memory."""

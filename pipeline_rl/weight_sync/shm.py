@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from pipeline_rl.weight_sync.layout import UpdateLayout, contiguous_bytes, pack_
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
 
 if TYPE_CHECKING:
-    from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
+    from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient
 
 
 def shm_dir() -> Path:
@@ -47,6 +47,7 @@ class ShmUpdateInfo:
     worker that staged them (an ``AsyncLLM`` worker checks before it pauses, so its
     engine core does not check again)."""
 
+    PATH: ClassVar[str] = "shm"
     version: int
     names: list[str]
     dtype_names: list[str]
@@ -64,11 +65,6 @@ class ShmUpdateInfo:
            status: str | None = None) -> "ShmUpdateInfo":
         return cls(layout.version, layout.names, layout.dtype_names, layout.shapes, segment, checked, offset,
                    status)
-
-
-def is_shm_info(update_info: dict[str, object]) -> bool:
-    """Whether an ``update_weights`` info dict is :class:`ShmUpdateInfo`'s."""
-    return "segment" in update_info
 
 
 def _map(path: str, size: int, create: bool) -> np.ndarray:
@@ -293,8 +289,8 @@ class SharedWriter:
 
 
 class ShmTrainerChannel:
-    """Trainer side of the ``shm`` path for one worker: the version is written into the
-    shared :class:`SharedWriter` (once for all workers), then the worker's one call
+    """The ``shm`` path's ``TrainerChannel`` for one worker: the version is written into
+    the shared :class:`SharedWriter` (once for all workers), then the worker's one call
     (``receive_update``: start, update -- map and check -- and finish) loads it."""
 
     path = "shm"
@@ -303,15 +299,21 @@ class ShmTrainerChannel:
         self.client = client
         self._writer = writer
 
+    @classmethod
+    def open(cls, client: "SyncClient", context: "OpenContext") -> "ShmTrainerChannel":
+        """Nothing to join: the context's writer holds the node's segment."""
+        if not isinstance(context.shared, SharedWriter):
+            raise ValueError("the shm path needs the publisher's SharedWriter (OpenContext.shared)")
+        return cls(client, context.shared)
+
     def send(self, update: WeightUpdate) -> "SendTiming":
         import time
-        from dataclasses import asdict
 
-        from pipeline_rl.weight_sync.protocol import SendTiming
+        from pipeline_rl.weight_sync.protocol import SendTiming, tagged
 
         info, write_s = self._writer.write_once(update)
         t0 = time.perf_counter()
-        finish_s = self.client.receive_update(asdict(info), str(update.version))
+        finish_s = self.client.receive_update(tagged(info), str(update.version))
         call_s = time.perf_counter() - t0
         return SendTiming(update.version, write_s + call_s - finish_s, finish_s, update.num_bytes, "shm")
 

@@ -1,0 +1,111 @@
+"""The host path at GPU speed: a version crosses host memory between two GPUs as one
+device-to-host copy into page-locked shared memory and one host-to-device copy out of
+it, with no conversion and no value read on the CPU.
+
+Trainer side (:func:`device_to_host`): the bf16 gather is made on the trainer's GPU
+(a device-to-device cast), then copied whole into the shared-memory buffer the shm
+path hands to the workers, which is registered with CUDA as page-locked first (a
+pinned copy runs at the bus's speed, a pageable one at a fraction of it).
+
+Worker side (:class:`DeviceStaging`): the engine core maps the segment, registers the
+mapping once, copies the update into a buffer on its GPU reused across updates, and
+the receiver checks the values there (``cuda_ipc.check_opened``: one reduction); the
+load then copies GPU to GPU inside the pause, as on the ipc path.
+
+On a machine without CUDA nothing here registers anything: the copies are plain
+copies, so the suite runs the same code on CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pipeline_rl.weight_sync.cuda_ipc import OpenedUpdate
+from pipeline_rl.weight_sync.layout import contiguous_bytes
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
+
+if TYPE_CHECKING:
+    import torch
+
+_PINNED: set[tuple[int, int]] = set()   # (address, bytes) of host ranges registered with CUDA
+_PIN_LOCK = threading.Lock()
+
+
+def pin(host: np.ndarray) -> bool:
+    """Register ``host``'s memory with CUDA as page-locked (once per range; the range must
+    stay mapped while the process lives, as segments and gather buffers do). False where
+    CUDA is absent or refuses (the copies then run pageable, still correct)."""
+    import torch
+
+    if not torch.cuda.is_available() or host.nbytes == 0:
+        return False
+    key = (int(host.ctypes.data), int(host.nbytes))
+    with _PIN_LOCK:
+        if key in _PINNED:
+            return True
+        err = torch.cuda.cudart().cudaHostRegister(key[0], key[1], 0)
+        if int(getattr(err, "value", err)) != 0:
+            return False
+        _PINNED.add(key)
+        return True
+
+
+def device_to_host(flat: "torch.Tensor", allocate: Callable[[int], np.ndarray] | None) -> np.ndarray:
+    """The bytes of ``flat`` (a 1-D tensor on a GPU; the CPU in tests) in host memory from ``allocate``
+    (shared memory for the shm path; ordinary memory when None): pinned, then one
+    device-to-host copy; returns the uint8 buffer."""
+    import torch
+
+    nbytes = flat.numel() * flat.element_size()
+    raw = allocate(nbytes) if allocate is not None else np.empty(nbytes, dtype=np.uint8)
+    pin(raw)
+    torch.from_numpy(raw).copy_(flat.view(torch.uint8), non_blocking=flat.is_cuda)
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+    return raw
+
+
+class DeviceStaging:
+    """A worker's receive buffer on its device (grown when an update needs more, else
+    reused) and the copy of a host update into it."""
+
+    def __init__(self) -> None:
+        self._buf: "torch.Tensor | None" = None
+
+    def buffer(self, nbytes: int, device: Any = None) -> "torch.Tensor":
+        """A uint8 tensor of at least ``nbytes`` on ``device`` (None: CPU)."""
+        import torch
+
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if self._buf is None or self._buf.numel() < nbytes or self._buf.device != dev:
+            self._buf = None
+            self._buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
+        return self._buf
+
+    def copy_in(self, update: WeightUpdate, device: Any) -> OpenedUpdate:
+        """``update`` (host arrays lying back to back: a segment's) copied to ``device``
+        (one pinned host-to-device copy), as named views of the buffer in its order."""
+        import torch
+
+        from pipeline_rl.weight_sync.dtypes import torch_dtype
+
+        host = contiguous_bytes(update.arrays)
+        if host is None:
+            raise WeightUpdateError(f"weights v{update.version}: the segment's arrays are not back to back")
+        pin(host)
+        buf = self.buffer(host.nbytes, device)[:host.nbytes]
+        buf.copy_(torch.from_numpy(host), non_blocking=True)
+        tensors: list[tuple[str, torch.Tensor]] = []
+        offset = 0
+        for name, arr in zip(update.names, update.arrays):
+            n = int(arr.nbytes)
+            view = buf[offset:offset + n].view(torch_dtype(update.dtype_name(arr))).view(arr.shape)
+            tensors.append((name, view))
+            offset += n
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()   # the segment may be rewritten after this
+        return OpenedUpdate(update.version, buf, tensors)
