@@ -14,11 +14,11 @@ from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engine import GenerationEngine
 from pipeline_rl.weight_sync import nccl
 from pipeline_rl.weight_sync.channel import decode_init_info, decode_update_info
-from pipeline_rl.weight_sync.cuda_ipc import OpenedUpdate, check_opened
+from pipeline_rl.weight_sync.cuda_ipc import check_opened
 from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo, receive_update
 from pipeline_rl.weight_sync.layout import UpdateLayout, bucket_plan
-from pipeline_rl.weight_sync.message import WeightSpec, WeightUpdate, WeightUpdateError
+from pipeline_rl.weight_sync.message import OpenedUpdate, WeightSpec, WeightUpdate, WeightUpdateError
 from pipeline_rl.weight_sync.protocol import receive_in_one_call, tagged
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from pipeline_rl.weight_sync.layout import UpdateLayout
-from pipeline_rl.weight_sync.message import DeviceCopy, WeightSpec, WeightUpdate, WeightUpdateError
+from pipeline_rl.weight_sync.message import DeviceCopy, OpenedUpdate, WeightSpec, WeightUpdate, WeightUpdateError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -79,16 +79,6 @@ def export_update(update: WeightUpdate) -> IpcUpdateInfo:
     return IpcUpdateInfo(update.version, list(update.names), [update.dtype] * len(update.names),
                          [list(s) for s in copy.shapes], base64.b64encode(pickle.dumps(args)).decode("ascii"),
                          gpu_uuid(copy.flat.device.index or 0))
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class OpenedUpdate:
-    """An update opened from its IPC handle: the trainer's buffer and the named views of
-    it (in the info's order). Valid while this object lives."""
-
-    version: int
-    flat: "torch.Tensor"
-    tensors: list[tuple[str, "torch.Tensor"]]
 
 
 def open_update(info: IpcUpdateInfo, device_index: int) -> OpenedUpdate:

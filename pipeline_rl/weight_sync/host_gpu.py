@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline_rl.weight_sync.cuda_ipc import OpenedUpdate
 from pipeline_rl.weight_sync.layout import contiguous_bytes
-from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
+from pipeline_rl.weight_sync.message import OpenedUpdate, WeightUpdate, WeightUpdateError
 
 if TYPE_CHECKING:
     import torch

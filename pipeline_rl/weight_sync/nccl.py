@@ -133,19 +133,16 @@ def receive_chunks(group: Broadcaster, info: UpdateLayout, into: "torch.Tensor",
                    bucket_bytes: int) -> list[tuple[str, "torch.Tensor"]]:
     """Rank 1: receive every chunk straight into its place in ``into`` (uint8, at least
     the update's size, on the group's device; reused across updates) and return the
-    update's tensors as views of it (vLLM's ``unpack_tensor``), in the info's order."""
+    update's tensors as views of it, in the info's order."""
     from pipeline_rl.weight_sync.dtypes import torch_dtype
-    from pipeline_rl.weight_sync.vllm_adapter import unpack_chunk
 
     nbytes = info.nbytes()
     starts = _offsets(nbytes)
-    out: list[tuple[str, torch.Tensor]] = []
     for chunk in chunk_plan(nbytes, bucket_bytes):
-        data = into[starts[chunk.start]:starts[chunk.stop]]
-        group.broadcast(data)
-        out.extend(unpack_chunk(data, [info.names[i] for i in chunk], [info.shapes[i] for i in chunk],
-                                [torch_dtype(info.dtype_names[i]) for i in chunk], [nbytes[i] for i in chunk]))
-    return out
+        group.broadcast(into[starts[chunk.start]:starts[chunk.stop]])
+    # vLLM's unpack_tensor cuts a chunk the same way (bytes back to back, viewed as each dtype).
+    return [(name, into[starts[i]:starts[i + 1]].view(torch_dtype(d)).view(shape))
+            for i, (name, d, shape) in enumerate(zip(info.names, info.dtype_names, info.shapes))]
 
 
 class GlooBroadcaster:

@@ -16,12 +16,13 @@ import numpy as np
 from pipeline_rl.weight_sync import nccl
 from pipeline_rl.weight_sync.channel import InitInfo, UpdateInfo, decode_init_info, decode_update_info
 from pipeline_rl.weight_sync.core_staging import CoreStager
-from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo, OpenedUpdate, check_opened, open_update
+from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo, check_opened, open_update
 from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo, GlooUpdateInfo, receive_update
 from pipeline_rl.weight_sync.host_gpu import DeviceStaging
 from pipeline_rl.weight_sync.message import (
     CheckedUpdate,
+    OpenedUpdate,
     WeightUpdate,
     WeightUpdateError,
     as_checked,

@@ -200,14 +200,6 @@ def pack_chunk(tensors: list[tuple[str, Any]], bucket_bytes: int) -> Any:
     return chunk.packed_tensor
 
 
-def unpack_chunk(packed: Any, names: list[str], shapes: list[list[int]], dtypes: list[Any],
-                 sizes: list[int]) -> list[tuple[str, Any]]:
-    """vLLM's ``unpack_tensor``: the named tensors of a packed chunk, as views of it."""
-    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
-
-    return list(unpack_tensor(packed, names, shapes, dtypes, sizes))
-
-
 class NcclBroadcaster:
     """vLLM's ``PyNcclCommunicator`` over a ``StatelessProcessGroup`` of two (the group
     vLLM's own NCCL weight transfer builds), as a ``nccl.Broadcaster``: rank 0 sends."""
