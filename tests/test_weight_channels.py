@@ -16,7 +16,7 @@ import torch
 from pipeline_rl.weight_sync.channel import TrainerChannel, decode_update_info, open_channel
 from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.weight_sync.host_gpu import DeviceStaging, device_to_host
-from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
+from pipeline_rl.weight_sync.message import DeviceCopy, WeightUpdate, WeightUpdateError
 from pipeline_rl.weight_sync.nccl import NcclTrainerChannel, chunk_plan
 from pipeline_rl.weight_sync.protocol import OpenContext
 from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo
@@ -129,3 +129,20 @@ def test_host_path_copies_are_bit_exact_and_keep_the_layout() -> None:
     assert [n for n, _ in opened.tensors] == list(sent.names)
     for (_, t), a in zip(opened.tensors, sent.arrays):
         assert t.dtype == torch.bfloat16 and np.array_equal(t.view(torch.int16).numpy().view(np.uint16), a)
+
+
+def test_a_gpu_gathered_version_reaches_shm_workers_through_the_writer() -> None:
+    """A version gathered on the trainer's device (here a CPU tensor stands in for the GPU's)
+    is copied whole into the writer's segment, once for every worker, bit-exact."""
+    sent = _bf16(5, 7)
+    flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in sent.arrays])).view(torch.bfloat16)
+    on_device = WeightUpdate(7, sent.names, (), dtype="bfloat16",
+                             device=DeviceCopy(flat, tuple(a.shape for a in sent.arrays)))
+    clients, shared = [ShmClient(), ShmClient()], SharedWriter()
+    try:
+        for client in clients:
+            open_channel("shm", client, OpenContext(shared=shared)).send(on_device)
+            got = client.got[-1]
+            assert got.version == 7 and all(np.array_equal(a, b) for a, b in zip(sent.arrays, got.arrays))
+    finally:
+        shared.close()

@@ -35,8 +35,6 @@ from pipeline_rl.weight_sync.layout import UpdateLayout
 from pipeline_rl.weight_sync.message import DeviceCopy, OpenedUpdate, WeightSpec, WeightUpdate, WeightUpdateError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import numpy as np
     import torch
 
@@ -135,18 +133,17 @@ def check_opened(opened: OpenedUpdate, spec: WeightSpec) -> None:
             raise WeightUpdateError(f"{bad}: non-finite values")
 
 
-def to_host(update: WeightUpdate, allocate: "Callable[[int], np.ndarray] | None" = None) -> WeightUpdate:
-    """An update gathered on the GPU, copied into host memory for the paths that move
-    bytes (shm, gloo, nccl from host): one pinned device-to-host copy into ``allocate``'s
-    buffer (the shm path's shared memory; ordinary memory when None); an update already
-    in host memory is returned as it is."""
+def to_host(update: WeightUpdate) -> WeightUpdate:
+    """An update gathered on the GPU, copied into host memory for the gloo path (one
+    device-to-host copy, no conversion); an update already there is returned as it is.
+    (The shm path copies it into its segment itself: ``shm.SharedWriter``.)"""
     from pipeline_rl.weight_sync.dtypes import STORAGE
     from pipeline_rl.weight_sync.host_gpu import device_to_host
 
     copy = update.device
     if copy is None:
         return update
-    data: np.ndarray = device_to_host(copy.flat, allocate).view(STORAGE[update.dtype])
+    data: np.ndarray = device_to_host(copy.flat, None).view(STORAGE[update.dtype])
     arrays, offset = [], 0
     for shape in copy.shapes:
         n = math.prod(shape)

@@ -32,7 +32,7 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
     ``on_device`` (a worker takes the ``ipc`` path): parameters on a GPU are gathered
     into one tensor on that GPU instead (``WeightUpdate.device``; a device-to-device copy).
     Parameters on a GPU bound for host memory are gathered on the GPU the same way, then
-    copied out whole into pinned ``allocate`` memory (``host_gpu.device_to_host``).
+    copied out whole into ``allocate``'s buffer (``host_gpu.device_to_host``).
     """
     import torch
 
@@ -62,7 +62,7 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
         for (_, p), n in zip(params, sizes):
             flat[offset:offset + n].view(p.shape).copy_(p.detach())   # the cast and the copy in one
             offset += n
-        if to_host:   # the host path at GPU speed: pinned, device to host, no CPU-side cast
+        if to_host:   # cast on the GPU, then one device-to-host copy (no CPU-side cast)
             from pipeline_rl.weight_sync.host_gpu import device_to_host
 
             raw = device_to_host(flat, allocate)

@@ -2,10 +2,11 @@
 device-to-host copy into page-locked shared memory and one host-to-device copy out of
 it, with no conversion and no value read on the CPU.
 
-Trainer side (:func:`device_to_host`): the bf16 gather is made on the trainer's GPU
-(a device-to-device cast), then copied whole into the shared-memory buffer the shm
-path hands to the workers, which is registered with CUDA as page-locked first (a
-pinned copy runs at the bus's speed, a pageable one at a fraction of it).
+Trainer side (:func:`device_to_host`): the bf16 gather is kept on the trainer's GPU (a
+device-to-device cast, as for ipc; the publisher asks for it once a worker takes shm from
+a GPU trainer), and the publisher's thread copies it whole into the shm writer's segment,
+registered with CUDA as page-locked once (a pinned copy runs at the bus's speed, a
+pageable one at a fraction of it); the training thread never waits for that copy.
 
 Worker side (:class:`DeviceStaging`): the engine core maps the segment, registers the
 mapping once, copies the update into a buffer on its GPU reused across updates, and
@@ -30,14 +31,18 @@ from pipeline_rl.weight_sync.message import OpenedUpdate, WeightUpdate, WeightUp
 if TYPE_CHECKING:
     import torch
 
-_PINNED: set[tuple[int, int]] = set()   # (address, bytes) of host ranges registered with CUDA
+#: Host ranges registered with CUDA, by (address, bytes), each with an array keeping its
+#: mapping alive: a range is never unmapped while CUDA holds it page-locked (a new mapping
+#: at the same address would otherwise be read through the old pages). Only long-lived
+#: buffers are pinned (the writer's segment, a reader's mapping of it): a handful per run.
+_PINNED: dict[tuple[int, int], np.ndarray] = {}
 _PIN_LOCK = threading.Lock()
 
 
 def pin(host: np.ndarray) -> bool:
-    """Register ``host``'s memory with CUDA as page-locked (once per range; the range must
-    stay mapped while the process lives, as segments and gather buffers do). False where
-    CUDA is absent or refuses (the copies then run pageable, still correct)."""
+    """Register ``host``'s memory with CUDA as page-locked (once per range; it then stays
+    mapped for the life of the process). False where CUDA is absent or refuses (the
+    copies then run pageable, still correct)."""
     import torch
 
     if not torch.cuda.is_available() or host.nbytes == 0:
@@ -49,19 +54,22 @@ def pin(host: np.ndarray) -> bool:
         err = torch.cuda.cudart().cudaHostRegister(key[0], key[1], 0)
         if int(getattr(err, "value", err)) != 0:
             return False
-        _PINNED.add(key)
+        _PINNED[key] = host
         return True
 
 
-def device_to_host(flat: "torch.Tensor", allocate: Callable[[int], np.ndarray] | None) -> np.ndarray:
-    """The bytes of ``flat`` (a 1-D tensor on a GPU; the CPU in tests) in host memory from ``allocate``
-    (shared memory for the shm path; ordinary memory when None): pinned, then one
-    device-to-host copy; returns the uint8 buffer."""
+def device_to_host(flat: "torch.Tensor", allocate: Callable[[int], np.ndarray] | None, *,
+                   pinned: bool = False) -> np.ndarray:
+    """The bytes of ``flat`` (a 1-D tensor on a GPU; the CPU in tests) in host memory from
+    ``allocate`` (ordinary memory when None), one device-to-host copy with no conversion;
+    ``pinned``: register the buffer first (a long-lived one: the shm writer's segment).
+    Returns the uint8 buffer."""
     import torch
 
     nbytes = flat.numel() * flat.element_size()
     raw = allocate(nbytes) if allocate is not None else np.empty(nbytes, dtype=np.uint8)
-    pin(raw)
+    if pinned and flat.is_cuda:
+        pin(raw)
     torch.from_numpy(raw).copy_(flat.view(torch.uint8), non_blocking=flat.is_cuda)
     if flat.is_cuda:
         torch.cuda.current_stream(flat.device).synchronize()

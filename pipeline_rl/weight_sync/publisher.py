@@ -212,14 +212,17 @@ class WeightPublisher:
 
     def on_device(self) -> bool:
         """Whether ``gather_weights`` should keep the next version on the GPU: some worker
-        takes the ``ipc`` or ``nccl`` path (the others get a host copy of it)."""
-        return any(p in DEVICE_PATHS for p in self.paths.values())
+        takes the ``ipc`` or ``nccl`` path, or the ``shm`` path from a trainer on a GPU (its
+        writer copies the version into the segment, ``host_gpu``); others get a host copy."""
+        paths = set(self.paths.values())
+        on_gpu = self._placement is not None and self._placement.device == "cuda"
+        return bool(paths & DEVICE_PATHS) or (on_gpu and "shm" in paths)
 
     def allocator(self) -> Callable[[int], np.ndarray] | None:
         """Where ``gather_weights`` should put the next version: shared memory once some
         worker takes the shm path (the segment then goes to the workers as it is), else
         None (ordinary memory)."""
-        if "shm" not in self.paths.values() or not shm_fits(self._last_bytes):
+        if "shm" not in self.paths.values() or not shm_fits(self._last_bytes) or self.on_device():
             return None
         return new_shared_buffer
 
@@ -337,7 +340,7 @@ class WeightPublisher:
                 channel = None
             if channel is None:
                 channel = self._open(worker)
-            timing = channel.send(update if channel.path in DEVICE_PATHS else self._host(update))
+            timing = channel.send(update if channel.path in DEVICE_PATHS | {"shm"} else self._host(update))
             self._channels[worker] = channel
             return timing
         except ShmSpaceError as e:
@@ -363,7 +366,7 @@ class WeightPublisher:
         with self._lock:
             cached = self._host_copy
             if cached is None or cached.version != update.version:
-                cached = self._host_copy = to_host(update, self.allocator())
+                cached = self._host_copy = to_host(update)
         return cached
 
     def _path_of(self, worker: Hashable) -> ResolvedPath:

@@ -273,6 +273,9 @@ class SharedWriter:
                 return self._info, 0.0
             t0 = time.perf_counter()
             self._info = None
+            if update.device is not None:   # gathered on a GPU: one pinned copy into the segment
+                self._info = self._from_device(update)
+                return self._info, time.perf_counter() - t0
             gathered = gathered_in(update)
             if gathered is not None:   # the trainer gathered it into shared memory: no write
                 self._info = ShmUpdateInfo.of(UpdateLayout.of(update), gathered[0], offset=gathered[1])
@@ -280,6 +283,19 @@ class SharedWriter:
             else:
                 self._info = self._segment.write(update)
             return self._info, time.perf_counter() - t0
+
+    def _from_device(self, update: WeightUpdate) -> ShmUpdateInfo:
+        """A GPU-gathered ``update`` copied into the segment (``host_gpu``: pinned, device to
+        host, no conversion on the CPU)."""
+        from pipeline_rl.weight_sync.host_gpu import device_to_host
+
+        copy = update.device
+        assert copy is not None
+        device_to_host(copy.flat, self._segment.buffer, pinned=True)
+        layout = UpdateLayout(update.version, list(update.names), [update.dtype] * len(update.names),
+                              [list(s) for s in copy.shapes])
+        assert self._segment.path is not None
+        return ShmUpdateInfo.of(layout, self._segment.path)
 
     def close(self) -> None:
         with self._lock:
@@ -319,6 +335,34 @@ class ShmTrainerChannel:
 
     def close(self) -> None:
         """Nothing per worker: the writer's segment is the publisher's."""
+
+
+class OfferSegment:
+    """Where an update handed over in memory (an offer: Ray's object store, tests) enters
+    the same calls as every path's: laid out in a segment of this process, then sent as
+    the ``shm`` path's message through ``calls.receive_update`` (start, update -- map and
+    check -- and finish). One offer at a time (the segment is rewritten by the next)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._segment = SharedSegment("pipeline_rl_stage")
+        self._lock = threading.Lock()
+
+    def offer(self, calls: "SyncClient", update: WeightUpdate) -> None:
+        """Send ``update`` through ``calls``; a payload that cannot be laid out (its
+        dtype, its lists) raises ``WeightUpdateError`` before any call."""
+        from pipeline_rl.weight_sync.protocol import tagged
+
+        if not isinstance(update, WeightUpdate):
+            raise WeightUpdateError(f"expected a WeightUpdate, got {type(update).__name__}")
+        with self._lock:
+            info = self._segment.write(update)
+            calls.receive_update(tagged(info), str(update.version))
+
+    def close(self) -> None:
+        with self._lock:
+            self._segment.close()
 
 
 class StatusCell:
