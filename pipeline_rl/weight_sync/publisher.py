@@ -8,7 +8,7 @@ Two halves with different costs:
    publishing on the critical path.
 2. :class:`WeightPublisher` (off the critical path): a background thread sends the update to
    every worker. Transport ``vllm`` (the default): through vLLM's weight-transfer API, one
-   channel per worker (``pipeline_rl.weight_sync.gloo``), opened on first use and sent
+   channel per worker on its path (``pipeline_rl.weight_sync.channel``), opened on first use and sent
    to in parallel; a worker's four calls go to its Ray actor (or to the object itself in one
    process). Transport ``object_store``: the update is put into Ray's object store once per
    version and the single ``ObjectRef`` offered to every worker

@@ -31,7 +31,7 @@ from pipeline_rl.weight_sync.layout import UpdateLayout, contiguous_bytes, pack_
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
 
 if TYPE_CHECKING:
-    from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient
+    from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient, WeightSyncCalls
 
 
 def shm_dir() -> Path:
@@ -340,8 +340,8 @@ class ShmTrainerChannel:
 class OfferSegment:
     """Where an update handed over in memory (an offer: Ray's object store, tests) enters
     the same calls as every path's: laid out in a segment of this process, then sent as
-    the ``shm`` path's message through ``calls.receive_update`` (start, update -- map and
-    check -- and finish). One offer at a time (the segment is rewritten by the next)."""
+    the ``shm`` path's message through ``calls`` (start, update -- map and check -- and
+    finish). One offer at a time (the segment is rewritten by the next)."""
 
     def __init__(self) -> None:
         import threading
@@ -349,16 +349,16 @@ class OfferSegment:
         self._segment = SharedSegment("pipeline_rl_stage")
         self._lock = threading.Lock()
 
-    def offer(self, calls: "SyncClient", update: WeightUpdate) -> None:
-        """Send ``update`` through ``calls``; a payload that cannot be laid out (its
-        dtype, its lists) raises ``WeightUpdateError`` before any call."""
-        from pipeline_rl.weight_sync.protocol import tagged
+    def offer(self, calls: "WeightSyncCalls", update: WeightUpdate) -> None:
+        """Send ``update`` through ``calls`` (start, update, finish); a payload that cannot
+        be laid out (its dtype, its lists) raises ``WeightUpdateError`` before any call."""
+        from pipeline_rl.weight_sync.protocol import receive_in_one_call, tagged
 
         if not isinstance(update, WeightUpdate):
             raise WeightUpdateError(f"expected a WeightUpdate, got {type(update).__name__}")
         with self._lock:
             info = self._segment.write(update)
-            calls.receive_update(tagged(info), str(update.version))
+            receive_in_one_call(calls, tagged(info), str(update.version))
 
     def close(self) -> None:
         with self._lock:
