@@ -19,7 +19,7 @@ from pipeline_rl.weight_sync.host_gpu import DeviceStaging, device_to_host
 from pipeline_rl.weight_sync.message import DeviceCopy, WeightUpdate, WeightUpdateError
 from pipeline_rl.weight_sync.nccl import NcclTrainerChannel, chunk_plan
 from pipeline_rl.weight_sync.protocol import OpenContext
-from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo
+from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo, StatusCell
 from staging_helpers import ThreadClient
 
 
@@ -146,3 +146,26 @@ def test_a_gpu_gathered_version_reaches_shm_workers_through_the_writer() -> None
             assert got.version == 7 and all(np.array_equal(a, b) for a, b in zip(sent.arrays, got.arrays))
     finally:
         shared.close()
+
+
+def test_the_copy_beside_generation_reports_ready_or_failed_through_the_cell() -> None:
+    """``DeviceStaging.start_copy`` (a GPU worker's copy and check beside generation; here
+    on CPU tensors): READY with the update bit-exact, or FAILED with the check's error."""
+    sent = _bf16(6, 8)
+    cell = StatusCell.create()
+    try:
+        future = DeviceStaging().start_copy(sent, None, lambda opened: None, cell.path)
+        opened = future.result(timeout=30)
+        assert cell.get(8) == StatusCell.READY
+        assert all(np.array_equal(t.view(torch.int16).numpy().view(np.uint16), a)
+                   for (_, t), a in zip(opened.tensors, sent.arrays))
+
+        def refuse(opened: Any) -> None:
+            raise WeightUpdateError("p0: non-finite values")
+
+        failed = DeviceStaging().start_copy(sent, None, refuse, cell.path)
+        with pytest.raises(WeightUpdateError, match="non-finite"):
+            failed.result(timeout=30)
+        assert cell.get(8) == StatusCell.FAILED
+    finally:
+        cell.unlink()

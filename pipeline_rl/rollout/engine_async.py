@@ -14,11 +14,13 @@ until the bytes are here and checked::
     update_weights        the bytes are staged in this process while the engine generates:
                           received from the trainer's gloo channel into this worker's
                           shared-memory segment, or (same machine) the trainer's own
-                          segment mapped; checked whole (names, shapes, finite values).
-                          ipc (one GPU): nothing to stage here; the engine core opens the
-                          trainer's GPU buffer and checks it, still generating
+                          segment mapped; checked whole (names, shapes, finite values;
+                          on a GPU the values are the engine core's to check).
+                          ipc, nccl: nothing to stage here; the engine core opens the
+                          trainer's GPU buffer or takes the broadcast, and checks it
     finish_weight_update  the engine core maps the segment and, on CPU, loads it into
-                          a shadow of its model on a thread of its own while it keeps
+                          a shadow of its model (on a GPU: copies it to the GPU and
+                          checks it there) on a thread of its own while it keeps
                           generating (vLLM's start/update calls, this project's backend;
                           the core reports through a shared status cell)
                           pause_generation(mode="keep")   requests stay, none aborted
@@ -28,8 +30,9 @@ until the bytes are here and checked::
                           resume_generation()
 
 The stall -- from the moment the pause took effect (the step under way has finished)
-to the resume -- is the swap, the label and the resume on CPU; it grows with neither
-the transfer nor the load.
+to the resume -- is the swap, the label and the resume on CPU (on a GPU: the copy from
+the checked GPU buffer into the model, as on ipc); it grows with neither the transfer
+nor, on CPU, the load.
 Token versions come from vLLM's weight-version spans: the version is set while
 generation is paused, so every token is labelled by the weights that sampled it.
 
@@ -284,12 +287,6 @@ class AsyncEngine(GenerationEngine):
         assert self._staging.path is not None
         return ShmUpdateInfo.of(info.layout(), self._staging.path, checked=True)
 
-    def _in_core_first(self, staged: UpdateInfo) -> bool:
-        """Whether the engine core receives and checks ``staged`` before the pause (the
-        paths whose bytes land on its device: ipc, nccl, and a segment on a GPU)."""
-        return isinstance(staged, (IpcUpdateInfo, NcclUpdateInfo)) or (
-            self.cfg.device == "cuda" and isinstance(staged, ShmUpdateInfo))
-
     def load_received(self, version: int) -> bool:
         """Load the staged bytes and make them live, labelled ``version``; False (nothing
         changes) when ``version`` is not newer than the served one. On CPU the engine core
@@ -306,10 +303,10 @@ class AsyncEngine(GenerationEngine):
             return False
         in_flight = self._unfinished
         t0 = time.perf_counter()
-        if self._in_core_first(staged):
+        if isinstance(staged, (IpcUpdateInfo, NcclUpdateInfo)):   # to the core's GPU, no copy of ours
             self._open_in_core(staged, version)
-        beside = (self.cfg.device == "cpu" and isinstance(staged, ShmUpdateInfo)
-                  and self._load_beside(staged, version))
+        # A segment: on CPU loaded into a shadow, on a GPU copied there and checked, beside generation.
+        beside = isinstance(staged, ShmUpdateInfo) and self._load_beside(staged, version)
         try:
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False))
             paused_at = time.perf_counter()           # no engine step runs from here
@@ -324,9 +321,10 @@ class AsyncEngine(GenerationEngine):
             self._fail_update(e, loaded=True)
             raise
         done = time.perf_counter()
+        loaded_beside = beside and self.cfg.device == "cpu"   # on a GPU the copy into the model is in the pause
         self._applied.append(AppliedUpdate(version, done - paused_at, in_flight, self._update_bytes,
                                            live_at=time.time(), transfer_s=self._transfer_s,
-                                           load_s=(paused_at if beside else done) - t0))
+                                           load_s=(paused_at if loaded_beside else done) - t0))
         self._version = version
         self._end_update()
         return True
@@ -344,10 +342,10 @@ class AsyncEngine(GenerationEngine):
             raise WeightUpdateError(f"weights v{version} not opened by the engine core: {_first_line(e)}") from e
 
     def _load_beside(self, staged: ShmUpdateInfo, version: int) -> bool:
-        """Have the engine core load ``staged`` into its shadow while it generates; True
-        once loaded, False when it cannot shadow its model (it then holds the update for a
-        load inside the pause). A failed or stuck load ends the update with one line, the
-        old weights serving."""
+        """Have the engine core load ``staged`` into its shadow (on a GPU: copy it there and
+        check it) while it generates; True once done, False when it cannot shadow its model
+        (it then holds the update for a load inside the pause). A failed or stuck load ends
+        the update with one line, the old weights serving."""
         self._status.set(-1, StatusCell.PENDING)
         try:
             self._run(self._hand_over(replace(staged, status=self._status.path)))

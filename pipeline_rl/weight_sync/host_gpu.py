@@ -10,8 +10,10 @@ pageable one at a fraction of it); the training thread never waits for that copy
 
 Worker side (:class:`DeviceStaging`): the engine core maps the segment, registers the
 mapping once, copies the update into a buffer on its GPU reused across updates, and
-the receiver checks the values there (``cuda_ipc.check_opened``: one reduction); the
-load then copies GPU to GPU inside the pause, as on the ipc path.
+the receiver checks the values there (``cuda_ipc.check_opened``: one reduction) -- on a
+thread and a stream of their own while the core keeps generating, reported through the
+worker's status cell (:meth:`DeviceStaging.start_copy`); the load then copies GPU to GPU
+inside the pause, as on the ipc path.
 
 On a machine without CUDA nothing here registers anything: the copies are plain
 copies, so the suite runs the same code on CPU.
@@ -19,8 +21,10 @@ copies, so the suite runs the same code on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,12 +72,31 @@ def device_to_host(flat: "torch.Tensor", allocate: Callable[[int], np.ndarray] |
 
     nbytes = flat.numel() * flat.element_size()
     raw = allocate(nbytes) if allocate is not None else np.empty(nbytes, dtype=np.uint8)
-    if pinned and flat.is_cuda:
+    if not flat.is_cuda:
+        torch.from_numpy(raw).copy_(flat.view(torch.uint8))
+        return raw
+    if pinned:
         pin(raw)
-    torch.from_numpy(raw).copy_(flat.view(torch.uint8), non_blocking=flat.is_cuda)
-    if flat.is_cuda:
-        torch.cuda.current_stream(flat.device).synchronize()
+    stream = side_stream(flat.device)   # not behind the training kernels on the default stream
+    with torch.cuda.stream(stream):
+        torch.from_numpy(raw).copy_(flat.view(torch.uint8), non_blocking=True)
+    stream.synchronize()
     return raw
+
+
+_STREAMS: dict[str, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: Any) -> "torch.cuda.Stream":
+    """A CUDA stream of this module's own on ``device`` (one per device, kept): the
+    copies run on it, beside the default stream's compute (training, generation)."""
+    import torch
+
+    key = str(device)
+    with _PIN_LOCK:
+        if key not in _STREAMS:
+            _STREAMS[key] = torch.cuda.Stream(device=device)
+        return _STREAMS[key]
 
 
 class DeviceStaging:
@@ -116,3 +139,36 @@ class DeviceStaging:
         if buf.is_cuda:
             torch.cuda.current_stream(buf.device).synchronize()   # the segment may be rewritten after this
         return OpenedUpdate(update.version, buf, tensors)
+
+    def start_copy(self, update: WeightUpdate, device: Any, check: Callable[[OpenedUpdate], None],
+                   status_path: str) -> "Future[OpenedUpdate]":
+        """:meth:`copy_in` and ``check`` on a thread and a CUDA stream of their own, while the
+        engine keeps generating; the worker learns the outcome from the status cell
+        (``shm.StatusCell``: READY or FAILED) and pauses only after READY. The future holds
+        the checked update for the load (or the error)."""
+        import logging
+
+        import torch
+
+        from pipeline_rl.weight_sync.shm import StatusCell
+
+        cell = StatusCell(status_path, create=False)
+        future: Future[OpenedUpdate] = Future()
+
+        on_gpu = device is not None and torch.device(device).type == "cuda"
+
+        def run() -> None:
+            try:
+                with torch.cuda.stream(side_stream(device)) if on_gpu else contextlib.nullcontext():
+                    opened = self.copy_in(update, device)
+                    check(opened)
+                future.set_result(opened)
+                cell.set(update.version, StatusCell.READY)
+            except BaseException as e:  # noqa: BLE001 - reported through the cell, the log and the future
+                logging.getLogger(__name__).error("weights v%d: copying them to the GPU failed: %s",
+                                                  update.version, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                future.set_exception(e)
+                cell.set(update.version, StatusCell.FAILED)
+
+        threading.Thread(target=run, name="weights-to-gpu", daemon=True).start()
+        return future

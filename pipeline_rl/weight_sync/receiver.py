@@ -7,6 +7,7 @@ not know its path when it starts."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -66,6 +67,7 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
         self._opened: OpenedUpdate | None = None   # checked tensors on this device (ipc, nccl, shm on a GPU)
         self._buffer: np.ndarray | None = None     # the gloo receive buffer, reused
         self._device_buffer = DeviceStaging()      # receive / copy buffer on this device, reused
+        self._copying: Future[OpenedUpdate] | None = None   # shm on a GPU: the copy beside generation
         self._segments = SegmentReader()
         self._stager: CoreStager | None = None   # loads beside generation (AsyncLLM on CPU)
         self._staged = False
@@ -88,6 +90,7 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
     def start_weight_update(self) -> None:
         self._received = None
         self._opened = None
+        self._copying = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base would also synchronise an accelerator; every receive here is done when it returns.
@@ -115,6 +118,10 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
     def _receive_shm(self, info: ShmUpdateInfo) -> None:
         update = self._segments.update(info)
         if self._on_gpu():   # the host path at GPU speed: copied to this GPU, checked there
+            if info.status is not None:   # beside generation; finish loads once it is READY
+                self._copying = self._device_buffer.start_copy(
+                    update, self.device, lambda opened: check_opened(opened, self._spec), info.status)
+                return
             self._opened = self._device_buffer.copy_in(update, self.device)
             check_opened(self._opened, self._spec)
             return
@@ -162,6 +169,11 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
 
     def finish_weight_update(self) -> None:
         """Load what was received and checked (see the class docstring)."""
+        if self._copying is not None:   # a copy that failed loads nothing (the worker saw it failed)
+            copying, self._copying = self._copying, None
+            if not copying.done() or copying.exception() is not None:
+                return
+            self._opened = copying.result()
         if self._opened is not None:   # on this device: copy into the model, then let it go
             opened, self._opened = self._opened, None
             load_served_weights(self.model, sorted(opened.tensors, key=lambda nt: nt[0]), self.vllm_config)
