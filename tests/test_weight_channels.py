@@ -150,11 +150,15 @@ def test_a_gpu_gathered_version_reaches_shm_workers_through_the_writer() -> None
 
 def test_the_copy_beside_generation_reports_ready_or_failed_through_the_cell() -> None:
     """``DeviceStaging.start_copy`` (a GPU worker's copy and check beside generation; here
-    on CPU tensors): READY with the update bit-exact, or FAILED with the check's error."""
+    on CPU tensors), reporting to a status cell as the receiver does: READY with the update
+    bit-exact, or FAILED with the check's error."""
     sent = _bf16(6, 8)
     cell = StatusCell.create()
     try:
-        future = DeviceStaging().start_copy(sent, None, lambda opened: None, cell.path)
+        def report(ok: bool) -> None:
+            cell.set(8, StatusCell.READY if ok else StatusCell.FAILED)
+
+        future = DeviceStaging().start_copy(sent, None, lambda opened: None, report)
         opened = future.result(timeout=30)
         assert cell.get(8) == StatusCell.READY
         assert all(np.array_equal(t.view(torch.int16).numpy().view(np.uint16), a)
@@ -163,7 +167,7 @@ def test_the_copy_beside_generation_reports_ready_or_failed_through_the_cell() -
         def refuse(opened: Any) -> None:
             raise WeightUpdateError("p0: non-finite values")
 
-        failed = DeviceStaging().start_copy(sent, None, refuse, cell.path)
+        failed = DeviceStaging().start_copy(sent, None, refuse, report)
         with pytest.raises(WeightUpdateError, match="non-finite"):
             failed.result(timeout=30)
         assert cell.get(8) == StatusCell.FAILED

@@ -141,18 +141,15 @@ class DeviceStaging:
         return OpenedUpdate(update.version, buf, tensors)
 
     def start_copy(self, update: WeightUpdate, device: Any, check: Callable[[OpenedUpdate], None],
-                   status_path: str) -> "Future[OpenedUpdate]":
+                   report: Callable[[bool], None]) -> "Future[OpenedUpdate]":
         """:meth:`copy_in` and ``check`` on a thread and a CUDA stream of their own, while the
-        engine keeps generating; the worker learns the outcome from the status cell
-        (``shm.StatusCell``: READY or FAILED) and pauses only after READY. The future holds
-        the checked update for the load (or the error)."""
+        engine keeps generating; ``report(ok)`` tells the worker the outcome (its status
+        cell: it pauses only after a success). The future holds the checked update for the
+        load (or the error)."""
         import logging
 
         import torch
 
-        from pipeline_rl.weight_sync.shm import StatusCell
-
-        cell = StatusCell(status_path, create=False)
         future: Future[OpenedUpdate] = Future()
 
         on_gpu = device is not None and torch.device(device).type == "cuda"
@@ -163,12 +160,12 @@ class DeviceStaging:
                     opened = self.copy_in(update, device)
                     check(opened)
                 future.set_result(opened)
-                cell.set(update.version, StatusCell.READY)
+                report(True)
             except BaseException as e:  # noqa: BLE001 - reported through the cell, the log and the future
                 logging.getLogger(__name__).error("weights v%d: copying them to the GPU failed: %s",
                                                   update.version, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 future.set_exception(e)
-                cell.set(update.version, StatusCell.FAILED)
+                report(False)
 
         threading.Thread(target=run, name="weights-to-gpu", daemon=True).start()
         return future

@@ -31,7 +31,7 @@ from pipeline_rl.weight_sync.message import (
     validate_update,
 )
 from pipeline_rl.weight_sync.protocol import DEFAULT_BUCKET_BYTES
-from pipeline_rl.weight_sync.shm import SegmentReader, ShmUpdateInfo
+from pipeline_rl.weight_sync.shm import SegmentReader, ShmUpdateInfo, StatusCell
 from pipeline_rl.weight_sync.vllm_adapter import BACKEND, complete_backend, load_served_weights
 
 
@@ -119,8 +119,10 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
         update = self._segments.update(info)
         if self._on_gpu():   # the host path at GPU speed: copied to this GPU, checked there
             if info.status is not None:   # beside generation; finish loads once it is READY
+                cell, version = StatusCell(info.status, create=False), info.version
                 self._copying = self._device_buffer.start_copy(
-                    update, self.device, lambda opened: check_opened(opened, self._spec), info.status)
+                    update, self.device, lambda opened: check_opened(opened, self._spec),
+                    lambda ok: cell.set(version, StatusCell.READY if ok else StatusCell.FAILED))
                 return
             self._opened = self._device_buffer.copy_in(update, self.device)
             check_opened(self._opened, self._spec)
