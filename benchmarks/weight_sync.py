@@ -54,7 +54,7 @@ Measured, per cell:
   per-version ``put_ms`` (object store) / ``offer_ms`` (object store: issuing the
   offers; vllm: the whole send) and, for vllm, the send's ``start``/``transfer``/
   ``finish`` phases; the worker's time per staging call (``worker_calls_ms``;
-  ``offer_weights`` also split into ``offer.resolve``/``offer.check``/``offer.stage``) and
+  ``offer_weights`` also split into ``offer.resolve``/``offer.calls``) and
   its generation rate while updates arrived (``tokens_per_s``).
 - ``latency_p50_vs_object_store``: the cell's latency p50 over the ``object_store``
   cell's of the same model and engine.
@@ -91,6 +91,7 @@ from typing import Any, cast
 import numpy as np
 
 from benchmarks.common import ROOT, Outcome, at_least, hardware, main as bench_main, ray_session
+from pipeline_rl.weight_sync.shm import OfferSegment
 
 RESULTS = ROOT / "benchmarks" / "results"
 ENGINES = ("inprocess", "async")
@@ -158,6 +159,7 @@ class SyncWorker:
         self._prompts = [tuple(p) for p in prompts]
         self._max_num_seqs = max_num_seqs
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager")
+        self._offers = OfferSegment()   # offers take the weight calls through it, as RolloutWorker's do
         self._cond = threading.Condition()
         # version, time, stall_s, in flight, bytes, transfer_s, load_s
         self._applied: list[tuple[int, float, float, int, int, float, float]] = []
@@ -227,18 +229,18 @@ class SyncWorker:
         self._take("offer_weights", self._offer, refs)
 
     def _offer(self, refs: list[Any]) -> None:
-        """RolloutWorker.offer_weights, its three phases timed."""
-        from pipeline_rl.weight_sync.message import check_update, resolve_offer
+        """RolloutWorker.offer_weights, its two phases timed: the object fetched, then laid
+        out in this worker's segment and taken through the engine's weight calls."""
+        from pipeline_rl.rollout.engine import EngineCalls
+        from pipeline_rl.weight_sync.message import resolve_offer
 
         t0 = time.perf_counter()
         update = resolve_offer(refs)
         t1 = time.perf_counter()
-        checked = check_update(update, self._engine.weight_spec)
+        self._offers.offer(EngineCalls(self._engine), update)
         t2 = time.perf_counter()
-        self._engine.stage(checked)
-        t3 = time.perf_counter()
         with self._cond:
-            for name, dt in (("offer.resolve", t1 - t0), ("offer.check", t2 - t1), ("offer.stage", t3 - t2)):
+            for name, dt in (("offer.resolve", t1 - t0), ("offer.calls", t2 - t1)):
                 self._calls.setdefault(name, []).append(dt)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -257,7 +259,7 @@ class SyncWorker:
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
         """The trainer's one call per update: the three above in order (each timed)."""
-        from pipeline_rl.weight_sync.gloo import receive_in_one_call
+        from pipeline_rl.weight_sync.protocol import receive_in_one_call
 
         return receive_in_one_call(self, update_info, weight_version)
 
@@ -297,6 +299,7 @@ class SyncWorker:
         if self._thread is not None:
             self._thread.join(30)
         self._stager.shutdown(wait=True)
+        self._offers.close()
         self._engine.close()
 
 

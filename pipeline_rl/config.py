@@ -224,15 +224,20 @@ class RolloutConfig(Section):
         "auto", description="Path of the vllm transport, per worker: shm (same node: one "
         "shared-memory segment the trainer writes once), gloo (buckets over TCP, any "
         "machine), ipc (CUDA IPC handles of the trainer's GPU copy, one shared GPU), nccl "
-        "(vLLM's NCCL between GPUs: not wired yet). auto: ipc where trainer and worker share "
+        "(vLLM's packed NCCL broadcast between GPUs; forced only, and only on a machine with "
+        "two GPUs or more: not yet run on two GPUs). auto: ipc where trainer and worker share "
         "a GPU, else shm on one node, gloo across nodes. The start-up log names each "
         "worker's path.")
 
     @field_validator("weight_path")
     @classmethod
     def _path_wired(cls, v: str) -> str:
-        if v == "nccl":
-            raise ValueError("nccl: vLLM's nccl backend is not wired in this build yet (use auto, ipc, shm or gloo)")
+        if v == "nccl":   # torch only for this value: the config stays cheap to import
+            from pipeline_rl.weight_sync.nccl import nccl_refusal
+
+            why = nccl_refusal()
+            if why is not None:
+                raise ValueError(why)
         return v
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")

@@ -1,11 +1,10 @@
-"""The two ends of a real gloo weight channel in a test: the trainer's, driven bucket by
-bucket (a pause after the first bucket, or the trainer gone after some buckets), and a
-worker's in this process (:class:`ThreadClient`)."""
+"""The two ends of a real weight channel in a test: the trainer's gloo end, driven bucket
+by bucket (a pause after the first bucket, or the trainer gone after some buckets), and a
+worker's in this process (:class:`ThreadClient`: gloo, or nccl's collective code on gloo)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -13,17 +12,21 @@ import torch
 
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engine import GenerationEngine
+from pipeline_rl.weight_sync import nccl
+from pipeline_rl.weight_sync.channel import decode_init_info, decode_update_info
+from pipeline_rl.weight_sync.cuda_ipc import check_opened
+from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo, receive_update
 from pipeline_rl.weight_sync.layout import UpdateLayout, bucket_plan
-from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
-from pipeline_rl.weight_sync.protocol import receive_in_one_call
+from pipeline_rl.weight_sync.message import OpenedUpdate, WeightSpec, WeightUpdate, WeightUpdateError
+from pipeline_rl.weight_sync.protocol import receive_in_one_call, tagged
 
 
 def gloo_trainer(engine: GenerationEngine, bucket_bytes: int, timeout_s: float = 30.0) -> Channel:
     """The trainer's end of a gloo channel the engine joined (in this process)."""
     pending, port = Channel.serve("127.0.0.1", timeout_s)
     joining = in_daemon_thread(engine.init_weight_transfer_engine,
-                               asdict(GlooInitInfo("127.0.0.1", port, bucket_bytes, timeout_s)))
+                               tagged(GlooInitInfo("127.0.0.1", port, bucket_bytes, timeout_s)))
     channel = pending.join()
     joining.result()
     return channel
@@ -48,27 +51,43 @@ def send_buckets(channel: Channel, update: WeightUpdate, bucket_bytes: int, *, p
 
 class ThreadClient:
     """The worker side in this process: joins the channel and receives with the
-    backend's own functions (what the vLLM backend does inside vLLM's worker).
+    backend's own functions (what the vLLM backend does inside vLLM's worker): gloo, or
+    nccl's collective code on a gloo group (checked against ``spec`` when given).
     ``fail_once``: refuse the first update after receiving it; ``dies``: the peer goes
     away before the bytes (its end of the group closes)."""
 
-    def __init__(self, fail_once: bool = False, dies: bool = False) -> None:
+    def __init__(self, fail_once: bool = False, dies: bool = False, spec: WeightSpec | None = None) -> None:
         self.got: list[WeightUpdate] = []
         self.finished: list[str | None] = []
-        self.fail_once, self.dies = fail_once, dies
+        self.fail_once, self.dies, self.spec = fail_once, dies, spec
+        self.group: nccl.Broadcaster | None = None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        info = GlooInitInfo(**init_info)
+        info = decode_init_info(init_info)
+        if isinstance(info, nccl.NcclInitInfo):
+            self.group, self.bucket_bytes = nccl.join(info, 1), info.bucket_bytes
+            return
         self.channel, self.bucket_bytes = Channel.connect(info), info.bucket_bytes
 
     def start_weight_update(self) -> None:
         pass
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        info = decode_update_info(update_info)
         if self.dies:
-            self.channel.close()
+            (self.group or self.channel).close()
             raise ConnectionError("worker died")
-        got = receive_update(self.channel, UpdateLayout(**update_info), self.bucket_bytes)
+        if isinstance(info, nccl.NcclUpdateInfo):
+            assert self.group is not None
+            into = torch.empty(info.total_bytes(), dtype=torch.uint8)
+            tensors = nccl.receive_chunks(self.group, info, into, self.bucket_bytes)
+            check_opened(OpenedUpdate(info.version, into, tensors),
+                         self.spec or WeightSpec({n: tuple(t.shape) for n, t in tensors}))
+            self.got.append(WeightUpdate(info.version, tuple(info.names), tuple(from_torch(t) for _, t in tensors),
+                                         dtype=info.wire_dtype))  # type: ignore[arg-type]
+            return
+        assert not isinstance(info, (nccl.NcclUpdateInfo,)) and isinstance(info, UpdateLayout)
+        got = receive_update(self.channel, info, self.bucket_bytes)
         if got.non_finite is not None:
             raise WeightUpdateError(f"{got.non_finite}: non-finite values")
         if self.fail_once:

@@ -7,7 +7,6 @@ trainer's buffer) runs where a GPU is present."""
 from __future__ import annotations
 
 import multiprocessing as mp
-from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -18,15 +17,14 @@ from pipeline_rl.weight_sync.cuda_ipc import (
     IpcUpdateInfo,
     check_opened,
     export_update,
-    info_of,
-    is_ipc_info,
     open_update,
     to_host,
 )
 from pipeline_rl.weight_sync.message import DeviceCopy, WeightSpec, WeightUpdate, WeightUpdateError, validate_update
 from pipeline_rl.weight_sync.paths import GPU_PATHS, Placement, choose_path
 from pipeline_rl.weight_sync.gather import gather_weights
-from pipeline_rl.weight_sync.shm import is_shm_info
+from pipeline_rl.weight_sync.channel import decode_update_info
+from pipeline_rl.weight_sync.protocol import tagged
 
 
 def _model() -> torch.nn.Module:
@@ -37,30 +35,37 @@ def _model() -> torch.nn.Module:
 def test_auto_takes_ipc_on_one_gpu_and_never_nccl() -> None:
     gpu0, gpu0_again, gpu1 = Placement("a", "cuda", "g0"), Placement("a", "cuda", "g0"), Placement("a", "cuda", "g1")
     assert choose_path(gpu0, gpu0_again, gpu_paths=GPU_PATHS) == "ipc"
-    assert choose_path(gpu0, gpu1, gpu_paths=GPU_PATHS) == "shm"      # nccl not wired: host memory
+    assert choose_path(gpu0, gpu1, gpu_paths=GPU_PATHS) == "shm"      # auto never nccl: host memory
     assert choose_path(gpu0, Placement("b", "cuda", "g0"), gpu_paths=GPU_PATHS) == "gloo"
     assert choose_path(gpu0, gpu0_again, "ipc", GPU_PATHS) == "ipc"
     assert choose_path(Placement("a"), Placement("a"), gpu_paths=GPU_PATHS) == "shm"
 
 
-def test_config_takes_ipc_and_refuses_nccl_in_one_line() -> None:
+def test_config_takes_ipc_and_refuses_nccl_where_it_cannot_run_in_one_line() -> None:
     assert Config.model_validate({"rollout": {"weight_path": "ipc"}}).rollout.weight_path == "ipc"
-    with pytest.raises(ValueError, match="nccl: vLLM's nccl backend is not wired"):
-        Config.model_validate({"rollout": {"weight_path": "nccl"}})
+    if torch.cuda.device_count() >= 2:
+        assert Config.model_validate({"rollout": {"weight_path": "nccl"}}).rollout.weight_path == "nccl"
+        return
+    with pytest.raises(ValueError, match="nccl: needs CUDA and at least 2 GPUs"):
+        Config.model_validate({"rollout": {"weight_path": "nccl"}})   # the command line: test_config
 
 
 def _info(**changes: object) -> dict[str, object]:
     info = IpcUpdateInfo(4, ["w"], ["bfloat16"], [[2, 3]], "aGFuZGxl", "GPU-0")
-    return {**asdict(info), **changes}
+    return {**tagged(info), **changes}
 
 
-def test_ipc_info_is_told_apart_and_a_bad_one_refused() -> None:
+def test_ipc_info_is_told_apart_by_its_tag_and_a_bad_one_refused() -> None:
     info = _info()
-    assert is_ipc_info(info) and not is_shm_info(info)
-    assert info_of(info).layout().total_bytes() == 12
-    with pytest.raises(WeightUpdateError, match="^invalid update_info for the ipc path") as e:
-        info_of({**info, "extra": 1})
+    assert isinstance(decode_update_info(info), IpcUpdateInfo)
+    assert decode_update_info(info).layout().total_bytes() == 12
+    with pytest.raises(WeightUpdateError, match="^update_info for the ipc path") as e:
+        decode_update_info({**info, "extra": 1})
     assert "\n" not in str(e.value)
+    for tag in (None, "carrier-pigeon"):   # no guessing from the keys: an untagged message is refused
+        untagged = {k: v for k, v in info.items() if k != "path"} | ({"path": tag} if tag else {})
+        with pytest.raises(WeightUpdateError, match="path tag .* is not one of gloo, ipc, nccl, shm"):
+            decode_update_info(untagged)
 
 
 def test_gathered_on_gpu_copies_to_host_bit_exact() -> None:
@@ -96,7 +101,9 @@ def test_gather_on_device_stays_in_host_memory_on_cpu() -> None:
 
 def _open_in_child(info: dict[str, object], out: "mp.Queue[object]") -> None:
     try:
-        opened = open_update(IpcUpdateInfo(**info), 0)  # type: ignore[arg-type]
+        decoded = decode_update_info(info)   # through the one decoder, as the receiver does
+        assert isinstance(decoded, IpcUpdateInfo)
+        opened = open_update(decoded, 0)
         check_opened(opened, WeightSpec({n: tuple(t.shape) for n, t in opened.tensors}))
         out.put([t.float().cpu().numpy() for _, t in opened.tensors])
     except Exception as e:  # noqa: BLE001 - reported to the parent
@@ -110,7 +117,7 @@ def test_cuda_ipc_round_trip_in_another_process() -> None:
     assert update.device is not None and update.device.flat.is_cuda
     ctx = mp.get_context("spawn")
     out: "mp.Queue[object]" = ctx.Queue()
-    child = ctx.Process(target=_open_in_child, args=(asdict(export_update(update)), out))
+    child = ctx.Process(target=_open_in_child, args=(tagged(export_update(update)), out))
     child.start()
     got = out.get(timeout=120)
     child.join(30)

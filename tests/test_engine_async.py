@@ -28,13 +28,13 @@ from test_engine_inprocess import (  # noqa: F401 - the fixtures are shared with
     model_dirs,
 )
 
-from dataclasses import asdict
 
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engine import FinishedSequence, GenRequest, SamplingConfig
 from pipeline_rl.rollout.engine_async import AsyncEngine, transfer_backend
-from pipeline_rl.weight_sync.gloo import BACKEND
-from pipeline_rl.weight_sync.layout import UpdateLayout
+from pipeline_rl.weight_sync.vllm_adapter import BACKEND
+from pipeline_rl.weight_sync.gloo import GlooUpdateInfo
+from pipeline_rl.weight_sync.protocol import tagged
 from pipeline_rl.weight_sync.shm import SharedSegment
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, as_checked, load_update
 
@@ -117,7 +117,7 @@ def test_refused_payload_leaves_the_old_weights_serving(engine: AsyncEngine, mod
     try:
         engine.start_weight_update()
         with pytest.raises(WeightUpdateError, match="shape"):
-            engine.update_weights(asdict(segment.write(bad)))   # checked before any pause
+            engine.update_weights(tagged(segment.write(bad)))   # checked before any pause
     finally:
         segment.close()
     assert engine.version == v
@@ -140,7 +140,7 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: AsyncEngine, model_di
         engine.add(GenRequest(f"during-{i}", tuple(engine.encode(PROMPTS[i % 4])),
                               SamplingConfig(max_new_tokens=4, temperature=TEMPERATURE, ignore_eos=True)))
     engine.start_weight_update()
-    receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
+    receiving = in_daemon_thread(engine.update_weights, tagged(GlooUpdateInfo.of(update)))
     sending = in_daemon_thread(lambda: send_buckets(channel, update, 64 << 10, pause_s=3.0))
     finished: list[FinishedSequence] = []
     while not receiving.done():
@@ -165,7 +165,7 @@ def test_a_transfer_failing_half_way_leaves_the_old_weights_serving(engine: Asyn
     channel = gloo_trainer(engine, bucket_bytes=64 << 10, timeout_s=5.0)
     v = engine.version
     engine.start_weight_update()
-    receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
+    receiving = in_daemon_thread(engine.update_weights, tagged(GlooUpdateInfo.of(update)))
     send_buckets(channel, update, 64 << 10, stop_after=2)
     with pytest.raises(WeightUpdateError, match="^weights not received: ") as info:
         receiving.result(timeout=60)

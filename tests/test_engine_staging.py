@@ -4,7 +4,6 @@ half-way leaves the old weights serving."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
@@ -15,7 +14,8 @@ from test_engine_inprocess import PROMPTS, TEMPERATURE, model_dirs  # noqa: F401
 
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engine import EngineConfig, FinishedSequence, GenRequest, SamplingConfig
-from pipeline_rl.weight_sync.layout import UpdateLayout
+from pipeline_rl.weight_sync.gloo import GlooUpdateInfo
+from pipeline_rl.weight_sync.protocol import tagged
 from pipeline_rl.weight_sync.message import WeightUpdateError, load_update
 
 BUCKET = 64 << 10
@@ -52,7 +52,7 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: object, model_dirs: t
     try:
         _add_short(engine, "during", 6)
         engine.start_weight_update()
-        receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
+        receiving = in_daemon_thread(engine.update_weights, tagged(GlooUpdateInfo.of(update)))
         sending = in_daemon_thread(lambda: send_buckets(channel, update, BUCKET, pause_s=2.0))
         finished: list[FinishedSequence] = []
         while not receiving.done():
@@ -78,7 +78,7 @@ def test_a_transfer_failing_half_way_leaves_the_old_weights_serving(engine: obje
     update = load_update(model_dirs[0], v + 1)
     channel = gloo_trainer(engine, BUCKET, timeout_s=HALF_WAY_TIMEOUT_S)
     engine.start_weight_update()
-    receiving = in_daemon_thread(engine.update_weights, asdict(UpdateLayout.of(update)))
+    receiving = in_daemon_thread(engine.update_weights, tagged(GlooUpdateInfo.of(update)))
     send_buckets(channel, update, BUCKET, stop_after=2)
     with pytest.raises(WeightUpdateError, match="^weights not received: ") as info:
         receiving.result(timeout=60)

@@ -58,7 +58,10 @@ VLLM_PUBLIC = frozenset({
 VLLM_INTERNALS_ALLOWED = frozenset({
     "pipeline_rl.rollout.vllm_compat",   # engines and weight transfer across vLLM 0.26-0.33
     "pipeline_rl.rollout.vllm_tools",    # the tool-call parsers `vllm serve --tool-call-parser` uses
+    "pipeline_rl.weight_sync.vllm_adapter",   # the weights' side: backend registry, reloads, NCCL, packing
 })
+#: Packages that import nothing from another: (lower, upper) -- weights know no engine.
+NO_UPWARD_IMPORTS = (("pipeline_rl.weight_sync", "pipeline_rl.rollout"),)
 
 
 _IMPORTERS = {"import_module", "__import__", "find_spec"}
@@ -224,6 +227,25 @@ def test_only_the_listed_modules_import_ray() -> None:
 
 def test_only_the_listed_modules_import_vllm_or_its_internals() -> None:
     assert vllm_violations(PACKAGE) == []
+
+
+def upward_violations(package: Path, rules: Iterable[tuple[str, str]] = NO_UPWARD_IMPORTS) -> list[str]:
+    """``module:line imports X`` for each import from ``upper`` in a module of ``lower``."""
+    return [f"{name}:{u.line} imports {u.module}" for lower, upper in rules
+            for name, _, found in _checked(package, ()) if _covered(name, {lower})
+            for u in found if _of(u.module, upper)]
+
+
+def test_weight_sync_imports_nothing_from_rollout() -> None:
+    assert upward_violations(PACKAGE) == []
+    tail = LAYOUT.read_text().partition("## Checked claims")[2]
+    assert "`weight_sync/` imports nothing from `rollout/`" in tail
+
+
+def test_an_upward_import_is_caught(tmp_path: Path) -> None:
+    pkg = _package(tmp_path, {"__init__.py": "", "ws/__init__.py": "", "ws/a.py": "def f():\n    from pkg.ro import x\n",
+                              "ro/__init__.py": "", "ro/x.py": "import pkg.ws.a\n"})
+    assert upward_violations(pkg, (("pkg.ws", "pkg.ro"),)) == ["pkg.ws.a:2 imports pkg.ro"]
 
 
 def test_no_two_modules_share_a_name() -> None:

@@ -27,6 +27,7 @@ import test_engine_inprocess as cpu_tests
 from test_engine_inprocess import hf_models, model_dirs  # noqa: F401 - shared fixtures
 
 from pipeline_rl.rollout import vllm_compat as compat
+from pipeline_rl.weight_sync import vllm_adapter as adapter
 from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine
 from pipeline_rl.weight_sync.message import load_update
 
@@ -55,17 +56,17 @@ def test_version_record_splits_tokens_at_each_switch() -> None:
 def test_backend_completed_under_a_base_with_an_abstract_trainer_half() -> None:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    from pipeline_rl.weight_sync.receiver import GlooWeightTransferEngine
+    from pipeline_rl.weight_sync.receiver import WeightReceiver
 
     class Base026(WeightTransferEngine[Any, Any]):   # vLLM 0.26's base, as far as it matters here
         @staticmethod
         @abstractmethod
         def trainer_send_weights(iterator: Any, trainer_args: Any) -> None: ...
 
-    backend = type("Gloo026", (GlooWeightTransferEngine, Base026), {})
+    backend = type("Gloo026", (WeightReceiver, Base026), {})
     assert inspect.isabstract(backend)
-    assert compat.complete_backend(backend) is backend and not inspect.isabstract(backend)
-    with pytest.raises(compat.UnusedBackendMethod, match="trainer_send_weights is not part"):
+    assert adapter.complete_backend(backend) is backend and not inspect.isabstract(backend)
+    with pytest.raises(adapter.UnusedBackendMethod, match="trainer_send_weights is not part"):
         backend.trainer_send_weights(iter(()), {})
 
 

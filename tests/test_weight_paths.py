@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline_rl.weight_sync.channel import decode_update_info
 from pipeline_rl.weight_sync.dtypes import to_torch
-from pipeline_rl.weight_sync.gloo import GlooTrainerWeightTransfer
+from pipeline_rl.weight_sync.gloo import GlooTrainerChannel
+from pipeline_rl.weight_sync.protocol import OpenContext
 from pipeline_rl.weight_sync.layout import contiguous_bytes
 from pipeline_rl.weight_sync.message import WeightSpec, WeightUpdate, WeightUpdateError, validate_update
 from pipeline_rl.weight_sync.paths import PathError, Placement, choose_path
@@ -50,7 +52,7 @@ def test_gather_casts_to_bf16_once_into_one_buffer() -> None:
 def test_bf16_round_trip_is_bit_exact_over_gloo() -> None:
     update = gather_weights(_model(1), 1, zero_stage=0, dtype="bfloat16")
     client = ThreadClient()
-    sender = GlooTrainerWeightTransfer.trainer_init(client, address="127.0.0.1", bucket_bytes=8 << 10)
+    sender = GlooTrainerChannel.open(client, OpenContext(bucket_bytes=8 << 10))
     try:
         timing = sender.send(update)
         assert timing.num_bytes == update.num_bytes and timing.path == "gloo"
@@ -95,11 +97,13 @@ def test_path_choice_by_placement_and_forced() -> None:
     both = frozenset({"ipc", "nccl"})
     assert choose_path(gpu0, gpu0_again, gpu_paths=both) == "ipc"
     assert choose_path(gpu0, gpu1, gpu_paths=both) == "nccl"
-    assert choose_path(gpu0, gpu0_again) == "shm"             # GPU paths not wired: host memory
+    assert choose_path(gpu0, gpu0_again) == "shm"             # GPU paths not given: host memory
+    assert choose_path(gpu0, gpu1, "nccl") == "nccl"          # forced: taken between two GPUs
     assert choose_path(cpu_a, cpu_b, "gloo") == "gloo" and choose_path(cpu_a, cpu_a2, "gloo") == "gloo"
     for forced, trainer, worker, match in (("shm", cpu_a, cpu_b, "different nodes"),
                                            ("ipc", gpu0, gpu1, "one GPU"),
                                            ("nccl", cpu_a, cpu_a2, "on GPUs"),
+                                           ("nccl", gpu0, gpu0_again, "share one GPU"),
                                            ("ipc", gpu0, gpu0_again, "installed vLLM")):
         with pytest.raises(PathError, match=match) as info:
             choose_path(trainer, worker, forced)  # type: ignore[arg-type]
@@ -114,7 +118,9 @@ class ShmClient(ThreadClient):
         self.reader = SegmentReader()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.got.append(self.reader.update(ShmUpdateInfo(**update_info)))
+        info = decode_update_info(update_info)
+        assert isinstance(info, ShmUpdateInfo)
+        self.got.append(self.reader.update(info))
 
 
 def test_publisher_takes_the_shared_memory_path_on_one_machine() -> None:
@@ -135,7 +141,7 @@ def test_publisher_takes_the_shared_memory_path_on_one_machine() -> None:
 
 def test_a_transfer_whose_peer_dies_ends_within_its_timeout_in_one_line() -> None:
     client = ThreadClient(dies=True)
-    sender = GlooTrainerWeightTransfer.trainer_init(client, address="127.0.0.1", timeout_s=3.0)
+    sender = GlooTrainerChannel.open(client, OpenContext(timeout_s=3.0))
     t = time.perf_counter()
     try:
         with pytest.raises(Exception) as info:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pipeline_rl.weight_sync.publisher import WeightPublisher
-from pipeline_rl.weight_sync.gloo import GlooTrainerWeightTransfer, GlooUpdateInfo, bucket_plan
+from pipeline_rl.weight_sync.gloo import GlooTrainerChannel, GlooUpdateInfo, bucket_plan
+from pipeline_rl.weight_sync.protocol import OpenContext
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
 from staging_helpers import ThreadClient
 
@@ -41,7 +42,7 @@ def test_update_info_refuses_bad_metadata_in_one_line() -> None:
 
 def test_channel_moves_exact_bytes_in_small_buckets() -> None:
     client = ThreadClient()
-    sender = GlooTrainerWeightTransfer.trainer_init(client, address="127.0.0.1", bucket_bytes=64 << 10)
+    sender = GlooTrainerChannel.open(client, OpenContext(bucket_bytes=64 << 10))
     try:
         for v in (1, 2):
             timing = sender.send(_update(v))
@@ -56,7 +57,7 @@ def test_channel_moves_exact_bytes_in_small_buckets() -> None:
 
 def test_a_refused_update_surfaces_and_the_channel_stays_aligned() -> None:
     client = ThreadClient(fail_once=True)
-    sender = GlooTrainerWeightTransfer.trainer_init(client, address="127.0.0.1")
+    sender = GlooTrainerChannel.open(client, OpenContext())
     try:
         with pytest.raises(WeightUpdateError, match="refused once"):
             sender.send(_update(1))
@@ -69,7 +70,7 @@ def test_a_refused_update_surfaces_and_the_channel_stays_aligned() -> None:
 
 def test_non_finite_values_are_named_after_the_whole_update_drained() -> None:
     client = ThreadClient()
-    sender = GlooTrainerWeightTransfer.trainer_init(client, address="127.0.0.1", bucket_bytes=64 << 10)
+    sender = GlooTrainerChannel.open(client, OpenContext(bucket_bytes=64 << 10))
     try:
         bad = _update(1)
         bad.arrays[3][7, 7] = np.nan                  # in a middle bucket: later buckets still follow

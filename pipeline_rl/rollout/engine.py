@@ -11,13 +11,14 @@
   pointer swap per update (the bytes are loaded into a shadow model beside
   generation); it receives them through the same vLLM backend.
 
-Weights arrive through vLLM's weight-transfer API on both
-(``pipeline_rl.weight_sync.gloo``): the rollout worker forwards the trainer's
-``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` calls to
-the engine's methods of the same names, and ``finish_weight_update`` to
-:meth:`GenerationEngine.load_received`. A
-:class:`~pipeline_rl.weight_sync.message.WeightUpdate` handed over in memory (tests,
-the object-store transport) goes through :meth:`GenerationEngine.stage`.
+Weights arrive through vLLM's weight-transfer API on both (``pipeline_rl.weight_sync``;
+every path's message carries its path tag, ``weight_sync.channel``): the rollout worker
+forwards the trainer's ``init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` calls to the engine's methods of the same names, and
+``finish_weight_update`` to :meth:`GenerationEngine.load_received`. A
+:class:`~pipeline_rl.weight_sync.message.WeightUpdate` the worker is offered in memory
+(the object-store transport, tests) takes the same calls (``shm.OfferSegment``);
+:meth:`GenerationEngine.load_update` (tests, benchmarks) stages one directly.
 
 What every engine guarantees (docs/design.md):
 
@@ -206,7 +207,8 @@ class GenerationEngine(ABC):
     # -- vLLM's weight-transfer calls (any thread but the stepping one) -----------------------
     @abstractmethod
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's weight channel (``weight_transfer.GlooInitInfo`` fields)."""
+        """Join the trainer's weight channel (a tagged gloo or nccl init message,
+        ``weight_sync.channel.decode_init_info``)."""
 
     @abstractmethod
     def start_weight_update(self) -> None:

@@ -14,11 +14,13 @@ until the bytes are here and checked::
     update_weights        the bytes are staged in this process while the engine generates:
                           received from the trainer's gloo channel into this worker's
                           shared-memory segment, or (same machine) the trainer's own
-                          segment mapped; checked whole (names, shapes, finite values).
-                          ipc (one GPU): nothing to stage here; the engine core opens the
-                          trainer's GPU buffer and checks it, still generating
+                          segment mapped; checked whole (names, shapes, finite values;
+                          on a GPU the values are the engine core's to check).
+                          ipc, nccl: nothing to stage here; the engine core opens the
+                          trainer's GPU buffer or takes the broadcast, and checks it
     finish_weight_update  the engine core maps the segment and, on CPU, loads it into
-                          a shadow of its model on a thread of its own while it keeps
+                          a shadow of its model (on a GPU: copies it to the GPU and
+                          checks it there) on a thread of its own while it keeps
                           generating (vLLM's start/update calls, this project's backend;
                           the core reports through a shared status cell)
                           pause_generation(mode="keep")   requests stay, none aborted
@@ -28,8 +30,9 @@ until the bytes are here and checked::
                           resume_generation()
 
 The stall -- from the moment the pause took effect (the step under way has finished)
-to the resume -- is the swap, the label and the resume on CPU; it grows with neither
-the transfer nor the load.
+to the resume -- is the swap, the label and the resume on CPU (on a GPU: the copy from
+the checked GPU buffer into the model, as on ipc); it grows with neither the transfer
+nor, on CPU, the load.
 Token versions come from vLLM's weight-version spans: the version is set while
 generation is paused, so every token is labelled by the weights that sampled it.
 
@@ -46,7 +49,7 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Coroutine, TypeVar
 
 from pipeline_rl.rollout.engine import (
@@ -60,19 +63,10 @@ from pipeline_rl.rollout.engine import (
 from pipeline_rl import runtime_env
 from pipeline_rl.rollout import vllm_compat as compat
 from pipeline_rl.rollout.engine_inprocess import sampling_params, to_finished
-from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo, info_of, is_ipc_info
+from pipeline_rl.weight_sync.channel import UpdateInfo, decode_init_info, decode_update_info
+from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo
 from pipeline_rl.weight_sync.dtypes import from_torch
-from pipeline_rl.weight_sync.gloo import (
-    BACKEND,
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_TIMEOUT_S,
-    Channel,
-    GlooInitInfo,
-    payload_bytes,
-    receive_update,
-    register,
-)
-from pipeline_rl.weight_sync.layout import UpdateLayout
+from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo, receive_update
 from pipeline_rl.weight_sync.message import (
     CheckedUpdate,
     WeightUpdate,
@@ -80,8 +74,10 @@ from pipeline_rl.weight_sync.message import (
     read_weight_spec,
     validate_update,
 )
-from pipeline_rl.weight_sync.protocol import receive_in_one_call
-from pipeline_rl.weight_sync.shm import SegmentReader, SharedSegment, ShmUpdateInfo, StatusCell, is_shm_info
+from pipeline_rl.weight_sync.nccl import NcclUpdateInfo
+from pipeline_rl.weight_sync.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, receive_in_one_call, tagged
+from pipeline_rl.weight_sync.shm import SegmentReader, SharedSegment, ShmUpdateInfo, StatusCell
+from pipeline_rl.weight_sync.vllm_adapter import BACKEND, register
 from pipeline_rl.faults import inject
 
 _T = TypeVar("_T")
@@ -94,8 +90,8 @@ class EngineBroken(RuntimeError):
 
 def transfer_backend(device: str) -> str:
     """vLLM weight-transfer backend per device: this project's on every device and path
-    (its backend takes the shm, gloo and ipc infos alike, so the engine need not know
-    its path when it starts; ``pipeline_rl.weight_sync.cuda_ipc`` says why)."""
+    (its backend takes every path's tagged messages, so the engine need not know its
+    path when it starts; ``pipeline_rl.weight_sync.cuda_ipc`` says why)."""
     return BACKEND
 
 
@@ -119,7 +115,7 @@ class AsyncEngine(GenerationEngine):
         self._unfinished = 0
         self._update_lock = threading.Lock()     # one update at a time
         self._updating = False
-        self._staged_info: ShmUpdateInfo | IpcUpdateInfo | None = None   # awaiting the load
+        self._staged_info: UpdateInfo | None = None   # awaiting the load
         self._update_bytes = 0
         self._transfer_s = 0.0
         self._applied: list[AppliedUpdate] = []  # reported by apply_staged
@@ -226,13 +222,17 @@ class AsyncEngine(GenerationEngine):
     # The bytes are staged in this process while the engine generates; only the load into
     # the engine core's model is inside the pause (module docstring).
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's gloo channel (in this process: bytes are received here,
-        beside generation, then handed to the engine core through shared memory)."""
+        """Join the trainer's channel: a gloo one in this process (bytes are received
+        here, beside generation, then handed to the engine core through shared memory);
+        an nccl one in the engine core (the bytes land on its GPU)."""
         self._check()
-        try:
-            info = GlooInitInfo(**init_info)
-        except TypeError as e:
-            raise ValueError(f"invalid init_info for {BACKEND}: {e}") from e
+        info = decode_init_info(init_info)
+        if not isinstance(info, GlooInitInfo):
+            from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+            self._run(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)),
+                      timeout_s=info.timeout_s + 10)
+            return
         if self._channel is not None:
             self._channel.close()
         self._channel = Channel.connect(info)
@@ -259,27 +259,33 @@ class AsyncEngine(GenerationEngine):
             if isinstance(e, WeightUpdateError):
                 raise
             raise WeightUpdateError(f"weights not received: {_first_line(e)}") from e
-        self._update_bytes = payload_bytes(update_info)
+        self._update_bytes = self._staged_info.layout().total_bytes()
         self._transfer_s = time.perf_counter() - t0
 
-    def _stage_bytes(self, update_info: dict[str, Any]) -> ShmUpdateInfo | IpcUpdateInfo:
-        if is_ipc_info(update_info):   # the bytes stay on the GPU; the engine core checks them
-            return info_of(update_info)
-        if is_shm_info(update_info):
-            info = ShmUpdateInfo(**update_info)
+    def _stage_bytes(self, update_info: dict[str, Any]) -> UpdateInfo:
+        """Receive into staging and check, by the message's path: ipc and nccl are the
+        engine core's to receive and check on its GPU (:meth:`_open_in_core`); a trainer's
+        segment is mapped and checked here (on a GPU only names and shapes: the engine
+        core checks the values after its copy to the GPU); gloo is received into this
+        worker's segment, checked as it arrives."""
+        info = decode_update_info(update_info)
+        if isinstance(info, (IpcUpdateInfo, NcclUpdateInfo)):
+            return info
+        if isinstance(info, ShmUpdateInfo):
             update = self._segments.update(info)
-            validate_update(update, self._spec, check_values=not info.checked)
-            return ShmUpdateInfo.of(info.layout(), info.segment, checked=True)
+            on_gpu = self.cfg.device == "cuda"
+            validate_update(update, self._spec, check_values=not info.checked and not on_gpu)
+            return info if on_gpu else ShmUpdateInfo.of(info.layout(), info.segment, checked=True,
+                                                        offset=info.offset)
         if self._channel is None:
             raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
-        layout = UpdateLayout(**update_info)
-        got = receive_update(self._channel, layout, self._bucket_bytes,
-                             into=self._staging.buffer(layout.total_bytes()))
+        got = receive_update(self._channel, info, self._bucket_bytes,
+                             into=self._staging.buffer(info.total_bytes()))
         if got.non_finite is not None:   # after draining: the channel stays aligned
             raise WeightUpdateError(f"{got.non_finite}: non-finite values")
         validate_update(got.update, self._spec, check_values=False)
         assert self._staging.path is not None
-        return ShmUpdateInfo.of(layout, self._staging.path, checked=True)
+        return ShmUpdateInfo.of(info.layout(), self._staging.path, checked=True)
 
     def load_received(self, version: int) -> bool:
         """Load the staged bytes and make them live, labelled ``version``; False (nothing
@@ -297,9 +303,10 @@ class AsyncEngine(GenerationEngine):
             return False
         in_flight = self._unfinished
         t0 = time.perf_counter()
-        if isinstance(staged, IpcUpdateInfo):
+        if isinstance(staged, (IpcUpdateInfo, NcclUpdateInfo)):   # to the core's GPU, no copy of ours
             self._open_in_core(staged, version)
-        beside = self.cfg.device == "cpu" and isinstance(staged, ShmUpdateInfo) and self._load_beside(staged, version)
+        # A segment: on CPU loaded into a shadow, on a GPU copied there and checked, beside generation.
+        beside = isinstance(staged, ShmUpdateInfo) and self._load_beside(staged, version)
         try:
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False))
             paused_at = time.perf_counter()           # no engine step runs from here
@@ -314,17 +321,19 @@ class AsyncEngine(GenerationEngine):
             self._fail_update(e, loaded=True)
             raise
         done = time.perf_counter()
+        loaded_beside = beside and self.cfg.device == "cpu"   # on a GPU the copy into the model is in the pause
         self._applied.append(AppliedUpdate(version, done - paused_at, in_flight, self._update_bytes,
                                            live_at=time.time(), transfer_s=self._transfer_s,
-                                           load_s=(paused_at if beside else done) - t0))
+                                           load_s=(paused_at if loaded_beside else done) - t0))
         self._version = version
         self._end_update()
         return True
 
-    def _open_in_core(self, staged: IpcUpdateInfo, version: int) -> None:
-        """The ``ipc`` path, while the engine generates: the engine core opens the trainer's
-        GPU buffer and checks it (names, shapes, finite values); nothing is loaded. A
-        failure ends the update with one line, the old weights serving."""
+    def _open_in_core(self, staged: UpdateInfo, version: int) -> None:
+        """While the engine generates: the engine core receives the update onto its device
+        (opens the trainer's GPU buffer, takes the NCCL broadcast, or copies the segment to
+        its GPU) and checks it (names, shapes, finite values); nothing is loaded. A failure
+        ends the update with one line, the old weights serving."""
         try:
             self._run(self._hand_over(staged), timeout_s=DEFAULT_TIMEOUT_S)
             self._handed = True
@@ -333,10 +342,10 @@ class AsyncEngine(GenerationEngine):
             raise WeightUpdateError(f"weights v{version} not opened by the engine core: {_first_line(e)}") from e
 
     def _load_beside(self, staged: ShmUpdateInfo, version: int) -> bool:
-        """Have the engine core load ``staged`` into its shadow while it generates; True
-        once loaded, False when it cannot shadow its model (it then holds the update for a
-        load inside the pause). A failed or stuck load ends the update with one line, the
-        old weights serving."""
+        """Have the engine core load ``staged`` into its shadow (on a GPU: copy it there and
+        check it) while it generates; True once done, False when it cannot shadow its model
+        (it then holds the update for a load inside the pause). A failed or stuck load ends
+        the update with one line, the old weights serving."""
         self._status.set(-1, StatusCell.PENDING)
         try:
             self._run(self._hand_over(replace(staged, status=self._status.path)))
@@ -358,12 +367,12 @@ class AsyncEngine(GenerationEngine):
             f"did not finish within {DEFAULT_TIMEOUT_S:.0f} s"
         raise WeightUpdateError(f"weights v{version}: loading them in the engine core {what}")
 
-    async def _hand_over(self, staged: ShmUpdateInfo | IpcUpdateInfo) -> None:
-        """The engine core maps the staged segment (or opens the GPU buffer) and checks it (no load)."""
+    async def _hand_over(self, staged: UpdateInfo) -> None:
+        """The engine core receives the staged update into its staging and checks it (no load)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         await self._llm.start_weight_update()
-        await self._llm.update_weights(WeightTransferUpdateRequest(asdict(staged)))
+        await self._llm.update_weights(WeightTransferUpdateRequest(tagged(staged)))
 
     async def _finish(self, version: int) -> None:
         await compat.async_finish_update(self._llm, version, self._native)
@@ -410,7 +419,7 @@ class AsyncEngine(GenerationEngine):
         bf16 = any(str(t.dtype) == "torch.bfloat16" for _, t in update.tensors)
         staged = WeightUpdate(update.version, names, arrays, dtype="bfloat16" if bf16 else "float32")
         info = self._staging.write(staged, checked=True)   # checked before it was staged
-        receive_in_one_call(EngineCalls(self), asdict(info), str(update.version))
+        receive_in_one_call(EngineCalls(self), tagged(info), str(update.version))
         return True
 
     def apply_staged(self) -> AppliedUpdate | None:

@@ -39,6 +39,7 @@ from pipeline_rl.rollout.engine import (
 )
 from pipeline_rl import runtime_env
 from pipeline_rl.rollout import vllm_compat as compat
+from pipeline_rl.weight_sync import vllm_adapter as adapter
 from pipeline_rl.weight_sync.loaders import make_shadow
 from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdateError, as_checked, read_weight_spec
 from pipeline_rl.faults import inject
@@ -91,7 +92,7 @@ class InprocessEngine(GenerationEngine):
         from vllm.config import WeightTransferConfig
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from pipeline_rl.weight_sync.gloo import BACKEND, register
+        from pipeline_rl.weight_sync.vllm_adapter import BACKEND, register
 
         register()
         self.cfg = cfg
@@ -198,7 +199,7 @@ class InprocessEngine(GenerationEngine):
             if self._shadow is not None:
                 self._shadow.swap_into()
             else:
-                compat.layerwise_reload(compat.inprocess_model(self._llm), update.tensors,
+                adapter.layerwise_reload(compat.inprocess_model(self._llm), update.tensors,
                                         self._llm.vllm_config)
             self._after_load(update.version)
             return AppliedUpdate(update.version, time.perf_counter() - start, in_flight, update.num_bytes,

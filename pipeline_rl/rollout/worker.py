@@ -25,10 +25,10 @@ Invariants:
   under the new weights (KV policy from ``rollout.kv_policy``) and their tokens'
   versions change at the step where the update took effect.
 - New weights arrive through vLLM's weight-transfer calls the trainer makes (forwarded
-  to the engine; per update in one call, :meth:`RolloutWorker.receive_update`), or as an
-  offer through Ray's object store (:meth:`RolloutWorker.offer_weights`); either way
-  received, validated and staged (the costly part) in the caller's thread while the
-  engine keeps stepping; a bad payload raises ``WeightUpdateError`` there, never applied.
+  to the engine; per update in one call, :meth:`RolloutWorker.receive_update`); an offer in
+  memory or through Ray's object store (:meth:`RolloutWorker.offer_weights`) takes the same
+  calls. Either way received, validated and staged (the costly part) in the caller's thread
+  while the engine keeps stepping; a bad payload raises ``WeightUpdateError``, never applied.
   Only the newest staged update is kept; the loop makes it live between two steps.
 - Rewards run off the engine's critical path (``pipeline_rl.rollout.scoring``). A send
   that fails stops the worker with that error, and so does :meth:`RolloutWorker.fail`
@@ -55,8 +55,10 @@ from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
 from pipeline_rl.evaluation import EVAL_PREFIX, STREAM_SHARE, EvalFeed, EvalRequest, EvalResult, PendingEval
 from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id, request_id as eval_request_id
 from pipeline_rl.actors.process import HeapTrimmer
-from pipeline_rl.weight_sync.gloo import receive_in_one_call
-from pipeline_rl.weight_sync.message import WeightUpdateError, check_update, resolve_offer
+from pipeline_rl.weight_sync.protocol import receive_in_one_call
+from pipeline_rl.weight_sync.layout import UpdateLayout
+from pipeline_rl.weight_sync.message import WeightUpdateError, resolve_offer
+from pipeline_rl.weight_sync.shm import OfferSegment
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task
@@ -103,6 +105,7 @@ class RolloutWorker:
         self._scorer = Scorer(worker_id, self.n, cfg.task, reward_source(cfg.task, task, reward_fn),
                               self._sender, self._c, self._lock, self.fail)
         self._heap = HeapTrimmer()   # free C-heap pages back to the OS every few seconds
+        self._offers = OfferSegment()   # in-memory offers enter the weight calls through it
         self._eval_task, self._evals = eval_task, EvalFeed(int(cfg.rollout.max_num_seqs * STREAM_SHARE))
         self._loop_done = False                            # run() returned (until it runs again)
         self._greedy = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
@@ -117,23 +120,16 @@ class RolloutWorker:
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:
-        """Offer new weights (a ``WeightUpdate`` or ``[ObjectRef]``): fetched and
-        validated here, applied by the loop before its next engine step. Raises
-        ``WeightUpdateError`` for a bad payload (the served weights stay)."""
+        """Offer new weights (a ``WeightUpdate`` or ``[ObjectRef]``): laid out in this worker's
+        own segment, taken through the trainer's shm-path calls (checked here, applied by the
+        loop between steps); a bad payload raises ``WeightUpdateError`` (the served weights stay)."""
         update = resolve_offer(offer)
-        inject(self.cfg.fault, "weight_update", update.version)
         try:
-            checked = check_update(update, self._engine.weight_spec)
+            UpdateLayout.of(update)   # what cannot even be laid out; update_weights refuses the rest
         except WeightUpdateError as e:
-            with self._lock:
-                self._c.updates_rejected += 1
-            log.error("worker %d: rejected weights v%d: %s", self.worker_id, update.version, e)
+            self._rejected(e)
             raise
-        if self._engine.stage(checked):
-            self._wake.set()
-        else:
-            log.info("worker %d: ignoring weights v%d (not newer than v%d)", self.worker_id,
-                     update.version, self._engine.version)
+        self._offers.offer(self, update)
 
     # -- vLLM's weight-transfer calls, made by the trainer (any thread but the loop) ----------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -149,10 +145,13 @@ class RolloutWorker:
         try:
             self._engine.update_weights(update_info)
         except WeightUpdateError as e:
-            with self._lock:
-                self._c.updates_rejected += 1
-            log.error("worker %d: rejected weights: %s", self.worker_id, e)
+            self._rejected(e)
             raise
+
+    def _rejected(self, error: WeightUpdateError) -> None:
+        with self._lock:
+            self._c.updates_rejected += 1
+        log.error("worker %d: rejected weights: %s", self.worker_id, error)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """The received update becomes the next weights, labelled ``weight_version``
@@ -444,6 +443,7 @@ class RolloutWorker:
         if self._episodes is not None:
             self._episodes.close()
         self._sender.close()
+        self._offers.close()
         if close_engine:
             self._engine.close()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline_rl.weight_sync.gloo import DEFAULT_TIMEOUT_S
+from pipeline_rl.weight_sync.protocol import DEFAULT_TIMEOUT_S
 from pipeline_rl.weight_sync.paths import Placement, local_placement
 
 

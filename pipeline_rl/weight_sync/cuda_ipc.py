@@ -28,16 +28,17 @@ import base64
 import math
 import pickle
 import time
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from pipeline_rl.weight_sync.layout import UpdateLayout
-from pipeline_rl.weight_sync.message import DeviceCopy, WeightSpec, WeightUpdate, WeightUpdateError
+from pipeline_rl.weight_sync.message import DeviceCopy, OpenedUpdate, WeightSpec, WeightUpdate, WeightUpdateError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
-    from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
+    from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class IpcUpdateInfo:
     back to back in this order), the base64 text of the pickled CUDA IPC arguments of
     the buffer holding them, and the UUID of the GPU it lives on."""
 
+    PATH: ClassVar[str] = "ipc"
     version: int
     names: list[str]
     dtype_names: list[str]
@@ -55,11 +57,6 @@ class IpcUpdateInfo:
 
     def layout(self) -> UpdateLayout:
         return UpdateLayout(self.version, self.names, self.dtype_names, self.shapes)
-
-
-def is_ipc_info(update_info: dict[str, object]) -> bool:
-    """Whether an ``update_weights`` info dict is :class:`IpcUpdateInfo`'s."""
-    return "ipc_handle" in update_info
 
 
 def gpu_uuid(device_index: int) -> str:
@@ -80,16 +77,6 @@ def export_update(update: WeightUpdate) -> IpcUpdateInfo:
     return IpcUpdateInfo(update.version, list(update.names), [update.dtype] * len(update.names),
                          [list(s) for s in copy.shapes], base64.b64encode(pickle.dumps(args)).decode("ascii"),
                          gpu_uuid(copy.flat.device.index or 0))
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class OpenedUpdate:
-    """An update opened from its IPC handle: the trainer's buffer and the named views of
-    it (in the info's order). Valid while this object lives."""
-
-    version: int
-    flat: "torch.Tensor"
-    tensors: list[tuple[str, "torch.Tensor"]]
 
 
 def open_update(info: IpcUpdateInfo, device_index: int) -> OpenedUpdate:
@@ -119,7 +106,9 @@ def open_update(info: IpcUpdateInfo, device_index: int) -> OpenedUpdate:
 
 def check_opened(opened: OpenedUpdate, spec: WeightSpec) -> None:
     """Refuse (``WeightUpdateError``, one line) an update that is not the served model's
-    complete set of finite weights; one reduction on the GPU checks every value."""
+    complete set of finite weights; one reduction where the tensors are checks every
+    value (on a GPU nothing is read on the CPU but the answer). ``opened.flat`` may be
+    typed (the ipc buffer) or raw bytes (a receive buffer)."""
     import torch
 
     tensors = opened.tensors
@@ -135,20 +124,26 @@ def check_opened(opened: OpenedUpdate, spec: WeightSpec) -> None:
     missing = sorted(set(spec.shapes) - set(names))
     if missing:
         raise WeightUpdateError(f"missing parameter {missing[0]!r}: updates must be complete")
-    if not bool(torch.isfinite(opened.flat).all()):
-        bad = next(n for n, t in tensors if not bool(torch.isfinite(t).all()))
-        raise WeightUpdateError(f"{bad}: non-finite values")
+    flat, dtypes = opened.flat, {t.dtype for _, t in tensors}
+    if flat.dtype == torch.uint8 and len(dtypes) == 1:   # received bytes: read them as the update's dtype
+        flat = flat[:sum(t.numel() * t.element_size() for _, t in tensors)].view(dtypes.pop())
+    if flat.dtype == torch.uint8 or not bool(torch.isfinite(flat).all()):
+        bad = next((n for n, t in tensors if not bool(torch.isfinite(t).all())), None)
+        if bad is not None:
+            raise WeightUpdateError(f"{bad}: non-finite values")
 
 
 def to_host(update: WeightUpdate) -> WeightUpdate:
-    """An update gathered on the GPU, copied into host memory for the paths that move
-    bytes (shm, gloo); an update already there is returned as it is."""
-    from pipeline_rl.weight_sync.dtypes import from_torch
+    """An update gathered on the GPU, copied into host memory for the gloo path (one
+    device-to-host copy, no conversion); an update already there is returned as it is.
+    (The shm path copies it into its segment itself: ``shm.SharedWriter``.)"""
+    from pipeline_rl.weight_sync.dtypes import STORAGE
+    from pipeline_rl.weight_sync.host_gpu import device_to_host
 
     copy = update.device
     if copy is None:
         return update
-    data = from_torch(copy.flat.cpu())
+    data: np.ndarray = device_to_host(copy.flat, None).view(STORAGE[update.dtype])
     arrays, offset = [], 0
     for shape in copy.shapes:
         n = math.prod(shape)
@@ -158,21 +153,26 @@ def to_host(update: WeightUpdate) -> WeightUpdate:
 
 
 class IpcTrainerChannel:
-    """Trainer side of the ``ipc`` path for one worker: the handle of the version's GPU
-    buffer goes in the worker's one call; the engine core copies from it."""
+    """The ``ipc`` path's ``TrainerChannel`` for one worker: the handle of the version's
+    GPU buffer goes in the worker's one call; the engine core copies from it."""
 
     path = "ipc"
 
     def __init__(self, client: "SyncClient") -> None:
         self.client = client
 
+    @classmethod
+    def open(cls, client: "SyncClient", context: "OpenContext") -> "IpcTrainerChannel":
+        """Nothing to join: each send carries its own handle."""
+        return cls(client)
+
     def send(self, update: WeightUpdate) -> "SendTiming":
-        from pipeline_rl.weight_sync.protocol import SendTiming
+        from pipeline_rl.weight_sync.protocol import SendTiming, tagged
 
         t0 = time.perf_counter()
         info = export_update(update)
         export_s = time.perf_counter() - t0
-        finish_s = self.client.receive_update(asdict(info), str(update.version))
+        finish_s = self.client.receive_update(tagged(info), str(update.version))
         call_s = time.perf_counter() - t0 - export_s
         _collect()   # the worker let go of the buffer: CUDA may free the older ones now
         return SendTiming(update.version, export_s + call_s - finish_s, finish_s, update.num_bytes, "ipc")
@@ -198,10 +198,3 @@ def device_copy(flat: "torch.Tensor", shapes: list[tuple[int, ...]]) -> DeviceCo
 
     torch.cuda.current_stream(flat.device).synchronize()
     return DeviceCopy(flat, tuple(shapes))
-
-
-def info_of(update_info: dict[str, Any]) -> IpcUpdateInfo:
-    try:
-        return IpcUpdateInfo(**update_info)
-    except TypeError as e:
-        raise WeightUpdateError(f"invalid update_info for the ipc path: {e}") from e

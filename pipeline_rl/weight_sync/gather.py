@@ -31,6 +31,8 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
     so the gather itself is the one write of the bytes); default: ordinary memory.
     ``on_device`` (a worker takes the ``ipc`` path): parameters on a GPU are gathered
     into one tensor on that GPU instead (``WeightUpdate.device``; a device-to-device copy).
+    Parameters on a GPU bound for host memory are gathered on the GPU the same way, then
+    copied out whole into ``allocate``'s buffer (``host_gpu.device_to_host``).
     """
     import torch
 
@@ -49,7 +51,8 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
         wire = torch_dtype(dtype)
         device = params[0][1].device if params else torch.device("cpu")
         raw: np.ndarray | None = None
-        if on_device and device.type == "cuda":
+        to_host = device.type == "cuda" and not on_device   # gathered on the GPU, then one copy out
+        if device.type == "cuda":
             flat = torch.empty(sum(sizes), dtype=wire, device=device)
         else:
             on_device = False
@@ -59,6 +62,11 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
         for (_, p), n in zip(params, sizes):
             flat[offset:offset + n].view(p.shape).copy_(p.detach())   # the cast and the copy in one
             offset += n
+        if to_host:   # cast on the GPU, then one device-to-host copy (no CPU-side cast)
+            from pipeline_rl.weight_sync.host_gpu import device_to_host
+
+            raw = device_to_host(flat, allocate)
+            flat = torch.from_numpy(raw).view(wire)
     names = tuple(name for name, _ in params)
     if on_device:
         from pipeline_rl.weight_sync.cuda_ipc import device_copy

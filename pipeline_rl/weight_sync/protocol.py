@@ -8,8 +8,28 @@ the string vLLM's API carries (``None`` only where vLLM's own call has none).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Protocol
+
+
+#: A transfer whose peer stops answering fails after this long (never hangs).
+DEFAULT_TIMEOUT_S = 60.0
+#: Bucket size on the wire (gloo, nccl): large enough that per-message overhead vanishes,
+#: small enough that packing the next bucket overlaps sending this one.
+DEFAULT_BUCKET_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class OpenContext:
+    """What opening a channel may need (``weight_sync.channel.open_channel``):
+    ``address``, where workers reach this process (gloo, nccl); ``shared``, the node's
+    segment writer (``shm.SharedWriter``; the shm path writes each version once for all
+    its workers); the transfer timeout and the bucket size."""
+
+    address: str = "127.0.0.1"
+    shared: Any = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
 class WeightSyncCalls(Protocol):
@@ -62,3 +82,18 @@ class SendTiming:
     @property
     def total_s(self) -> float:
         return self.transfer_s + self.finish_s
+
+
+class TaggedInfo(Protocol):
+    """A path's message (an ``init_weight_transfer_engine`` or ``update_weights`` info):
+    a dataclass whose class names its path (``PATH``)."""
+
+    PATH: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+def tagged(info: TaggedInfo) -> dict[str, Any]:
+    """The dict a path's info travels as through vLLM's calls: its fields and its path
+    tag (``"path"``), which ``weight_sync.channel.decode_update_info`` /
+    ``decode_init_info`` read back -- the one place a message's path is decided."""
+    return {**asdict(info), "path": info.PATH}  # type: ignore[call-overload]

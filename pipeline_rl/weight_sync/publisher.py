@@ -8,7 +8,7 @@ Two halves with different costs:
    publishing on the critical path.
 2. :class:`WeightPublisher` (off the critical path): a background thread sends the update to
    every worker. Transport ``vllm`` (the default): through vLLM's weight-transfer API, one
-   channel per worker (``pipeline_rl.weight_sync.gloo``), opened on first use and sent
+   channel per worker on its path (``pipeline_rl.weight_sync.channel``), opened on first use and sent
    to in parallel; a worker's four calls go to its Ray actor (or to the object itself in one
    process). Transport ``object_store``: the update is put into Ray's object store once per
    version and the single ``ObjectRef`` offered to every worker
@@ -34,9 +34,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline_rl.weight_sync.cuda_ipc import IpcTrainerChannel, to_host
+from pipeline_rl.weight_sync.channel import TrainerChannel, open_channel
+from pipeline_rl.weight_sync.cuda_ipc import to_host
 from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
-from pipeline_rl.weight_sync.gloo import GlooTrainerWeightTransfer
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.weight_sync.paths import (
     GPU_PATHS,
@@ -47,8 +47,8 @@ from pipeline_rl.weight_sync.paths import (
     choose_path,
     local_placement,
 )
-from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
-from pipeline_rl.weight_sync.shm import SharedWriter, ShmSpaceError, ShmTrainerChannel, new_shared_buffer, shm_fits
+from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient
+from pipeline_rl.weight_sync.shm import SharedWriter, ShmSpaceError, new_shared_buffer, shm_fits
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def _label(worker: object) -> str:
 
 
 Transport = Literal["vllm", "object_store"]
-TrainerChannel = GlooTrainerWeightTransfer | ShmTrainerChannel | IpcTrainerChannel
 PUBLISHED_AT_KEPT = 1024  # versions whose publish time the stats keep
+DEVICE_PATHS = frozenset({"ipc", "nccl"})   # paths sent the GPU copy as it is
 
 
 class WeightPublisher:
@@ -212,14 +212,17 @@ class WeightPublisher:
 
     def on_device(self) -> bool:
         """Whether ``gather_weights`` should keep the next version on the GPU: some worker
-        takes the ``ipc`` path (the others get a host copy of it)."""
-        return "ipc" in self.paths.values()
+        takes the ``ipc`` or ``nccl`` path, or the ``shm`` path from a trainer on a GPU (its
+        writer copies the version into the segment, ``host_gpu``); others get a host copy."""
+        paths = set(self.paths.values())
+        on_gpu = self._placement is not None and self._placement.device == "cuda"
+        return bool(paths & DEVICE_PATHS) or (on_gpu and "shm" in paths)
 
     def allocator(self) -> Callable[[int], np.ndarray] | None:
         """Where ``gather_weights`` should put the next version: shared memory once some
         worker takes the shm path (the segment then goes to the workers as it is), else
         None (ordinary memory)."""
-        if "shm" not in self.paths.values() or not shm_fits(self._last_bytes):
+        if "shm" not in self.paths.values() or not shm_fits(self._last_bytes) or self.on_device():
             return None
         return new_shared_buffer
 
@@ -337,7 +340,7 @@ class WeightPublisher:
                 channel = None
             if channel is None:
                 channel = self._open(worker)
-            timing = channel.send(update if channel.path == "ipc" else self._host(update))
+            timing = channel.send(update if channel.path in DEVICE_PATHS | {"shm"} else self._host(update))
             self._channels[worker] = channel
             return timing
         except ShmSpaceError as e:
@@ -386,15 +389,10 @@ class WeightPublisher:
         return ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[return-value]
 
     def _open(self, worker: Hashable) -> TrainerChannel:
-        """A new channel to ``worker`` on its path."""
+        """A new channel to ``worker`` on its path (``weight_sync.channel``)."""
         path, client = self._path_of(worker), self._client(worker)
-        if path == "shm":
-            return ShmTrainerChannel(client, self._shared)
-        if path == "ipc":
-            return IpcTrainerChannel(client)
-        if path != "gloo":
-            raise RuntimeError(f"weight path {path} is not wired in this build")
-        return GlooTrainerWeightTransfer.trainer_init(client, address=trainer_address())
+        address = trainer_address() if path in ("gloo", "nccl") else "127.0.0.1"
+        return open_channel(path, client, OpenContext(address=address, shared=self._shared))
 
     def _check_acks(self, *, block: bool) -> None:
         """Count failed remote offers (dead actors) without waiting on live ones; bounds memory."""

@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from pipeline_rl.weight_sync.layout import UpdateLayout, contiguous_bytes, pack_
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
 
 if TYPE_CHECKING:
-    from pipeline_rl.weight_sync.protocol import SendTiming, SyncClient
+    from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient, WeightSyncCalls
 
 
 def shm_dir() -> Path:
@@ -47,6 +47,7 @@ class ShmUpdateInfo:
     worker that staged them (an ``AsyncLLM`` worker checks before it pauses, so its
     engine core does not check again)."""
 
+    PATH: ClassVar[str] = "shm"
     version: int
     names: list[str]
     dtype_names: list[str]
@@ -64,11 +65,6 @@ class ShmUpdateInfo:
            status: str | None = None) -> "ShmUpdateInfo":
         return cls(layout.version, layout.names, layout.dtype_names, layout.shapes, segment, checked, offset,
                    status)
-
-
-def is_shm_info(update_info: dict[str, object]) -> bool:
-    """Whether an ``update_weights`` info dict is :class:`ShmUpdateInfo`'s."""
-    return "segment" in update_info
 
 
 def _map(path: str, size: int, create: bool) -> np.ndarray:
@@ -277,6 +273,9 @@ class SharedWriter:
                 return self._info, 0.0
             t0 = time.perf_counter()
             self._info = None
+            if update.device is not None:   # gathered on a GPU: one pinned copy into the segment
+                self._info = self._from_device(update)
+                return self._info, time.perf_counter() - t0
             gathered = gathered_in(update)
             if gathered is not None:   # the trainer gathered it into shared memory: no write
                 self._info = ShmUpdateInfo.of(UpdateLayout.of(update), gathered[0], offset=gathered[1])
@@ -284,6 +283,19 @@ class SharedWriter:
             else:
                 self._info = self._segment.write(update)
             return self._info, time.perf_counter() - t0
+
+    def _from_device(self, update: WeightUpdate) -> ShmUpdateInfo:
+        """A GPU-gathered ``update`` copied into the segment (``host_gpu``: pinned, device to
+        host, no conversion on the CPU)."""
+        from pipeline_rl.weight_sync.host_gpu import device_to_host
+
+        copy = update.device
+        assert copy is not None
+        device_to_host(copy.flat, self._segment.buffer, pinned=True)
+        layout = UpdateLayout(update.version, list(update.names), [update.dtype] * len(update.names),
+                              [list(s) for s in copy.shapes])
+        assert self._segment.path is not None
+        return ShmUpdateInfo.of(layout, self._segment.path)
 
     def close(self) -> None:
         with self._lock:
@@ -293,8 +305,8 @@ class SharedWriter:
 
 
 class ShmTrainerChannel:
-    """Trainer side of the ``shm`` path for one worker: the version is written into the
-    shared :class:`SharedWriter` (once for all workers), then the worker's one call
+    """The ``shm`` path's ``TrainerChannel`` for one worker: the version is written into
+    the shared :class:`SharedWriter` (once for all workers), then the worker's one call
     (``receive_update``: start, update -- map and check -- and finish) loads it."""
 
     path = "shm"
@@ -303,20 +315,54 @@ class ShmTrainerChannel:
         self.client = client
         self._writer = writer
 
+    @classmethod
+    def open(cls, client: "SyncClient", context: "OpenContext") -> "ShmTrainerChannel":
+        """Nothing to join: the context's writer holds the node's segment."""
+        if not isinstance(context.shared, SharedWriter):
+            raise ValueError("the shm path needs the publisher's SharedWriter (OpenContext.shared)")
+        return cls(client, context.shared)
+
     def send(self, update: WeightUpdate) -> "SendTiming":
         import time
-        from dataclasses import asdict
 
-        from pipeline_rl.weight_sync.protocol import SendTiming
+        from pipeline_rl.weight_sync.protocol import SendTiming, tagged
 
         info, write_s = self._writer.write_once(update)
         t0 = time.perf_counter()
-        finish_s = self.client.receive_update(asdict(info), str(update.version))
+        finish_s = self.client.receive_update(tagged(info), str(update.version))
         call_s = time.perf_counter() - t0
         return SendTiming(update.version, write_s + call_s - finish_s, finish_s, update.num_bytes, "shm")
 
     def close(self) -> None:
         """Nothing per worker: the writer's segment is the publisher's."""
+
+
+class OfferSegment:
+    """Where an update handed over in memory (an offer: Ray's object store, tests) enters
+    the same calls as every path's: laid out in a segment of this process, then sent as
+    the ``shm`` path's message through ``calls`` (start, update -- map and check -- and
+    finish). One offer at a time (the segment is rewritten by the next)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._segment = SharedSegment("pipeline_rl_stage")
+        self._lock = threading.Lock()
+
+    def offer(self, calls: "WeightSyncCalls", update: WeightUpdate) -> None:
+        """Send ``update`` through ``calls`` (start, update, finish); a payload that cannot
+        be laid out (its dtype, its lists) raises ``WeightUpdateError`` before any call."""
+        from pipeline_rl.weight_sync.protocol import receive_in_one_call, tagged
+
+        if not isinstance(update, WeightUpdate):
+            raise WeightUpdateError(f"expected a WeightUpdate, got {type(update).__name__}")
+        with self._lock:
+            info = self._segment.write(update)
+            receive_in_one_call(calls, tagged(info), str(update.version))
+
+    def close(self) -> None:
+        with self._lock:
+            self._segment.close()
 
 
 class StatusCell:
