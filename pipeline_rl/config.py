@@ -383,9 +383,9 @@ class Config(Section):
                               "when no step completes within max(this, 20 x the median step time) "
                               "seconds (0 = off).")
     profile: Literal["auto", "builtin", "pretrained"] = Field("auto", description="Defaults of lr, KL, "
-        "temperature and lengths where no flag sets them: builtin (the field defaults) or pretrained (lr 1e-5, "
-        "kl 0, temperature 1, 128 new tokens, context 512). auto: pretrained when --model is a pretrained "
-        "model (named or a folder), builtin otherwise. The start-up line names it.")
+        "temperature, lengths and watchdog where no flag sets them: builtin (the field defaults) or pretrained "
+        "(lr 2e-5, kl 0, temperature 1, 32 new tokens, context 512, watchdog 600 s). auto: pretrained when "
+        "--model is a pretrained model (named, or any folder but the built-in model's), else builtin.")
     fault: str | None = Field(None, description="Failure tests: make one actor raise at POINT@VERSION "
                               "(weight_update, engine_step, trainer_step, buffer, engine_hang, "
                               "engine_start) once the policy reaches VERSION.")

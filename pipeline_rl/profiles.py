@@ -19,17 +19,23 @@ line names the profile with them (:func:`profile_line`).
 Where the pretrained values come from (GRPO recipes for models of 0.1-0.5 B):
 
 - learning rate: TRL's ``GRPOConfig`` and verl's GSM8K GRPO example (Qwen2.5-0.5B) both use
-  1e-6 for runs of hundreds of steps; a run here that should show learning within tens of
-  steps on two cores uses 1e-5 (docs/models-and-data.md has the measured entropy and
-  held-out curve at it);
+  1e-6, for runs of hundreds of steps on GPUs; a run here has to show learning within tens
+  of steps on two cores, so 2e-5 (the built-in model's 2e-4 doubles a 135 M chat model's
+  sampled-token entropy within 3 steps; docs/models-and-data.md has the entropy and the
+  held-out curve measured at 2e-5);
 - KL penalty: TRL's default ``beta`` is 0 (verl's example uses 0.001 with k3); 0 also spares
-  a reference model's copy and forward pass;
+  a reference model's copy and its forward pass;
 - temperature 1.0 (both recipes: sampling the policy itself keeps the off-policy ratio honest);
-- length: 128 new tokens in a 512-token context (the recipes' 512-1024 are for GSM8K's
-  chains of thought; short-answer tasks stop well before 128, and a longer budget is one flag).
+- length: 32 new tokens in a 512-token context. The recipes' 512-1024 new tokens are for
+  GSM8K's chains of thought on GPUs; at temperature 1 a 135 M chat model rambles to any
+  budget it is given, and on a CPU core (tens of tokens/s) each step's cost is that
+  budget. Short answers fit in 32; a longer budget is one flag;
+- watchdog 600 s: a real model's first step waits for the start-up evaluation, minutes on
+  two busy cores, where the built-in model's waits for seconds.
 
 Invariants: this module imports nothing heavier than the standard library; every key of a
-profile names a field of :class:`pipeline_rl.config.Config` as ``section.field``.
+profile names a field of :class:`pipeline_rl.config.Config` as ``section.field`` (or
+``field`` at the run level).
 """
 
 from __future__ import annotations
@@ -44,13 +50,14 @@ __all__ = ["PRETRAINED_DEFAULTS", "PROFILE_KEYS", "ProfileName", "apply_profile"
 
 ProfileName = Literal["builtin", "pretrained"]
 
-#: The pretrained profile's defaults, by ``section.field``.
+#: The pretrained profile's defaults, by ``section.field`` (a run-level field by its name).
 PRETRAINED_DEFAULTS: Mapping[str, float | int] = {
-    "trainer.lr": 1e-5,
+    "trainer.lr": 2e-5,
     "algorithm.kl_coef": 0.0,
     "rollout.temperature": 1.0,
-    "rollout.max_new_tokens": 128,
+    "rollout.max_new_tokens": 32,
     "rollout.max_model_len": 512,
+    "watchdog_s": 600.0,
 }
 
 #: What the start-up line shows, in order: (short name, ``section.field``).
@@ -97,7 +104,10 @@ def apply_profile(data: dict[str, Any]) -> dict[str, Any]:
     if name not in ("builtin", "pretrained"):
         return out   # field validation reports the bad name
     for key, value in profile_defaults(name).items():
-        section, field = key.split(".")
+        section, _, field = key.rpartition(".")
+        if not section:   # a run-level field
+            out.setdefault(field, value)
+            continue
         given = out.get(section)
         if given is None:
             out[section] = {field: value}

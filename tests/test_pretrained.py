@@ -169,7 +169,12 @@ def test_the_registered_model_is_installed_and_located() -> None:
 # --- profiles -------------------------------------------------------------------------------
 
 def _values(cfg: Config) -> dict[str, object]:
-    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in PRETRAINED_DEFAULTS}
+    """The configuration's values of the profile's keys."""
+    out = {}
+    for key in PRETRAINED_DEFAULTS:
+        section, _, field = key.rpartition(".")
+        out[key] = getattr(getattr(cfg, section) if section else cfg, field)
+    return out
 
 
 def test_the_builtin_model_keeps_its_defaults(tiny_model_dir: str) -> None:
@@ -178,6 +183,7 @@ def test_the_builtin_model_keeps_its_defaults(tiny_model_dir: str) -> None:
         cfg, _ = parse_config(argv, check_cpu=False)
         assert cfg.profile == "builtin"
         assert cfg.trainer.lr == 2e-4 and cfg.rollout.max_new_tokens == 16 and cfg.rollout.max_model_len == 256
+        assert cfg.watchdog_s == 120.0
 
 
 def test_a_pretrained_model_gets_the_pretrained_profile(tmp_path: Path) -> None:
@@ -198,6 +204,8 @@ def test_flags_and_config_files_override_the_profile(tmp_path: Path) -> None:
     assert cfg.profile == "pretrained"
     assert cfg.trainer.lr == 3e-5 and cfg.rollout.max_new_tokens == 48
     assert cfg.rollout.max_model_len == PRETRAINED_DEFAULTS["rollout.max_model_len"]
+    cfg, _ = parse_config(["--model", NAME, "--watchdog-s", "60"], check_cpu=False)
+    assert cfg.watchdog_s == 60.0 and cfg.trainer.lr == PRETRAINED_DEFAULTS["trainer.lr"]
     cfg, _ = parse_config(["--model", NAME, "--profile", "builtin"], check_cpu=False)
     assert cfg.profile == "builtin" and cfg.trainer.lr == 2e-4
     cfg, _ = parse_config(["--profile", "pretrained"], check_cpu=False)
@@ -211,10 +219,10 @@ def test_the_startup_line_and_help_name_the_profile() -> None:
 
     cfg, _ = parse_config(["--model", NAME, "--trainer.lr", "3e-5"], check_cpu=False)
     assert startup_line(cfg) == (f"model: {NAME} | profile: pretrained (lr 3e-05, kl 0, temperature 1, "
-                                 "max_new_tokens 128, max_model_len 512)")
+                                 "max_new_tokens 32, max_model_len 512)")
     assert startup_line(Config()).startswith("model: built-in | profile: builtin (lr 0.0002, ")
     text = build_parser().format_help()
-    assert "--profile pretrained: 1e-05" in " ".join(text.split()) and NAME in text
+    assert "--profile pretrained: 2e-05" in " ".join(text.split()) and NAME in text
 
 
 def test_the_builtin_vocab_size_is_the_built_in_models() -> None:
