@@ -94,7 +94,8 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
 
 def test_tiny_gguf_converts_to_a_folder_that_loads_and_is_reused(tiny_gguf: tuple[Path, int], tmp_path: Path) -> None:
     """The converted folder is an ordinary Hugging Face folder (no quantization flag, the
-    GGUF's weights, its chat template); a second call returns it without converting again."""
+    GGUF's weights, its chat template); a second call returns it without converting again;
+    a folder converted from another version of the package is converted anew."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -119,6 +120,9 @@ def test_tiny_gguf_converts_to_a_folder_that_loads_and_is_reused(tiny_gguf: tupl
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     again = pretrained_model_dir("tiny-gguf", cache_dir=tmp_path, registry={"tiny-gguf": entry}, gguf=gguf_path)
     assert again == folder and (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    (folder / "pretrained.json").write_text(json.dumps({**info, "source": "gguf==0.18.0"}))   # another version's
+    pretrained_model_dir("tiny-gguf", cache_dir=tmp_path, registry={"tiny-gguf": entry}, gguf=gguf_path)
+    assert json.loads((folder / "pretrained.json").read_text())["source"] == "gguf==0.19.0"
 
 
 def test_a_failed_check_leaves_nothing_behind(tiny_gguf: tuple[Path, int], tmp_path: Path) -> None:

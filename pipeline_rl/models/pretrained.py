@@ -159,7 +159,8 @@ def pretrained_model_dir(name: str, *, cache_dir: Path | None = None,
             raise
         log.info("converted in %.0f s: %s, %s parameters, greedy answer %r (its output: %s)", bar.close(),
                  final, f"{info['parameters']:,}", info["answer"], build_log)
-        shutil.rmtree(final, ignore_errors=True)   # a stale conversion (another package version)
+        if final.exists() and not _converted(final, entry):   # a stale one (another version, or half-removed)
+            shutil.rmtree(final, ignore_errors=True)
         try:
             tmp.rename(final)
         except OSError:   # another process finished the same conversion first: theirs is identical
