@@ -147,7 +147,6 @@ def run(cfg: Config) -> int:
 
     for warning in cfg.warnings():
         log.warning("%s", warning)
-    log.info("%s", startup_line(cfg))
     try:
         model_dir = resolve_model_dir(cfg)
         cfg = check_task(cfg, model_dir)
@@ -155,7 +154,7 @@ def run(cfg: Config) -> int:
     except (TaskError, OSError, ValueError, OrchestratorError) as e:
         print(f"async_grpo.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(folder.line(), file=sys.stderr, flush=True)
+    print(f"{folder.line()} | {startup_line(cfg)}", file=sys.stderr, flush=True)   # one line: the console stays short
     stop = _StopFlag()
     stop.install()
     try:

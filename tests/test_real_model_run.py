@@ -36,7 +36,8 @@ def test_three_steps_of_the_real_model(tmp_path: Path) -> None:
            "--trainer.batch_size", "8", "--trainer.micro_batch_size", "8", "--out-dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "profile: pretrained (lr 2e-05, kl 0, temperature 1, max_new_tokens 32, max_model_len 512)" in proc.stderr
+    assert ("| model: smollm2-135m-instruct | profile: pretrained (lr 2e-05, kl 0, temperature 1, max_new_tokens 32, "
+            "max_model_len 512)") in proc.stderr
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
