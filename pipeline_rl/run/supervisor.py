@@ -254,13 +254,13 @@ class Supervisor:
             return False
         if not wd.overdue():
             return False
-        now, waited = self._dropped_count(), wd.waited_s()
+        now, waited, half = self._dropped_count(), wd.waited_s(), wd.bound_s() / 2
         new = now - self._dropped_base if now >= 0 and self._dropped_base >= 0 else 0
         if new <= 0 or not wd.extend():
             return True
-        log.warning("no step for %.0f s, while %d groups were dropped for equal rewards "
+        log.warning("no step for %.0f s; %d groups dropped for equal rewards in the last %.0f s "
                     "(--algorithm.skip_zero_variance: the task may be too hard or too easy for the "
-                    "model); still generating (%d/%d)", waited, new, wd.extensions, wd.max_extensions)
+                    "model); still generating (%d/%d)", waited, new, half, wd.extensions, wd.max_extensions)
         return False
 
     def _dropped_count(self) -> int:
