@@ -43,6 +43,7 @@ def test_flags_override_toml(tmp_path: Path) -> None:
     (["--config", "/nonexistent.toml"], "--config"),
     (["--trainer.pass_cost_tokens", "-1"], "--trainer.pass_cost_tokens"),
     (["--ray.pin_cores", "maybe"], "--ray.pin_cores"),
+    (["--algorithm.skip_zero_variance", "maybe"], "--algorithm.skip_zero_variance"),
     (["--ray.preload", "false"], "--ray.preload"),      # removed (issue 43): an unknown flag
     (["--ray.dashboard", "true"], "--ray.dashboard"),
 ])

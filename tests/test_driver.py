@@ -117,6 +117,19 @@ def test_supervision_names_the_innermost_actor() -> None:
     assert dog.bound_s() == 40.0  # 20 x the median step time, above the floor
 
 
+def test_watchdog_extends_a_few_times_while_only_equal_reward_groups_arrive() -> None:
+    """--algorithm.skip_zero_variance: a stretch of dropped groups restarts the watchdog's
+    clock at most max_extensions times in a row; a completed step resets the count."""
+    assert parse_config(["--algorithm.skip_zero_variance", "true"])[0].algorithm.skip_zero_variance
+    assert not parse_config([])[0].algorithm.skip_zero_variance    # off by default
+    from pipeline_rl.run.supervisor import Watchdog
+
+    dog = Watchdog(floor_s=30.0, max_extensions=2)
+    assert dog.extend() and dog.extend() and not dog.extend()
+    dog.step_done(1.0)
+    assert dog.extensions == 0 and dog.extend() and dog.waited_s() < 1.0
+
+
 
 def test_core_plan_gives_each_worker_and_rank_a_core_of_its_own_on_one_cpu_machine() -> None:
     """One slot per worker then per rank, all distinct, on one CPU machine; none on a

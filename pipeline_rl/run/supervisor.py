@@ -91,16 +91,29 @@ class Watchdog:
     """Progress bound between completed steps (see the module docstring).
 
     Invariant: :meth:`overdue` answers only after ``bound_s()`` seconds without a
-    completed step, and the bound never falls below ``floor_s``."""
+    completed step, and the bound never falls below ``floor_s``. :meth:`extend` restarts
+    the clock without a step (groups keep arriving but are all dropped for equal rewards)
+    at most ``max_extensions`` times in a row; a completed step resets the count."""
 
     floor_s: float
     factor: float = 20.0
+    max_extensions: int = 4
+    extensions: int = 0
     _last: float = field(default_factory=time.monotonic)
     _times: deque[float] = field(default_factory=lambda: deque(maxlen=50))
 
     def step_done(self, step_s: float) -> None:
         self._times.append(step_s)
         self._last = time.monotonic()
+        self.extensions = 0
+
+    def extend(self) -> bool:
+        """Restart the clock once more without a step; False when the extensions are used up."""
+        if self.extensions >= self.max_extensions:
+            return False
+        self.extensions += 1
+        self._last = time.monotonic()
+        return True
 
     def touch(self) -> None:
         """Restart the clock without a step (after a checkpoint, which is not a stall)."""
@@ -159,6 +172,7 @@ class Supervisor:
         self.cfg, self._calls, self._buffer, self._trainers, self._workers = cfg, calls, buffer, trainers, workers
         self._stop, self._checkpoints, self._version, self._on_lost = stop, checkpoints, version, on_lost
         self.watchdog = Watchdog(cfg.watchdog_s)
+        self._dropped_base: int | None = None   # zero-variance count past half the watchdog's bound
         self.abandoned_step = False   # a stop left a train step unfinished: no final checkpoint
         self._buffer_watch = buffer.watch.remote()   # answers only when the buffer fails or closes
 
@@ -179,7 +193,7 @@ class Supervisor:
                 break
             pending = self._calls.pending(pending, _POLL_S)
             self.check()
-            if pending and self.watchdog.overdue():
+            if pending and self._stalled_now():
                 raise self.fail(self.stalled())
         try:
             reports = [self._calls.get(r) for r in refs]
@@ -223,6 +237,38 @@ class Supervisor:
                 why = f"its process died ({e})"
         if why is not None and not self._stop.is_set():
             raise self.fail(f"replay buffer failed: {why}")
+
+    def _stalled_now(self) -> bool:
+        """Whether the watchdog fires now. Past half its bound the buffer's zero-variance
+        count is noted; when overdue while groups kept arriving since then but every one had
+        equal rewards (``--algorithm.skip_zero_variance`` dropped them), one line says so and
+        the run gets another bound, a few times in a row (:meth:`Watchdog.extend`)."""
+        wd = self.watchdog
+        if not self.cfg.algorithm.skip_zero_variance:
+            return wd.overdue()
+        if wd.waited_s() <= wd.bound_s() / 2:
+            self._dropped_base = None
+            return False
+        if self._dropped_base is None:
+            self._dropped_base = self._dropped_count()
+            return False
+        if not wd.overdue():
+            return False
+        now, waited, half = self._dropped_count(), wd.waited_s(), wd.bound_s() / 2
+        new = now - self._dropped_base if now >= 0 and self._dropped_base >= 0 else 0
+        if new <= 0 or not wd.extend():
+            return True
+        log.warning("no step for %.0f s; %d groups dropped for equal rewards in the last %.0f s "
+                    "(--algorithm.skip_zero_variance: the task may be too hard or too easy for the "
+                    "model); still generating (%d/%d)", waited, new, half, wd.extensions, wd.max_extensions)
+        return False
+
+    def _dropped_count(self) -> int:
+        """The buffer's count of groups dropped for equal rewards (-1 when it does not answer)."""
+        try:
+            return self._calls.get(self._buffer.stats.remote(), timeout_s=2.0).zero_variance
+        except CallFailed:
+            return -1
 
     def stalled(self) -> str:
         """Who waits for what, in one line, when the watchdog fires."""
