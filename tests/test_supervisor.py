@@ -64,7 +64,7 @@ def died(text: str) -> CallFailed:
 
 class Buffer:
     def __init__(self, watch: Ref | None = None) -> None:
-        stats = SimpleNamespace(fill=0, capacity=256, evicted={"stale": 0},
+        stats = SimpleNamespace(fill=0, capacity=256, evicted={"stale": 0}, zero_variance=0,
                                 admission=SimpleNamespace(used=10, limit=10, version=3))
         self.watch = Method(lambda: watch or Ref(answered=False))
         self.ping = Method(answered(True))
