@@ -12,29 +12,32 @@ from typing import Any, cast
 from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot, GpuPlan, plan_gpus
+from pipeline_rl.run_key import RunKey
 
 
 @dataclass(frozen=True, slots=True)
 class ActorClasses:
     """The three actor classes as Ray places them (resources, restarts, placement), with
-    constructors that return typed handles."""
+    constructors that return typed handles. Each constructor hands the actor the run key
+    (``pipeline_rl.run_key``) as an argument: Ray carries it, nothing prints it."""
 
     buffer: Any
     rollout: Any
     trainer: Any
 
     def new_buffer(self, cfg: Config, bind_host: str, start_version: int,
-                   avoid: tuple[CoreSlot, ...]) -> BufferHandle:
-        return cast(BufferHandle, self.buffer.remote(cfg, bind_host, start_version, avoid))
+                   avoid: tuple[CoreSlot, ...], key: RunKey) -> BufferHandle:
+        return cast(BufferHandle, self.buffer.remote(cfg, bind_host, start_version, avoid, key=key))
 
     def new_rollout(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
-                    core: CoreSlot | None, gpu_memory: float | None) -> RolloutHandle:
-        return cast(RolloutHandle, self.rollout.remote(cfg, worker_id, model_dir, buffer_name, core, gpu_memory))
+                    core: CoreSlot | None, gpu_memory: float | None, key: RunKey) -> RolloutHandle:
+        return cast(RolloutHandle, self.rollout.remote(cfg, worker_id, model_dir, buffer_name, core, gpu_memory,
+                                                       key=key))
 
     def new_trainer(self, cfg: Config, model_dir: str, rank: int, world_size: int, buffer: BufferHandle,
-                    core: CoreSlot | None, gpu_memory: float | None) -> TrainerHandle:
+                    core: CoreSlot | None, gpu_memory: float | None, key: RunKey) -> TrainerHandle:
         return cast(TrainerHandle, self.trainer.remote(cfg, model_dir, rank, world_size, buffer, core,
-                                                       gpu_memory))
+                                                       gpu_memory, key=key))
 
 
 def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str, *,

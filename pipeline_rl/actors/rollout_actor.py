@@ -16,6 +16,7 @@ from pipeline_rl.actors.buffer_actor import RayAdmission
 from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
+from pipeline_rl.run_key import RunKey, install
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -36,12 +37,15 @@ class RolloutActor:
     generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
-                 core: CoreSlot | None = None, gpu_memory: float | None = None) -> None:
-        """``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
+                 core: CoreSlot | None = None, gpu_memory: float | None = None, *,
+                 key: RunKey | None = None) -> None:
+        """``key``: the run key, installed for this process (the buffer's sender and the
+        weight channel prove it). ``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
         so the driver starts this actor while the buffer is still starting. ``core``: the
         core slot this worker's process is pinned to (None: unpinned); ``gpu_memory``: the
         share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``)."""
         setup_actor_process(cfg, f"rollout-{worker_id}", core=core)
+        install(key)
         from pipeline_rl.rollout.worker import RolloutWorker
         from pipeline_rl.tasks import build_task_for_model, plugin_reward, task_tokenizer
 
