@@ -194,8 +194,8 @@ def _round(total: int, shape: tuple[int, int, int], keys: bool) -> tuple[tuple[R
     """The four runs of one round (six with ``keys``: the keyed buffer runs last), and the
     cores other processes used meanwhile."""
     wall, busy, own = _cpu_clock()
-    runs = (run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
-            run_bare(1, total, *shape), run_bare(4, total // 4, *shape))
+    runs: tuple[RunResult, ...] = (run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
+                                   run_bare(1, total, *shape), run_bare(4, total // 4, *shape))
     if keys:
         key = RunKey.new()
         runs += (run_buffer(1, total, *shape, key=key), run_buffer(4, total // 4, *shape, key=key))
