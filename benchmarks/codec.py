@@ -11,8 +11,10 @@ start-up: ``prepare_decoder``). ``cpu_share``: the fraction of a core the thread
 while timed -- below 1 on a busy machine, where groups/s falls with it.
 
 ``--keys``: also the codec through a loopback ZeroMQ PUSH/PULL pair in this process, plain
-and with the run key (CURVE: each message encrypted and authenticated, as the buffer's
-link does), back to back; reports both and keyed / plain.
+and with the run key, back to back: PLAIN (a password from the run key checked once per
+connection: the buffer's link on loopback) and CURVE (each message encrypted and
+authenticated: the buffer's link on a network address); reports each and keyed / plain
+(``keys_ratio``: PLAIN, ``keys_ratio_curve``: CURVE).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 import zmq
 
 from benchmarks.common import Outcome, main as bench_main
-from pipeline_rl.buffer.auth import make_client, make_server
+from pipeline_rl.buffer.auth import Mechanism, make_client, make_server
 from pipeline_rl.run_key import RunKey
 from pipeline_rl.samples import Completion, Group
 from pipeline_rl.wire import decode_group, encode_group, prepare_decoder
@@ -70,20 +72,21 @@ def measure(seconds: float, n: int = 8, tokens: int = 256) -> dict[str, float]:
             "groups_per_s_materialized": full / full_elapsed}
 
 
-def measure_link(seconds: float, key: RunKey | None, n: int = 8, tokens: int = 256) -> float:
+def measure_link(seconds: float, key: RunKey | None, n: int = 8, tokens: int = 256,
+                 mechanism: Mechanism = "plain") -> float:
     """Groups/s of encode -> loopback PUSH/PULL -> decode, one message in flight, in this
-    process (``key``: CURVE on both sockets, with the ZAP handler the buffer uses)."""
+    process (``key``: ``mechanism`` on both sockets, with the ZAP handler the buffer uses)."""
     from pipeline_rl.buffer.auth import ZapHandler
 
     groups = [make_group(i, n, tokens) for i in range(64)]
     prepare_decoder()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
-    zap = ZapHandler(ctx, key, lambda _: None) if key is not None else None
+    zap = ZapHandler(ctx, key, lambda _: None, mechanism) if key is not None else None
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     try:
         if key is not None:
-            make_server(pull, key)
-            make_client(push, key)
+            make_server(pull, key, mechanism)
+            make_client(push, key, mechanism)
         push.connect(f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
         for g in groups:   # the handshake and a warm pass, off the clock
             push.send(encode_group(g))
@@ -108,10 +111,13 @@ def run(args: argparse.Namespace) -> Outcome:
     if args.keys:
         res["link_groups_per_s"] = measure_link(args.seconds, None)
         res["link_keyed_groups_per_s"] = measure_link(args.seconds, RunKey.new())
+        res["link_curve_groups_per_s"] = measure_link(args.seconds, RunKey.new(), mechanism="curve")
         res["keys_ratio"] = res["link_keyed_groups_per_s"] / res["link_groups_per_s"]
+        res["keys_ratio_curve"] = res["link_curve_groups_per_s"] / res["link_groups_per_s"]
     keyed = (f"; through a loopback ZeroMQ pair {res['link_groups_per_s']:,.0f} groups/s plain, "
-             f"{res['link_keyed_groups_per_s']:,.0f} with the run key (CURVE): keyed / plain "
-             f"{res['keys_ratio']:.2f}" if args.keys else "")
+             f"{res['link_keyed_groups_per_s']:,.0f} with the run key (PLAIN): keyed / plain "
+             f"{res['keys_ratio']:.2f}; {res['link_curve_groups_per_s']:,.0f} with CURVE: "
+             f"{res['keys_ratio_curve']:.2f}" if args.keys else "")
     return Outcome(res, f"codec: {res['groups_per_s']:,.0f} groups/s encode+decode (8 x 256 tokens, "
                    f"{res['message_bytes'] / 1024:.1f} KiB/message, {res['mb_per_s']:.0f} MB/s, one thread "
                    f"with {res['cpu_share']:.2f} of a core); "
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     def flags(p: argparse.ArgumentParser) -> None:
         p.add_argument("--seconds", type=float, default=3.0, help="Measuring time (default 3).")
         p.add_argument("--keys", action="store_true",
-                       help="Also through a loopback ZeroMQ pair, plain and with the run key (CURVE).")
+                       help="Also through a loopback ZeroMQ pair, plain and with the run key (PLAIN and CURVE).")
 
     return bench_main("codec", __doc__, argv, run, flags=flags)
 

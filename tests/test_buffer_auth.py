@@ -1,8 +1,10 @@
-"""The run key and the buffer's CURVE socket with real ZeroMQ: only the run's producers
-get in. Foreign pushes of well-formed groups (the project's own ``Completion``,
-``Group`` and ``encode_group``, reward 1000) from another process, from a sender with
-another run's key, and from a CURVE client that knows the server's key but not the
-client's, are all refused and counted, and never reach a batch."""
+"""The run key and the buffer's authenticated socket with real ZeroMQ, on loopback (PLAIN,
+the default there) and with CURVE forced (the cluster path): only the run's producers get
+in. Foreign pushes of well-formed groups (the project's own ``Completion``, ``Group`` and
+``encode_group``, reward 1000) from another process over plain ZeroMQ, from a sender with
+another run's key or none, and from a rogue client of the same mechanism (PLAIN with a
+guessed password; CURVE knowing the server's key but not the client's) are all refused
+and counted, and never reach a batch."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 import zmq
 
 from pipeline_rl.buffer import BufferServer, BufferUnreachable, GroupSender, ReplayBuffer
-from pipeline_rl.buffer.auth import client_pair, server_pair
+from pipeline_rl.buffer.auth import PLAIN_USERNAME, Mechanism, client_pair, mechanism_for, server_pair
 from pipeline_rl.run_key import RunKey
 from pipeline_rl.samples import Completion, Group
 from pipeline_rl.wire import encode_group
@@ -70,37 +72,60 @@ def test_run_key_never_shows_its_secret_and_survives_pickling() -> None:
         RunKey(b"short")
 
 
+def test_the_mechanism_follows_the_bind_address() -> None:
+    for local in ("tcp://127.0.0.1:*", "tcp://127.0.0.5:9", "tcp://localhost:9", "tcp://[::1]:9", "ipc:///tmp/b"):
+        assert mechanism_for(local) == "plain", local
+    for network in ("tcp://*:9", "tcp://0.0.0.0:9", "tcp://10.0.0.7:9", "tcp://node-1:9"):
+        assert mechanism_for(network) == "curve", network
+
+
+def rogue_client(ctx: zmq.Context[zmq.Socket[bytes]], key: RunKey, mechanism: Mechanism) -> zmq.Socket[bytes]:
+    """A client of the right mechanism without the run key: PLAIN with a guessed password,
+    or CURVE knowing the server's public key but not the run's client key."""
+    rogue = ctx.socket(zmq.PUSH)
+    rogue.linger, rogue.immediate, rogue.sndtimeo = 0, 1, 1000
+    if mechanism == "plain":
+        rogue.plain_username, rogue.plain_password = PLAIN_USERNAME, b"guess"
+    else:
+        rogue.curve_serverkey = server_pair(key).public
+        rogue.curve_publickey, rogue.curve_secretkey = zmq.curve_keypair()
+    return rogue
+
+
+@pytest.mark.parametrize("mechanism", ["plain", "curve"])
 def test_foreign_producers_are_refused_and_only_the_runs_groups_are_trained(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, mechanism: Mechanism) -> None:
     key = RunKey.new()
     buf = ReplayBuffer(capacity_groups=64, staleness=100, groups_per_step=4)
     caplog.set_level(logging.WARNING)
-    with BufferServer(buf, key=key) as server:
+    forced: Mechanism | None = "curve" if mechanism == "curve" else None  # loopback: PLAIN by default
+    with BufferServer(buf, key=key, mechanism=forced) as server:
+        assert server.mechanism == mechanism
         # 1. another process on this machine, plain ZeroMQ, well-formed groups
         proc = mp.get_context("spawn").Process(target=push_plain, args=(server.address, 50))
         proc.start()
         # 2. a sender of the project holding another run's key, and one holding none
         for other in (RunKey.new(), None):
             with pytest.raises(BufferUnreachable, match="handshake failed.*run's key"):
-                GroupSender(server.address, 7, connect_timeout_s=1.0, key=other)
-        # 3. a CURVE client that knows the server's public key but not the run's client key
+                GroupSender(server.address, 7, connect_timeout_s=1.0, key=other, mechanism=forced)
+        # 3. a client of the same mechanism without the run key
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        rogue = ctx.socket(zmq.PUSH)
+        rogue = rogue_client(ctx, key, mechanism)
         try:
-            rogue.linger, rogue.immediate, rogue.sndtimeo = 0, 1, 1000
-            rogue.curve_serverkey = server_pair(key).public
-            rogue.curve_publickey, rogue.curve_secretkey = zmq.curve_keypair()
             rogue.connect(server.address)
             with pytest.raises(zmq.Again):   # never admitted, so nothing can be queued
                 rogue.send(encode_group(group(20_000, FOREIGN_REWARD)))
             # the run's own producer gets in and delivers
-            with GroupSender(server.address, 0, send_timeout_s=5.0, key=key) as own:
+            with GroupSender(server.address, 0, send_timeout_s=5.0, key=key, mechanism=forced) as own:
                 for i in range(8):
                     own.send(group(i, 0.5))
             proc.join(20)
             assert proc.exitcode == 0
-            wait_until(lambda: buf.stats().rejected.get("unauthorized", 0) >= 1
-                       and buf.stats().rejected.get("handshake_failed", 0) >= 3)
+            # PLAIN: the plain pusher and the keyless sender fail the handshake, the other
+            # run's sender and the rogue reach ZAP; CURVE: only the rogue reaches ZAP
+            failed, refused = (2, 2) if mechanism == "plain" else (3, 1)
+            wait_until(lambda: buf.stats().rejected.get("unauthorized", 0) >= refused
+                       and buf.stats().rejected.get("handshake_failed", 0) >= failed)
             batches = [buf.get_batch(4, 0, timeout_s=2.0) for _ in range(2)]
         finally:
             rogue.close(0)
@@ -112,7 +137,7 @@ def test_foreign_producers_are_refused_and_only_the_runs_groups_are_trained(
     assert sorted(g.group_id for g in groups) == list(range(8))
     assert all(float(r) == 0.5 for g in groups for r in g.rewards)
     assert stats.fill == 0   # nothing foreign waits behind them either
-    assert stats.rejected.get("handshake_failed", 0) >= 3 and stats.rejected["unauthorized"] >= 1
+    assert stats.rejected.get("handshake_failed", 0) >= failed and stats.rejected["unauthorized"] >= refused
     refusals = [r.getMessage() for r in caplog.records if "refused a producer at 127.0.0.1" in r.getMessage()]
     assert len(refusals) == 1   # logged once per peer address, however often it retries
     assert key.secret.hex() not in caplog.text

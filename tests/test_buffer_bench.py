@@ -31,3 +31,4 @@ def test_codec_benchmark_with_keys(tmp_path: Path) -> None:
                    check=True, cwd=ROOT, timeout=120, capture_output=True)
     report = json.loads(out.read_text())
     assert report["link_groups_per_s"] > 0 and report["link_keyed_groups_per_s"] > 0 and report["keys_ratio"] > 0
+    assert report["link_curve_groups_per_s"] > 0 and report["keys_ratio_curve"] > 0

@@ -22,10 +22,11 @@ gone rather than full. Nothing is dropped and no queue grows without bound.
 constructor waits (bounded) until the buffer answers, and a wrong or dead
 address is a one-line error instead of a silent hang.
 
-With the run key (``key``) the socket is a CURVE client of the run's buffer
-(``pipeline_rl.buffer.auth``): every message is encrypted and authenticated; a sender
-without the key, or with another run's, is refused at the handshake (the one-line error
-says so).
+With the run key (``key``) the socket proves it to the run's buffer
+(``pipeline_rl.buffer.auth``): as a PLAIN client with the run's password when the
+address is loopback, as a CURVE client (every message encrypted and authenticated)
+otherwise, or as ``mechanism`` says (it must match the buffer's). A sender without the
+key, or with another run's, is refused at the handshake (the one-line error says so).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from pipeline_rl.buffer.auth import make_client
+from pipeline_rl.buffer.auth import Mechanism, make_client, mechanism_for
 from pipeline_rl.buffer.types import BackpressureTimeout, BufferUnreachable, check_address
 from pipeline_rl.samples import Group
 from pipeline_rl.wire import DEFAULT_LIMITS, WireError, encode_group
@@ -67,10 +68,11 @@ class GroupSender:
                  connect_timeout_s: float | None = None, sndhwm: int = DEFAULT_SNDHWM,
                  socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER,
                  max_message_bytes: int = DEFAULT_LIMITS.max_message_bytes,
-                 key: RunKey | None = None) -> None:
+                 key: RunKey | None = None, mechanism: Mechanism | None = None) -> None:
         """Connect to ``address`` (``tcp://HOST:PORT`` or ``ipc://PATH``) and wait up
         to ``connect_timeout_s`` (default: ``send_timeout_s``) for the buffer to answer;
-        ``key``: the run key (CURVE; None: plain ZeroMQ)."""
+        ``key``: the run key (None: plain ZeroMQ); ``mechanism``: how to prove it
+        (default: PLAIN on a loopback address, CURVE otherwise, as the buffer chooses)."""
         check_address(address, bind=False)
         if send_timeout_s <= 0 or sndhwm < 1:
             raise ValueError(f"send_timeout_s ({send_timeout_s}) must be > 0 and sndhwm ({sndhwm}) >= 1")
@@ -88,7 +90,7 @@ class GroupSender:
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.PUSH)
         if key is not None:
-            make_client(self._sock, key)
+            make_client(self._sock, key, mechanism or mechanism_for(address))
         for opt, value in ((zmq.SNDHWM, sndhwm), (zmq.IMMEDIATE, 1), (zmq.LINGER, 0),
                            (zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000))),
                            (zmq.SNDBUF, socket_buffer_bytes), (zmq.RECONNECT_IVL, 100),

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from pipeline_rl.buffer.auth import ZapHandler, make_server
+from pipeline_rl.buffer.auth import Mechanism, ZapHandler, make_server, mechanism_for
 from pipeline_rl.buffer.replay import ReplayBuffer
 from pipeline_rl.buffer.types import check_address
 from pipeline_rl.samples import Group
@@ -68,22 +68,27 @@ class BufferServer:
     ``tcp://127.0.0.1:40123``; producers connect there. A wildcard bind
     (``tcp://*:PORT`` or ``tcp://0.0.0.0:PORT``) resolves to ``tcp://0.0.0.0:PORT``:
     remote producers must substitute this node's IP address. ``key``: the run key; with it
-    only producers holding it are admitted (CURVE, module docstring).
+    only producers holding it are admitted (``pipeline_rl.buffer.auth``): PLAIN on a
+    loopback address, CURVE on any other, unless ``mechanism`` says which.
+    ``mechanism`` (after construction): the one in use, None without a key.
     """
 
     def __init__(self, buffer: ReplayBuffer, address: str | None = None, *,
                  limits: WireLimits = DEFAULT_LIMITS, rcvhwm: int = DEFAULT_RCVHWM,
-                 socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER, key: RunKey | None = None) -> None:
+                 socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER, key: RunKey | None = None,
+                 mechanism: Mechanism | None = None) -> None:
         bind_to = check_address(address or "tcp://127.0.0.1:*", bind=True)
         prepare_decoder()
         self.buffer = buffer
         self.limits = limits
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=1)
-        self._zap = ZapHandler(self._ctx, key, self._refuse) if key is not None else None
+        self.mechanism: Mechanism | None = (mechanism or mechanism_for(bind_to)) if key is not None else None
+        self._zap = (ZapHandler(self._ctx, key, self._refuse, self.mechanism)
+                     if key is not None and self.mechanism is not None else None)
         self._sock = self._ctx.socket(zmq.PULL)
-        if key is not None:
-            make_server(self._sock, key)
+        if key is not None and self.mechanism is not None:
+            make_server(self._sock, key, self.mechanism)
         self.authenticated = key is not None
         for opt, value in ((zmq.RCVHWM, rcvhwm), (zmq.LINGER, 0), (zmq.RCVBUF, socket_buffer_bytes),
                            (zmq.RCVTIMEO, _POLL_MS),
@@ -183,7 +188,7 @@ class BufferServer:
                              f"({zmq.Event(event).name}, code {value:#x}){why}")
 
     def _refuse(self, address: str) -> None:
-        """The ZAP handler refused a CURVE producer at ``address`` (it logs once per address)."""
+        """The ZAP handler refused a producer at ``address`` (it logs once per address)."""
         self.buffer.reject("unauthorized")
 
     def _reject(self, reason: str, detail: str) -> None:
