@@ -200,16 +200,24 @@ def _cpu_clock() -> tuple[float, float, float]:
     return time.perf_counter(), busy, own
 
 
-def _round(total: int, shape: tuple[int, int, int], keys: Mechanism | None) -> tuple[tuple[RunResult, ...], float]:
-    """The four runs of one round (six with ``keys``: the keyed buffer runs last), and the
-    cores other processes used meanwhile."""
+def _round(total: int, shape: tuple[int, int, int], keys: Mechanism | None,
+           index: int = 0) -> tuple[tuple[RunResult, ...], float]:
+    """The four runs of one round (six with ``keys``), and the cores other processes used
+    meanwhile. Results in the order plain 1 and 4, bare 1 and 4, keyed 1 and 4; with
+    ``keys`` each keyed run is run right beside its plain one, first in odd rounds and
+    second in even ones, so drift in the machine's load weighs on both alike."""
     wall, busy, own = _cpu_clock()
-    runs: tuple[RunResult, ...] = (run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
-                                   run_bare(1, total, *shape), run_bare(4, total // 4, *shape))
-    if keys is not None:
-        key = RunKey.new()
-        runs += (run_buffer(1, total, *shape, key=key, mechanism=keys),
-                 run_buffer(4, total // 4, *shape, key=key, mechanism=keys))
+    key = RunKey.new()
+    plain: list[RunResult] = []
+    keyed: list[RunResult] = []
+    for producers in (1, 4):
+        order = (False, True) if index % 2 == 0 or keys is None else (True, False)
+        for with_key in order:
+            if with_key and keys is not None:
+                keyed.append(run_buffer(producers, total // producers, *shape, key=key, mechanism=keys))
+            elif not with_key:
+                plain.append(run_buffer(producers, total // producers, *shape))
+    runs = (*plain, run_bare(1, total, *shape), run_bare(4, total // 4, *shape), *keyed)
     wall2, busy2, own2 = _cpu_clock()
     return runs, max(0.0, (busy2 - busy) - (own2 - own)) / (wall2 - wall)
 
@@ -238,7 +246,7 @@ def run(args: argparse.Namespace) -> Outcome:
     total, repeats = (400, 1) if args.quick else (args.groups, args.repeats)
     shape = (args.n, args.tokens, args.hwm)
     mechanism: Mechanism | None = ("curve" if args.curve else "plain") if args.keys else None
-    rounds, other = zip(*(_round(total, shape, mechanism) for _ in range(repeats)))
+    rounds, other = zip(*(_round(total, shape, mechanism, i) for i in range(repeats)))
     one, four, bare1, bare4 = (_median_run([r[i] for r in rounds]) for i in range(4))
     ratios = sorted(r[1].groups_per_s / r[3].groups_per_s for r in rounds)
     keyed = _keyed(rounds)
