@@ -11,6 +11,15 @@ all producers are connected until the consumer holds the last group.
 
     python -m benchmarks.buffer --json runs/bench/buffer.json
     python -m benchmarks.buffer --quick          # a few hundred groups, seconds
+    python -m benchmarks.buffer --keys           # also with the run key, back to back
+    python -m benchmarks.buffer --keys --curve   # the keyed runs with CURVE (the cluster path)
+
+With ``--keys`` each round also runs the buffer with a run key (``pipeline_rl.run_key``)
+right after the plain buffer runs, and reports keyed / plain groups/s from the same
+round. The buffer binds loopback here, so the keyed runs authenticate producers with
+PLAIN (a password derived from the run key, checked once per connection: the default
+run's path); ``--curve`` forces CURVE instead (every message encrypted and
+authenticated: the path of a buffer bound to a node's network address).
 
 Timings on a shared 2-core machine are noisy: compare figures from one run. The buffer's
 path is CPU-bound there (producers, both ZeroMQ I/O threads, the receiver and the consumer
@@ -36,7 +45,9 @@ import zmq
 from benchmarks.common import Outcome, main as bench_main
 from benchmarks.synthetic import SyntheticGroups
 from pipeline_rl.buffer import BufferServer, GroupSender, ReplayBuffer
+from pipeline_rl.buffer.auth import Mechanism
 from pipeline_rl.buffer.sender import DEFAULT_SNDHWM
+from pipeline_rl.run_key import RunKey
 from pipeline_rl.wire import encode_group
 
 _BATCH = 32
@@ -72,13 +83,20 @@ class Report:
     lost: int
     other_cores: list[float]  # per round: cores used by other processes on the machine meanwhile
     runs: list[RunResult]
+    # --keys: the buffer with the run key (PLAIN, or CURVE with --curve), and keyed / plain from the same round (medians)
+    keyed_groups_per_s_1: float | None = None
+    keyed_groups_per_s_4: float | None = None
+    keys_ratio_1: float | None = None
+    keys_ratio_4: float | None = None
+    keys_mechanism: str | None = None
 
 
 def _produce_groups(address: str, worker_id: int, count: int, n: int, tokens: int, hwm: int,
-                    barrier: Barrier) -> None:
+                    barrier: Barrier, key: RunKey | None = None, mechanism: Mechanism | None = None) -> None:
     gen = SyntheticGroups(worker_id, n=n, tokens=tokens)
     groups = [gen.make(worker_id * 10**9 + i) for i in range(count)]
-    with GroupSender(address, worker_id, send_timeout_s=60.0, sndhwm=hwm) as sender:
+    with GroupSender(address, worker_id, send_timeout_s=60.0, sndhwm=hwm, key=key,
+                     mechanism=mechanism) as sender:
         barrier.wait()
         for group in groups:
             sender.send(group)
@@ -99,21 +117,27 @@ def _produce_bare(address: str, worker_id: int, count: int, n: int, tokens: int,
 
 
 def _start(target: Callable[..., None], address: str, producers: int, count: int, n: int,
-           tokens: int, hwm: int, barrier: Barrier) -> list[BaseProcess]:
+           tokens: int, hwm: int, barrier: Barrier, key: RunKey | None = None,
+           mechanism: Mechanism | None = None) -> list[BaseProcess]:
     ctx = mp.get_context("spawn")
-    procs: list[BaseProcess] = [ctx.Process(target=target, args=(address, w, count, n, tokens, hwm, barrier), daemon=True)
+    keyed = (key, mechanism) if key is not None else ()
+    procs: list[BaseProcess] = [ctx.Process(target=target, args=(address, w, count, n, tokens, hwm, barrier, *keyed),
+                                            daemon=True)
              for w in range(producers)]
     for p in procs:
         p.start()
     return procs
 
 
-def run_buffer(producers: int, count: int, n: int, tokens: int, hwm: int) -> RunResult:
+def run_buffer(producers: int, count: int, n: int, tokens: int, hwm: int, key: RunKey | None = None,
+               mechanism: Mechanism | None = None) -> RunResult:
+    """The buffer's path end to end (``key``: with the run key; ``mechanism``: PLAIN, the
+    loopback default, or CURVE)."""
     total = producers * count
     buf = ReplayBuffer(capacity_groups=1024, staleness=1_000_000, groups_per_step=_BATCH)
-    server = BufferServer(buf, rcvhwm=hwm)
+    server = BufferServer(buf, rcvhwm=hwm, key=key, mechanism=mechanism)
     barrier = mp.get_context("spawn").Barrier(producers + 1)
-    procs = _start(_produce_groups, server.address, producers, count, n, tokens, hwm, barrier)
+    procs = _start(_produce_groups, server.address, producers, count, n, tokens, hwm, barrier, key, mechanism)
     received = 0
 
     def consume() -> None:
@@ -176,11 +200,24 @@ def _cpu_clock() -> tuple[float, float, float]:
     return time.perf_counter(), busy, own
 
 
-def _round(total: int, shape: tuple[int, int, int]) -> tuple[tuple[RunResult, ...], float]:
-    """The four runs of one round, and the cores other processes used meanwhile."""
+def _round(total: int, shape: tuple[int, int, int], keys: Mechanism | None,
+           index: int = 0) -> tuple[tuple[RunResult, ...], float]:
+    """The four runs of one round (six with ``keys``), and the cores other processes used
+    meanwhile. Results in the order plain 1 and 4, bare 1 and 4, keyed 1 and 4; with
+    ``keys`` each keyed run is run right beside its plain one, first in odd rounds and
+    second in even ones, so drift in the machine's load weighs on both alike."""
     wall, busy, own = _cpu_clock()
-    runs = (run_buffer(1, total, *shape), run_buffer(4, total // 4, *shape),
-            run_bare(1, total, *shape), run_bare(4, total // 4, *shape))
+    key = RunKey.new()
+    plain: list[RunResult] = []
+    keyed: list[RunResult] = []
+    for producers in (1, 4):
+        order = (False, True) if index % 2 == 0 or keys is None else (True, False)
+        for with_key in order:
+            if with_key and keys is not None:
+                keyed.append(run_buffer(producers, total // producers, *shape, key=key, mechanism=keys))
+            elif not with_key:
+                plain.append(run_buffer(producers, total // producers, *shape))
+    runs = (*plain, run_bare(1, total, *shape), run_bare(4, total // 4, *shape), *keyed)
     wall2, busy2, own2 = _cpu_clock()
     return runs, max(0.0, (busy2 - busy) - (own2 - own)) / (wall2 - wall)
 
@@ -198,14 +235,21 @@ def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5,
                    help="rounds of the four runs; figures are medians, the ratio is the median "
                         "of the per-round ratios (buffer and bare run back to back)")
+    p.add_argument("--keys", action="store_true",
+                   help="also run the buffer with a run key in each round (PLAIN: loopback, the default "
+                        "run's path) and report keyed / plain")
+    p.add_argument("--curve", action="store_true",
+                   help="with --keys: the keyed runs use CURVE (a buffer on a network address)")
 
 
 def run(args: argparse.Namespace) -> Outcome:
     total, repeats = (400, 1) if args.quick else (args.groups, args.repeats)
     shape = (args.n, args.tokens, args.hwm)
-    rounds, other = zip(*(_round(total, shape) for _ in range(repeats)))
+    mechanism: Mechanism | None = ("curve" if args.curve else "plain") if args.keys else None
+    rounds, other = zip(*(_round(total, shape, mechanism, i) for i in range(repeats)))
     one, four, bare1, bare4 = (_median_run([r[i] for r in rounds]) for i in range(4))
     ratios = sorted(r[1].groups_per_s / r[3].groups_per_s for r in rounds)
+    keyed = _keyed(rounds)
     report = Report(
         n=args.n, tokens=args.tokens, hwm=args.hwm, repeats=repeats,
         message_bytes=len(encode_group(SyntheticGroups(0, n=args.n, tokens=args.tokens).make(0))),
@@ -214,18 +258,35 @@ def run(args: argparse.Namespace) -> Outcome:
         bare_zmq_groups_per_s_1=bare1.groups_per_s, bare_zmq_groups_per_s=bare4.groups_per_s,
         bare_zmq_mb_per_s=bare4.mb_per_s, ratio_to_bare=ratios[len(ratios) // 2],
         ratio_to_bare_min=ratios[0], ratio_to_bare_max=ratios[-1],
-        lost=sum(r.lost for rnd in rounds for r in rnd[:2]), other_cores=list(other),
-        runs=[r for rnd in rounds for r in rnd])
+        lost=sum(r.lost for rnd in rounds for i, r in enumerate(rnd) if i not in (2, 3)), other_cores=list(other),
+        runs=[r for rnd in rounds for r in rnd], keyed_groups_per_s_1=keyed.get("keyed_groups_per_s_1"),
+        keyed_groups_per_s_4=keyed.get("keyed_groups_per_s_4"), keys_ratio_1=keyed.get("keys_ratio_1"),
+        keys_ratio_4=keyed.get("keys_ratio_4"), keys_mechanism=mechanism)
     lines = [f"{repeats} round(s), medians:"]
     lines += [f"buffer   {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s"
               for r in (one, four)]
     lines += [f"bare ZMQ {r.producers} producer(s): {r.groups_per_s:9.0f} groups/s {r.mb_per_s:8.1f} MB/s"
               for r in (bare1, bare4)]
+    if args.keys:
+        lines += [f"keyed    {p} producer(s): {keyed[f'keyed_groups_per_s_{p}']:9.0f} groups/s (run key, {mechanism}); "
+                  f"keyed / plain, same round: median {keyed[f'keys_ratio_{p}']:.2f}" for p in (1, 4)]
     lines += [f"lost: {report.lost}", f"buffer (4 producers) / bare ZMQ (4 producers), same round: median "
               f"{report.ratio_to_bare:.2f} (range {ratios[0]:.2f}-{ratios[-1]:.2f})",
               f"other processes used {sorted(other)[len(other) // 2]:.2f} cores (median; range "
               f"{min(other):.2f}-{max(other):.2f}) of {os.cpu_count()} while it ran"]
     return Outcome(asdict(report), "\n".join(lines))
+
+
+def _keyed(rounds: tuple[tuple[RunResult, ...], ...]) -> dict[str, float]:
+    """The keyed runs' medians and keyed / plain per round (median); empty without ``--keys``."""
+    if len(rounds[0]) < 6:
+        return {}
+    out: dict[str, float] = {}
+    for p, plain, keyed in ((1, 0, 4), (4, 1, 5)):
+        out[f"keyed_groups_per_s_{p}"] = _median_run([r[keyed] for r in rounds]).groups_per_s
+        ratios = sorted(r[keyed].groups_per_s / r[plain].groups_per_s for r in rounds)
+        out[f"keys_ratio_{p}"] = ratios[len(ratios) // 2]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

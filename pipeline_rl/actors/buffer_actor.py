@@ -18,6 +18,7 @@ from pipeline_rl.resources import CoreSlot
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle
+    from pipeline_rl.run_key import RunKey
     from pipeline_rl.buffer.types import Admission, BufferStats
     from pipeline_rl.samples import Group
 
@@ -30,13 +31,14 @@ class BufferActor:
     """
 
     def __init__(self, cfg: Config, bind_host: str, start_version: int = 0,
-                 avoid: tuple[CoreSlot, ...] = ()) -> None:
-        """``avoid``: the rollout workers' core slots, which this process keeps off."""
+                 avoid: tuple[CoreSlot, ...] = (), *, key: RunKey | None = None) -> None:
+        """``avoid``: the rollout workers' core slots, which this process keeps off; ``key``:
+        the run key (only producers holding it may push groups)."""
         setup_actor_process(cfg, "buffer", uses_torch=False, avoid=avoid)
         self._fault = cfg.fault
         from pipeline_rl.buffer.server import configured_server
 
-        self._server = configured_server(cfg, bind_host, start_version)
+        self._server = configured_server(cfg, bind_host, start_version, key=key)
         self._buffer = self._server.buffer
         end_of_startup()
 

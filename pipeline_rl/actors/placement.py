@@ -6,40 +6,39 @@ plan. The classes are wrapped at run time (no Ray import, no side effect at impo
 
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot, GpuPlan, plan_gpus
+from pipeline_rl.run_key import RunKey
 
 
 @dataclass(frozen=True, slots=True)
 class ActorClasses:
     """The three actor classes as Ray places them (resources, restarts, placement), with
-    constructors that return typed handles. ``endpoint_key``: the run's key to the rollout
-    workers' agent endpoints (``rollout/endpoint.py``), one per run, handed to each worker
-    (a restarted one gets the same)."""
+    constructors that return typed handles. Each constructor hands the actor the run key
+    (``pipeline_rl.run_key``) as an argument: Ray carries it, nothing prints it (a rollout
+    worker's agent endpoint takes its own key derived from it, ``rollout/endpoint.py``)."""
 
     buffer: Any
     rollout: Any
     trainer: Any
-    endpoint_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def new_buffer(self, cfg: Config, bind_host: str, start_version: int,
-                   avoid: tuple[CoreSlot, ...]) -> BufferHandle:
-        return cast(BufferHandle, self.buffer.remote(cfg, bind_host, start_version, avoid))
+                   avoid: tuple[CoreSlot, ...], key: RunKey) -> BufferHandle:
+        return cast(BufferHandle, self.buffer.remote(cfg, bind_host, start_version, avoid, key=key))
 
     def new_rollout(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
-                    core: CoreSlot | None, gpu_memory: float | None) -> RolloutHandle:
+                    core: CoreSlot | None, gpu_memory: float | None, key: RunKey) -> RolloutHandle:
         return cast(RolloutHandle, self.rollout.remote(cfg, worker_id, model_dir, buffer_name, core, gpu_memory,
-                                                       self.endpoint_key))
+                                                       key=key))
 
     def new_trainer(self, cfg: Config, model_dir: str, rank: int, world_size: int, buffer: BufferHandle,
-                    core: CoreSlot | None, gpu_memory: float | None) -> TrainerHandle:
+                    core: CoreSlot | None, gpu_memory: float | None, key: RunKey) -> TrainerHandle:
         return cast(TrainerHandle, self.trainer.remote(cfg, model_dir, rank, world_size, buffer, core,
-                                                       gpu_memory))
+                                                       gpu_memory, key=key))
 
 
 def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str, *,

@@ -16,6 +16,7 @@ from pipeline_rl.actors.buffer_actor import RayAdmission
 from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
+from pipeline_rl.run_key import RunKey, install
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -36,14 +37,16 @@ class RolloutActor:
     generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
-                 core: CoreSlot | None = None, gpu_memory: float | None = None,
-                 endpoint_key: str | None = None) -> None:
-        """``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
+                 core: CoreSlot | None = None, gpu_memory: float | None = None, *,
+                 key: RunKey | None = None) -> None:
+        """``key``: the run key, installed for this process (the buffer's sender and the
+        weight channel prove it; the agent endpoint's key is derived from it).
+        ``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
         so the driver starts this actor while the buffer is still starting. ``core``: the
         core slot this worker's process is pinned to (None: unpinned); ``gpu_memory``: the
-        share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``);
-        ``endpoint_key``: the run's key to this worker's agent endpoint (``ActorClasses``)."""
+        share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``)."""
         setup_actor_process(cfg, f"rollout-{worker_id}", core=core)
+        install(key)
         from pipeline_rl.rollout.worker import RolloutWorker
         from pipeline_rl.tasks import build_task_for_model, plugin_reward, task_tokenizer
 
@@ -57,7 +60,8 @@ class RolloutActor:
         admission = RayAdmission(buffer_name)
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
                                      buffer_address=admission.buffer_address(), admission=admission,
-                                     task=task, eval_task=eval_task, gpu_memory=gpu_memory, endpoint_key=endpoint_key)
+                                     task=task, eval_task=eval_task, gpu_memory=gpu_memory,
+                                     endpoint_key=None if key is None else key.derive("agent-endpoint").hex())
         end_of_startup()
 
     def ready(self) -> bool:

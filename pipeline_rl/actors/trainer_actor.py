@@ -16,6 +16,7 @@ from pipeline_rl import runtime_env
 from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
+from pipeline_rl.run_key import RunKey, install
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle, RolloutHandle
@@ -50,10 +51,13 @@ class TrainerActor:
     """One data-parallel trainer rank (DeepSpeed). Rank 0 publishes weights."""
 
     def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int,
-                 buffer: BufferHandle, core: CoreSlot | None = None, gpu_memory: float | None = None) -> None:
+                 buffer: BufferHandle, core: CoreSlot | None = None, gpu_memory: float | None = None, *,
+                 key: RunKey | None = None) -> None:
         """``gpu_memory``: the share of its GPU's memory this rank may take when the GPU is
-        shared with other actors (None: not capped)."""
+        shared with other actors (None: not capped); ``key``: the run key, installed for this
+        process (its weight channels prove it)."""
         setup_actor_process(cfg, f"trainer-{rank}", core=core)
+        install(key)
         self._gpu_memory = gpu_memory
         self._cfg = cfg
         self._model_dir = model_dir

@@ -21,6 +21,12 @@ gone rather than full. Nothing is dropped and no queue grows without bound.
 ``IMMEDIATE`` is set, so messages are queued only on a live connection: the
 constructor waits (bounded) until the buffer answers, and a wrong or dead
 address is a one-line error instead of a silent hang.
+
+With the run key (``key``) the socket proves it to the run's buffer
+(``pipeline_rl.buffer.auth``): as a PLAIN client with the run's password when the
+address is loopback, as a CURVE client (every message encrypted and authenticated)
+otherwise, or as ``mechanism`` says (it must match the buffer's). A sender without the
+key, or with another run's, is refused at the handshake (the one-line error says so).
 """
 
 from __future__ import annotations
@@ -29,11 +35,17 @@ import threading
 import time
 from types import TracebackType
 
+from typing import TYPE_CHECKING
+
 import zmq
 
+from pipeline_rl.buffer.auth import Mechanism, make_client, mechanism_for
 from pipeline_rl.buffer.types import BackpressureTimeout, BufferUnreachable, check_address
 from pipeline_rl.samples import Group
 from pipeline_rl.wire import DEFAULT_LIMITS, WireError, encode_group
+
+if TYPE_CHECKING:
+    from pipeline_rl.run_key import RunKey
 
 DEFAULT_SNDHWM = 16  # messages; 8 -> 32 measured +14% groups/s (25 KB groups)
 DEFAULT_SOCKET_BUFFER = 1 << 20  # bytes of kernel buffer per direction, per connection
@@ -55,9 +67,12 @@ class GroupSender:
     def __init__(self, address: str, worker_id: int, send_timeout_s: float = 60.0, *,
                  connect_timeout_s: float | None = None, sndhwm: int = DEFAULT_SNDHWM,
                  socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER,
-                 max_message_bytes: int = DEFAULT_LIMITS.max_message_bytes) -> None:
+                 max_message_bytes: int = DEFAULT_LIMITS.max_message_bytes,
+                 key: RunKey | None = None, mechanism: Mechanism | None = None) -> None:
         """Connect to ``address`` (``tcp://HOST:PORT`` or ``ipc://PATH``) and wait up
-        to ``connect_timeout_s`` (default: ``send_timeout_s``) for the buffer to answer."""
+        to ``connect_timeout_s`` (default: ``send_timeout_s``) for the buffer to answer;
+        ``key``: the run key (None: plain ZeroMQ); ``mechanism``: how to prove it
+        (default: PLAIN on a loopback address, CURVE otherwise, as the buffer chooses)."""
         check_address(address, bind=False)
         if send_timeout_s <= 0 or sndhwm < 1:
             raise ValueError(f"send_timeout_s ({send_timeout_s}) must be > 0 and sndhwm ({sndhwm}) >= 1")
@@ -74,6 +89,8 @@ class GroupSender:
         self._lock = threading.Lock()
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.PUSH)
+        if key is not None:
+            make_client(self._sock, key, mechanism or mechanism_for(address))
         for opt, value in ((zmq.SNDHWM, sndhwm), (zmq.IMMEDIATE, 1), (zmq.LINGER, 0),
                            (zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000))),
                            (zmq.SNDBUF, socket_buffer_bytes), (zmq.RECONNECT_IVL, 100),
@@ -132,8 +149,9 @@ class GroupSender:
             self.bytes_sent += len(payload)
 
     def _unreachable(self, what: str) -> BufferUnreachable:
-        hint = (" (a peer answered but the ZeroMQ handshake failed: wrong port, or another "
-                "protocol or security mechanism?)" if self._handshake_failed
+        hint = (" (a peer answered but the ZeroMQ handshake failed: wrong port, another protocol, "
+                "or the buffer refused this process: it does not hold the run's key?)"
+                if self._handshake_failed
                 else " (is the buffer running? right host and port?)")
         return BufferUnreachable(f"buffer at {self.address}: {what}{hint}")
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from pipeline_rl.buffer.auth import Mechanism, ZapHandler, make_server, mechanism_for
 from pipeline_rl.buffer.replay import ReplayBuffer
 from pipeline_rl.buffer.types import check_address
 from pipeline_rl.samples import Group
@@ -46,6 +47,7 @@ from pipeline_rl.wire import DEFAULT_LIMITS, WireError, WireLimits, decode_group
 
 if TYPE_CHECKING:
     from pipeline_rl.config import Config
+    from pipeline_rl.run_key import RunKey
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +67,29 @@ class BufferServer:
     ``address`` (after construction): the resolved endpoint, e.g.
     ``tcp://127.0.0.1:40123``; producers connect there. A wildcard bind
     (``tcp://*:PORT`` or ``tcp://0.0.0.0:PORT``) resolves to ``tcp://0.0.0.0:PORT``:
-    remote producers must substitute this node's IP address.
+    remote producers must substitute this node's IP address. ``key``: the run key; with it
+    only producers holding it are admitted (``pipeline_rl.buffer.auth``): PLAIN on a
+    loopback address, CURVE on any other, unless ``mechanism`` says which.
+    ``mechanism`` (after construction): the one in use, None without a key.
     """
 
     def __init__(self, buffer: ReplayBuffer, address: str | None = None, *,
                  limits: WireLimits = DEFAULT_LIMITS, rcvhwm: int = DEFAULT_RCVHWM,
-                 socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER) -> None:
+                 socket_buffer_bytes: int = DEFAULT_SOCKET_BUFFER, key: RunKey | None = None,
+                 mechanism: Mechanism | None = None) -> None:
         bind_to = check_address(address or "tcp://127.0.0.1:*", bind=True)
         prepare_decoder()
         self.buffer = buffer
         self.limits = limits
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=1)
+        self.mechanism: Mechanism | None = (mechanism or mechanism_for(bind_to)) if key is not None else None
+        self._zap = (ZapHandler(self._ctx, key, self._refuse, self.mechanism)
+                     if key is not None and self.mechanism is not None else None)
         self._sock = self._ctx.socket(zmq.PULL)
+        if key is not None and self.mechanism is not None:
+            make_server(self._sock, key, self.mechanism)
+        self.authenticated = key is not None
         for opt, value in ((zmq.RCVHWM, rcvhwm), (zmq.LINGER, 0), (zmq.RCVBUF, socket_buffer_bytes),
                            (zmq.RCVTIMEO, _POLL_MS),
                            (zmq.MAXMSGSIZE, 2 * limits.max_message_bytes)):
@@ -166,10 +178,18 @@ class BufferServer:
                 self.buffer.connection_event(False)
                 log.info("producer disconnected from %s (closed, died, or sent a message above "
                          "%d bytes)", self.address, 2 * self.limits.max_message_bytes)
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._zap is not None:
+                pass  # the ZAP handler refused it: counted and logged there, with its address
             else:
                 value = int.from_bytes(frames[0][2:6], "little")
+                why = (" (a peer without this run's key; libzmq does not name it)"
+                       if self.authenticated else "")
                 self._reject("handshake_failed", f"ZeroMQ handshake with a peer failed "
-                             f"({zmq.Event(event).name}, code {value:#x})")
+                             f"({zmq.Event(event).name}, code {value:#x}){why}")
+
+    def _refuse(self, address: str) -> None:
+        """The ZAP handler refused a producer at ``address`` (it logs once per address)."""
+        self.buffer.reject("unauthorized")
 
     def _reject(self, reason: str, detail: str) -> None:
         self.buffer.reject(reason)
@@ -192,6 +212,8 @@ class BufferServer:
         self._sock.disable_monitor()
         self._monitor.close(0)
         self._sock.close(0)
+        if self._zap is not None:
+            self._zap.close()
         self._ctx.term()
 
     def __enter__(self) -> BufferServer:
@@ -202,13 +224,14 @@ class BufferServer:
         self.close()
 
 
-def configured_server(cfg: Config, bind_host: str = "127.0.0.1", start_version: int = 0) -> BufferServer:
+def configured_server(cfg: Config, bind_host: str = "127.0.0.1", start_version: int = 0,
+                      key: RunKey | None = None) -> BufferServer:
     """A run's buffer and its server as the configuration sizes them (the buffer actor's,
     and the benchmarks' in-process pipeline's): capacity, staleness, batch, ranks,
-    ``--buffer.address`` (else a free port on ``bind_host``) and the message-size limit.
-    The buffer is the server's ``buffer``."""
+    ``--buffer.address`` (else a free port on ``bind_host``), the message-size limit and
+    the run key (None: plain ZeroMQ). The buffer is the server's ``buffer``."""
     buffer = ReplayBuffer(cfg.buffer.capacity_groups, cfg.staleness, cfg.groups_per_step,
                           num_ranks=cfg.trainer.num_ranks, start_version=start_version,
                           skip_zero_variance=cfg.algorithm.skip_zero_variance)
     limits = WireLimits(max_message_bytes=int(cfg.buffer.max_message_mb * 2**20))
-    return BufferServer(buffer, cfg.buffer.address or f"tcp://{bind_host}:*", limits=limits)
+    return BufferServer(buffer, cfg.buffer.address or f"tcp://{bind_host}:*", limits=limits, key=key)

@@ -95,7 +95,7 @@ class BufferStats:
     trainer ranks; ``evicted``: dropped at hand-out, by reason (``stale``: lag
     above ``--staleness``); ``rejected``: messages refused by the receiver, by
     reason (wire-format reasons from ``pipeline_rl.wire`` plus ``multipart``,
-    ``handshake_failed``); ``fill``/``capacity``: groups stored now / at most;
+    ``handshake_failed``, ``unauthorized``: a CURVE producer without the run key); ``fill``/``capacity``: groups stored now / at most;
     ``full_wait_s``: seconds the receiver stopped reading because the buffer
     was full (producers were blocked by backpressure meanwhile);
     ``consumer_wait_s``: seconds trainer ranks waited in ``get_batch``, of which

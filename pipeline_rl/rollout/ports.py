@@ -39,5 +39,6 @@ class SenderLike(Protocol):
 
 def connect_sender(address: str, worker_id: int, cfg: Config) -> SenderLike:
     from pipeline_rl.buffer.sender import GroupSender
+    from pipeline_rl.run_key import installed
 
-    return GroupSender(address, worker_id, cfg.buffer.send_timeout_s)
+    return GroupSender(address, worker_id, cfg.buffer.send_timeout_s, key=installed())

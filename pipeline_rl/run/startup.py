@@ -24,6 +24,7 @@ from pipeline_rl.net import free_port
 from pipeline_rl.run.ahead import TRAINING, import_ahead
 from pipeline_rl.run.cluster import Placement, say
 from pipeline_rl.run.run_folder import RunFolder, open_run_folder
+from pipeline_rl.run_key import RunKey
 from pipeline_rl.run.supervisor import OrchestratorError, WorkerSlot, describe_failure
 
 log = logging.getLogger("pipeline_rl.run.startup")
@@ -74,20 +75,25 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
                  start_version: int) -> Actors:
     """Create every actor, bring it up and start generation at ``start_version`` (the run
     folder's). ``started`` learns of the actors as soon as they exist, so a start-up
-    failure can still stop them."""
+    failure can still stop them. A fresh run key (``pipeline_rl.run_key``) goes to every
+    actor as a constructor argument; this process keeps no other copy."""
     from pipeline_rl.actors.placement import remote_classes
 
     wait = StartupWait(stop)
     buffer_name = f"pipeline_rl_buffer_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     classes = remote_classes(cfg, where.node_id, buffer_name, gpus=where.gpus)
     memory = where.gpus.memory if where.gpus else None
+    key = RunKey.new()
 
-    workers = [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory))
+    workers = [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory,
+                                                 key))
                for i in range(cfg.rollout.num_workers)]
     started(None, [], workers)
-    buffer = classes.new_buffer(cfg, where.host, start_version, where.cores.worker_slots)
+    buffer = classes.new_buffer(cfg, where.host, start_version, where.cores.worker_slots, key)
     n = cfg.trainer.num_ranks
-    trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory) for r in range(n)]
+    trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory, key)
+                for r in range(n)]
+    del key
     started(buffer, trainers, workers)
     ahead = import_ahead(TRAINING)   # while the actors start
     setups = _setup_trainers(trainers, where, wait)

@@ -5,6 +5,8 @@
   (:func:`rendezvous`, the one function that sets the store up on either side).
   Per-worker channels keep a dead or restarted worker from blocking the others; a
   restarted worker gets a new channel and is sent the newest version (never a backlog).
+  The two ends prove the run key to each other on the formed group before any weight
+  moves (``pipeline_rl.weight_sync.rendezvous_auth``: the store itself admits anyone).
 - **Wire format** (:class:`GlooUpdateInfo`): version, names, dtypes and shapes travel
   in the ``update_weights`` call; the bytes follow as broadcasts from the trainer
   (rank 0) of contiguous *buckets* of at most ``bucket_bytes`` (a larger tensor is a
@@ -34,9 +36,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from pipeline_rl.run_key import installed
 from pipeline_rl.weight_sync.dtypes import all_finite
 from pipeline_rl.weight_sync.layout import UpdateLayout, arrays_in, bucket_plan, contiguous_bytes
 from pipeline_rl.weight_sync.message import WeightUpdate
+from pipeline_rl.weight_sync.rendezvous_auth import prove_membership
 from pipeline_rl.weight_sync.protocol import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -108,6 +112,7 @@ class Channel:
         prefix = dist.PrefixStore("pipeline_rl_weights", store)
         self._pg: Any = dist.ProcessGroupGloo(prefix, rank, 2, timeout)
         self.rank = rank
+        prove_membership(self._pg, rank, installed())   # before any weight moves (rendezvous_auth)
 
     @classmethod
     def serve(cls, address: str, timeout_s: float) -> tuple["Channel.Pending", int]:
