@@ -49,6 +49,11 @@ CATALOG: tuple[Entry, ...] = (
           "400 steps of `launch/async_grpo.py --staleness 2`: wall and training time, steps/s, and "
           "the run's own held-out evaluation before and after.",
           machine="AMD EPYC, 2 cores, 23.5 GiB, no GPU", figure="demo_eval.png"),
+    Entry("real_model", "A real pretrained chat model (SmolLM2-135M-Instruct)",
+          "python -m benchmarks.real_model --steps 50 --eval-every 10 -- --task.name word_problems",
+          "The packaged SmolLM2-135M-Instruct on English word problems at the pretrained profile's "
+          "defaults: the held-out curve, entropy, tokens/s against bare vLLM on one core with the same "
+          "sampling (in the same run), weight sync and step time.", figure="real_model.png"),
     Entry("peers", "Against TRL's GRPOTrainer (sort task)", "python -m benchmarks.peers --seeds 5 --steps 150",
           "Steps, training time and wall time to a trailing reward of 0.8, against TRL 1.16's "
           "GRPOTrainer on the same model, task and machine (TRL in an environment of its own).",
