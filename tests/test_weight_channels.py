@@ -111,9 +111,12 @@ def test_nccl_on_gloo_a_dead_peer_ends_the_send_within_its_timeout_in_one_line()
     assert "\n" not in str(info.value).strip()
 
 
-def test_forcing_nccl_where_it_cannot_run_is_refused_in_one_line() -> None:
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine can run nccl")
+def test_forcing_nccl_where_it_cannot_run_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeline_rl.weight_sync.nccl as nccl
+
+    assert nccl.nccl_refusal(2) is None
+    assert nccl.nccl_refusal(0) == nccl.nccl_refusal(1).replace("has 1", "has 0")  # type: ignore[union-attr]
+    monkeypatch.setattr(nccl, "gpu_count", lambda: 1)   # one GPU (or none): whatever this machine has
     with pytest.raises(WeightUpdateError, match="^nccl: needs CUDA and at least 2 GPUs") as info:
         open_channel("nccl", ThreadClient(), OpenContext())
     assert "\n" not in str(info.value)

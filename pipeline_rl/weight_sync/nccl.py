@@ -78,12 +78,17 @@ class Broadcaster(Protocol):
     def close(self) -> None: ...
 
 
-def nccl_refusal() -> str | None:
-    """Why ``--rollout.weight_path nccl`` cannot run on this machine (one line), or None:
-    it needs CUDA and at least two GPUs."""
+def gpu_count() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
     import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nccl_refusal(count: int | None = None) -> str | None:
+    """Why ``--rollout.weight_path nccl`` cannot run with ``count`` GPUs (default: this
+    machine's, :func:`gpu_count`), in one line, or None: it needs CUDA and at least two."""
+    count = gpu_count() if count is None else count
     if count >= 2:
         return None
     return (f"nccl: needs CUDA and at least 2 GPUs (this machine has {count}); "
