@@ -100,3 +100,22 @@ class ThreadClient:
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
         return receive_in_one_call(self, update_info, weight_version)
+
+
+class ShmClient(ThreadClient):
+    """A worker on this machine: maps the trainer's segment (the backend's reader) and keeps
+    a copy of each version it got (the segment is rewritten by the next one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from pipeline_rl.weight_sync.shm import SegmentReader
+
+        self.reader = SegmentReader()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        from pipeline_rl.weight_sync.shm import ShmUpdateInfo
+
+        info = decode_update_info(update_info)
+        assert isinstance(info, ShmUpdateInfo)
+        got = self.reader.update(info)
+        self.got.append(WeightUpdate(got.version, got.names, tuple(a.copy() for a in got.arrays), dtype=got.dtype))

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_rl.weight_sync.channel import TrainerChannel, decode_update_info, open_channel
+from pipeline_rl.weight_sync.channel import TrainerChannel, open_channel
 from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.weight_sync.host_gpu import DeviceStaging, device_to_host
 from pipeline_rl.weight_sync.message import DeviceCopy, WeightUpdate, WeightUpdateError
 from pipeline_rl.weight_sync.nccl import NcclTrainerChannel, chunk_plan
 from pipeline_rl.weight_sync.protocol import OpenContext
-from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo, StatusCell
-from staging_helpers import ThreadClient
+from pipeline_rl.weight_sync.shm import SharedWriter, StatusCell
+from staging_helpers import ShmClient, ThreadClient
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -30,20 +30,6 @@ def _model(seed: int) -> torch.nn.Module:
 
 def _bf16(seed: int, version: int) -> WeightUpdate:
     return gather_weights(_model(seed), version, zero_stage=0, dtype="bfloat16")
-
-
-class ShmClient(ThreadClient):
-    """A worker on this machine: maps the trainer's segment."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reader = SegmentReader()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        info = decode_update_info(update_info)
-        assert isinstance(info, ShmUpdateInfo)
-        got = self.reader.update(info)
-        self.got.append(WeightUpdate(got.version, got.names, tuple(a.copy() for a in got.arrays), dtype=got.dtype))
 
 
 def _open(path: str, client: ThreadClient, shared: SharedWriter) -> TrainerChannel:

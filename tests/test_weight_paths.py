@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline_rl.weight_sync.channel import decode_update_info
 from pipeline_rl.weight_sync.dtypes import to_torch
 from pipeline_rl.weight_sync.gloo import GlooTrainerChannel
 from pipeline_rl.weight_sync.protocol import OpenContext
@@ -24,7 +22,7 @@ from pipeline_rl.weight_sync.paths import PathError, Placement, choose_path
 from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.weight_sync.publisher import WeightPublisher
 from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo, gathered_in
-from staging_helpers import ThreadClient
+from staging_helpers import ShmClient, ThreadClient
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -108,19 +106,6 @@ def test_path_choice_by_placement_and_forced() -> None:
         with pytest.raises(PathError, match=match) as info:
             choose_path(trainer, worker, forced)  # type: ignore[arg-type]
         assert "\n" not in str(info.value) and "--rollout.weight_path" in str(info.value)
-
-
-class ShmClient(ThreadClient):
-    """A worker on this machine: maps the trainer's segment (the backend's reader)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reader = SegmentReader()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        info = decode_update_info(update_info)
-        assert isinstance(info, ShmUpdateInfo)
-        self.got.append(self.reader.update(info))
 
 
 def test_publisher_takes_the_shared_memory_path_on_one_machine() -> None:
