@@ -78,15 +78,6 @@ class GlooUpdateInfo(UpdateLayout):
     PATH: ClassVar[str] = "gloo"
 
 
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point's former target, for an install made
-    before it moved to ``vllm_adapter.register`` (``pip install -e .`` renews the entry
-    point; then this can go): the same registration."""
-    from pipeline_rl.weight_sync.vllm_adapter import register as register_backend
-
-    register_backend()
-
-
 def rendezvous(address: str, port: int, *, serve: bool, timeout_s: float) -> Any:
     """The ``TCPStore`` a channel's two members meet at: served by the trainer on
     ``address`` (``port`` 0: a free one, read back from ``store.port``), joined by the
