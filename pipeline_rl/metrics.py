@@ -53,7 +53,8 @@ class StepMetrics:
     environment's calls) over the episodes of the last window; ``tool_calls``, ``tool_errors``,
     ``finish_done`` / ``finish_turns`` / ``finish_length`` / ``finish_env_error`` /
     ``finish_timeout`` (episodes by how they ended), ``env_errors`` and ``env_timeouts``
-    (cumulative, all workers).
+    (cumulative, all workers); an agent run (``--task.agent``) adds ``agent/NAME`` for each
+    number its agent returns beside the reward, averaged over the last window's episodes.
     """
 
     step: int

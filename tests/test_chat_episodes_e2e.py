@@ -2,7 +2,7 @@
 worker, the DeepSpeed trainer, ZeroMQ): a tiny random Qwen2 model with a ChatML template
 (``chat_models.py``), the native tool environment ``tool_envs:AddToolsNudged`` (Hermes
 calls read by vLLM's parser, replies as messages through the template), 20 steps; the
-metrics carry the turn fields."""
+metrics carry the turn fields. And agent code (``--task.agent``) through the same pipeline."""
 
 from __future__ import annotations
 
@@ -52,3 +52,17 @@ def test_a_chat_model_runs_twenty_steps_of_tool_episodes(ray_with_tests: None, t
     print(f"\nchat tool episodes, 20 steps: turns {last['turns_mean']:.2f} (max {last['turns_max']:.0f}), "
           f"tool calls {last['tool_calls']:.0f} ({last['tool_errors']:.0f} failed), "
           f"ends done {last['finish_done']:.0f} / turns {last['finish_turns']:.0f} / length {last['finish_length']:.0f}")
+
+
+def test_an_agent_function_runs_through_the_whole_pipeline(ray_with_tests: None, tiny_model_dir: str,
+                                                           tmp_path: Path) -> None:
+    """``calc`` as agent code (``--task.agent``): the openai client against the worker's endpoint
+    inside a Ray run; the agent's own numbers reach ``metrics.jsonl`` as ``agent/NAME``."""
+    cfg = tiny_run_config(tiny_model_dir, tmp_path / "run", "--max-steps", "4", "--task.name", "calc",
+                          "--task.agent", "pipeline_rl.tasks.calc_agent:calc", "--rollout.max_model_len", "128",
+                          "--rollout.max_new_tokens", "16")
+    rows = _run(cfg)
+    assert len(rows) == 4
+    last = rows[-1]
+    assert 1.0 <= last["agent/turns"] <= 4.0 and last["turns_mean"] >= 1.0   # the agent's "turns", the requests
+    assert last["env_errors"] == last["env_timeouts"] == last["endpoint_refused"] == 0

@@ -44,7 +44,7 @@ def test_turn_metrics_reach_the_record_the_step_line_and_the_summary() -> None:
     """A multi-turn run's turn metrics: the window's turns and environment seconds, the run's
     counts; on the step line only when non-zero; in the summary; none for a single-turn run."""
     from pipeline_rl.metrics import StepMetrics, progress_line, summary_table
-    from pipeline_rl.rollout.worker_stats import EpisodeRecord, EpisodeTally
+    from pipeline_rl.rollout.worker_stats import AgentMetric, EpisodeRecord, EpisodeTally
     from pipeline_rl.run.recorder import EpisodeShape, turn_metrics
 
     old = EpisodeTally(episodes=2, ok=2, recent=(EpisodeRecord(1, 0.5), EpisodeRecord(2, 0.1)), done=2)
@@ -60,6 +60,9 @@ def test_turn_metrics_reach_the_record_the_step_line_and_the_summary() -> None:
     assert rec["turns_max"] == 3.0 and rec["tool_calls"] == 6.0 and rec["finish_timeout"] == 1.0
     assert rec["env_timeouts"] == 1.0 and rec["env_errors"] == 0.0
     assert turn_metrics(None, EpisodeTally()) == {}                       # single-turn: nothing added
+    agents = EpisodeTally(episodes=3, recent=(EpisodeRecord(1, 0.1, (AgentMetric("calls", 2.0),)),
+                                              EpisodeRecord(1, 0.1, (AgentMetric("calls", 4.0),)), EpisodeRecord(1, 0.1)))
+    assert turn_metrics(EpisodeShape.of(agents), agents)["agent/calls"] == 3.0   # an agent's own numbers
     base = dict(step=1, version=1, time_s=1.0, reward_mean=0.5, tokens_per_s=100.0, lag_mean=0.0, lag_max=0,
                 evicted=0, mismatch_kl=0.0, masked_frac=0.0, mixed_version_frac=0.0, trainer_idle_frac=0.0,
                 weight_update_stall_ms=0.0, step_time_s=1.0, loss=0.0, buffer_fill=0, completion_len_mean=3.0)

@@ -47,7 +47,7 @@ from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRe
 from pipeline_rl.rollout.scoring import PendingGroup, Scorer
 from pipeline_rl.rollout.vllm_tools import (ChatCall, Choice, RequestError, TextCall, ToolCallParser,
                                             chat_response, text_response)
-from pipeline_rl.rollout.worker_stats import Counters
+from pipeline_rl.rollout.worker_stats import AgentMetric, Counters
 from pipeline_rl.tasks.agent import AgentSpec, agent_reward
 from pipeline_rl.tasks.base import Prompt
 
@@ -178,6 +178,7 @@ class AgentRunner:
             del self._live[episode.key]
             calls = list(episode.calls)
         ended, reward = "done", 0.0
+        metrics: dict[str, float] = {}
         try:
             if out.error is not None:
                 raise out.error
@@ -190,7 +191,8 @@ class AgentRunner:
             self._scorer.failure(f"agent {self._agent.name} {verb + ' ' if verb else ''}on prompt "
                                  f"{episode.prompt.prompt_id}: {first_line(e)}", env=True, timeout=out.timed_out)
         with self._clock:
-            self._c.episode_ended(ended, len(calls), out.seconds, episode.tool_calls, 0)
+            self._c.episode_ended(ended, len(calls), out.seconds, episode.tool_calls, 0,
+                                  tuple(AgentMetric(k, v) for k, v in metrics.items()))
         if episode.sampling is not None:   # an evaluation's: its answers and reward
             answers = [a for c in calls for a in c.answers]
             self._answered(episode.key, "".join(a.text for a in answers),

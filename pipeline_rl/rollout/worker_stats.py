@@ -53,12 +53,21 @@ EPISODE_WINDOW = 1024
 
 
 @dataclass(frozen=True, slots=True)
+class AgentMetric:
+    """One number an agent returned beside its reward (``{"reward": 1.0, "tool_calls": 3}``)."""
+
+    name: str
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
 class EpisodeRecord:
-    """One ended episode, as the turn metrics read it: the model's turns and the seconds its
-    environment calls took."""
+    """One ended episode, as the turn metrics read it: the model's turns, the seconds its
+    environment (or agent) calls took, and the agent's own metrics (none for an environment)."""
 
     turns: int
     env_s: float
+    metrics: tuple[AgentMetric, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,11 +228,12 @@ class Counters:
                             ends.get("env_error", 0), ends.get("timeout", 0), self.env_errors, self.env_timeouts,
                             self.samples_split, self.endpoint_refused)
 
-    def episode_ended(self, ended: str, turns: int, env_s: float, tool_calls: int, tool_errors: int) -> None:
-        """Count one ended episode (the caller holds the worker's lock)."""
+    def episode_ended(self, ended: str, turns: int, env_s: float, tool_calls: int, tool_errors: int,
+                      metrics: tuple[AgentMetric, ...] = ()) -> None:
+        """Count one ended episode (the caller holds the worker's lock); ``metrics``: an agent's own."""
         self.episodes += 1
         self.env_ok += ended not in ("env_error", "timeout")
         self.episode_ends[ended] = self.episode_ends.get(ended, 0) + 1
         self.tool_calls += tool_calls
         self.tool_errors += tool_errors
-        self.recent_episodes.append(EpisodeRecord(turns, env_s))
+        self.recent_episodes.append(EpisodeRecord(turns, env_s, metrics))

@@ -32,7 +32,7 @@ from pipeline_rl.metrics import (
     read_history,
     summary_table,
 )
-from pipeline_rl.rollout.worker_stats import EpisodeTally, RewardTally
+from pipeline_rl.rollout.worker_stats import AgentMetric, EpisodeTally, RewardTally
 from pipeline_rl.run.remote_calls import CallFailed, Calls
 from pipeline_rl.run.run_folder import RunFolder
 from pipeline_rl.run.supervisor import WorkerSlot
@@ -105,20 +105,27 @@ class _Rates:
 
 @dataclass(frozen=True, slots=True)
 class EpisodeShape:
-    """The episodes ended in a window: turns per episode (mean, max) and the seconds each
-    spent in its environment's calls (mean, p90)."""
+    """The episodes ended in a window: turns per episode (mean, max), the seconds each
+    spent in its environment's calls (mean, p90), and each of the agents' own metrics
+    averaged over the episodes that returned it (``metrics.jsonl``: ``agent/NAME``)."""
 
     turns_mean: float
     turns_max: int
     env_s_mean: float
     env_s_p90: float
+    agent: tuple[AgentMetric, ...] = ()
 
     @staticmethod
     def of(tally: EpisodeTally) -> "EpisodeShape | None":
         if not tally.recent:
             return None
         turns, env_s = [r.turns for r in tally.recent], [r.env_s for r in tally.recent]
-        return EpisodeShape(statistics.fmean(turns), max(turns), statistics.fmean(env_s), percentile(env_s, 0.9))
+        by_name: dict[str, list[float]] = {}
+        for m in (m for r in tally.recent for m in r.metrics):
+            by_name.setdefault(m.name, []).append(m.value)
+        agent = tuple(AgentMetric(k, statistics.fmean(v)) for k, v in sorted(by_name.items()))
+        return EpisodeShape(statistics.fmean(turns), max(turns), statistics.fmean(env_s), percentile(env_s, 0.9),
+                            agent)
 
 
 def turn_metrics(shape: EpisodeShape | None, run: EpisodeTally) -> dict[str, float]:
@@ -127,7 +134,8 @@ def turn_metrics(shape: EpisodeShape | None, run: EpisodeTally) -> dict[str, flo
     if not run.episodes:
         return {}
     out = {"turns_mean": shape.turns_mean, "turns_max": float(shape.turns_max), "env_s_mean": shape.env_s_mean,
-           "env_s_p90": shape.env_s_p90} if shape is not None else {}
+           "env_s_p90": shape.env_s_p90, **{f"agent/{m.name}": m.value for m in shape.agent}} \
+        if shape is not None else {}
     out.update({"tool_calls": run.tool_calls, "tool_errors": run.tool_errors, "finish_done": run.done,
                 "finish_turns": run.turns, "finish_length": run.length, "finish_env_error": run.env_error,
                 "finish_timeout": run.timeout, "env_errors": run.env_errors, "env_timeouts": run.env_timeouts,
