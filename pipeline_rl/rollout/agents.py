@@ -16,8 +16,12 @@ The agent calls run off the engine loop through the shared ``rollout.bounded_cal
 like environments: ``async def`` ones on an event loop of their own, which also serves the
 endpoint (a request and its answer cross no thread but the engine's; their ``openai`` client
 speaks HTTP through openai's aiohttp transport, the endpoint's own library), plain ones on
-``--task.env_concurrency`` threads, each bounded by ``--task.env_timeout_s`` (a hung one
-frees its slot at its timeout). An agent that raises, times out or returns no reward ends its
+threads, each bounded by ``--task.env_timeout_s`` (a hung one frees its slot at its timeout).
+An agent call lasts its whole episode, waiting for the engine as much as thinking, so it is
+given ``--task.env_concurrency`` slots (agents thinking, as environment calls) plus
+``--rollout.max_num_seqs`` (agents waiting for their answers): the worker's admission counts
+up to ``env_concurrency`` episodes off the engine beside a full engine, and with only
+``env_concurrency`` slots the engine ran short of sequences while agents thought. An agent that raises, times out or returns no reward ends its
 episode with reward 0 (its samples kept, finish ``abort``), counted as an environment's
 failure (``env_errors`` / ``env_timeouts``; ``--task.env_errors fail``; an agent failing on
 all of its first episodes ends the run with one line). Answers that finish after their
@@ -114,10 +118,11 @@ class AgentRunner:
         self.samples_split = 0   # samples beyond one per episode (an agent rewrote its history)
         self.samples_dropped = 0  # samples sharing no first token with their group's
         self.metrics: dict[str, deque[float]] = {}   # the agents' own metrics (dict rewards), the latest
-        self._calls = BoundedCalls(cfg.task.env_concurrency, cfg.task.env_timeout_s, f"agent-{name}",
+        self._calls = BoundedCalls(cfg.task.env_concurrency + cfg.rollout.max_num_seqs, cfg.task.env_timeout_s,
+                                   f"agent-{name}",
                                    "--task.env_timeout_s")
         self._loops = LoopThread(f"agents-{name}")
-        self.endpoint = Endpoint(self, self._key, name, self._refused, loops=self._loops)
+        self.endpoint = Endpoint(self, self._key, name, self._loops, self._refused)
         self.endpoint.start()
 
     # -- the engine loop ----------------------------------------------------------------------

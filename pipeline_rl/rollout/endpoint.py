@@ -14,9 +14,9 @@ its episodes (``rollout/agents.py``).
   :class:`Serving` backend's (the agent runner: the worker's engine, its admission budget and
   its weight updates).
 
-The server runs on an event loop off the engine's thread (``aiohttp``): its own, or the one
-it is given (the agent runner's, where its ``async def`` agents run: a request and its answer
-then cross no thread but the engine's), never on the engine's loop.
+The server runs on the event loop it is given (``aiohttp``), off the engine's thread: the agent
+runner's, where its ``async def`` agents run, so a request and its answer cross no thread but
+the engine's (the loop's owner closes it).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ class Endpoint:
     """See the module docstring. :attr:`url` is ``http://127.0.0.1:PORT``;
     :meth:`base_url` is an episode's OpenAI ``base_url``. Start with :meth:`start`."""
 
-    def __init__(self, serving: Serving, key: str, name: str, refused: Callable[[], None] | None = None,
-                 loops: LoopThread | None = None) -> None:
-        """``refused``: told of each request refused for want of the key (besides :attr:`refused`);
-        ``loops``: the event loop to serve on (its owner closes it), else one of its own."""
+    def __init__(self, serving: Serving, key: str, name: str, loops: LoopThread,
+                 refused: Callable[[], None] | None = None) -> None:
+        """``loops``: the event loop to serve on; ``refused``: told of each request refused for want
+        of the key (besides :attr:`refused`)."""
         if not key:
             raise ValueError("the endpoint needs the run's key")
         self._serving, self._key, self._name, self._on_refused = serving, f"Bearer {key}", name, refused
@@ -68,7 +68,7 @@ class Endpoint:
         self.refused = 0   # requests without the run's key (answered 401)
         self.url = ""
         self._loops: LoopThread | None = None
-        self._given, self._owned = loops, loops is None
+        self._given = loops
         self._runner: Any = None
 
     def base_url(self, episode: str) -> str:
@@ -76,7 +76,7 @@ class Endpoint:
 
     def start(self, timeout_s: float = 30.0) -> str:
         """Bind and serve (on a thread of its own); the URL it serves at."""
-        self._loops = self._given or LoopThread(f"endpoint-{self._name}")
+        self._loops = self._given
         self.url = self._loops.submit(self._start()).result(timeout=timeout_s)
         log.info("endpoint %s: serving at %s", self._name, self.url)
         return self.url
@@ -140,7 +140,8 @@ class Endpoint:
         return handle
 
     def close(self) -> None:
-        """Stop serving (requests in flight are cancelled); safe to call twice."""
+        """Stop serving (the loop's owner cancels what still runs on it as it closes it); safe to
+        call twice."""
         if self._loops is None:
             return
         loops, self._loops = self._loops, None
@@ -149,5 +150,3 @@ class Endpoint:
                 loops.submit(self._runner.cleanup()).result(timeout=LoopThread.CLOSE_WAIT_S)
             except Exception as e:  # noqa: BLE001 -- closing: say it, go on
                 log.debug("endpoint %s: cleanup: %s", self._name, e)
-        if self._owned:
-            loops.close()
