@@ -134,9 +134,15 @@ def _content_text(content: Any) -> str:
 def _validate(model: Any, body: Any) -> Any:
     """``body`` validated as ``model``: JSON text or bytes (parsed and validated in one pass, as
     the endpoint receives it), or JSON data."""
+    from pydantic import ValidationError
+
     try:
         return model.model_validate_json(body) if isinstance(body, (str, bytes)) else model.model_validate(body)
-    except Exception as e:  # pydantic's validation error: one line to the client
+    except ValidationError as e:   # one line to the client: the first error, where it is
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise RequestError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+    except Exception as e:  # noqa: BLE001 -- a validator's own failure: its first line
         raise RequestError(_first(e)) from None
 
 
