@@ -179,14 +179,15 @@ def test_an_agent_that_rewrites_its_history_gives_a_sample_per_divergence(qwen_e
         assert c.reward == 0.5 and c.mask is not None and c.mask.sum() >= 1
 
 
-def _post(url: str, headers: dict[str, str]) -> int:
-    body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}]}).encode()
+def _post(url: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, Any]:
+    """POST ``body`` (a one-message chat by default): the status and the JSON answer."""
+    body = body or json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}]}).encode()
     req = urllib.request.Request(url, body, {"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            return int(resp.status)
+            return int(resp.status), json.loads(resp.read())
     except urllib.error.HTTPError as e:
-        return int(e.code)
+        return int(e.code), json.loads(e.read())
 
 
 def test_the_endpoint_takes_only_the_runs_key(qwen_engine: GenerationEngine) -> None:
@@ -194,8 +195,8 @@ def test_the_endpoint_takes_only_the_runs_key(qwen_engine: GenerationEngine) -> 
     try:
         base = rig.runner.endpoint.base_url("0:0")
         assert rig.runner.endpoint.url.startswith("http://127.0.0.1:")
-        assert _post(f"{base}/chat/completions", {}) == 401
-        assert _post(f"{base}/chat/completions", {"Authorization": "Bearer wrong"}) == 401
+        assert _post(f"{base}/chat/completions", {})[0] == 401
+        assert _post(f"{base}/chat/completions", {"Authorization": "Bearer wrong"})[0] == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="not-the-key", max_retries=0).models.list()
         good = openai.OpenAI(base_url=base, api_key="the-run-key", max_retries=0)
@@ -203,6 +204,22 @@ def test_the_endpoint_takes_only_the_runs_key(qwen_engine: GenerationEngine) -> 
         with pytest.raises(openai.NotFoundError):   # the key, but no such episode running
             good.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
         assert rig.runner.endpoint.refused == 3 and rig.worker.stats().episodes.endpoint_refused == 3
+    finally:
+        rig.close()
+
+
+def test_a_malformed_request_is_answered_400_in_one_line(qwen_engine: GenerationEngine) -> None:
+    rig = Rig(qwen_engine, "two_turns")
+    key = {"Authorization": "Bearer the-run-key"}
+    try:
+        base = rig.runner.endpoint.base_url("0:0")
+        for path, body, says in [("completions", b"{not json", "Invalid JSON"),
+                                 ("completions", b'{"model": "policy", "prompt": "x", "n": "many"}', "n: "),
+                                 ("completions", b'{"model": "policy"}', "prompt"),
+                                 ("chat/completions", b'{"model": "policy", "messages": 3}', "")]:
+            status, answer = _post(f"{base}/{path}", key, body)
+            message = answer["error"]["message"]
+            assert status == 400 and says in message and "\n" not in message, (path, body, answer)
     finally:
         rig.close()
 

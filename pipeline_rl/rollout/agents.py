@@ -13,9 +13,15 @@ the episode; when the agent returns, its samples (one for a chat loop, one more 
 divergence: ``samples_split``) get its reward.
 
 The agent calls run off the engine loop through the shared ``rollout.bounded_calls`` helper,
-like environments: ``async def`` ones on an event loop of their own, plain ones on
-``--task.env_concurrency`` threads, each bounded by ``--task.env_timeout_s`` (a hung one
-frees its slot at its timeout). An agent that raises, times out or returns no reward ends its
+like environments: ``async def`` ones on an event loop of their own, which also serves the
+endpoint (a request and its answer cross no thread but the engine's; their ``openai`` client
+speaks HTTP through openai's aiohttp transport, the endpoint's own library), plain ones on
+threads, each bounded by ``--task.env_timeout_s`` (a hung one frees its slot at its timeout).
+An agent call lasts its whole episode, waiting for the engine as much as thinking, so it is
+given ``--task.env_concurrency`` slots (agents thinking, as environment calls) plus
+``--rollout.max_num_seqs`` (agents waiting for their answers): the worker's admission counts
+up to ``env_concurrency`` episodes off the engine beside a full engine, and with only
+``env_concurrency`` slots the engine ran short of sequences while agents thought. An agent that raises, times out or returns no reward ends its
 episode with reward 0 (its samples kept, finish ``abort``), counted as an environment's
 failure (``env_errors`` / ``env_timeouts``; ``--task.env_errors fail``; an agent failing on
 all of its first episodes ends the run with one line). Answers that finish after their
@@ -112,10 +118,11 @@ class AgentRunner:
         self.samples_split = 0   # samples beyond one per episode (an agent rewrote its history)
         self.samples_dropped = 0  # samples sharing no first token with their group's
         self.metrics: dict[str, deque[float]] = {}   # the agents' own metrics (dict rewards), the latest
-        self._calls = BoundedCalls(cfg.task.env_concurrency, cfg.task.env_timeout_s, f"agent-{name}",
+        self._calls = BoundedCalls(cfg.task.env_concurrency + cfg.rollout.max_num_seqs, cfg.task.env_timeout_s,
+                                   f"agent-{name}",
                                    "--task.env_timeout_s")
         self._loops = LoopThread(f"agents-{name}")
-        self.endpoint = Endpoint(self, self._key, name, self._refused)
+        self.endpoint = Endpoint(self, self._key, name, self._loops, self._refused)
         self.endpoint.start()
 
     # -- the engine loop ----------------------------------------------------------------------
@@ -242,9 +249,11 @@ class AgentRunner:
         with self._lock:
             base = self._clients.get(sync)
             if base is None:
-                make = openai.OpenAI if sync else openai.AsyncOpenAI
-                base = self._clients[sync] = make(base_url=self.endpoint.base_url("-"), api_key=self._key,
-                                                  max_retries=0, timeout=self._cfg.task.env_timeout_s)
+                url, timeout = self.endpoint.base_url("-"), self._cfg.task.env_timeout_s
+                base = self._clients[sync] = (
+                    openai.OpenAI(base_url=url, api_key=self._key, max_retries=0, timeout=timeout) if sync else
+                    openai.AsyncOpenAI(base_url=url, api_key=self._key, max_retries=0, timeout=timeout,
+                                       http_client=_async_http()))
         return base.with_options(base_url=self.endpoint.base_url(episode.key))
 
     async def _call_async(self, episode: AgentEpisode) -> Any:
@@ -261,7 +270,7 @@ class AgentRunner:
             raise UnknownEpisode(f"no episode {key!r} is running on this worker")
         return episode
 
-    async def chat(self, key: str, call: ChatCall) -> dict[str, Any]:
+    async def chat(self, key: str, call: ChatCall) -> str:
         episode = self._episode(key)
         chat = self._chat_turns(call.tools)
         with self._lock:
@@ -272,11 +281,11 @@ class AgentRunner:
                                     call.seed)
         parser = (ToolCallParser(self._agent.tool_parser, self._engine.tokenizer, call.tools)
                   if call.tools and call.parse_tools else None)
-        choices = [self._choice(seq, parser) for seq in seqs]
+        choices = [self._choice(seq, parser, call.logprobs) for seq in seqs]
         self._record(episode, prompt_ids, seqs, choices)
         return chat_response(call.model, prompt_ids, choices, call.logprobs)
 
-    async def complete(self, key: str, call: TextCall) -> dict[str, Any]:
+    async def complete(self, key: str, call: TextCall) -> str:
         episode = self._episode(key)
         if isinstance(call.prompt, tuple):
             prompt_ids = call.prompt
@@ -286,7 +295,7 @@ class AgentRunner:
             prompt_ids = text_prompt_ids(call.prompt, calls, lambda t, special: self._engine.encode(t, special))
         seqs = await self._generate(episode, prompt_ids, call.n, call.max_tokens, call.temperature, call.top_p,
                                     call.seed)
-        choices = [self._choice(seq, None) for seq in seqs]
+        choices = [self._choice(seq, None, call.logprobs) for seq in seqs]
         self._record(episode, prompt_ids, seqs, choices, call.prompt if isinstance(call.prompt, str) else None)
         return text_response(call.model, prompt_ids, choices, call.logprobs)
 
@@ -334,7 +343,8 @@ class AgentRunner:
                 for rid in futures:
                     self._waiters.pop(rid, None)
 
-    def _choice(self, seq: FinishedSequence, parser: ToolCallParser | None) -> Choice:
+    def _choice(self, seq: FinishedSequence, parser: ToolCallParser | None, logprobs: bool) -> Choice:
+        """``seq`` as an answer (its tokens' names only when the request asked for log-probs)."""
         ids = tuple(seq.token_ids.tolist())
         tok = self._engine.tokenizer
         text = tok.decode(list(ids), skip_special_tokens=True)
@@ -342,7 +352,7 @@ class AgentRunner:
         calls = turn.calls if turn is not None else ()
         finish = "length" if seq.finish_reason == "length" else "stop"
         tokens = tuple(t if isinstance(t, str) else f"token_id:{i}"   # an id past the tokenizer's, as vLLM names it
-                       for i, t in zip(ids, tok.convert_ids_to_tokens(list(ids))))
+                       for i, t in zip(ids, tok.convert_ids_to_tokens(list(ids)))) if logprobs else ()
         return Choice(text, ids, tuple(seq.logprobs.tolist()), tokens, finish, calls,
                       turn.content if turn is not None and calls else None)
 
@@ -380,3 +390,15 @@ def _resolve(fut: asyncio.Future[FinishedSequence], seq: FinishedSequence) -> No
 def _reject(fut: asyncio.Future[FinishedSequence], error: Exception) -> None:
     if not fut.done():
         fut.set_exception(error)
+
+
+def _async_http() -> Any:
+    """The async clients' HTTP client: openai's aiohttp-based one (``openai.DefaultAioHttpClient``,
+    about a third less CPU per request than its default httpx pool, whose every request probes
+    each idle connection), or its default when aiohttp is missing."""
+    import openai
+
+    try:
+        return openai.DefaultAioHttpClient()
+    except RuntimeError:   # openai's stand-in when aiohttp is not installed
+        return openai.DefaultAsyncHttpxClient()

@@ -14,8 +14,9 @@ its episodes (``rollout/agents.py``).
   :class:`Serving` backend's (the agent runner: the worker's engine, its admission budget and
   its weight updates).
 
-The server runs on an event loop of its own (a daemon thread, ``aiohttp``), never on the
-engine's loop: a slow client delays only itself.
+The server runs on the event loop it is given (``aiohttp``), off the engine's thread: the agent
+runner's, where its ``async def`` agents run, so a request and its answer cross no thread but
+the engine's (the loop's owner closes it).
 """
 
 from __future__ import annotations
@@ -45,19 +46,21 @@ class Serving(Protocol):
     served_name: str
     max_model_len: int
 
-    async def chat(self, episode: str, call: ChatCall) -> dict[str, Any]:
-        """A chat request of ``episode``, answered as vLLM's response JSON."""
+    async def chat(self, episode: str, call: ChatCall) -> str:
+        """A chat request of ``episode``, answered as vLLM's response (JSON text)."""
 
-    async def complete(self, episode: str, call: TextCall) -> dict[str, Any]:
-        """A completion request of ``episode``, answered as vLLM's response JSON."""
+    async def complete(self, episode: str, call: TextCall) -> str:
+        """A completion request of ``episode``, answered as vLLM's response (JSON text)."""
 
 
 class Endpoint:
     """See the module docstring. :attr:`url` is ``http://127.0.0.1:PORT``;
     :meth:`base_url` is an episode's OpenAI ``base_url``. Start with :meth:`start`."""
 
-    def __init__(self, serving: Serving, key: str, name: str, refused: Callable[[], None] | None = None) -> None:
-        """``refused``: told of each request refused for want of the key (besides :attr:`refused`)."""
+    def __init__(self, serving: Serving, key: str, name: str, loops: LoopThread,
+                 refused: Callable[[], None] | None = None) -> None:
+        """``loops``: the event loop to serve on; ``refused``: told of each request refused for want
+        of the key (besides :attr:`refused`)."""
         if not key:
             raise ValueError("the endpoint needs the run's key")
         self._serving, self._key, self._name, self._on_refused = serving, f"Bearer {key}", name, refused
@@ -65,6 +68,7 @@ class Endpoint:
         self.refused = 0   # requests without the run's key (answered 401)
         self.url = ""
         self._loops: LoopThread | None = None
+        self._given = loops
         self._runner: Any = None
 
     def base_url(self, episode: str) -> str:
@@ -72,7 +76,7 @@ class Endpoint:
 
     def start(self, timeout_s: float = 30.0) -> str:
         """Bind and serve (on a thread of its own); the URL it serves at."""
-        self._loops = LoopThread(f"endpoint-{self._name}")
+        self._loops = self._given
         self.url = self._loops.submit(self._start()).result(timeout=timeout_s)
         log.info("endpoint %s: serving at %s", self._name, self.url)
         return self.url
@@ -120,11 +124,14 @@ class Endpoint:
         return self._json(model_list(self._serving.served_name, self._serving.max_model_len))
 
     def _handler(self, parse: Callable[[Any], Any],
-                 serve: Callable[[str, Any], Awaitable[dict[str, Any]]]) -> Callable[[Any], Awaitable[Any]]:
-        async def handle(request: Any) -> Any:
+                 serve: Callable[[str, Any], Awaitable[str]]) -> Callable[[Any], Awaitable[Any]]:
+        from aiohttp import web
+
+        async def handle(request: Any) -> Any:   # JSON bytes in, JSON text out: pydantic's one pass each way
             try:
-                body = await request.json()
-                return self._json(await serve(request.match_info["episode"], parse(body)))
+                body = await request.read()
+                text = await serve(request.match_info["episode"], parse(body))
+                return web.Response(text=text, content_type="application/json")
             except UnknownEpisode as e:
                 return self._error(404, str(e))
             except (RequestError, ValueError) as e:
@@ -133,7 +140,8 @@ class Endpoint:
         return handle
 
     def close(self) -> None:
-        """Stop serving (requests in flight are cancelled); safe to call twice."""
+        """Stop serving (the loop's owner cancels what still runs on it as it closes it); safe to
+        call twice."""
         if self._loops is None:
             return
         loops, self._loops = self._loops, None
@@ -142,4 +150,3 @@ class Endpoint:
                 loops.submit(self._runner.cleanup()).result(timeout=LoopThread.CLOSE_WAIT_S)
             except Exception as e:  # noqa: BLE001 -- closing: say it, go on
                 log.debug("endpoint %s: cleanup: %s", self._name, e)
-        loops.close()

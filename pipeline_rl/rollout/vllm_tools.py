@@ -105,7 +105,8 @@ class TextCall:
 @dataclass(frozen=True, slots=True)
 class Choice:
     """One sampled answer as the endpoint returns it: the text (special tokens dropped), the
-    sampled ids and their log-probs, how it ended (``stop``/``length``), the tool calls found."""
+    sampled ids and their log-probs, the ids' token names (empty unless the request asked for
+    log-probs), how it ended (``stop``/``length``), the tool calls found."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -130,14 +131,26 @@ def _content_text(content: Any) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
-def chat_call(body: Any) -> ChatCall:
-    """``body`` (the request's JSON) validated as vLLM's ``ChatCompletionRequest``."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+def _validate(model: Any, body: Any) -> Any:
+    """``body`` validated as ``model``: JSON text or bytes (parsed and validated in one pass, as
+    the endpoint receives it), or JSON data."""
+    from pydantic import ValidationError
 
     try:
-        req = ChatCompletionRequest.model_validate(body)
-    except Exception as e:  # pydantic's validation error: one line to the client
+        return model.model_validate_json(body) if isinstance(body, (str, bytes)) else model.model_validate(body)
+    except ValidationError as e:   # one line to the client: the first error, where it is
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise RequestError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+    except Exception as e:  # noqa: BLE001 -- a validator's own failure: its first line
         raise RequestError(_first(e)) from None
+
+
+def chat_call(body: Any) -> ChatCall:
+    """``body`` (the request's JSON: text, bytes or data) validated as vLLM's ``ChatCompletionRequest``."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    req = _validate(ChatCompletionRequest, body)
     if req.stream:
         raise RequestError("stream: the endpoint answers whole responses only")
     messages = []
@@ -154,13 +167,10 @@ def chat_call(body: Any) -> ChatCall:
 
 
 def text_call(body: Any) -> TextCall:
-    """``body`` validated as vLLM's ``CompletionRequest`` (one prompt)."""
+    """``body`` (as :func:`chat_call`'s) validated as vLLM's ``CompletionRequest`` (one prompt)."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    try:
-        req = CompletionRequest.model_validate(body)
-    except Exception as e:  # pydantic's validation error: one line to the client
-        raise RequestError(_first(e)) from None
+    req = _validate(CompletionRequest, body)
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
@@ -178,8 +188,8 @@ def _usage(prompt_tokens: int, choices: Sequence[Choice]) -> Any:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=out, total_tokens=prompt_tokens + out)
 
 
-def chat_response(model: str, prompt_ids: Sequence[int], choices: Sequence[Choice], logprobs: bool) -> dict[str, Any]:
-    """vLLM's ``ChatCompletionResponse`` for ``choices``, as JSON data (with the prompt's and
+def chat_response(model: str, prompt_ids: Sequence[int], choices: Sequence[Choice], logprobs: bool) -> str:
+    """vLLM's ``ChatCompletionResponse`` for ``choices``, as JSON text (with the prompt's and
     each choice's token ids, as vLLM returns them to agents that trace tokens)."""
     from vllm.entrypoints.generate.base.protocol import FunctionCall, ToolCall
     from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -196,11 +206,11 @@ def chat_response(model: str, prompt_ids: Sequence[int], choices: Sequence[Choic
                                                 finish_reason="tool_calls" if c.calls else c.finish))
     resp = ChatCompletionResponse(model=model, choices=out, usage=_usage(len(prompt_ids), choices),
                                   prompt_token_ids=list(prompt_ids))
-    return resp.model_dump(mode="json", exclude_none=True)
+    return str(resp.model_dump_json(exclude_none=True))
 
 
-def text_response(model: str, prompt_ids: Sequence[int], choices: Sequence[Choice], logprobs: bool) -> dict[str, Any]:
-    """vLLM's ``CompletionResponse`` for ``choices``, as JSON data."""
+def text_response(model: str, prompt_ids: Sequence[int], choices: Sequence[Choice], logprobs: bool) -> str:
+    """vLLM's ``CompletionResponse`` for ``choices``, as JSON text."""
     from vllm.entrypoints.openai.completion.protocol import (CompletionLogProbs, CompletionResponse,
                                                              CompletionResponseChoice)
 
@@ -210,7 +220,7 @@ def text_response(model: str, prompt_ids: Sequence[int], choices: Sequence[Choic
                                     if logprobs else None)
            for i, c in enumerate(choices)]
     resp = CompletionResponse(model=model, choices=out, usage=_usage(len(prompt_ids), choices))
-    return resp.model_dump(mode="json", exclude_none=True)
+    return str(resp.model_dump_json(exclude_none=True))
 
 
 def model_list(name: str, max_model_len: int) -> dict[str, Any]:
