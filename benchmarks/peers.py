@@ -52,6 +52,7 @@ the long answers need within 20 steps).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -64,7 +65,8 @@ from typing import Any
 
 from benchmarks.common import ROOT, BadFlag, Outcome, at_least, config, hardware, main as bench_main, pyplot
 from benchmarks.peers_env import describe
-from benchmarks.peers_heldout import HeldOut, fmt as _f, fmt_range as _mr, heldout_markdown, read_held_out
+from benchmarks.peers_heldout import (HeldOut, fmt as _f, fmt_range as _mr, heldout_bounds, heldout_markdown,
+                                      read_held_out)
 from benchmarks.stats import median_range, trailing_mean
 
 SYSTEMS = ("trl", "s0", "s2")   # the default set; any sN (pipeline_rl --staleness N) is accepted
@@ -136,6 +138,8 @@ class RunResult:
     heldout_steps_to_target: int | None = None
     heldout_train_s_to_target: float | None = None
     heldout_wall_s_to_target: float | None = None
+    heldout_train_s_last: float | None = None   # the last evaluation's times: a run that never
+    heldout_wall_s_last: float | None = None    # reached the target had not by then
 
 
 def trailing(values: list[float], window: int) -> list[float | None]:
@@ -167,7 +171,8 @@ def measure(system: str, seed: int, launched: float, curve: Curve | None, wall_s
         statistics.fmean(curve.reward[-k:]), wall_s,
         ev[0].greedy if ev else None, ev[-1].greedy if ev else None,
         reached.step if reached else None, reached.train_s if reached else None,
-        reached.unix_time_s - launched if reached else None)
+        reached.unix_time_s - launched if reached else None,
+        ev[-1].train_s if ev else None, ev[-1].unix_time_s - launched if ev else None)
 
 
 # ---------------------------------------------------------------------------- runs
@@ -238,7 +243,7 @@ def run_one(system: str, seed: int, s: Settings, out: Path, timeout_s: float) ->
 
 FIGURES = ("steps_to_target", "train_s_to_target", "wall_s_to_target", "startup_s", "step_time_s",
            "tokens_per_s", "final_reward", "greedy_first", "greedy_last", "heldout_steps_to_target",
-           "heldout_train_s_to_target", "heldout_wall_s_to_target")
+           "heldout_train_s_to_target", "heldout_wall_s_to_target", "heldout_train_s_last", "heldout_wall_s_last")
 
 
 def summarize(runs: list[RunResult]) -> dict[str, Any]:
@@ -258,6 +263,7 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
                       "heldout_train_s_to_target", "heldout_wall_s_to_target"):
                 a, b = per[sys_][f]["median"], per["trl"][f]["median"]
                 ratios[sys_][f] = a / b if a is not None and b else None
+            ratios[sys_].update(heldout_bounds(per[sys_], per["trl"]))
     return {"systems": per, "ratios_vs_trl": ratios}
 
 
@@ -335,6 +341,8 @@ def flags(p: argparse.ArgumentParser) -> None:
                    ".cache/peers-trl-venv, no vLLM) or project (this one; the suite's quick test).")
     p.add_argument("--model", default=None, help="Model folder (default: the built-in model).")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="Limit per run (default 1800 s).")
+    p.add_argument("--report", type=Path, default=None, help="Run nothing: rebuild the report of this "
+                   "finished comparison's peers.json (with --json/--md to write it).")
     p.add_argument("--png", type=Path, default=None, help="Also write the plot here.")
     p.add_argument("--eval-every", type=int, default=0, help="Held-out greedy evaluation every N steps on both "
                    "sides, on the same --eval-prompts prompts of the task's held-out split (TRL: Hugging Face "
@@ -383,7 +391,25 @@ def installs(systems: list[str], s: Settings) -> dict[str, Any]:
     return out
 
 
+def report(path: Path) -> Outcome:
+    """The report of a finished comparison (its ``peers.json``) rebuilt with today's summary:
+    each run's last evaluation read back from its curve."""
+    result = json.loads(path.read_text())
+    curves = {(c["system"], c["seed"]): c for c in result["curves"]}
+    runs = []
+    for r in result["runs"]:
+        ev = (curves.get((r["system"], r["seed"])) or {}).get("evals") or []
+        launched = (curves.get((r["system"], r["seed"])) or {}).get("launched", 0.0)
+        last = {"heldout_train_s_last": ev[-1]["train_s"], "heldout_wall_s_last": ev[-1]["unix_time_s"] - launched} \
+            if ev else {}
+        runs.append(RunResult(**{**r, **last}))
+    result.update(runs=[asdict(r) for r in runs], summary=summarize(runs))
+    return Outcome(result, markdown(result), 0)
+
+
 def run(args: argparse.Namespace) -> Outcome:
+    if args.report is not None:
+        return report(args.report)
     systems, s = resolve(args)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

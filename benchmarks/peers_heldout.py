@@ -56,6 +56,26 @@ def fmt_range(d: dict[str, Any], spec: str = ".1f") -> str:
     return f"{fmt(d['median'], spec)} ({fmt(d['min'], spec)}–{fmt(d['max'], spec)})"
 
 
+def heldout_bounds(mine: dict[str, Any], trl: dict[str, Any]) -> dict[str, float]:
+    """Upper bounds on the held-out ratios when this side reached the target and TRL never did:
+    TRL had not by its last evaluation, so its time to the target is longer than that one's
+    (medians; ``*_bound`` keys, empty when the plain ratio exists or nothing bounds it)."""
+    out: dict[str, float] = {}
+    if trl["heldout_train_s_to_target"]["median"] is not None:
+        return out
+    for f in ("train", "wall"):
+        a, b = mine[f"heldout_{f}_s_to_target"]["median"], trl.get(f"heldout_{f}_s_last", {}).get("median")
+        if a is not None and b:
+            out[f"heldout_{f}_s_to_target_bound"] = a / b
+    return out
+
+
+def _ratio(r: dict[str, Any], f: str) -> str:
+    if r.get(f) is not None:
+        return fmt(r[f])
+    return f"< {fmt(r[f + '_bound'])}" if r.get(f + "_bound") is not None else "-"
+
+
 def heldout_markdown(summ: dict[str, Any], st: dict[str, Any], label: Callable[[str], str]) -> list[str]:
     """The report's held-out table (nothing without a target)."""
     if st.get("heldout_target") is None:
@@ -69,6 +89,12 @@ def heldout_markdown(summ: dict[str, Any], st: dict[str, Any], label: Callable[[
         r = summ["ratios_vs_trl"].get(sys_, {})
         lines.append(f"| {label(sys_)} | {fmt_range(d['greedy_first'], '.3f')} -> {fmt_range(d['greedy_last'], '.3f')} | "
                      f"{fmt_range(d['heldout_steps_to_target'], '.0f')} | {fmt_range(d['heldout_train_s_to_target'])} | "
-                     f"{fmt_range(d['heldout_wall_s_to_target'])} | {fmt(r.get('heldout_train_s_to_target'))}, "
-                     f"{fmt(r.get('heldout_wall_s_to_target'))} |")
+                     f"{fmt_range(d['heldout_wall_s_to_target'])} | {_ratio(r, 'heldout_train_s_to_target')}, "
+                     f"{_ratio(r, 'heldout_wall_s_to_target')} |")
+    if any(k.endswith("_bound") for r in summ["ratios_vs_trl"].values() for k in r):
+        trl = summ["systems"].get("trl", {})
+        lines += ["", f"< x: TRL had not reached the target at its last evaluation "
+                  f"({fmt(trl.get('heldout_train_s_last', {}).get('median'), '.0f')} s of training, "
+                  f"{fmt(trl.get('heldout_wall_s_last', {}).get('median'), '.0f')} s of wall time), so the "
+                  f"ratio is below this side's time over those."]
     return lines

@@ -54,6 +54,13 @@ CATALOG: tuple[Entry, ...] = (
           "The packaged SmolLM2-135M-Instruct on English word problems at the pretrained profile's "
           "defaults: the held-out curve, entropy, tokens/s against bare vLLM on one core with the same "
           "sampling (in the same run), weight sync and step time.", figure="real_model.png"),
+    Entry("peers_real_model", "Against TRL's GRPOTrainer on the real chat model",
+          "python -m benchmarks.peers --model smollm2-135m-instruct --seeds 1 --systems trl,s2 --steps 40 "
+          "--eval-every 10 --heldout-target 0.6 --lr 2e-5 --max-new-tokens 32 --max-model-len 512 "
+          "-- --task.name word_problems",
+          "SmolLM2-135M-Instruct on word problems, both sides evaluated greedily on the same held-out "
+          "prompts: training and wall time to a held-out accuracy of 0.6, against TRL 1.16's GRPOTrainer "
+          "in its own environment on the same machine."),
     Entry("peers", "Against TRL's GRPOTrainer (sort task)", "python -m benchmarks.peers --seeds 5 --steps 150",
           "Steps, training time and wall time to a trailing reward of 0.8, against TRL 1.16's "
           "GRPOTrainer on the same model, task and machine (TRL in an environment of its own).",

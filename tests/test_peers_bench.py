@@ -35,6 +35,27 @@ def test_figures_of_a_run() -> None:
     assert not failed.ok and failed.error == "exit status 1"
 
 
+def test_a_target_trl_never_reached_bounds_the_ratio_and_a_report_is_rebuilt(tmp_path: Path) -> None:
+    """TRL below the held-out target at its last evaluation: the ratio is below ours over that
+    evaluation's time; ``--report`` rebuilds a finished comparison's report from its JSON."""
+    s = peers.Settings(4, 2, 4, 2e-4, 16, 256, 1.0, (), 2, "/m", False)
+    def curve(greedy: list[float]) -> peers.Curve:
+        evals = [peers.HeldOut(step, 100.0 * step, 1000.0 + 100.0 * step, g) for step, g in zip((0, 2, 4), greedy)]
+        return peers.Curve(unix_time_s=[1000.0 + 100.0 * i for i in range(1, 5)], time_s=[100.0 * i for i in range(1, 5)],
+                           reward=[0.0] * 4, completion_len=[5.0] * 4, evals=evals)
+    trl = peers.measure("trl", 0, 1000.0, curve([0.1, 0.2, 0.3]), 500.0, s, 0.9, 2, None, heldout_target=0.5)
+    ours = peers.measure("s2", 0, 1000.0, curve([0.1, 0.6, 0.9]), 500.0, s, 0.9, 2, None, heldout_target=0.5)
+    assert trl.heldout_train_s_to_target is None and trl.heldout_train_s_last == 400.0
+    ratios = peers.summarize([trl, ours])["ratios_vs_trl"]["s2"]
+    assert ratios["heldout_train_s_to_target"] is None and ratios["heldout_train_s_to_target_bound"] == 0.5
+    result = {"hardware": {"cpu": "x", "cores": 2, "memory_gib": 1}, "installs": {},
+              "settings": {**peers.asdict(s), "seeds": [0], "target": 0.9, "heldout_target": 0.5, "window": 2,
+                           "systems": ["trl", "s2"], "eval_prompts": 4, "eval_every": 2},
+              "runs": [peers.asdict(trl), peers.asdict(ours)], "curves": []}
+    (tmp_path / "peers.json").write_text(json.dumps(result))
+    assert "| < 0.50, < 0.50 |" in peers.report(tmp_path / "peers.json").md
+
+
 def test_each_side_names_its_environment_and_versions() -> None:
     assert peers.label("s2") == "pipeline_rl --staleness 2"
     assert peers.label("s2-noeval") == "pipeline_rl --staleness 2 --eval.every 0"
