@@ -552,9 +552,9 @@ def test_builtin_eval_split_is_disjoint_from_training(cls: type) -> None:
 def test_builtin_task_too_small_to_split_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """A task none of whose prompt texts falls in the held-out split (as may happen with
     1-digit tasks) cannot evaluate: a one-line error, not an endless draw."""
-    import pipeline_rl.tasks.builtin as builtin
+    import pipeline_rl.tasks.base as base
 
-    monkeypatch.setattr(builtin, "is_held_out", lambda text: False)
+    monkeypatch.setattr(base, "is_held_out", lambda text: False)
     with pytest.raises(TaskError, match="too few distinct prompts") as e:
         SortTask(1, 100, 0, "eval").prompt(0)
     assert "\n" not in str(e.value)

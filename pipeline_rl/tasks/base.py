@@ -135,6 +135,20 @@ def is_held_out(question: str) -> bool:
     return int.from_bytes(digest, "big") % 1000 < HELD_OUT_PER_MILLE
 
 
+#: Draws a prompt of a split may take before the task is judged to have too few prompts for it.
+MAX_DRAWS = 10_000
+
+
+def draw_in_split(prompt_id: int, split: str, draw: Callable[[], tuple[str, str]]) -> Prompt | None:
+    """Prompt ``prompt_id``: the first ``draw()`` (text, answer) whose text falls in ``split``
+    (held out for ``"eval"``, else not; :func:`is_held_out`); None after :data:`MAX_DRAWS` tries."""
+    for _ in range(MAX_DRAWS):
+        text, answer = draw()
+        if is_held_out(text) == (split == "eval"):
+            return Prompt(prompt_id, text, answer)
+    return None
+
+
 #: One part of an episode as the warm start shows it: ``(text, by_model)``. A model part
 #: is trained on and ends with ``<eos>`` (the end of its turn); an environment part
 #: (``by_model`` False) is read, never trained on, exactly as an episode's environment

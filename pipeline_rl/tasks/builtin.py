@@ -28,14 +28,11 @@ from abc import ABC, abstractmethod
 import math
 from dataclasses import dataclass, field
 
-from pipeline_rl.tasks.base import Prompt, Split, TaskError, is_held_out, pool_index, strip_eos
+from pipeline_rl.tasks.base import Prompt, Split, TaskError, draw_in_split, pool_index, strip_eos
 
 #: Largest start of a ``countdown`` prompt: 123 three-digit numbers and their separators
 #: (492 tokens with EOS) plus the prompt (14) fit the built-in model's 512 positions.
 COUNTDOWN_MAX_START = 122
-
-#: Draws a prompt may take to land on its split before the task is declared too small.
-_MAX_DRAWS = 10_000
 
 
 def exact_match(completion: str, answer: str) -> float:
@@ -70,11 +67,9 @@ class _SeededTask(ABC):
 
     def prompt(self, prompt_id: int) -> Prompt:
         rng = self._rng(prompt_id)
-        want_held_out = self.split == "eval"
-        for _ in range(_MAX_DRAWS):
-            text, answer = self._draw(rng)
-            if is_held_out(text) == want_held_out:
-                return Prompt(prompt_id, text, answer)
+        found = draw_in_split(prompt_id, self.split, lambda: self._draw(rng))
+        if found is not None:
+            return found
         raise TaskError(f"task {self.name} with {self.digits} digit(s) has too few distinct prompts "
                         f"for a {self.split} split; use more digits or --eval.every 0")
 

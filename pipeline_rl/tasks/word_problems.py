@@ -34,15 +34,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from pipeline_rl.tasks.base import Prompt, Split, TaskError, is_held_out, pool_index
+from pipeline_rl.tasks.base import Prompt, Split, TaskError, draw_in_split, pool_index
 from pipeline_rl.tasks.math_reward import math_reward
 
 #: Appended to every problem.
 INSTRUCTION = "Answer in one short sentence."
 #: Levels that exist.
 MAX_LEVEL = 5
-#: Draws a prompt may take to land on its split.
-_MAX_DRAWS = 10_000
 
 _NAMES = ("Tom", "Mia", "Sam", "Ana", "Ben", "Lily", "Omar", "Zoe", "Ravi", "Emma", "Leo", "Nora", "Kai", "Ella")
 _THINGS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells", "cards", "coins",
@@ -146,10 +144,9 @@ class WordProblemsTask:
         # String seeds hash with SHA-512: stable across processes, Python versions and hosts.
         rng = random.Random(f"{self.name}:{self.split}:{self.seed}:{self.max_level}:{index}")
         level = self.level_of(prompt_id)
-        for _ in range(_MAX_DRAWS):
-            text, answer = word_problem(rng, level)
-            if is_held_out(text) == (self.split == "eval"):
-                return Prompt(prompt_id, text, answer)
+        found = draw_in_split(prompt_id, self.split, lambda: word_problem(rng, level))
+        if found is not None:
+            return found
         raise TaskError(f"task word_problems found no {self.split} prompt at level {level}")  # pragma: no cover
 
     def reward(self, prompt: str, completion: str, meta: Prompt) -> float:
