@@ -330,6 +330,20 @@ def test_an_agents_process_exits_with_its_worker(tmp_path: Path) -> None:
     assert not Path(f"/proc/{host}").exists() or "zombie" in Path(f"/proc/{host}/status").read_text().lower()
 
 
+def test_an_agent_the_agents_process_cannot_load_is_one_line() -> None:
+    from pipeline_rl.rollout.agent_host import AgentHost, HostSetup
+
+    died: list[BaseException] = []
+    host = AgentHost(HostSetup("no_such_module_xyz:agent", "k", 1.0, 1, (), "7"), print, died.append)
+    deadline = time.monotonic() + 20
+    while not died and time.monotonic() < deadline:
+        time.sleep(0.02)
+    host.close()
+    assert len(died) == 1 and "\n" not in str(died[0])
+    assert str(died[0]).startswith("the agents' process of worker 7 could not load the agent: TaskError: "
+                                   "task.agent: cannot import module 'no_such_module_xyz'")
+
+
 def test_a_misnamed_agent_is_one_line_and_exit_status_2(tiny_model_dir: str, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     from pipeline_rl.cli import parse_config

@@ -10,7 +10,8 @@ Here it runs on another core.
 - **The link.** One socket pair, inherited by the host as a file descriptor (its number is on
   the command line, nothing else is), carrying pickled typed messages, each a 4-byte length
   then its bytes. The worker sends :class:`HostSetup` first (the spec, the run's key, the
-  bounds, its ``sys.path`` so that agents importable in the worker are importable here), then
+  bounds, its ``sys.path``, appended to the host's own, so that agents importable in the worker
+  are importable here; ``PYTHONPATH`` names the worker's ``pipeline_rl`` first), then
   :class:`StartEpisode` per episode and :class:`StopHost` at its close; the host answers
   :class:`HostReady` (with the error line of a spec that does not resolve here), then
   :class:`EpisodeEnded` per episode, the agent's value already read by ``agent_reward``.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import signal
 import socket
 import struct
 import subprocess
@@ -43,6 +45,8 @@ PARENT_CHECK_S = 1.0
 #: How long a closing worker waits for its host to exit before killing it.
 EXIT_WAIT_S = 3.0
 _LEN = struct.Struct("!I")
+#: The folder holding this ``pipeline_rl``: the host imports the worker's own copy first.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +136,7 @@ class AgentHost:
         self._send_lock = threading.Lock()
         self._closing = False
         self._sock, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
         self._proc = subprocess.Popen([sys.executable, "-m", "pipeline_rl.rollout.agent_host", str(theirs.fileno())],
                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         theirs.close()
@@ -283,7 +287,7 @@ async def _serve(fd: int, parent: int) -> None:
     setup = await _read(reader)
     if not isinstance(setup, HostSetup):
         return
-    sys.path[:0] = [p for p in setup.sys_path if p not in sys.path]
+    sys.path += [p for p in setup.sys_path if p not in sys.path]   # after the host's own: the stdlib stays first
     try:
         host = _Host(setup, writer)
     except Exception as e:  # noqa: BLE001 -- said in one line, then this process is done
@@ -301,6 +305,7 @@ async def _serve(fd: int, parent: int) -> None:
 def main(argv: list[str]) -> None:
     """``python -m pipeline_rl.rollout.agent_host FD``: serve the worker on inherited socket ``FD``;
     exit at once (``os._exit``: hung agent threads do not hold it) when the worker is done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is the worker's to act on
     parent, status = os.getppid(), 0
     try:
         asyncio.run(_serve(int(argv[0]), parent))
