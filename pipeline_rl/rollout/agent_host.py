@@ -18,6 +18,8 @@ Here it runs on another core.
 - **Bounds.** Each agent call is bounded by ``--task.env_timeout_s`` through
   ``rollout.bounded_calls`` (``async def`` agents on the host's event loop, plain ones on its
   threads); the worker keeps a later deadline of its own for a host too stuck to answer.
+- **Cores.** A worker pinned to a core of its own starts its host on the machine's other
+  cores (:func:`host_cpus`): on the worker's, the host's Python would take the engine's time.
 - **Lifetimes.** The host exits when its end of the pair reads EOF (the worker closed it, or
   died) or when its parent changes (checked every :data:`PARENT_CHECK_S`); the worker ends
   the run with one line when the host exits before it is told to (:class:`AgentHost`).
@@ -26,6 +28,7 @@ Here it runs on another core.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import signal
@@ -60,6 +63,7 @@ class HostSetup:
     concurrency: int
     sys_path: tuple[str, ...]
     name: str
+    cpus: tuple[int, ...] = ()   # the CPUs to run on (empty: the worker's own, inherited)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +123,16 @@ def read_message(sock: socket.socket) -> object | None:
     head = _recv_exact(sock, _LEN.size)
     body = None if head is None else _recv_exact(sock, _LEN.unpack(head)[0])
     return None if body is None else pickle.loads(body)
+
+
+def host_cpus() -> tuple[int, ...]:
+    """The CPUs for a worker's agents' process: this machine's but the worker's own when the worker
+    is pinned to one core (``actors/process.pin_to_core``; the host must not share the engine's
+    core, which is the point of it), else none named (it inherits the worker's)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return ()
+    mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
+    return tuple(sorted(every - mine)) if len(mine) == 1 and every - mine else ()
 
 
 class AgentHostDied(RuntimeError):
@@ -288,6 +302,9 @@ async def _serve(fd: int, parent: int) -> None:
     if not isinstance(setup, HostSetup):
         return
     sys.path += [p for p in setup.sys_path if p not in sys.path]   # after the host's own: the stdlib stays first
+    if setup.cpus:   # before any thread starts: they inherit it
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, setup.cpus)
     try:
         host = _Host(setup, writer)
     except Exception as e:  # noqa: BLE001 -- said in one line, then this process is done

@@ -49,7 +49,7 @@ from pipeline_rl.evaluation import EVAL_PREFIX
 from pipeline_rl.config import Config
 from pipeline_rl.rollout.agent_tokens import (Answer, Call, Sample, episode_samples, group_completions, render_ids,
                                               text_prompt_ids)
-from pipeline_rl.rollout.agent_host import AgentHost, EpisodeEnded, HostSetup
+from pipeline_rl.rollout.agent_host import AgentHost, EpisodeEnded, HostSetup, host_cpus
 from pipeline_rl.rollout.chat_turns import ChatTurns
 from pipeline_rl.rollout.endpoint import Endpoint, UnknownEpisode
 from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
@@ -130,7 +130,8 @@ class AgentRunner:
         self.endpoint = Endpoint(self, self._key, name, self._loops, self._refused)
         self.endpoint.start()
         self._host = AgentHost(HostSetup(agent.name, self._key, cfg.task.env_timeout_s,
-                                         cfg.task.env_concurrency + cfg.rollout.max_num_seqs, tuple(sys.path), name),
+                                         cfg.task.env_concurrency + cfg.rollout.max_num_seqs, tuple(sys.path), name,
+                                         host_cpus()),
                                self._host_ended, fail)
 
     @property
