@@ -330,6 +330,17 @@ def test_an_agents_process_exits_with_its_worker(tmp_path: Path) -> None:
     assert not Path(f"/proc/{host}").exists() or "zombie" in Path(f"/proc/{host}/status").read_text().lower()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nowhere else to run")
+def test_a_pinned_workers_agents_process_runs_off_its_core() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    script = (f"import os, sys, time\nos.sched_setaffinity(0, {{{cpus[0]}}})\n"
+              "from pipeline_rl.rollout.agent_host import AgentHost, HostSetup, host_cpus\n"
+              "h = AgentHost(HostSetup('pipeline_rl.tasks.calc_agent:calc', 'k', 1.0, 1, tuple(sys.path), 'w', "
+              "host_cpus()), print, print)\ntime.sleep(1.5)\nprint(sorted(os.sched_getaffinity(h.pid)))\nh.close()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout
+    assert out.strip().splitlines()[-1] == str(cpus[1:])
+
+
 def test_an_agent_the_agents_process_cannot_load_is_one_line() -> None:
     from pipeline_rl.rollout.agent_host import AgentHost, HostSetup
 
