@@ -7,7 +7,12 @@ never stall the worker; a misnamed ``--task.agent`` is one line and exit status 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -33,7 +38,23 @@ from pipeline_rl.tasks import AdditionTask, Prompt
 N = 2
 TOOLS: list[Any] = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
-SEEN: dict[str, list[Any]] = {}   # what the agents got back, by test
+
+
+def _saw(what: str, *answers: Any) -> None:
+    """Note what an agent got back (agents run in the worker's agents' process: a file, by test)."""
+    with open(Path(os.environ["AGENT_SEEN_DIR"]) / f"{what}.jsonl", "a") as f:
+        f.write(json.dumps([a.model_dump() if hasattr(a, "model_dump") else str(a) for a in answers]) + "\n")
+
+
+def _seen(what: str) -> list[list[Any]]:
+    path = Path(os.environ["AGENT_SEEN_DIR"]) / f"{what}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(autouse=True)
+def seen_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("AGENT_SEEN_DIR", str(tmp_path))
+    return tmp_path
 
 
 async def two_turns(client: openai.AsyncOpenAI, sample: Prompt) -> dict[str, float]:
@@ -45,7 +66,7 @@ async def two_turns(client: openai.AsyncOpenAI, sample: Prompt) -> dict[str, flo
                  {"role": "tool", "tool_call_id": "call_0", "name": "add", "content": "5"}]
     second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6,
                                                   logprobs=True)
-    SEEN.setdefault("two_turns", []).append((first, second))
+    _saw("two_turns", first, second)
     return {"reward": 1.0, "requests": 2}
 
 
@@ -63,7 +84,7 @@ async def asks_badly(client: openai.AsyncOpenAI, sample: Prompt) -> float:
     try:
         await client.completions.create(model="policy", prompt=[10**7])
     except openai.BadRequestError as e:
-        SEEN.setdefault("refused", []).append(e)
+        _saw("refused", e)
     await client.completions.create(model="policy", prompt=sample.question, max_tokens=2)
     return 1.0
 
@@ -74,6 +95,13 @@ def fails(client: openai.OpenAI, sample: Prompt) -> float:
     if sample.prompt_id % 2 == 0:
         raise RuntimeError("the sandbox is down")
     time.sleep(3600)
+    return 1.0
+
+
+async def hangs(client: openai.AsyncOpenAI, sample: Prompt) -> float:
+    """One request, then it waits for ever."""
+    await client.completions.create(model="policy", prompt=sample.question, max_tokens=2)
+    await asyncio.sleep(3600)
     return 1.0
 
 
@@ -133,7 +161,8 @@ class Rig:
 
 
 def test_a_two_turn_tool_conversation_is_one_sample_of_the_endpoints_own_ids(chat_engine: GenerationEngine) -> None:
-    SEEN.clear()
+    from openai.types.chat import ChatCompletion
+
     rig = Rig(chat_engine, "two_turns")
     try:
         rig.worker.run(max_groups=2)
@@ -141,7 +170,8 @@ def test_a_two_turn_tool_conversation_is_one_sample_of_the_endpoints_own_ids(cha
     finally:
         rig.close()
     assert rig.runner.samples_split == 0 and list(rig.runner.metrics["requests"]) == [2.0] * 2 * N
-    seen = {tuple(r[1].prompt_token_ids + r[1].choices[0].token_ids): r for r in SEEN["two_turns"]}
+    saw: list[Any] = [tuple(ChatCompletion.model_validate(a) for a in r) for r in _seen("two_turns")]
+    seen = {tuple(r[1].prompt_token_ids + r[1].choices[0].token_ids): r for r in saw}
     from pipeline_rl.rollout.chat_turns import ChatTurns
 
     chat = ChatTurns(chat_engine.tokenizer, TOOLS)
@@ -225,14 +255,13 @@ def test_a_malformed_request_is_answered_400_in_one_line(qwen_engine: Generation
 
 
 def test_requests_the_engine_refuses_are_answered_400_and_the_worker_goes_on(qwen_engine: GenerationEngine) -> None:
-    SEEN.clear()
     rig = Rig(qwen_engine, "asks_badly")
     try:
         rig.worker.run(max_groups=1)
         (group,) = rig.received(1)
     finally:
         rig.close()
-    assert len(SEEN["refused"]) == N and all(c.reward == 1.0 for c in group.completions)
+    assert len(_seen("refused")) == N and all(c.reward == 1.0 for c in group.completions)
 
 
 def test_agents_that_raise_or_hang_are_counted_and_never_stall_the_worker(qwen_engine: GenerationEngine) -> None:
@@ -249,6 +278,81 @@ def test_agents_that_raise_or_hang_are_counted_and_never_stall_the_worker(qwen_e
     assert ep.env_errors == N and ep.env_timeouts == N and ep.env_error == N and ep.timeout == N
     for g in groups:   # the request each made is kept, scored 0, finish abort
         assert all(c.reward == 0.0 and c.finish_reason == "abort" for c in g.completions)
+
+
+def _kill_later(pid: int, sig: int, after_s: float) -> None:
+    threading.Timer(after_s, os.kill, (pid, sig)).start()
+
+
+def test_an_agents_process_that_dies_ends_the_worker_in_one_line(qwen_engine: GenerationEngine) -> None:
+    from pipeline_rl.rollout.agent_host import AgentHostDied
+
+    rig = Rig(qwen_engine, "hangs")
+    _kill_later(rig.runner.host_pid, signal.SIGKILL, 2.0)
+    t = time.perf_counter()
+    try:
+        with pytest.raises(AgentHostDied, match=r"^the agents' process of worker 0 exited \(status -9\) while") as e:
+            rig.worker.run(max_groups=2)
+    finally:
+        rig.close()
+    assert time.perf_counter() - t < 10 and "\n" not in str(e.value)
+
+
+def test_a_stuck_agents_process_cannot_hold_episodes_past_their_timeout(qwen_engine: GenerationEngine) -> None:
+    from pipeline_rl.rollout.agents import HOST_GRACE_S
+
+    rig = Rig(qwen_engine, "hangs", env_timeout_s=0.5)
+    _kill_later(rig.runner.host_pid, signal.SIGSTOP, 1.5)   # it answers nothing more, ends nothing
+    t = time.perf_counter()
+    try:
+        stats = rig.worker.run(max_groups=1)
+    finally:
+        os.kill(rig.runner.host_pid, signal.SIGCONT)
+        rig.close()
+    assert time.perf_counter() - t < 0.5 + HOST_GRACE_S + 5
+    assert stats.episodes.env_timeouts == N and stats.episodes.timeout == N
+
+
+def test_an_agents_process_exits_with_its_worker(tmp_path: Path) -> None:
+    """A worker killed outright leaves no agents' process behind (its end of the pair reads EOF)."""
+    script = ("import sys, time\nfrom pipeline_rl.rollout.agent_host import AgentHost, HostSetup\n"
+              "h = AgentHost(HostSetup('pipeline_rl.tasks.calc_agent:calc', 'k', 1.0, 1, tuple(sys.path), 'w'),"
+              " print, print)\nprint(h.pid, flush=True)\ntime.sleep(3600)\n")
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert worker.stdout is not None
+    host = int(worker.stdout.readline())
+    worker.kill()
+    worker.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{host}").exists() and \
+            "zombie" not in Path(f"/proc/{host}/status").read_text().lower():
+        time.sleep(0.05)
+    assert not Path(f"/proc/{host}").exists() or "zombie" in Path(f"/proc/{host}/status").read_text().lower()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nowhere else to run")
+def test_a_pinned_workers_agents_process_runs_off_its_core() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    script = (f"import os, sys, time\nos.sched_setaffinity(0, {{{cpus[0]}}})\n"
+              "from pipeline_rl.rollout.agent_host import AgentHost, HostSetup, host_cpus\n"
+              "h = AgentHost(HostSetup('pipeline_rl.tasks.calc_agent:calc', 'k', 1.0, 1, tuple(sys.path), 'w', "
+              "host_cpus()), print, print)\ntime.sleep(1.5)\nprint(sorted(os.sched_getaffinity(h.pid)))\nh.close()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout
+    assert out.strip().splitlines()[-1] == str(cpus[1:])
+
+
+def test_an_agent_the_agents_process_cannot_load_is_one_line() -> None:
+    from pipeline_rl.rollout.agent_host import AgentHost, HostSetup
+
+    died: list[BaseException] = []
+    host = AgentHost(HostSetup("no_such_module_xyz:agent", "k", 1.0, 1, (), "7"), print, died.append)
+    deadline = time.monotonic() + 20
+    while not died and time.monotonic() < deadline:
+        time.sleep(0.02)
+    host.close()
+    assert len(died) == 1 and "\n" not in str(died[0])
+    assert str(died[0]).startswith("the agents' process of worker 7 could not load the agent: TaskError: "
+                                   "task.agent: cannot import module 'no_such_module_xyz'")
 
 
 def test_a_misnamed_agent_is_one_line_and_exit_status_2(tiny_model_dir: str, tmp_path: Path,

@@ -12,16 +12,18 @@ back to the waiting request. The answers' ids, log-probs and versions are record
 the episode; when the agent returns, its samples (one for a chat loop, one more per
 divergence: ``samples_split``) get its reward.
 
-The agent calls run off the engine loop through the shared ``rollout.bounded_calls`` helper,
-like environments: ``async def`` ones on an event loop of their own, which also serves the
-endpoint (a request and its answer cross no thread but the engine's; their ``openai`` client
-speaks HTTP through openai's aiohttp transport, the endpoint's own library), plain ones on
-threads, each bounded by ``--task.env_timeout_s`` (a hung one frees its slot at its timeout).
-An agent call lasts its whole episode, waiting for the engine as much as thinking, so it is
+The agent calls run in the worker's agents' process (``rollout/agent_host.py``), not in the
+worker: their ``openai`` clients' Python and the agent's own code run on another core than the
+engine's, and an agent that burns CPU or holds the GIL cannot slow generation. There they run
+through the shared ``rollout.bounded_calls`` helper, like environments (``async def`` ones on
+the host's event loop, plain ones on its threads), each bounded by ``--task.env_timeout_s``;
+the worker ends an episode its host has not answered :data:`HOST_GRACE_S` past that timeout
+itself (a host too stuck to answer), and ends the run with one line when the host exits. An
+agent call lasts its whole episode, waiting for the engine as much as thinking, so it is
 given ``--task.env_concurrency`` slots (agents thinking, as environment calls) plus
 ``--rollout.max_num_seqs`` (agents waiting for their answers): the worker's admission counts
-up to ``env_concurrency`` episodes off the engine beside a full engine, and with only
-``env_concurrency`` slots the engine ran short of sequences while agents thought. An agent that raises, times out or returns no reward ends its
+up to ``env_concurrency`` episodes off the engine beside a full engine. The endpoint serves on
+an event loop of its own in the worker. An agent that raises, times out or returns no reward ends its
 episode with reward 0 (its samples kept, finish ``abort``), counted as an environment's
 failure (``env_errors`` / ``env_timeouts``; ``--task.env_errors fail``; an agent failing on
 all of its first episodes ends the run with one line). Answers that finish after their
@@ -31,9 +33,10 @@ episode ended are dropped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
+import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -46,7 +49,7 @@ from pipeline_rl.evaluation import EVAL_PREFIX
 from pipeline_rl.config import Config
 from pipeline_rl.rollout.agent_tokens import (Answer, Call, Sample, episode_samples, group_completions, render_ids,
                                               text_prompt_ids)
-from pipeline_rl.rollout.bounded_calls import BoundedCalls, Outcome
+from pipeline_rl.rollout.agent_host import AgentHost, EpisodeEnded, HostSetup, host_cpus
 from pipeline_rl.rollout.chat_turns import ChatTurns
 from pipeline_rl.rollout.endpoint import Endpoint, UnknownEpisode
 from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
@@ -54,13 +57,16 @@ from pipeline_rl.rollout.scoring import PendingGroup, Scorer
 from pipeline_rl.rollout.vllm_tools import (ChatCall, Choice, RequestError, TextCall, ToolCallParser,
                                             chat_response, text_response)
 from pipeline_rl.rollout.worker_stats import AgentMetric, Counters
-from pipeline_rl.tasks.agent import AgentSpec, agent_reward
+from pipeline_rl.tasks.agent import AgentSpec
 from pipeline_rl.tasks.base import Prompt
 
 #: The model name ``/v1/models`` lists (requests may name any).
 SERVED_NAME = "policy"
 #: The agents' own metrics (a dict reward's numbers) kept per name: the latest episodes'.
 METRICS_KEPT = 1024
+#: Seconds past ``--task.env_timeout_s`` the worker waits for its agents' process to end an
+#: episode before ending it itself (the host bounds each call; this bounds the host).
+HOST_GRACE_S = 5.0
 
 
 @dataclass(slots=True, eq=False)
@@ -99,7 +105,8 @@ class AgentRunner:
     def __init__(self, cfg: Config, agent: AgentSpec, engine: GenerationEngine, name: str, key: str | None,
                  wake: Callable[[], None], scorer: Scorer, counters: Counters, lock: threading.Lock,
                  pending: dict[int, PendingGroup], release: Callable[[int], object],
-                 answered: Callable[[str, str, np.ndarray, float | None], None]) -> None:
+                 answered: Callable[[str, str, np.ndarray, float | None], None],
+                 fail: Callable[[BaseException], None]) -> None:
         self.served_name, self.max_model_len = SERVED_NAME, cfg.rollout.max_model_len
         self._cfg, self._agent, self._engine, self._wake = cfg, agent, engine, wake
         self._scorer, self._c, self._clock, self._release = scorer, counters, lock, release
@@ -109,21 +116,28 @@ class AgentRunner:
         self._live: dict[str, AgentEpisode] = {}
         self._groups: dict[int, AgentGroup] = {}
         self._inbox: deque[GenRequest] = deque()
-        self._ended: deque[tuple[AgentEpisode, Outcome]] = deque()
+        self._ended: deque[EpisodeEnded] = deque()
+        self._deadlines: deque[tuple[float, str]] = deque()   # (when, episode) in start order
+        self._timeout_s = cfg.task.env_timeout_s
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[FinishedSequence]]] = {}
         self._chats: dict[str, ChatTurns] = {}
-        self._clients: dict[bool, Any] = {}   # the agents' openai clients (sync: True), made at first use
         self.in_engine = 0       # answers queued or generating
         self.requests = 0        # requests served
         self.samples_split = 0   # samples beyond one per episode (an agent rewrote its history)
         self.samples_dropped = 0  # samples sharing no first token with their group's
         self.metrics: dict[str, deque[float]] = {}   # the agents' own metrics (dict rewards), the latest
-        self._calls = BoundedCalls(cfg.task.env_concurrency + cfg.rollout.max_num_seqs, cfg.task.env_timeout_s,
-                                   f"agent-{name}",
-                                   "--task.env_timeout_s")
-        self._loops = LoopThread(f"agents-{name}")
+        self._loops = LoopThread(f"endpoint-{name}")
         self.endpoint = Endpoint(self, self._key, name, self._loops, self._refused)
         self.endpoint.start()
+        self._host = AgentHost(HostSetup(agent.name, self._key, cfg.task.env_timeout_s,
+                                         cfg.task.env_concurrency + cfg.rollout.max_num_seqs, tuple(sys.path), name,
+                                         host_cpus()),
+                               self._host_ended, fail)
+
+    @property
+    def host_pid(self) -> int:
+        """The process id of this worker's agents' process."""
+        return self._host.pid
 
     # -- the engine loop ----------------------------------------------------------------------
     @property
@@ -146,7 +160,8 @@ class AgentRunner:
         episode = AgentEpisode(key, prompt, sampling if evaluation else None)
         with self._lock:
             self._live[key] = episode
-        self._loops.submit(self._run(episode))
+        self._deadlines.append((time.monotonic() + self._timeout_s + HOST_GRACE_S, key))
+        self._host.start(key, prompt, self.endpoint.base_url(key))
 
     def pump(self) -> None:
         """Add the answers the endpoint asked for; end the episodes whose agent returned."""
@@ -159,8 +174,17 @@ class AgentRunner:
                 self._engine.add(request)
             except Exception as e:  # noqa: BLE001 -- vLLM refused the request: the client is told (400)
                 self._refuse(request.request_id, RequestError(f"the engine refused the request: {first_line(e)}"))
-        for episode, out in ended:
-            self._end(episode, out)
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:   # the host never answered
+            key = self._deadlines.popleft()[1]
+            ended.append(EpisodeEnded(key, error=f"TimeoutError: the agents' process gave no end within "
+                                      f"{self._timeout_s + HOST_GRACE_S:g} s (--task.env_timeout_s)", timed_out=True,
+                                      seconds=self._timeout_s + HOST_GRACE_S))
+        for out in ended:
+            with self._lock:
+                episode = self._live.get(out.key)
+            if episode is not None:
+                self._end(episode, out)
 
     def _refuse(self, request_id: str, error: Exception) -> None:
         with self._lock:
@@ -179,24 +203,19 @@ class AgentRunner:
             loop, fut = waiter
             loop.call_soon_threadsafe(_resolve, fut, seq)
 
-    def _end(self, episode: AgentEpisode, out: Outcome) -> None:
+    def _end(self, episode: AgentEpisode, out: EpisodeEnded) -> None:
         with self._lock:
             episode.closed = True
             del self._live[episode.key]
             calls = list(episode.calls)
-        ended, reward = "done", 0.0
-        metrics: dict[str, float] = {}
-        try:
-            if out.error is not None:
-                raise out.error
-            reward, metrics = agent_reward(out.value)
-            for k, v in metrics.items():
-                self.metrics.setdefault(k, deque(maxlen=METRICS_KEPT)).append(v)
-        except Exception as e:  # noqa: BLE001 -- the agent's failure: counted, the episode scored 0
-            verb = "timed out" if out.timed_out else ("raised" if out.error is not None else "")
+        ended, reward, metrics = "done", out.reward, out.metrics
+        for k, v in metrics.items():
+            self.metrics.setdefault(k, deque(maxlen=METRICS_KEPT)).append(v)
+        if out.error is not None:   # the agent's failure: counted, the episode scored 0
+            verb = "timed out" if out.timed_out else ("raised" if out.raised else "")
             ended = "timeout" if out.timed_out else "env_error"
             self._scorer.failure(f"agent {self._agent.name} {verb + ' ' if verb else ''}on prompt "
-                                 f"{episode.prompt.prompt_id}: {first_line(e)}", env=True, timeout=out.timed_out)
+                                 f"{episode.prompt.prompt_id}: {out.error}", env=True, timeout=out.timed_out)
         with self._clock:
             self._c.episode_ended(ended, len(calls), out.seconds, episode.tool_calls, 0,
                                   tuple(AgentMetric(k, v) for k, v in metrics.items()))
@@ -233,34 +252,11 @@ class AgentRunner:
         with self._clock:
             self._c.endpoint_refused += 1
 
-    # -- the agent calls (their own loop, or threads) -------------------------------------------
-    async def _run(self, episode: AgentEpisode) -> None:
-        call = self._call_async if self._agent.is_async else self._call_sync
-        out = await self._calls.run(call, episode)
+    # -- the agents' process (its reader thread) ---------------------------------------------------
+    def _host_ended(self, out: EpisodeEnded) -> None:
         with self._lock:
-            self._ended.append((episode, out))
+            self._ended.append(out)
         self._wake()
-
-    def _client(self, episode: AgentEpisode, sync: bool) -> Any:
-        """An episode's client: a copy of the runner's one, pointed at the episode (the copies
-        share its connection pool: no connection, TLS context or pool made per episode)."""
-        import openai
-
-        with self._lock:
-            base = self._clients.get(sync)
-            if base is None:
-                url, timeout = self.endpoint.base_url("-"), self._cfg.task.env_timeout_s
-                base = self._clients[sync] = (
-                    openai.OpenAI(base_url=url, api_key=self._key, max_retries=0, timeout=timeout) if sync else
-                    openai.AsyncOpenAI(base_url=url, api_key=self._key, max_retries=0, timeout=timeout,
-                                       http_client=_async_http()))
-        return base.with_options(base_url=self.endpoint.base_url(episode.key))
-
-    async def _call_async(self, episode: AgentEpisode) -> Any:
-        return await self._agent.fn(self._client(episode, sync=False), episode.prompt)
-
-    def _call_sync(self, episode: AgentEpisode) -> Any:
-        return self._agent.fn(self._client(episode, sync=True), episode.prompt)
 
     # -- the endpoint's thread ------------------------------------------------------------------
     def _episode(self, key: str) -> AgentEpisode:
@@ -369,17 +365,10 @@ class AgentRunner:
             episode.tool_calls += sum(len(c.calls) for c in choices)
 
     def close(self) -> None:
-        """Stop the endpoint and the agent calls (the groups not sent stay the worker's pending)."""
+        """Stop the agents' process and the endpoint (the groups not sent stay the worker's pending)."""
+        self._host.close()
         self.endpoint.close()
-        client = self._clients.pop(False, None)
-        if client is not None and not self._loops.closed:   # closed on the loop it served
-            with contextlib.suppress(Exception):
-                self._loops.submit(client.close()).result(timeout=LoopThread.CLOSE_WAIT_S)
         self._loops.close()
-        self._calls.close()
-        sync = self._clients.pop(True, None)
-        if sync is not None:
-            sync.close()
 
 
 def _resolve(fut: asyncio.Future[FinishedSequence], seq: FinishedSequence) -> None:
@@ -390,15 +379,3 @@ def _resolve(fut: asyncio.Future[FinishedSequence], seq: FinishedSequence) -> No
 def _reject(fut: asyncio.Future[FinishedSequence], error: Exception) -> None:
     if not fut.done():
         fut.set_exception(error)
-
-
-def _async_http() -> Any:
-    """The async clients' HTTP client: openai's aiohttp-based one (``openai.DefaultAioHttpClient``,
-    about a third less CPU per request than its default httpx pool, whose every request probes
-    each idle connection), or its default when aiohttp is missing."""
-    import openai
-
-    try:
-        return openai.DefaultAioHttpClient()
-    except RuntimeError:   # openai's stand-in when aiohttp is not installed
-        return openai.DefaultAsyncHttpxClient()

@@ -2,7 +2,8 @@
 ``/v1/completions`` and ``/v1/models``, served on the worker's own engine for the agents of
 its episodes (``rollout/agents.py``).
 
-- **Who may call.** It listens on loopback only (the agents run in the worker's process),
+- **Who may call.** It listens on loopback only (the agents run in the worker's own agents'
+  process, ``rollout/agent_host.py``, on its node),
   on a port the system picks, and every request must carry the run's key
   (``Authorization: Bearer KEY``, what ``openai.OpenAI(api_key=KEY)`` sends); one without
   it is answered 401 and counted (:attr:`Endpoint.refused`), compared in constant time.
@@ -15,8 +16,7 @@ its episodes (``rollout/agents.py``).
   its weight updates).
 
 The server runs on the event loop it is given (``aiohttp``), off the engine's thread: the agent
-runner's, where its ``async def`` agents run, so a request and its answer cross no thread but
-the engine's (the loop's owner closes it).
+runner's, where each request waits for its answers (the loop's owner closes it).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pipeline_rl.rollout.vllm_tools import ChatCall, RequestError, TextCall, cha
 
 log = logging.getLogger(__name__)
 
-#: The host the endpoint binds: loopback (its clients run in the worker's process).
+#: The host the endpoint binds: loopback (its clients run in the worker's agents' process).
 HOST = "127.0.0.1"
 
 

@@ -116,7 +116,7 @@ class RolloutWorker:
         if cfg.task.agent:   # an agent's groups are its runner's until sent (from self._pending)
             self._episodes = AgentRunner(cfg, resolve_agent(cfg.task.agent), self._engine, str(worker_id), endpoint_key,
                                          self._wake.set, self._scorer, self._c, self._lock, self._pending,
-                                         lambda k: self._admission.release(worker_id, k), self._answered)
+                                         lambda k: self._admission.release(worker_id, k), self._answered, self.fail)
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, offer: object) -> None:
