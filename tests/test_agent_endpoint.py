@@ -137,14 +137,17 @@ def qwen_engine(engines: dict[str, GenerationEngine], tmp_path_factory: pytest.T
 class Rig:
     """A buffer + receiver + worker running ``agent`` on the shared engine."""
 
-    def __init__(self, engine: GenerationEngine, agent: str, **task: object) -> None:
+    def __init__(self, engine: GenerationEngine, agent: str, prompts: Any = None, **task: object) -> None:
+        """``agent``: a function of this module, or MODULE:FUNCTION; ``prompts``: the task (additions)."""
         self.buffer = ReplayBuffer(capacity_groups=64, staleness=1000, groups_per_step=1)
         self.server = BufferServer(self.buffer)
         cfg = Config.model_validate({"rollout": {"n": N, "max_new_tokens": 6, "max_num_seqs": 8,
                                                  "max_model_len": 512},
                                      "trainer": {"batch_size": 2 * N}, "staleness": 1000,
-                                     "task": {"agent": f"test_agent_endpoint:{agent}", **task}})
-        self.worker = RolloutWorker(cfg, 0, "unused", self.server.address, self.buffer, AdditionTask(2, 1000, 0),
+                                     "task": {"agent": agent if ":" in agent else f"test_agent_endpoint:{agent}",
+                                              **task}})
+        self.worker = RolloutWorker(cfg, 0, "unused", self.server.address, self.buffer,
+                                    prompts or AdditionTask(2, 1000, 0),
                                     engine=engine, endpoint_key="the-run-key")
         runner = self.worker._episodes
         assert isinstance(runner, AgentRunner)
@@ -207,6 +210,23 @@ def test_an_agent_that_rewrites_its_history_gives_a_sample_per_divergence(qwen_e
     assert rig.worker.stats().episodes.samples_split == N
     for c in group.completions:
         assert c.reward == 0.5 and c.mask is not None and c.mask.sum() >= 1
+
+
+def test_word_problems_run_as_a_chat_agent(qwen_engine: GenerationEngine) -> None:
+    """``pipeline_rl.tasks.word_problems_agent:solve`` (the real chat model's agent form): one chat
+    request per episode, scored 0 or 1 by math-verify, one sample each, its ``tokens`` metric the
+    answer's length."""
+    from pipeline_rl.tasks.word_problems import WordProblemsTask
+
+    rig = Rig(qwen_engine, "pipeline_rl.tasks.word_problems_agent:solve", prompts=WordProblemsTask(2, 1000))
+    try:
+        rig.worker.run(max_groups=1)
+        (group,) = rig.received(1)
+    finally:
+        rig.close()
+    assert len(group.completions) == N and rig.runner.samples_split == 0
+    assert {c.reward for c in group.completions} <= {0.0, 1.0}
+    assert sorted(rig.runner.metrics["tokens"]) == sorted(float(c.num_tokens) for c in group.completions)
 
 
 def _post(url: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, Any]:
