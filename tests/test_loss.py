@@ -191,9 +191,13 @@ def _f64_batch(seed: int = 0) -> PolicyBatch:
     b = random_batch(B=5, T=6, seed=seed, noise=0.3)
     keep = torch.isfinite(b.logp.detach()) & torch.isfinite(b.behav_logp)
     lp = torch.where(keep, b.logp.detach(), -1.0).double()
+    # Seeded here, not from the global generator: whatever earlier tests drew, the PPO ratios
+    # stay the same, away from the clip's kinks (a ratio within eps of 1 +- clip halves a
+    # finite difference there).
+    noise = torch.Generator().manual_seed(seed)
     return PolicyBatch(logp=lp.requires_grad_(), behav_logp=torch.where(keep, b.behav_logp, -1.0).double(),
                        mask=b.mask, advantages=b.advantages.double(),
-                       prox_logp=lp.detach() + 0.1 * torch.randn(5, 6, dtype=torch.float64),
+                       prox_logp=lp.detach() + 0.1 * torch.randn(5, 6, dtype=torch.float64, generator=noise),
                        ref_logp=lp.detach() - 0.3)
 
 
