@@ -93,6 +93,13 @@ CATALOG: tuple[Entry, ...] = (
     Entry("ablation", "Staleness x correction", "python -m benchmarks.ablation --quick --seeds 3",
           "Final reward and reward AUC per staleness and correction, with intervals and "
           "Holm-corrected tests.", figure="ablation_bf16.png"),
+    Entry("ablation_real_model", "Staleness x correction on the real chat model",
+          "python -m benchmarks.ablation --model smollm2-135m-instruct --staleness 0,4,8 --corrections "
+          "none,tis,icepop --dtypes bfloat16 --seeds 3 --steps 10 -- --task.name word_problems "
+          "--trainer.batch_size 16 --eval.every 0",
+          "SmolLM2-135M-Instruct with bf16 generation against the fp32 trainer: reward, mismatch KL, "
+          "ESS and masked shares per staleness and correction, 3 seeds, intervals and Holm-corrected tests.",
+          figure="ablation_real_model_bf16.png"),
     Entry("ablation_full", "Staleness x correction, the full grid (one seed)", "python -m benchmarks.ablation",
           "Staleness {0,1,2,4,8} x 4 corrections x fp32/bf16 generation, 200 steps (an earlier default model)."),
     Entry("multiturn", "A multi-turn tool task learns", "python -m benchmarks.multiturn --seeds 3 --steps 200",
