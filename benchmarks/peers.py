@@ -398,10 +398,10 @@ def report(path: Path) -> Outcome:
     curves = {(c["system"], c["seed"]): c for c in result["curves"]}
     runs = []
     for r in result["runs"]:
-        ev = (curves.get((r["system"], r["seed"])) or {}).get("evals") or []
-        launched = (curves.get((r["system"], r["seed"])) or {}).get("launched", 0.0)
-        last = {"heldout_train_s_last": ev[-1]["train_s"], "heldout_wall_s_last": ev[-1]["unix_time_s"] - launched} \
-            if ev else {}
+        curve = curves.get((r["system"], r["seed"]), {})
+        ev = curve.get("evals") or []
+        last = {"heldout_train_s_last": ev[-1]["train_s"],
+                "heldout_wall_s_last": ev[-1]["unix_time_s"] - curve.get("launched", 0.0)} if ev else {}
         runs.append(RunResult(**{**r, **last}))
     result.update(runs=[asdict(r) for r in runs], summary=summarize(runs))
     return Outcome(result, markdown(result), 0)
