@@ -108,6 +108,12 @@ CATALOG: tuple[Entry, ...] = (
           "--json benchmarks/results/multiturn_agent.json --md benchmarks/results/multiturn_agent.md",
           "`calc` as an agent function through the rollout worker's OpenAI endpoint beside the environment "
           "form: held-out greedy success and tokens/s of each."),
+    Entry("agent_overhead", "The agent endpoint's own cost", "python -m benchmarks.agent_overhead --rounds 3 "
+          "--groups 500 --warmup 40 -- --model runs/calc-200/checkpoints/step_000200",
+          "One rollout worker, no trainer, its agents' process on a core of its own: `calc` as its environment "
+          "and as agent code through the endpoint, alternated; tokens/s, the engine's batch and the CPU per "
+          "token of each thread (the checkpoint: `launch/async_grpo.py --staleness 2 --task.name calc "
+          "--max-steps 200 --out-dir runs/calc-200`)."),
     Entry("slow_env", "A slow environment", "python -m benchmarks.slow_env --steps 100 --warmup 20 --sleep-ms 50",
           "Steps/s with a 50 ms environment against an instant one."),
     Entry("hung_env", "A hung environment", "python -m benchmarks.slow_env --steps 60 --warmup 10 "
