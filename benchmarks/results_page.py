@@ -114,6 +114,13 @@ CATALOG: tuple[Entry, ...] = (
           "and as agent code through the endpoint, alternated; tokens/s, the engine's batch and the CPU per "
           "token of each thread (the checkpoint: `launch/async_grpo.py --staleness 2 --task.name calc "
           "--max-steps 200 --out-dir runs/calc-200`)."),
+    Entry("agent_overhead_real_model", "The agent endpoint's own cost on the real chat model",
+          "python -m benchmarks.agent_overhead --rounds 3 --groups 16 --warmup 4 --agent "
+          "pipeline_rl.tasks.word_problems_agent:solve --json benchmarks/results/agent_overhead_real_model.json "
+          "--md benchmarks/results/agent_overhead_real_model.md -- --model smollm2-135m-instruct "
+          "--task.name word_problems",
+          "The same on SmolLM2-135M-Instruct: `word_problems` as one chat request per problem through the "
+          "endpoint against the plain single-turn form."),
     Entry("slow_env", "A slow environment", "python -m benchmarks.slow_env --steps 100 --warmup 20 --sleep-ms 50",
           "Steps/s with a 50 ms environment against an instant one."),
     Entry("hung_env", "A hung environment", "python -m benchmarks.slow_env --steps 60 --warmup 10 "
