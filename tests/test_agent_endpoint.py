@@ -98,6 +98,14 @@ def fails(client: openai.OpenAI, sample: Prompt) -> float:
     return 1.0
 
 
+async def reads_llama_calls(client: openai.AsyncOpenAI, sample: Prompt) -> float:
+    """Never run: names the tool-call parser its model's calls are read with."""
+    return 0.0
+
+
+reads_llama_calls.tool_parser = "llama3_json"  # type: ignore[attr-defined]
+
+
 async def hangs(client: openai.AsyncOpenAI, sample: Prompt) -> float:
     """One request, then it waits for ever."""
     await client.completions.create(model="policy", prompt=sample.question, max_tokens=2)
@@ -359,6 +367,17 @@ def test_a_pinned_workers_agents_process_runs_off_its_core() -> None:
               "host_cpus()), print, print)\ntime.sleep(1.5)\nprint(sorted(os.sched_getaffinity(h.pid)))\nh.close()\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout
     assert out.strip().splitlines()[-1] == str(cpus[1:])
+
+
+def test_the_agents_tool_parser_reaches_the_worker_from_its_agents_process() -> None:
+    from pipeline_rl.rollout.agent_host import AgentHost, HostSetup
+
+    host = AgentHost(HostSetup("test_agent_endpoint:reads_llama_calls", "k", 1.0, 1, tuple(sys.path), "w"),
+                     print, print)
+    try:
+        assert host.tool_parser == "llama3_json"
+    finally:
+        host.close()
 
 
 def test_an_agent_the_agents_process_cannot_load_is_one_line() -> None:

@@ -13,7 +13,8 @@ Here it runs on another core.
   bounds, its ``sys.path``, appended to the host's own, so that agents importable in the worker
   are importable here; ``PYTHONPATH`` names the worker's ``pipeline_rl`` first), then
   :class:`StartEpisode` per episode and :class:`StopHost` at its close; the host answers
-  :class:`HostReady` (with the error line of a spec that does not resolve here), then
+  :class:`HostReady` (the agent's tool-call parser, or the error line of a spec that does not
+  resolve here: the agent is imported here only, never in the worker), then
   :class:`EpisodeEnded` per episode, the agent's value already read by ``agent_reward``.
 - **Bounds.** Each agent call is bounded by ``--task.env_timeout_s`` through
   ``rollout.bounded_calls`` (``async def`` agents on the host's event loop, plain ones on its
@@ -41,12 +42,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline_rl.tasks.agent import DEFAULT_TOOL_PARSER
 from pipeline_rl.tasks.base import Prompt
 
 #: How often the host checks that the worker that started it is still its parent.
 PARENT_CHECK_S = 1.0
 #: How long a closing worker waits for its host to exit before killing it.
 EXIT_WAIT_S = 3.0
+#: How long the worker's side waits for the host's :class:`HostReady` when asked its parser.
+READY_WAIT_S = 5.0
 _LEN = struct.Struct("!I")
 #: The folder holding this ``pipeline_rl``: the host imports the worker's own copy first.
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,9 +86,11 @@ class StopHost:
 
 @dataclass(frozen=True, slots=True)
 class HostReady:
-    """The host's first message: ``error`` is the one line of a spec that would not resolve."""
+    """The host's first message: ``error`` is the one line of a spec that would not resolve;
+    ``tool_parser``: the resolved agent's (``tasks.agent.AgentSpec.tool_parser``)."""
 
     error: str | None = None
+    tool_parser: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +155,8 @@ class AgentHost:
         self._setup, self._ended, self._died = setup, ended, died
         self._send_lock = threading.Lock()
         self._closing = False
+        self._ready = threading.Event()   # HostReady read (or the host gone)
+        self._tool_parser = DEFAULT_TOOL_PARSER
         self._sock, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
         self._proc = subprocess.Popen([sys.executable, "-m", "pipeline_rl.rollout.agent_host", str(theirs.fileno())],
@@ -162,6 +170,13 @@ class AgentHost:
     def pid(self) -> int:
         """The agents' process's id."""
         return self._proc.pid
+
+    @property
+    def tool_parser(self) -> str:
+        """The agent's tool-call parser, as the host resolved it. Its requests come after its
+        :class:`HostReady`, so this waits only while the reader thread is a message behind."""
+        self._ready.wait(READY_WAIT_S)
+        return self._tool_parser
 
     def _send(self, message: object) -> None:
         data = frame(message)
@@ -184,11 +199,14 @@ class AgentHost:
             if isinstance(message, EpisodeEnded):
                 self._ended(message)
             elif isinstance(message, HostReady):
+                self._tool_parser = message.tool_parser or DEFAULT_TOOL_PARSER
+                self._ready.set()
                 if message.error is not None:   # said once; the host exits
                     self._closing = True
                     self._died(AgentHostDied(f"the agents' process of worker {self._setup.name} could not "
                                              f"load the agent: {message.error}"))
             else:   # EOF: the host exited
+                self._ready.set()
                 break
         if not self._closing:
             code = self._proc.wait()
@@ -222,6 +240,7 @@ class _Host:
 
         self._setup, self._writer = setup, writer
         self._agent = resolve_agent(setup.spec)
+        self.tool_parser = self._agent.tool_parser
         self._calls = BoundedCalls(setup.concurrency, setup.timeout_s, f"agent-{setup.name}", "--task.env_timeout_s")
         self._clients: dict[bool, Any] = {}
         self.tasks: set[asyncio.Task[None]] = set()
@@ -313,7 +332,7 @@ async def _serve(fd: int, parent: int) -> None:
         writer.write(frame(HostReady(first_line(e))))
         await writer.drain()
         return
-    writer.write(frame(HostReady()))
+    writer.write(frame(HostReady(tool_parser=host.tool_parser)))
     while isinstance(message := await _read(reader), StartEpisode):
         host.start(message)
     watch.cancel()

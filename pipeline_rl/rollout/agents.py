@@ -57,7 +57,6 @@ from pipeline_rl.rollout.scoring import PendingGroup, Scorer
 from pipeline_rl.rollout.vllm_tools import (ChatCall, Choice, RequestError, TextCall, ToolCallParser,
                                             chat_response, text_response)
 from pipeline_rl.rollout.worker_stats import AgentMetric, Counters
-from pipeline_rl.tasks.agent import AgentSpec
 from pipeline_rl.tasks.base import Prompt
 
 #: The model name ``/v1/models`` lists (requests may name any).
@@ -100,9 +99,10 @@ class AgentRunner:
     worker's ``pending`` entry until sent (then removed); ``release(k)``: give ``k`` admitted
     groups back (a group none of whose agents made a request has nothing to send). An
     evaluation's episode (its key ``EVAL_PREFIX...``) runs the agent too, under the
-    evaluation's sampling; ``answered(key, text, versions, reward)`` takes its end."""
+    evaluation's sampling; ``answered(key, text, versions, reward)`` takes its end. ``agent``:
+    the ``MODULE:FUNCTION`` spec, imported in the agents' process only."""
 
-    def __init__(self, cfg: Config, agent: AgentSpec, engine: GenerationEngine, name: str, key: str | None,
+    def __init__(self, cfg: Config, agent: str, engine: GenerationEngine, name: str, key: str | None,
                  wake: Callable[[], None], scorer: Scorer, counters: Counters, lock: threading.Lock,
                  pending: dict[int, PendingGroup], release: Callable[[int], object],
                  answered: Callable[[str, str, np.ndarray, float | None], None],
@@ -129,7 +129,7 @@ class AgentRunner:
         self._loops = LoopThread(f"endpoint-{name}")
         self.endpoint = Endpoint(self, self._key, name, self._loops, self._refused)
         self.endpoint.start()
-        self._host = AgentHost(HostSetup(agent.name, self._key, cfg.task.env_timeout_s,
+        self._host = AgentHost(HostSetup(agent, self._key, cfg.task.env_timeout_s,
                                          cfg.task.env_concurrency + cfg.rollout.max_num_seqs, tuple(sys.path), name,
                                          host_cpus()),
                                self._host_ended, fail)
@@ -214,7 +214,7 @@ class AgentRunner:
         if out.error is not None:   # the agent's failure: counted, the episode scored 0
             verb = "timed out" if out.timed_out else ("raised" if out.raised else "")
             ended = "timeout" if out.timed_out else "env_error"
-            self._scorer.failure(f"agent {self._agent.name} {verb + ' ' if verb else ''}on prompt "
+            self._scorer.failure(f"agent {self._agent} {verb + ' ' if verb else ''}on prompt "
                                  f"{episode.prompt.prompt_id}: {out.error}", env=True, timeout=out.timed_out)
         with self._clock:
             self._c.episode_ended(ended, len(calls), out.seconds, episode.tool_calls, 0,
@@ -275,7 +275,7 @@ class AgentRunner:
                                 call.messages, answers)
         seqs = await self._generate(episode, prompt_ids, call.n, call.max_tokens, call.temperature, call.top_p,
                                     call.seed)
-        parser = (ToolCallParser(self._agent.tool_parser, self._engine.tokenizer, call.tools)
+        parser = (ToolCallParser(self._host.tool_parser, self._engine.tokenizer, call.tools)
                   if call.tools and call.parse_tools else None)
         choices = [self._choice(seq, parser, call.logprobs) for seq in seqs]
         self._record(episode, prompt_ids, seqs, choices)

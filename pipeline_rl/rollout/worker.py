@@ -62,7 +62,6 @@ from pipeline_rl.weight_sync.shm import OfferSegment
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task
-from pipeline_rl.tasks.agent import resolve_agent
 from pipeline_rl.tasks.env import resolve_env, task_env_factory
 
 if TYPE_CHECKING:
@@ -114,7 +113,7 @@ class RolloutWorker:
             factory, cfg.task, self._engine, cfg.rollout.max_model_len, str(worker_id), self._wake.set,
             self._episode_ended, lambda line, timeout: self._scorer.failure(line, env=True, timeout=timeout))
         if cfg.task.agent:   # an agent's groups are its runner's until sent (from self._pending)
-            self._episodes = AgentRunner(cfg, resolve_agent(cfg.task.agent), self._engine, str(worker_id), endpoint_key,
+            self._episodes = AgentRunner(cfg, cfg.task.agent, self._engine, str(worker_id), endpoint_key,
                                          self._wake.set, self._scorer, self._c, self._lock, self._pending,
                                          lambda k: self._admission.release(worker_id, k), self._answered, self.fail)
 

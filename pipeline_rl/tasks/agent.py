@@ -13,7 +13,8 @@ the name of vLLM's tool-call parser for the model's calls (``vllm serve --tool-c
 default :data:`DEFAULT_TOOL_PARSER`).
 
 The spec is resolved in the driver before any process starts (a misnamed one is a one-line
-:class:`TaskError` naming ``task.agent``, exit status 2), and again in every rollout worker.
+:class:`TaskError` naming ``task.agent``, exit status 2), and again in each rollout worker's
+agents' process (``rollout/agent_host.py``), which runs it; the worker itself never imports it.
 """
 
 from __future__ import annotations
