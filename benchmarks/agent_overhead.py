@@ -48,6 +48,8 @@ AGENT = "pipeline_rl.tasks.calc_agent:calc"
 #: The bound the endpoint's overhead is held to (environment form's tokens/s over the agent form's).
 LIMIT = 1.25
 FORMS = ("env", "agent")
+#: The name of the thread that runs the worker's engine loop (its CPU is the "engine" share).
+ENGINE_THREAD = "engine-loop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +103,6 @@ def role(thread: str) -> str:
         return "serving"
     return "other"
 
-
-ENGINE_THREAD = "engine-loop"
 
 
 def one_form(round_: int, form: str, groups: int, warmup: int, flags: list[str], spec: str = AGENT) -> FormRun:
