@@ -89,7 +89,7 @@ class LocalPipeline:
         from pipeline_rl.weight_sync.publisher import WeightPublisher
 
         # A worker in this process takes the update straight from the training thread.
-        return WeightPublisher([self.worker], background=False, transport="object_store")
+        return WeightPublisher([self.worker], background=False, path="object_store")
 
     @cached_property
     def rank_step(self) -> RankStep:

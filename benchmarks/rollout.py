@@ -91,7 +91,7 @@ def run_worker(engine: object, model_dir: str, w: Workload, *, offers: Sequence[
             update = offers[i % len(offers)]
             i += 1
             in_flight.append(engine.num_unfinished())  # type: ignore[attr-defined]
-            worker.offer_weights(_bump(update, engine.version + 1))  # type: ignore[attr-defined]
+            worker.offer_weights(_bump(update, engine.version + 1))  # type: ignore[attr-defined,arg-type]
             done.wait(update_every_s)
 
     t = threading.Thread(target=offer_loop, daemon=True) if offers else None

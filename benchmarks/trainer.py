@@ -9,7 +9,7 @@ staleness ``--staleness``), generates random well-formed groups (``rollout.n`` c
 to ``rollout.max_new_tokens`` tokens) stamped with the version it knows, optionally at a capped
 rate (``--gen-groups-per-s``), and puts them into the buffer. After every step the weights are
 published through :class:`WeightPublisher` to ``--workers`` Ray actors that fetch each update
-from the object store the way a rollout worker does (``[ObjectRef]`` -> ``resolve_offer``).
+from the object store the way a rollout worker does (the object-store weight path).
 
 Figures (``--json PATH`` writes them; the three headline keys are always there):
 - ``step_time_s``: mean wall time of ``Trainer.step`` (batch of ``trainer.batch_size`` sequences);
@@ -71,17 +71,23 @@ class BenchResult:
 
 
 class Receiver:
-    """Ray actor standing in for a rollout worker's receiving side: takes ``[ObjectRef]``,
-    fetches the update from the object store, records when it had it."""
+    """Ray actor standing in for a rollout worker's receiving side: takes the object-store
+    path's updates, fetches each from the object store, records when it had it."""
 
     def __init__(self) -> None:
         self.times: dict[int, float] = {}
 
-    def offer_weights(self, offer: Any) -> None:
-        from pipeline_rl.weight_sync.message import resolve_offer
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
+        from pipeline_rl.weight_sync.object_store import update_of
 
-        update = resolve_offer(offer)
+        update = update_of(update_info)
         self.times[update.version] = time.time()
+        return 0.0
+
+    def placement(self) -> Any:
+        from pipeline_rl.weight_sync.paths import local_placement
+
+        return local_placement()
 
     def received(self) -> dict[int, float]:
         return self.times
@@ -134,7 +140,7 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
         receivers: list[Any] = [ray.remote(num_cpus=0.01)(Receiver).remote() for _ in range(workers)]
         if receivers:
             ray.get([r.received.remote() for r in receivers])
-        publisher = WeightPublisher(receivers, transport="object_store")
+        publisher = WeightPublisher(receivers, path="object_store")
         local = LocalPipeline(cfg, model_dir=str(model_dir), publisher=publisher)
         buffer, rank_step = local.buffer, local.rank_step
         params = sum(p.numel() for p in local.trainer.model.parameters())

@@ -18,12 +18,12 @@ and generating continuously on a thread of its own: ``--max-num-seqs`` sequences
 flight (random-token prompts of ``--prompt-len``, ``--max-new-tokens`` tokens each,
 ``ignore_eos``; a finished one is replaced at once), ``engine.apply_staged()``
 between two steps. The actor takes weights like ``RolloutActor``: the four vLLM
-weight-transfer calls and ``offer_weights([ObjectRef])`` (``resolve_offer`` ->
-``check_update`` -> ``engine.stage``), all on one staging thread. The driver is
+weight-transfer calls, on every path (Ray's object store is one: the worker's receiver
+fetches the object), all on one staging thread. The driver is
 the "trainer": a plain torch Hugging Face model of the same weights; each "trainer
 step" scales every parameter by ``1 +- 1e-3``, copies them out with
 ``gather_weights(model, version, zero_stage=0)`` and hands the update to a real
-``WeightPublisher(workers, transport=...)`` (background thread, as in a run).
+``WeightPublisher(workers, path=...)`` (background thread, as in a run).
 ``--warmup`` + ``--updates`` versions are published ``--interval-s`` apart; the
 warm-up ones are left out of the figures (``warmup_latency_ms`` keeps them): the first
 opens the vLLM channel (or the async engine's loopback channel), and with the 27 M
@@ -51,10 +51,10 @@ Measured, per cell:
   ``start_weight_update`` to ``resume_generation`` in ``finish_weight_update``).
 - ``bytes_per_update``; the trainer side's ``gather_ms`` (the copy on the training
   thread) and ``caller_block_ms`` (what ``publish`` blocked it); the publisher's
-  per-version ``put_ms`` (object store) / ``offer_ms`` (object store: issuing the
-  offers; vllm: the whole send) and, for vllm, the send's ``start``/``transfer``/
+  per-version ``put_ms`` (object store) / ``offer_ms`` (the whole send) and the send's
+  ``start``/``transfer``/
   ``finish`` phases; the worker's time per staging call (``worker_calls_ms``;
-  ``offer_weights`` also split into ``offer.resolve``/``offer.calls``) and
+  and
   its generation rate while updates arrived (``tokens_per_s``).
 - ``latency_p50_vs_object_store``: the cell's latency p50 over the ``object_store``
   cell's of the same model and engine.
@@ -91,7 +91,6 @@ from typing import Any, cast
 import numpy as np
 
 from benchmarks.common import ROOT, Outcome, at_least, hardware, main as bench_main, ray_session
-from pipeline_rl.weight_sync.shm import OfferSegment
 
 RESULTS = ROOT / "benchmarks" / "results"
 ENGINES = ("inprocess", "async")
@@ -159,7 +158,6 @@ class SyncWorker:
         self._prompts = [tuple(p) for p in prompts]
         self._max_num_seqs = max_num_seqs
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager")
-        self._offers = OfferSegment()   # offers take the weight calls through it, as RolloutWorker's do
         self._cond = threading.Condition()
         # version, time, stall_s, in flight, bytes, transfer_s, load_s
         self._applied: list[tuple[int, float, float, int, int, float, float]] = []
@@ -225,24 +223,6 @@ class SyncWorker:
 
         self._stager.submit(timed).result()
 
-    def offer_weights(self, refs: list[Any]) -> None:
-        self._take("offer_weights", self._offer, refs)
-
-    def _offer(self, refs: list[Any]) -> None:
-        """RolloutWorker.offer_weights, its two phases timed: the object fetched, then laid
-        out in this worker's segment and taken through the engine's weight calls."""
-        from pipeline_rl.rollout.engine import EngineCalls
-        from pipeline_rl.weight_sync.message import resolve_offer
-
-        t0 = time.perf_counter()
-        update = resolve_offer(refs)
-        t1 = time.perf_counter()
-        self._offers.offer(EngineCalls(self._engine), update)
-        t2 = time.perf_counter()
-        with self._cond:
-            for name, dt in (("offer.resolve", t1 - t0), ("offer.calls", t2 - t1)):
-                self._calls.setdefault(name, []).append(dt)
-
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._take("init_weight_transfer_engine", self._engine.init_weight_transfer_engine, init_info)
 
@@ -299,7 +279,6 @@ class SyncWorker:
         if self._thread is not None:
             self._thread.join(30)
         self._stager.shutdown(wait=True)
-        self._offers.close()
         self._engine.close()
 
 
@@ -381,11 +360,7 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
         ray.get([w.start.remote() for w in workers])
         if not all(ray.get([w.wait_generating.remote(1, args.timeout_s) for w in workers])):
             raise RuntimeError(f"{engine}: no sequence finished within {args.timeout_s} s")
-        if transport == "object_store":
-            publisher = WeightPublisher(workers, transport="object_store")
-        else:
-            path = "auto" if transport == "vllm" else transport
-            publisher = WeightPublisher(workers, transport="vllm", path=cast(Any, path))
+        publisher = WeightPublisher(workers, path=cast(Any, "auto" if transport == "vllm" else transport))
         total = args.warmup + updates
         gather_s: list[float] = []
         block_s: list[float] = []

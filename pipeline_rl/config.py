@@ -114,6 +114,12 @@ class RolloutConfig(Section):
             if why is not None:
                 raise ValueError(why)
         return v
+
+    def publisher_path(self) -> Literal["auto", "shm", "gloo", "ipc", "nccl", "object_store"]:
+        """The path the trainer's publisher is given: the object store's for that
+        transport, else ``weight_path``."""
+        return "object_store" if self.weight_transport == "object_store" else self.weight_path
+
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")

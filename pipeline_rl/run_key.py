@@ -6,15 +6,20 @@ it is never printed, logged, written to the run folder or put in an environment
 variable. What is derived from it, each under its own label (HMAC-SHA256, so one derived
 value tells nothing of the key or of another):
 
-- the replay buffer's ZeroMQ CURVE key pairs (``pipeline_rl.buffer.auth``);
-- the proofs the two ends of a cross-node weight channel exchange before any weight moves
-  (``pipeline_rl.weight_sync.rendezvous_auth``).
+the table :data:`LABELS` (this module is the only one that derives anything from a key):
+
+- the replay buffer's ZeroMQ CURVE key pairs and its PLAIN password
+  (``pipeline_rl.buffer.auth``);
+- the secret with which the two ends of a weight channel (gloo, nccl) prove the run key
+  to each other before any weight moves (``pipeline_rl.weight_sync.rendezvous_auth``);
+- the agent endpoint's bearer token (``pipeline_rl.rollout.agents``).
 
 Invariants: ``repr``/``str``/``format`` never show the secret; a key compares equal
-only to the same secret (in constant time). An actor process installs the key it was
-handed (:func:`install`) once, in its constructor, for the code that cannot be handed
-it as an argument (the weight channel, built inside vLLM's calls); :func:`installed`
-is None in any other process (tests, the in-process benchmarks).
+only to the same secret (in constant time). The key is passed explicitly, as an
+argument, to every object that proves it; no process holds it in a global. Outside a run
+(tests, the in-process benchmarks) a component is handed None: no proof is asked for,
+except by the agent endpoint, which then gets a fresh key's token
+(:func:`endpoint_token`).
 """
 
 from __future__ import annotations
@@ -23,9 +28,33 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass, field
+from enum import Enum
 
 KEY_BYTES = 32
 _LABEL_PREFIX = b"pipeline_rl/"
+
+
+class Purpose(Enum):
+    """What a derived value is for (each has its label in :data:`LABELS`)."""
+
+    BUFFER_SERVER = "buffer server CURVE pair"
+    BUFFER_CLIENT = "buffer client CURVE pair"
+    BUFFER_PLAIN = "buffer PLAIN password"
+    WEIGHTS_RENDEZVOUS = "weight channel proof"
+    AGENT_ENDPOINT = "agent endpoint token"
+    HASH = "the key's hash"
+
+
+#: The label each purpose is derived under (fixed: changing one changes every value
+#: derived for that purpose).
+LABELS: dict[Purpose, str] = {
+    Purpose.BUFFER_SERVER: "buffer/curve-server",
+    Purpose.BUFFER_CLIENT: "buffer/curve-client",
+    Purpose.BUFFER_PLAIN: "buffer/plain-password",
+    Purpose.WEIGHTS_RENDEZVOUS: "weights/rendezvous",
+    Purpose.AGENT_ENDPOINT: "agent-endpoint",
+    Purpose.HASH: "hash",
+}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -44,11 +73,16 @@ class RunKey:
         """A fresh key from the operating system's randomness (``secrets``)."""
         return cls(secrets.token_bytes(KEY_BYTES))
 
-    def derive(self, label: str, context: bytes = b"") -> bytes:
-        """32 bytes for one purpose: HMAC-SHA256 of ``label`` and ``context`` under the key.
-        Different labels (or contexts) give independent values."""
-        message = _LABEL_PREFIX + label.encode() + b"\0" + context
+    def derive(self, purpose: Purpose, context: bytes = b"") -> bytes:  # the only derivation
+        """32 bytes for one ``purpose``: HMAC-SHA256 of its label (:data:`LABELS`) and
+        ``context`` under the key. Different purposes (or contexts) give independent
+        values."""
+        message = _LABEL_PREFIX + LABELS[purpose].encode() + b"\0" + context
         return hmac.new(self.secret, message, hashlib.sha256).digest()
+
+    def rendezvous_secret(self) -> bytes:
+        """What both ends of a weight channel prove they hold (``rendezvous_auth``)."""
+        return self.derive(Purpose.WEIGHTS_RENDEZVOUS)
 
     def __repr__(self) -> str:
         return "RunKey(<hidden>)"
@@ -62,19 +96,15 @@ class RunKey:
         return isinstance(other, RunKey) and hmac.compare_digest(self.secret, other.secret)
 
     def __hash__(self) -> int:
-        return hash(self.derive("hash"))
+        return hash(self.derive(Purpose.HASH))
 
 
-_installed: RunKey | None = None
+def rendezvous_secret(key: RunKey | None) -> bytes:
+    """The weight channels' proof secret: empty outside a run (no key to prove)."""
+    return key.rendezvous_secret() if key is not None else b""
 
 
-def install(key: RunKey | None) -> None:
-    """Make ``key`` this process's run key (an actor's constructor does, with the key Ray
-    handed it; None: no key, as outside a run)."""
-    global _installed
-    _installed = key
-
-
-def installed() -> RunKey | None:
-    """This process's run key (:func:`install`), or None outside a run's actors."""
-    return _installed
+def endpoint_token(key: RunKey | None) -> str:
+    """The agent endpoint's bearer token: derived from the run's key, or from a fresh
+    key of its own for a worker outside a run (tests)."""
+    return (key if key is not None else RunKey.new()).derive(Purpose.AGENT_ENDPOINT).hex()

@@ -24,7 +24,7 @@ from pipeline_rl.weight_sync.protocol import receive_in_one_call, tagged
 
 def gloo_trainer(engine: GenerationEngine, bucket_bytes: int, timeout_s: float = 30.0) -> Channel:
     """The trainer's end of a gloo channel the engine joined (in this process)."""
-    pending, port = Channel.serve("127.0.0.1", timeout_s)
+    pending, port = Channel.serve("127.0.0.1", timeout_s, b"")
     joining = in_daemon_thread(engine.init_weight_transfer_engine,
                                tagged(GlooInitInfo("127.0.0.1", port, bucket_bytes, timeout_s)))
     channel = pending.join()
@@ -65,9 +65,9 @@ class ThreadClient:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         info = decode_init_info(init_info)
         if isinstance(info, nccl.NcclInitInfo):
-            self.group, self.bucket_bytes = nccl.join(info, 1), info.bucket_bytes
+            self.group, self.bucket_bytes = nccl.join(info, 1, b""), info.bucket_bytes
             return
-        self.channel, self.bucket_bytes = Channel.connect(info), info.bucket_bytes
+        self.channel, self.bucket_bytes = Channel.connect(info, b""), info.bucket_bytes
 
     def start_weight_update(self) -> None:
         pass

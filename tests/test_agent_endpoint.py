@@ -32,10 +32,13 @@ from pipeline_rl.evaluation import EvalRequest
 from pipeline_rl.rollout.agents import AgentRunner
 from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine
 from pipeline_rl.rollout.worker import RolloutWorker
+from pipeline_rl.run_key import RunKey, endpoint_token
 from pipeline_rl.samples import Group
 from pipeline_rl.tasks import AdditionTask, Prompt
 
 N = 2
+RUN_KEY = RunKey.new()   # the run's key: the buffer's and the endpoint's (its token derived)
+TOKEN = endpoint_token(RUN_KEY)
 TOOLS: list[Any] = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
 
@@ -148,7 +151,7 @@ class Rig:
     def __init__(self, engine: GenerationEngine, agent: str, prompts: Any = None, **task: object) -> None:
         """``agent``: a function of this module, or MODULE:FUNCTION; ``prompts``: the task (additions)."""
         self.buffer = ReplayBuffer(capacity_groups=64, staleness=1000, groups_per_step=1)
-        self.server = BufferServer(self.buffer)
+        self.server = BufferServer(self.buffer, key=RUN_KEY)
         cfg = Config.model_validate({"rollout": {"n": N, "max_new_tokens": 6, "max_num_seqs": 8,
                                                  "max_model_len": 512},
                                      "trainer": {"batch_size": 2 * N}, "staleness": 1000,
@@ -156,7 +159,7 @@ class Rig:
                                               **task}})
         self.worker = RolloutWorker(cfg, 0, "unused", self.server.address, self.buffer,
                                     prompts or AdditionTask(2, 1000, 0),
-                                    engine=engine, endpoint_key="the-run-key")
+                                    engine=engine, key=RUN_KEY)
         runner = self.worker._episodes
         assert isinstance(runner, AgentRunner)
         self.runner = runner
@@ -257,7 +260,7 @@ def test_the_endpoint_takes_only_the_runs_key(qwen_engine: GenerationEngine) -> 
         assert _post(f"{base}/chat/completions", {"Authorization": "Bearer wrong"})[0] == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="not-the-key", max_retries=0).models.list()
-        good = openai.OpenAI(base_url=base, api_key="the-run-key", max_retries=0)
+        good = openai.OpenAI(base_url=base, api_key=TOKEN, max_retries=0)
         assert [m.id for m in good.models.list()] == ["policy"]
         with pytest.raises(openai.NotFoundError):   # the key, but no such episode running
             good.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
@@ -268,7 +271,7 @@ def test_the_endpoint_takes_only_the_runs_key(qwen_engine: GenerationEngine) -> 
 
 def test_a_malformed_request_is_answered_400_in_one_line(qwen_engine: GenerationEngine) -> None:
     rig = Rig(qwen_engine, "two_turns")
-    key = {"Authorization": "Bearer the-run-key"}
+    key = {"Authorization": f"Bearer {TOKEN}"}
     try:
         base = rig.runner.endpoint.base_url("0:0")
         for path, body, says in [("completions", b"{not json", "Invalid JSON"),

@@ -20,7 +20,7 @@ import zmq
 
 from pipeline_rl.buffer import BufferServer, BufferUnreachable, GroupSender, ReplayBuffer
 from pipeline_rl.buffer.auth import PLAIN_USERNAME, Mechanism, client_pair, mechanism_for, server_pair
-from pipeline_rl.run_key import RunKey
+from pipeline_rl.run_key import Purpose, RunKey
 from pipeline_rl.samples import Completion, Group
 from pipeline_rl.wire import encode_group
 
@@ -66,7 +66,7 @@ def test_run_key_never_shows_its_secret_and_survives_pickling() -> None:
     for text in (repr(key), str(key), f"{key}", repr([key])):
         assert key.secret.hex() not in text and "hidden" in text
     assert pickle.loads(pickle.dumps(key)) == key != RunKey.new()
-    assert key.derive("a") != key.derive("b") and len(key.derive("a")) == 32
+    assert key.derive(Purpose.HASH) != key.derive(Purpose.BUFFER_PLAIN) and len(key.derive(Purpose.HASH)) == 32
     assert server_pair(key) != client_pair(key) and key.secret.hex() not in repr(server_pair(key))
     with pytest.raises(ValueError, match="32 bytes"):
         RunKey(b"short")

@@ -41,8 +41,8 @@ LAYOUT = ROOT / "docs" / "layout.md"
 RAY_ALLOWED = frozenset({
     "pipeline_rl.actors",
     "pipeline_rl.run",
-    "pipeline_rl.weight_sync.publisher",   # its Ray-actor client (calls a worker's actor) and object-store offers
-    "pipeline_rl.weight_sync.message",     # resolve_offer: a WeightUpdate offered as a Ray ObjectRef
+    "pipeline_rl.weight_sync.publisher",   # its Ray-actor client (calls a worker's actor)
+    "pipeline_rl.weight_sync.object_store",  # the object-store path: ray.put / ray.get of a version
     "pipeline_rl.weight_sync.clients",     # a worker's Ray actor as vLLM's weight-sync client; the node IP
     "pipeline_rl.weight_sync.paths",       # this process's Ray node id (which path a worker gets)
 })

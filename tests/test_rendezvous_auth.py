@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_rl import run_key
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.run_key import RunKey
 from pipeline_rl.weight_sync import rendezvous_auth
@@ -42,20 +41,17 @@ def outsider() -> Iterator[tuple["mp.pool.Pool", "mp.SimpleQueue[int]"]]:
 
 
 @pytest.fixture
-def key() -> Iterator[RunKey]:
-    """This test process plays the run: its key is installed as an actor's would be."""
-    key = RunKey.new()
-    run_key.install(key)
-    yield key
-    run_key.install(None)
+def key() -> RunKey:
+    """This test process plays the run: its key is handed to each end as an actor's would be."""
+    return RunKey.new()
 
 
 def foreign_join(port: int, with_key: bool) -> str:
     """Another process: joins the trainer's rendezvous as the worker would (the project's
     own code), holding another run's key or none. Returns how it ended."""
-    run_key.install(RunKey.new() if with_key else None)
+    secret = RunKey.new().rendezvous_secret() if with_key else b""
     try:
-        channel = Channel.connect(GlooInitInfo("127.0.0.1", port, timeout_s=TIMEOUT_S))
+        channel = Channel.connect(GlooInitInfo("127.0.0.1", port, timeout_s=TIMEOUT_S), secret)
     except RendezvousRefused as e:
         return f"refused: {e}"
     buf = torch.zeros(4, dtype=torch.uint8)
@@ -69,7 +65,7 @@ def test_a_foreign_process_is_refused_at_the_rendezvous(
     caplog.set_level(logging.WARNING)
     before = rendezvous_auth.refusals()
     for with_key in (True, False):
-        pending, port = Channel.serve("127.0.0.1", TIMEOUT_S)
+        pending, port = Channel.serve("127.0.0.1", TIMEOUT_S, key.rendezvous_secret())
         attempt = outsider[0].apply_async(foreign_join, (port, with_key))
         with pytest.raises(RendezvousRefused, match="refused a peer .*does not hold this run's key"):
             pending.join()
@@ -80,8 +76,9 @@ def test_a_foreign_process_is_refused_at_the_rendezvous(
 
 
 def test_the_runs_worker_is_admitted_and_receives(key: RunKey) -> None:
-    pending, port = Channel.serve("127.0.0.1", TIMEOUT_S)
-    worker = in_daemon_thread(Channel.connect, GlooInitInfo("127.0.0.1", port, timeout_s=TIMEOUT_S))
+    pending, port = Channel.serve("127.0.0.1", TIMEOUT_S, key.rendezvous_secret())
+    worker = in_daemon_thread(Channel.connect, GlooInitInfo("127.0.0.1", port, timeout_s=TIMEOUT_S),
+                              key.rendezvous_secret())
     trainer = pending.join()
     joined = worker.result(TIMEOUT_S)
     sent = torch.from_numpy(np.arange(8, dtype=np.uint8))
@@ -96,8 +93,7 @@ def test_the_runs_worker_is_admitted_and_receives(key: RunKey) -> None:
 
 def foreign_serve() -> str:
     """Another process plays the trainer, with another run's key (its port goes out first)."""
-    run_key.install(RunKey.new())
-    pending, port = Channel.serve("127.0.0.1", TIMEOUT_S)
+    pending, port = Channel.serve("127.0.0.1", TIMEOUT_S, RunKey.new().rendezvous_secret())
     assert _ports is not None
     _ports.put(port)
     try:
@@ -113,5 +109,5 @@ def test_the_runs_worker_refuses_a_foreign_trainer(
     attempt = pool.apply_async(foreign_serve)
     port = ports.get()
     with pytest.raises(RendezvousRefused, match="trainer's end did not prove"):
-        Channel.connect(GlooInitInfo("127.0.0.1", port, timeout_s=TIMEOUT_S))
+        Channel.connect(GlooInitInfo("127.0.0.1", port, timeout_s=TIMEOUT_S), key.rendezvous_secret())
     assert attempt.get(TIMEOUT_S) == "refused"

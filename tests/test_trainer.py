@@ -343,8 +343,11 @@ def test_rank_step_consumes_from_replay_buffer(trainer_factory: Any) -> None:
     seen: list[int] = []
 
     class Sink:
-        def offer_weights(self, update: Any) -> None:
-            seen.append(update.version)
+        def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
+            from pipeline_rl.weight_sync.object_store import update_of
+
+            seen.append(update_of(update_info).version)
+            return 0.0
 
     stop = threading.Event()
 
@@ -359,7 +362,7 @@ def test_rank_step_consumes_from_replay_buffer(trainer_factory: Any) -> None:
 
     th = threading.Thread(target=produce, daemon=True)
     th.start()
-    pub = WeightPublisher([Sink()], background=False, transport="object_store")
+    pub = WeightPublisher([Sink()], background=False, path="object_store")
     step = RankStep(trainer, buf, pub)
     reports = [step(30.0) for _ in range(3)]
     pub.close()

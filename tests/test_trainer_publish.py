@@ -19,6 +19,7 @@ import pytest
 
 from pipeline_rl.weight_sync.publisher import WeightPublisher
 from pipeline_rl.weight_sync.message import WeightUpdate
+from pipeline_rl.weight_sync.object_store import update_of
 from pipeline_rl.config import Config
 
 
@@ -34,15 +35,16 @@ class SlowSink:
         self.release = threading.Event()
         self.entered = threading.Event()
 
-    def offer_weights(self, update: WeightUpdate) -> None:
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
         self.entered.set()
         self.release.wait(10)
-        self.versions.append(update.version)
+        self.versions.append(update_of(update_info).version)
+        return 0.0
 
 
 def test_publisher_sends_newest_and_counts_superseded() -> None:
     sink = SlowSink()
-    pub = WeightPublisher([sink], transport="object_store")
+    pub = WeightPublisher([sink], path="object_store")
     blocked = [pub.publish(_update(1))]
     assert sink.entered.wait(10)                                     # v1 is being sent (slowly)
     blocked += [pub.publish(_update(v)) for v in (2, 3, 4)]
@@ -53,7 +55,7 @@ def test_publisher_sends_newest_and_counts_superseded() -> None:
     assert sink.versions == [1, 4]                                   # 2 and 3 were superseded
     assert s.published == 2 and s.superseded == 2 and s.last_version == 4
     assert max(blocked) < 0.05                                       # the caller never waits on the sink
-    p = WeightPublisher([sink], transport="object_store")
+    p = WeightPublisher([sink], path="object_store")
     p.publish(_update(5))
     p.publish(_update(5))                                            # a repeat is ignored
     with pytest.raises(ValueError, match="older than 5"):
@@ -66,7 +68,7 @@ def test_new_worker_gets_latest_at_once() -> None:
     a, b = SlowSink(), SlowSink()
     a.release.set()
     b.release.set()
-    pub = WeightPublisher([a], background=False, transport="object_store")
+    pub = WeightPublisher([a], background=False, path="object_store")
     pub.publish(_update(1))
     pub.set_workers([a, b])
     assert a.versions == [1] and b.versions == [1]
@@ -90,16 +92,22 @@ def ray_local() -> Any:
 
 
 class Receiver:
-    """A Ray actor taking offers the way the rollout worker does (``resolve_offer``)."""
+    """A Ray actor taking the object-store path's updates (fetched from the object store)."""
 
     def __init__(self) -> None:
         self.got: list[tuple[int, float]] = []
 
-    def offer_weights(self, offer: Any) -> None:
-        from pipeline_rl.weight_sync.message import resolve_offer
+    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
+        from pipeline_rl.weight_sync.object_store import update_of
 
-        update = resolve_offer(offer)
+        update = update_of(update_info)
         self.got.append((update.version, float(update.arrays[0].sum())))
+        return 0.0
+
+    def placement(self) -> Any:
+        from pipeline_rl.weight_sync.paths import local_placement
+
+        return local_placement()
 
     def received(self) -> list[tuple[int, float]]:
         return self.got
@@ -114,7 +122,7 @@ def test_publish_through_ray_object_store(ray_local: Any) -> None:
     ray = ray_local
     actor = ray.remote(num_cpus=0.1)(Receiver)
     workers = [actor.remote(), actor.remote()]
-    pub = WeightPublisher(workers, transport="object_store")
+    pub = WeightPublisher(workers, path="object_store")
     for v in (1, 2, 3):
         pub.publish(_update(v))
         assert pub.flush(30)

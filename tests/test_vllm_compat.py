@@ -56,7 +56,7 @@ def test_version_record_splits_tokens_at_each_switch() -> None:
 def test_backend_completed_under_a_base_with_an_abstract_trainer_half() -> None:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    from pipeline_rl.weight_sync.receiver import WeightReceiver
+    from pipeline_rl.weight_sync.vllm_backend import WeightReceiver
 
     class Base026(WeightTransferEngine[Any, Any]):   # vLLM 0.26's base, as far as it matters here
         @staticmethod

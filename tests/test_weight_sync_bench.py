@@ -40,6 +40,6 @@ def test_weight_sync_benchmark_tiny(tmp_path: Path) -> None:
         assert c["tokens_per_s"] > 0
     assert cells[1]["latency_p50_vs_object_store"] == pytest.approx(1.0)
     assert cells[0]["publisher"]["send_ms"] is not None              # vllm: the send's phases
-    assert "offer_weights" in cells[1]["worker_calls_ms"]          # object_store: offers
+    assert "update_weights" in cells[1]["worker_calls_ms"]         # object_store: a path like the others
     text = md.read_text()
     assert text.startswith("Weight sync:") and "| tiny |" in text

@@ -51,7 +51,6 @@ class RolloutHandle(Protocol):
 
     ready: Remote[[], bool]
     run: Remote[[int], "WorkerStats"]
-    offer_weights: Remote[[list[Any]], None]
     init_weight_transfer_engine: Remote[[dict[str, Any]], None]
     start_weight_update: Remote[[], None]
     update_weights: Remote[[dict[str, Any]], None]

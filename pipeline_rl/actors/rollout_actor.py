@@ -16,11 +16,9 @@ from pipeline_rl.actors.buffer_actor import RayAdmission
 from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
-from pipeline_rl.run_key import RunKey, install
+from pipeline_rl.run_key import RunKey
 
 if TYPE_CHECKING:
-    from ray import ObjectRef
-
     from pipeline_rl.evaluation import EvalRequest, EvalResult
     from pipeline_rl.rollout.worker import WorkerStats
     from pipeline_rl.weight_sync.paths import Placement
@@ -34,19 +32,18 @@ class WeightLoadFailed(RuntimeError):
 
 class RolloutActor:
     """One vLLM rollout worker. Threaded actor: ``run`` holds one thread for the
-    generation loop while ``offer_weights``/``stats``/``stop`` are served beside it."""
+    generation loop while the weight calls, ``stats`` and ``stop`` are served beside it."""
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
                  core: CoreSlot | None = None, gpu_memory: float | None = None, *,
                  key: RunKey | None = None) -> None:
-        """``key``: the run key, installed for this process (the buffer's sender and the
-        weight channel prove it; the agent endpoint's key is derived from it).
+        """``key``: the run key (the buffer's sender and the weight channels prove it; the
+        agent endpoint's token is derived from it).
         ``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
         so the driver starts this actor while the buffer is still starting. ``core``: the
         core slot this worker's process is pinned to (None: unpinned); ``gpu_memory``: the
         share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``)."""
         setup_actor_process(cfg, f"rollout-{worker_id}", core=core)
-        install(key)
         from pipeline_rl.rollout.worker import RolloutWorker
         from pipeline_rl.tasks import build_task_for_model, plugin_reward, task_tokenizer
 
@@ -61,7 +58,7 @@ class RolloutActor:
         self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
                                      buffer_address=admission.buffer_address(), admission=admission,
                                      task=task, eval_task=eval_task, gpu_memory=gpu_memory,
-                                     endpoint_key=None if key is None else key.derive("agent-endpoint").hex())
+                                     key=key)
         end_of_startup()
 
     def ready(self) -> bool:
@@ -73,17 +70,12 @@ class RolloutActor:
         self._worker.start_at(start_counter)
         return self._worker.run()
 
-    def offer_weights(self, refs: list[ObjectRef]) -> None:
-        """Take new weights. Failing to take them is fatal to this worker: it could never
-        reach a newer version, so the admission budget would hold it idle forever. The
-        error ends :meth:`run` (the driver then ends the run naming it) and is re-raised."""
-        # Always on the one staging thread: Ray serves concurrent calls on a pool of
-        # threads, and every thread that frees an update's arrays grows its own malloc
-        # arena (measured: resident memory grew ~20 MB per 1,000 updates that way).
-        self._take(self._worker.offer_weights, refs)
-
     # vLLM's weight-transfer calls (the trainer's publisher drives them). All on the one
-    # staging thread, like offers; a failure is fatal to this worker, as for an offer.
+    # staging thread: Ray serves concurrent calls on a pool of threads, and every thread that
+    # frees an update's arrays grows its own malloc arena (measured: resident memory grew
+    # ~20 MB per 1,000 updates that way). Failing to take new weights is fatal to this worker:
+    # it could never reach a newer version, so the admission budget would hold it idle
+    # forever; the error ends :meth:`run` (the driver then ends the run naming it).
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._take(self._worker.init_weight_transfer_engine, init_info)
 

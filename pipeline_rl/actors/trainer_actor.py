@@ -16,7 +16,7 @@ from pipeline_rl import runtime_env
 from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
-from pipeline_rl.run_key import RunKey, install
+from pipeline_rl.run_key import RunKey
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle, RolloutHandle
@@ -54,10 +54,10 @@ class TrainerActor:
                  buffer: BufferHandle, core: CoreSlot | None = None, gpu_memory: float | None = None, *,
                  key: RunKey | None = None) -> None:
         """``gpu_memory``: the share of its GPU's memory this rank may take when the GPU is
-        shared with other actors (None: not capped); ``key``: the run key, installed for this
-        process (its weight channels prove it)."""
+        shared with other actors (None: not capped); ``key``: the run key (rank 0's weight
+        channels prove it to the workers)."""
         setup_actor_process(cfg, f"trainer-{rank}", core=core)
-        install(key)
+        self._key = key
         self._gpu_memory = gpu_memory
         self._cfg = cfg
         self._model_dir = model_dir
@@ -98,6 +98,7 @@ class TrainerActor:
     def _setup(self, master_addr: str, master_port: int) -> int:
         # Ray shows each rank only its own device: local rank 0, whatever the driver inherited
         runtime_env.for_rendezvous(master_addr, master_port, self._rank, self._world_size, local_rank=0)
+        from pipeline_rl.run_key import rendezvous_secret
         from pipeline_rl.weight_sync.publisher import WeightPublisher
         from pipeline_rl.training.rank_step import RankStep
         from pipeline_rl.training.trainer import Trainer
@@ -105,8 +106,8 @@ class TrainerActor:
         self._trainer_or_none = Trainer(self._cfg, self._model_dir, rank=self._rank,
                                 world_size=self._world_size, master_addr=master_addr,
                                 master_port=master_port, gpu_memory=self._gpu_memory)
-        self._publisher = (WeightPublisher(transport=self._cfg.rollout.weight_transport,
-                                           path=self._cfg.rollout.weight_path)
+        self._publisher = (WeightPublisher(path=self._cfg.rollout.publisher_path(),
+                                           secret=rendezvous_secret(self._key))
                            if self._rank == 0 else None)
         self._rank_step = RankStep(self._trainer, _BufferSource(self._buffer), self._publisher)
         end_of_startup()

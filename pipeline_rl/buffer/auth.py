@@ -41,7 +41,7 @@ from typing import Literal
 import zmq
 from zmq.utils import z85
 
-from pipeline_rl.run_key import RunKey
+from pipeline_rl.run_key import Purpose, RunKey
 
 log = logging.getLogger(__name__)
 
@@ -81,24 +81,24 @@ class CurvePair:
     secret: bytes = field(repr=False)
 
 
-def _pair(key: RunKey, label: str) -> CurvePair:
-    secret = z85.encode(key.derive(label))
+def _pair(key: RunKey, purpose: Purpose) -> CurvePair:
+    secret = z85.encode(key.derive(purpose))
     return CurvePair(zmq.curve_public(secret), secret)
 
 
 def server_pair(key: RunKey) -> CurvePair:
     """The buffer's CURVE key pair for this run."""
-    return _pair(key, "buffer/curve-server")
+    return _pair(key, Purpose.BUFFER_SERVER)
 
 
 def client_pair(key: RunKey) -> CurvePair:
     """The rollout workers' CURVE key pair for this run (one for all: each holds the run key)."""
-    return _pair(key, "buffer/curve-client")
+    return _pair(key, Purpose.BUFFER_CLIENT)
 
 
 def plain_password(key: RunKey) -> bytes:
     """The producers' PLAIN password for this run (Z85 of an HMAC of the run key)."""
-    return z85.encode(key.derive("buffer/plain-password"))
+    return z85.encode(key.derive(Purpose.BUFFER_PLAIN))
 
 
 def make_server(sock: zmq.Socket[bytes], key: RunKey, mechanism: Mechanism) -> None:

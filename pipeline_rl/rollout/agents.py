@@ -33,7 +33,6 @@ episode ended are dropped.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import sys
 import threading
 import time
@@ -102,7 +101,7 @@ class AgentRunner:
     evaluation's sampling; ``answered(key, text, versions, reward)`` takes its end. ``agent``:
     the ``MODULE:FUNCTION`` spec, imported in the agents' process only."""
 
-    def __init__(self, cfg: Config, agent: str, engine: GenerationEngine, name: str, key: str | None,
+    def __init__(self, cfg: Config, agent: str, engine: GenerationEngine, name: str, key: str,
                  wake: Callable[[], None], scorer: Scorer, counters: Counters, lock: threading.Lock,
                  pending: dict[int, PendingGroup], release: Callable[[int], object],
                  answered: Callable[[str, str, np.ndarray, float | None], None],
@@ -111,7 +110,7 @@ class AgentRunner:
         self._cfg, self._agent, self._engine, self._wake = cfg, agent, engine, wake
         self._scorer, self._c, self._clock, self._release = scorer, counters, lock, release
         self._pending, self.n, self._answered = pending, cfg.rollout.n, answered
-        self._key = key or secrets.token_urlsafe(32)   # a worker of its own (tests): a key of its own
+        self._key = key   # the run's endpoint token (run_key.endpoint_token)
         self._lock = threading.Lock()
         self._live: dict[str, AgentEpisode] = {}
         self._groups: dict[int, AgentGroup] = {}

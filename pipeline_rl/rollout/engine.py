@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -95,6 +95,9 @@ class EngineConfig:
     seed: int = 0
     initial_version: int = 0
     fault: str | None = None       # ``--fault`` (failure tests): ``engine_start@V`` fails the start
+    #: The run key's rendezvous secret (``run_key.rendezvous_secret``): the engine's weight
+    #: receiver proves it when it joins a trainer's group; empty outside a run.
+    rendezvous_secret: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +249,7 @@ class GenerationEngine(ABC):
 
 def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_version: int = 0,
                   device: Literal["cpu", "cuda"] = "cpu", gpu_memory: float | None = None,
-                  fault: str | None = None) -> EngineConfig:
+                  fault: str | None = None, rendezvous_secret: bytes = b"") -> EngineConfig:
     """The :class:`EngineConfig` for a ``RolloutConfig`` on ``device``: dtype ``auto``
     is float32 on CPU (bf16 is slower there without AVX512) and bfloat16 on CUDA
     (FlashAttention needs a 16-bit dtype); ``gpu_memory``: the share of a shared GPU's
@@ -259,7 +262,8 @@ def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_ver
                         max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len,
                         kv_cache_gib=rollout.kv_cache_gib or kv_cache_gib_needed(model_dir, rollout, dtype),
                         gpu_memory_fraction=gpu_memory if gpu_memory is not None else VLLM_DEFAULT_GPU_MEMORY,
-                        seed=seed, initial_version=initial_version, fault=fault)
+                        seed=seed, initial_version=initial_version, fault=fault,
+                        rendezvous_secret=rendezvous_secret)
 
 
 def served_dtype(dtype: str, device: str) -> Literal["float32", "bfloat16"]:

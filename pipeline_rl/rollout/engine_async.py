@@ -11,12 +11,14 @@ through the rollout worker, see ``pipeline_rl.weight_sync``); generation goes on
 until the bytes are here and checked::
 
     start_weight_update   nothing stops
-    update_weights        the bytes are staged in this process while the engine generates:
-                          received from the trainer's gloo channel into this worker's
-                          shared-memory segment, or (same machine) the trainer's own
-                          segment mapped; checked whole (names, shapes, finite values;
-                          on a GPU the values are the engine core's to check).
-                          ipc, nccl: nothing to stage here; the engine core opens the
+    update_weights        the host paths' bytes are staged in this process while the engine
+                          generates, by the one weight receiver (``weight_sync.receiver``):
+                          received from the trainer's gloo channel (or fetched from the
+                          object store) into this worker's shared-memory segment, or (same
+                          machine) the trainer's own segment mapped; checked whole (names,
+                          shapes, finite values; on a GPU the values are the engine core's
+                          to check). Paths whose bytes land on the device (ipc, nccl): the
+                          message goes to the engine core as it came, which opens the
                           trainer's GPU buffer or takes the broadcast, and checks it
     finish_weight_update  the engine core maps the segment and, on CPU, loads it into
                           a shadow of its model (on a GPU: copies it to the GPU and
@@ -49,7 +51,7 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Coroutine, TypeVar
 
 from pipeline_rl.rollout.engine import (
@@ -63,20 +65,13 @@ from pipeline_rl.rollout.engine import (
 from pipeline_rl import runtime_env
 from pipeline_rl.rollout import vllm_compat as compat
 from pipeline_rl.rollout.engine_inprocess import sampling_params, to_finished
-from pipeline_rl.weight_sync.channel import UpdateInfo, decode_init_info, decode_update_info
-from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo
+from pipeline_rl.weight_sync.channel import path_of
 from pipeline_rl.weight_sync.dtypes import from_torch
-from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo, receive_update
-from pipeline_rl.weight_sync.message import (
-    CheckedUpdate,
-    WeightUpdate,
-    WeightUpdateError,
-    read_weight_spec,
-    validate_update,
-)
-from pipeline_rl.weight_sync.nccl import NcclUpdateInfo
-from pipeline_rl.weight_sync.protocol import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, receive_in_one_call, tagged
-from pipeline_rl.weight_sync.shm import SegmentReader, SharedSegment, ShmUpdateInfo, StatusCell
+from pipeline_rl.weight_sync.layout import UpdateLayout
+from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, WeightUpdateError, read_weight_spec
+from pipeline_rl.weight_sync.protocol import DEFAULT_TIMEOUT_S, receive_in_one_call, tagged
+from pipeline_rl.weight_sync.receiver import Receiver
+from pipeline_rl.weight_sync.shm import SharedSegment, ShmUpdateInfo, StatusCell
 from pipeline_rl.weight_sync.vllm_adapter import BACKEND, register
 from pipeline_rl.faults import inject
 
@@ -86,6 +81,17 @@ STEP_WAIT_S = 0.01  # how long step() waits for a finished sequence before retur
 
 class EngineBroken(RuntimeError):
     """The engine cannot generate any more (a weight load failed half-way)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Staged:
+    """An update received and checked here, awaiting the load: ``segment``, the shm
+    path's message for the segment its bytes lie in (a host path), or ``message``, the
+    trainer's message as it came, for the engine core to receive on its device."""
+
+    num_bytes: int
+    segment: ShmUpdateInfo | None = None
+    message: dict[str, Any] | None = None
 
 
 def transfer_backend(device: str) -> str:
@@ -115,15 +121,15 @@ class AsyncEngine(GenerationEngine):
         self._unfinished = 0
         self._update_lock = threading.Lock()     # one update at a time
         self._updating = False
-        self._staged_info: UpdateInfo | None = None   # awaiting the load
+        self._staged_info: Staged | None = None   # awaiting the load
         self._update_bytes = 0
         self._transfer_s = 0.0
         self._applied: list[AppliedUpdate] = []  # reported by apply_staged
         self._broken: EngineBroken | None = None
-        self._channel: Channel | None = None     # the trainer's gloo channel (received here)
-        self._bucket_bytes = DEFAULT_BUCKET_BYTES
         self._staging = SharedSegment("pipeline_rl_stage")   # received bytes, for the engine core
-        self._segments = SegmentReader()         # the trainer's segments (shared-memory path)
+        # The host paths' receiving half (the engine core's device checks the values on a GPU).
+        self._rx = Receiver(self._spec, staging=self._staging, check_values=cfg.device == "cpu",
+                            secret=cfg.rendezvous_secret)
         self._status = StatusCell.create()       # the engine core reports its loads here
         self._handed = False                     # the core holds this update (session open)
         self._loop = asyncio.new_event_loop()
@@ -222,21 +228,22 @@ class AsyncEngine(GenerationEngine):
     # The bytes are staged in this process while the engine generates; only the load into
     # the engine core's model is inside the pause (module docstring).
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's channel: a gloo one in this process (bytes are received
-        here, beside generation, then handed to the engine core through shared memory);
-        an nccl one in the engine core (the bytes land on its GPU)."""
+        """Join the trainer's channel: in this process for a host path (gloo: bytes are
+        received here, beside generation, then handed to the engine core through shared
+        memory); in the engine core for a device path (nccl: the bytes land on its GPU),
+        with this worker's rendezvous secret (``vllm_backend.LOCAL_SECRET``)."""
         self._check()
-        info = decode_init_info(init_info)
-        if not isinstance(info, GlooInitInfo):
+        row = path_of(init_info)
+        if row.device_tensors:
             from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-            self._run(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)),
-                      timeout_s=info.timeout_s + 10)
+            from pipeline_rl.weight_sync.vllm_backend import with_local_secret
+
+            message = with_local_secret(init_info, self.cfg.rendezvous_secret)
+            self._run(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(message)),
+                      timeout_s=float(init_info.get("timeout_s", DEFAULT_TIMEOUT_S)) + 10)
             return
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = Channel.connect(info)
-        self._bucket_bytes = info.bucket_bytes
+        self._rx.join_message(init_info)
 
     def start_weight_update(self) -> None:
         """Begin an update; generation goes on (nothing is paused before the load)."""
@@ -259,33 +266,22 @@ class AsyncEngine(GenerationEngine):
             if isinstance(e, WeightUpdateError):
                 raise
             raise WeightUpdateError(f"weights not received: {_first_line(e)}") from e
-        self._update_bytes = self._staged_info.layout().total_bytes()
+        self._update_bytes = self._staged_info.num_bytes
         self._transfer_s = time.perf_counter() - t0
 
-    def _stage_bytes(self, update_info: dict[str, Any]) -> UpdateInfo:
-        """Receive into staging and check, by the message's path: ipc and nccl are the
-        engine core's to receive and check on its GPU (:meth:`_open_in_core`); a trainer's
-        segment is mapped and checked here (on a GPU only names and shapes: the engine
-        core checks the values after its copy to the GPU); gloo is received into this
-        worker's segment, checked as it arrives."""
-        info = decode_update_info(update_info)
-        if isinstance(info, (IpcUpdateInfo, NcclUpdateInfo)):
-            return info
-        if isinstance(info, ShmUpdateInfo):
-            update = self._segments.update(info)
-            on_gpu = self.cfg.device == "cuda"
-            validate_update(update, self._spec, check_values=not info.checked and not on_gpu)
-            return info if on_gpu else ShmUpdateInfo.of(info.layout(), info.segment, checked=True,
-                                                        offset=info.offset)
-        if self._channel is None:
-            raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
-        got = receive_update(self._channel, info, self._bucket_bytes,
-                             into=self._staging.buffer(info.total_bytes()))
-        if got.non_finite is not None:   # after draining: the channel stays aligned
-            raise WeightUpdateError(f"{got.non_finite}: non-finite values")
-        validate_update(got.update, self._spec, check_values=False)
-        assert self._staging.path is not None
-        return ShmUpdateInfo.of(info.layout(), self._staging.path, checked=True)
+    def _stage_bytes(self, update_info: dict[str, Any]) -> Staged:
+        """Receive into staging and check, by the message's path: a device path's message
+        is the engine core's to receive and check on its GPU (:meth:`_open_in_core`); a host
+        path's bytes are received here by the weight receiver (gloo into this worker's
+        segment, checked as they arrive; the trainer's segment mapped and checked; an
+        object fetched and written into this worker's segment)."""
+        if path_of(update_info).device_tensors:
+            layout = UpdateLayout(int(update_info["version"]), update_info["names"], update_info["dtype_names"],
+                                  update_info["shapes"])
+            return Staged(layout.total_bytes(), message=update_info)
+        received = self._rx.receive_message(update_info)
+        assert received.segment is not None   # host bytes in a segment: the trainer's or this worker's
+        return Staged(received.segment.layout().total_bytes(), segment=received.segment)
 
     def load_received(self, version: int) -> bool:
         """Load the staged bytes and make them live, labelled ``version``; False (nothing
@@ -303,15 +299,16 @@ class AsyncEngine(GenerationEngine):
             return False
         in_flight = self._unfinished
         t0 = time.perf_counter()
-        if isinstance(staged, (IpcUpdateInfo, NcclUpdateInfo)):   # to the core's GPU, no copy of ours
-            self._open_in_core(staged, version)
+        if staged.message is not None:   # to the core's GPU, no copy of ours
+            self._open_in_core(staged.message, version)
         # A segment: on CPU loaded into a shadow, on a GPU copied there and checked, beside generation.
-        beside = isinstance(staged, ShmUpdateInfo) and self._load_beside(staged, version)
+        beside = staged.segment is not None and self._load_beside(staged.segment, version)
         try:
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False))
             paused_at = time.perf_counter()           # no engine step runs from here
             if not beside and not self._handed:
-                self._run(self._hand_over(staged))
+                assert staged.segment is not None   # a device path's message was handed over already
+                self._run(self._hand_over(tagged(staged.segment)))
         except BaseException as e:
             self._fail_update(e, loaded=False)
             raise
@@ -329,13 +326,13 @@ class AsyncEngine(GenerationEngine):
         self._end_update()
         return True
 
-    def _open_in_core(self, staged: UpdateInfo, version: int) -> None:
+    def _open_in_core(self, message: dict[str, Any], version: int) -> None:
         """While the engine generates: the engine core receives the update onto its device
         (opens the trainer's GPU buffer, takes the NCCL broadcast, or copies the segment to
         its GPU) and checks it (names, shapes, finite values); nothing is loaded. A failure
         ends the update with one line, the old weights serving."""
         try:
-            self._run(self._hand_over(staged), timeout_s=DEFAULT_TIMEOUT_S)
+            self._run(self._hand_over(message), timeout_s=DEFAULT_TIMEOUT_S)
             self._handed = True
         except BaseException as e:
             self._end_update()
@@ -348,7 +345,7 @@ class AsyncEngine(GenerationEngine):
         the update with one line, the old weights serving."""
         self._status.set(-1, StatusCell.PENDING)
         try:
-            self._run(self._hand_over(replace(staged, status=self._status.path)))
+            self._run(self._hand_over(tagged(replace(staged, status=self._status.path))))
             self._handed = True
             state, deadline = StatusCell.PENDING, time.monotonic() + DEFAULT_TIMEOUT_S
             while state == StatusCell.PENDING and time.monotonic() < deadline:
@@ -367,12 +364,12 @@ class AsyncEngine(GenerationEngine):
             f"did not finish within {DEFAULT_TIMEOUT_S:.0f} s"
         raise WeightUpdateError(f"weights v{version}: loading them in the engine core {what}")
 
-    async def _hand_over(self, staged: UpdateInfo) -> None:
+    async def _hand_over(self, message: dict[str, Any]) -> None:
         """The engine core receives the staged update into its staging and checks it (no load)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         await self._llm.start_weight_update()
-        await self._llm.update_weights(WeightTransferUpdateRequest(tagged(staged)))
+        await self._llm.update_weights(WeightTransferUpdateRequest(message))
 
     async def _finish(self, version: int) -> None:
         await compat.async_finish_update(self._llm, version, self._native)
@@ -408,7 +405,7 @@ class AsyncEngine(GenerationEngine):
         finally:
             self._end_update()
 
-    # -- in-memory updates (tests, the object-store transport) ------------------------------
+    # -- in-memory updates (tests, one-process tools) -----------------------------------------
     def stage(self, update: CheckedUpdate) -> bool:
         """Apply ``update`` through the weight-transfer calls at once (its bytes laid out in
         this worker's staging segment); False when it is not newer than the loaded weights."""
@@ -428,8 +425,7 @@ class AsyncEngine(GenerationEngine):
         return self._applied.pop(0) if self._applied else None
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
+        self._rx.close()
         self._staging.close()
         self._status.unlink()
         if self._loop.is_running():

@@ -9,15 +9,16 @@ from pipeline_rl.config import Config
 from pipeline_rl.rollout.engine import GenerationEngine, engine_config
 
 
-def build_engine(cfg: Config, model_dir: str, *, seed: int = 0,
-                 gpu_memory: float | None = None) -> GenerationEngine:
+def build_engine(cfg: Config, model_dir: str, *, seed: int = 0, gpu_memory: float | None = None,
+                 rendezvous_secret: bytes = b"") -> GenerationEngine:
     """Start the engine ``cfg.rollout.engine`` names on this machine's device: the
     ``AsyncLLM`` engine on CUDA (present, or asked for), the in-process one on CPU
     unless the async one is asked for. ``gpu_memory``: the share of a GPU shared with
-    other actors that vLLM may take."""
+    other actors that vLLM may take; ``rendezvous_secret``: the run key's, proved to the
+    trainer's weight channels."""
     device = resolve_device(cfg.model.device)
     ecfg = engine_config(cfg.rollout, model_dir, seed=seed, device=device, gpu_memory=gpu_memory,
-                         fault=cfg.fault)
+                         fault=cfg.fault, rendezvous_secret=rendezvous_secret)
     if device == "cuda" and cfg.rollout.engine == "inprocess":
         raise ValueError("--rollout.engine inprocess runs on CPU only; use async (or auto) on CUDA")
     if device == "cuda" or cfg.rollout.engine == "async":

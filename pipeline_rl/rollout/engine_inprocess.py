@@ -211,8 +211,10 @@ class InprocessEngine(GenerationEngine):
     # -- vLLM's weight-transfer calls: the same backend as the async engine's, but the bytes
     # are taken out of it and loaded into the shadow beside generation -----------------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from pipeline_rl.weight_sync.vllm_backend import with_local_secret
+
         receiver = self._receiver()
-        receiver.init_transfer_engine(receiver.parse_init_info(init_info))
+        receiver.init_transfer_engine(receiver.parse_init_info(with_local_secret(init_info, self.cfg.rendezvous_secret)))
 
     def start_weight_update(self) -> None:
         self._receiver().start_weight_update()

@@ -11,6 +11,7 @@ from pipeline_rl.samples import Group
 
 if TYPE_CHECKING:
     from pipeline_rl.buffer.types import Admission
+    from pipeline_rl.run_key import RunKey
 
 
 class AdmissionSource(Protocol):
@@ -37,8 +38,8 @@ class SenderLike(Protocol):
     def wait_s(self) -> float: ...
 
 
-def connect_sender(address: str, worker_id: int, cfg: Config) -> SenderLike:
+def connect_sender(address: str, worker_id: int, cfg: Config, key: "RunKey | None") -> SenderLike:
+    """The sender to the buffer at ``address``, proving ``key`` (None: outside a run)."""
     from pipeline_rl.buffer.sender import GroupSender
-    from pipeline_rl.run_key import installed
 
-    return GroupSender(address, worker_id, cfg.buffer.send_timeout_s, key=installed())
+    return GroupSender(address, worker_id, cfg.buffer.send_timeout_s, key=key)

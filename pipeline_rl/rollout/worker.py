@@ -25,9 +25,10 @@ Invariants:
   under the new weights (KV policy from ``rollout.kv_policy``) and their tokens'
   versions change at the step where the update took effect.
 - New weights arrive through vLLM's weight-transfer calls the trainer makes (forwarded
-  to the engine; per update in one call, :meth:`RolloutWorker.receive_update`); an offer in
-  memory or through Ray's object store (:meth:`RolloutWorker.offer_weights`) takes the same
-  calls. Either way received, validated and staged (the costly part) in the caller's thread
+  to the engine; per update in one call, :meth:`RolloutWorker.receive_update`), on every
+  path, Ray's object store included; an update in memory (:meth:`RolloutWorker.offer_weights`:
+  tests, one-process tools) takes the same calls. Either way received, validated and staged
+  (the costly part) in the caller's thread
   while the engine keeps stepping; a bad payload raises ``WeightUpdateError``, never applied.
   Only the newest staged update is kept; the loop makes it live between two steps.
 - Rewards run off the engine's critical path (``pipeline_rl.rollout.scoring``). A send
@@ -50,6 +51,7 @@ from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRe
 from pipeline_rl.rollout.engine_factory import build_engine
 from pipeline_rl.rollout.episodes import Episode, EpisodeDriver
 from pipeline_rl.rollout.ports import AdmissionSource, SenderLike, connect_sender
+from pipeline_rl.run_key import RunKey, endpoint_token, rendezvous_secret
 from pipeline_rl.rollout.scoring import PendingGroup, Scorer, reward_source
 from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
 from pipeline_rl.evaluation import EVAL_PREFIX, STREAM_SHARE, EvalFeed, EvalRequest, EvalResult, PendingEval
@@ -57,7 +59,7 @@ from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id, re
 from pipeline_rl.actors.process import HeapTrimmer
 from pipeline_rl.weight_sync.protocol import receive_in_one_call
 from pipeline_rl.weight_sync.layout import UpdateLayout
-from pipeline_rl.weight_sync.message import WeightUpdateError, resolve_offer
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
 from pipeline_rl.weight_sync.shm import OfferSegment
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
@@ -78,18 +80,20 @@ _ANSWER_WAIT_S = 5.0
 class RolloutWorker:
     """See the module docstring. ``engine`` and ``sender`` may be passed in (tests,
     benchmarks); otherwise they are built from ``cfg`` and ``buffer_address``.
-    ``endpoint_key``: the run's key to the agents' endpoint (None: a key of its own)."""
+    ``key``: the run key, proved to the buffer and the trainer's weight channels, and the
+    agents' endpoint token's source (None: outside a run, ``run_key.endpoint_token``)."""
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_address: str,
                  admission: AdmissionSource, task: Task, *, reward_fn: RewardFn | None = None, eval_task: Task | None = None,
                  engine: GenerationEngine | None = None, sender: SenderLike | None = None,
                  poll_s: float = 0.005, acquire_hold_s: float = 0.5,
-                 idle_wait_s: float = 0.05, gpu_memory: float | None = None, endpoint_key: str | None = None) -> None:
+                 idle_wait_s: float = 0.05, gpu_memory: float | None = None, key: RunKey | None = None) -> None:
         self.cfg, self.worker_id, self.n = cfg, worker_id, cfg.rollout.n
         self._admission, self._task = admission, task
         self._engine = engine if engine is not None else build_engine(
-            cfg, model_dir, seed=cfg.seed + worker_id, gpu_memory=gpu_memory)
-        self._sender = sender if sender is not None else connect_sender(buffer_address, worker_id, cfg)
+            cfg, model_dir, seed=cfg.seed + worker_id, gpu_memory=gpu_memory,
+            rendezvous_secret=rendezvous_secret(key))
+        self._sender = sender if sender is not None else connect_sender(buffer_address, worker_id, cfg, key)
         self._sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens,
                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                         top_k=cfg.rollout.top_k)
@@ -113,16 +117,16 @@ class RolloutWorker:
             factory, cfg.task, self._engine, cfg.rollout.max_model_len, str(worker_id), self._wake.set,
             self._episode_ended, lambda line, timeout: self._scorer.failure(line, env=True, timeout=timeout))
         if cfg.task.agent:   # an agent's groups are its runner's until sent (from self._pending)
-            self._episodes = AgentRunner(cfg, cfg.task.agent, self._engine, str(worker_id), endpoint_key,
+            self._episodes = AgentRunner(cfg, cfg.task.agent, self._engine, str(worker_id), endpoint_token(key),
                                          self._wake.set, self._scorer, self._c, self._lock, self._pending,
                                          lambda k: self._admission.release(worker_id, k), self._answered, self.fail)
 
     # -- control (any thread) -------------------------------------------------------------
-    def offer_weights(self, offer: object) -> None:
-        """Offer new weights (a ``WeightUpdate`` or ``[ObjectRef]``): laid out in this worker's
-        own segment, taken through the trainer's shm-path calls (checked here, applied by the
-        loop between steps); a bad payload raises ``WeightUpdateError`` (the served weights stay)."""
-        update = resolve_offer(offer)
+    def offer_weights(self, update: WeightUpdate) -> None:
+        """Offer new weights held in memory (tests, one-process tools): laid out in this
+        worker's own segment, taken through the same calls as the trainer's (checked here,
+        applied by the loop between steps); a bad payload raises ``WeightUpdateError`` (the
+        served weights stay)."""
         try:
             UpdateLayout.of(update)   # what cannot even be laid out; update_weights refuses the rest
         except WeightUpdateError as e:

@@ -4,7 +4,7 @@ of the core's model on a thread of its own while the core keeps stepping, and
 
 The same shadow as the in-process engine's (``pipeline_rl.weight_sync.loaders.Shadow``:
 a copy of the modules sharing the KV cache, never run; double buffered), driven from
-the backend (``pipeline_rl.weight_sync.receiver``): ``update_weights`` with a status cell
+the backend (``pipeline_rl.weight_sync.vllm_backend``): ``update_weights`` with a status cell
 (``ShmUpdateInfo.status``) starts the load and returns at once, so the engine core's
 busy loop is held only for the call; the worker polls the cell
 (``StatusCell``) and pauses only once the load is done. Invariant: the live model is

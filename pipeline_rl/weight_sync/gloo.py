@@ -30,13 +30,12 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from pipeline_rl.run_key import installed
 from pipeline_rl.weight_sync.dtypes import all_finite
 from pipeline_rl.weight_sync.layout import UpdateLayout, arrays_in, bucket_plan, contiguous_bytes
 from pipeline_rl.weight_sync.message import WeightUpdate
@@ -95,7 +94,9 @@ class Channel:
     """A two-member gloo group (trainer rank 0, worker rank 1) outside
     ``torch.distributed``'s global state (the trainer's DeepSpeed group is untouched)."""
 
-    def __init__(self, store: Any, rank: int, timeout_s: float) -> None:
+    def __init__(self, store: Any, rank: int, timeout_s: float, secret: bytes) -> None:
+        """``secret``: the run key's rendezvous secret (``run_key.rendezvous_secret``),
+        proved to the other end before any weight moves."""
         import torch.distributed as dist
 
         self._store = store  # the trainer's server store must outlive the group
@@ -103,28 +104,29 @@ class Channel:
         prefix = dist.PrefixStore("pipeline_rl_weights", store)
         self._pg: Any = dist.ProcessGroupGloo(prefix, rank, 2, timeout)
         self.rank = rank
-        prove_membership(self._pg, rank, installed())   # before any weight moves (rendezvous_auth)
+        prove_membership(self._pg, rank, secret)   # before any weight moves (rendezvous_auth)
 
     @classmethod
-    def serve(cls, address: str, timeout_s: float) -> tuple["Channel.Pending", int]:
+    def serve(cls, address: str, timeout_s: float, secret: bytes) -> tuple["Channel.Pending", int]:
         """Trainer side: listen on a free port of ``address``; returns a pending channel
         (joined by :meth:`Pending.join` once the worker connects) and the port."""
         store = rendezvous(address, 0, serve=True, timeout_s=timeout_s)
-        return cls.Pending(store, timeout_s), int(store.port)
+        return cls.Pending(store, timeout_s, secret), int(store.port)
 
     @classmethod
-    def connect(cls, info: GlooInitInfo) -> "Channel":
+    def connect(cls, info: GlooInitInfo, secret: bytes) -> "Channel":
         """Worker side: join the trainer's store."""
         store = rendezvous(info.master_address, info.master_port, serve=False, timeout_s=info.timeout_s)
-        return cls(store, 1, info.timeout_s)
+        return cls(store, 1, info.timeout_s, secret)
 
     @dataclass
     class Pending:
         store: Any
         timeout_s: float
+        secret: bytes = field(repr=False)
 
         def join(self) -> "Channel":
-            return Channel(self.store, 0, self.timeout_s)
+            return Channel(self.store, 0, self.timeout_s, self.secret)
 
     def broadcast(self, buffer: "torch.Tensor") -> Any:
         """Start broadcasting ``buffer`` from rank 0 (in place on rank 1); returns the work."""
@@ -237,7 +239,7 @@ class GlooTrainerChannel:
     def open(cls, client: SyncClient, context: OpenContext) -> "GlooTrainerChannel":
         """Serve a store, have the worker join it (its ``init_weight_transfer_engine``
         blocks until both sides are in), join it here."""
-        pending, port = Channel.serve(context.address, context.timeout_s)
+        pending, port = Channel.serve(context.address, context.timeout_s, context.secret)
         info = GlooInitInfo(context.address, port, context.bucket_bytes, context.timeout_s)
         worker = in_daemon_thread(client.init_weight_transfer_engine, tagged(info))
         joined = in_daemon_thread(pending.join)
@@ -262,7 +264,7 @@ class GlooTrainerChannel:
             raise
         finish_s = future.result()
         total = time.perf_counter() - t0
-        return SendTiming(update.version, total - finish_s, finish_s, update.num_bytes, "gloo")
+        return SendTiming(update.version, total - finish_s, finish_s, update.num_bytes, self.path)
 
     def close(self) -> None:
         self._channel.close()

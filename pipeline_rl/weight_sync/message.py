@@ -239,19 +239,3 @@ def _as_tensor(arr: np.ndarray, dtype_name: str) -> "torch.Tensor":
     if not arr.flags.writeable:  # arrays out of Ray's object store are read-only views
         arr = arr.copy()
     return to_torch(arr, dtype_name)
-
-
-def resolve_offer(offer: object) -> WeightUpdate:
-    """The :class:`WeightUpdate` behind an offer: the update itself, or a one-element
-    list holding a Ray ``ObjectRef`` to it (nested so Ray does not resolve it while
-    dispatching the call; it is fetched here, off the engine's critical path)."""
-    if isinstance(offer, WeightUpdate):
-        return offer
-    if isinstance(offer, (list, tuple)) and len(offer) == 1:
-        import ray
-
-        value = ray.get(offer[0])
-        if isinstance(value, WeightUpdate):
-            return value
-        raise WeightUpdateError(f"object reference holds a {type(value).__name__}, not a WeightUpdate")
-    raise WeightUpdateError(f"expected a WeightUpdate or [ObjectRef], got {type(offer).__name__}")

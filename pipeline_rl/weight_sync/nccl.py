@@ -163,16 +163,17 @@ class GlooBroadcaster:
         self._channel.close()
 
 
-def join(info: NcclInitInfo, rank: int, device: Any = None) -> Broadcaster:
-    """This side's member of the group ``info`` names (blocks until both are in)."""
+def join(info: NcclInitInfo, rank: int, secret: bytes, device: Any = None) -> Broadcaster:
+    """This side's member of the group ``info`` names (blocks until both are in, and both
+    proved ``secret``, the run key's rendezvous secret: ``rendezvous_auth``)."""
     if info.backend == "gloo":
         from pipeline_rl.weight_sync.gloo import Channel, rendezvous
 
         store = rendezvous(info.master_address, info.master_port, serve=rank == 0, timeout_s=info.timeout_s)
-        return GlooBroadcaster(Channel(store, rank, info.timeout_s))
+        return GlooBroadcaster(Channel(store, rank, info.timeout_s, secret))
     from pipeline_rl.weight_sync.vllm_adapter import nccl_broadcaster
 
-    return nccl_broadcaster(info.master_address, info.master_port, rank, device, info.timeout_s)
+    return nccl_broadcaster(info.master_address, info.master_port, rank, device, info.timeout_s, secret)
 
 
 def free_port(address: str) -> int:
@@ -206,7 +207,7 @@ class NcclTrainerChannel:
                 raise WeightUpdateError(why)
         info = NcclInitInfo(context.address, free_port(context.address), context.bucket_bytes,
                             context.timeout_s, backend)
-        joined = in_daemon_thread(join, info, 0, _current_device(backend))
+        joined = in_daemon_thread(join, info, 0, context.secret, _current_device(backend))
         worker = in_daemon_thread(client.init_weight_transfer_engine, tagged(info))
         both: list[Future[Any]] = [worker, joined]
         wait(both, return_when=FIRST_EXCEPTION)
@@ -226,7 +227,7 @@ class NcclTrainerChannel:
             raise
         finish_s = future.result()
         total = time.perf_counter() - t0
-        return SendTiming(update.version, total - finish_s, finish_s, update.num_bytes, "nccl")
+        return SendTiming(update.version, total - finish_s, finish_s, update.num_bytes, self.path)
 
     def close(self) -> None:
         self._group.close()

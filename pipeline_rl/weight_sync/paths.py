@@ -24,16 +24,8 @@ import socket
 from dataclasses import dataclass
 from typing import Literal
 
-WeightPath = Literal["auto", "shm", "gloo", "ipc", "nccl"]
-ResolvedPath = Literal["shm", "gloo", "ipc", "nccl"]
-
-#: Why a path was chosen, for the start-up log.
-REASONS = {
-    "shm": "same node",
-    "gloo": "other node",
-    "ipc": "same GPU",
-    "nccl": "different GPUs",
-}
+WeightPath = Literal["auto", "shm", "gloo", "ipc", "nccl", "object_store"]
+ResolvedPath = Literal["shm", "gloo", "ipc", "nccl", "object_store"]
 
 
 #: The CUDA paths ``auto`` picks (``nccl`` is forced only, until it has run on two GPUs).

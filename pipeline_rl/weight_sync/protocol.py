@@ -8,7 +8,7 @@ the string vLLM's API carries (``None`` only where vLLM's own call has none).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
 
@@ -22,12 +22,16 @@ DEFAULT_BUCKET_BYTES = 16 << 20
 @dataclass(frozen=True, slots=True)
 class OpenContext:
     """What opening a channel may need (``weight_sync.channel.open_channel``):
-    ``address``, where workers reach this process (gloo, nccl); ``shared``, the node's
-    segment writer (``shm.SharedWriter``; the shm path writes each version once for all
-    its workers); the transfer timeout and the bucket size."""
+    ``address``, where workers reach this process (gloo, nccl); ``shared``, what the
+    path's channels to every worker share, made once per publisher by the path's
+    ``PathTraits.shared`` (the shm path's segment writer, the object-store path's
+    one-put-per-version cache); ``secret``, the run key's rendezvous secret, proved to
+    each worker before any weight moves (gloo, nccl; empty outside a run); the transfer
+    timeout and the bucket size."""
 
     address: str = "127.0.0.1"
     shared: Any = None
+    secret: bytes = field(default=b"", repr=False)
     timeout_s: float = DEFAULT_TIMEOUT_S
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
@@ -71,13 +75,13 @@ class SendTiming:
     """Where one send's time went (seconds), as the trainer saw it: the transfer (bytes
     moved: gloo broadcast || receive, or the shared-memory write and the worker's
     check of it) and the worker's finish (staging or loading), which follows it in the
-    same call. ``path``: the path the update took (``shm``, ``gloo``, ...)."""
+    same call. ``path``: the path the update took (its channel's ``path``)."""
 
     version: int
     transfer_s: float
     finish_s: float
     num_bytes: int
-    path: str = "gloo"
+    path: str
 
     @property
     def total_s(self) -> float:
@@ -93,7 +97,8 @@ class TaggedInfo(Protocol):
 
 
 def tagged(info: TaggedInfo) -> dict[str, Any]:
-    """The dict a path's info travels as through vLLM's calls: its fields and its path
-    tag (``"path"``), which ``weight_sync.channel.decode_update_info`` /
-    ``decode_init_info`` read back -- the one place a message's path is decided."""
-    return {**asdict(info), "path": info.PATH}  # type: ignore[call-overload]
+    """The dict a path's info travels as through vLLM's calls: its fields (as they are,
+    not copied: a Ray object reference stays one) and its path tag (``"path"``), which
+    ``weight_sync.channel.decode_update_info`` / ``decode_init_info`` read back -- the
+    one place a message's path is decided."""
+    return {**{f.name: getattr(info, f.name) for f in fields(info)}, "path": info.PATH}  # type: ignore[arg-type]

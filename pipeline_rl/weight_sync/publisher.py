@@ -7,19 +7,19 @@ Two halves with different costs:
    dtype. Under ZeRO-3 a collective: every rank calls it. This copy is the only part of
    publishing on the critical path.
 2. :class:`WeightPublisher` (off the critical path): a background thread sends the update to
-   every worker. Transport ``vllm`` (the default): through vLLM's weight-transfer API, one
-   channel per worker on its path (``pipeline_rl.weight_sync.channel``), opened on first use and sent
-   to in parallel; a worker's four calls go to its Ray actor (or to the object itself in one
-   process). Transport ``object_store``: the update is put into Ray's object store once per
-   version and the single ``ObjectRef`` offered to every worker
-   (``worker.offer_weights.remote([ref])``: the ref is nested in a list so Ray does not resolve
-   it before the call), for workers that cannot open a connection to the trainer.
+   every worker through vLLM's weight-transfer API, one channel per worker on its path
+   (``pipeline_rl.weight_sync.channel``: what the publisher knows of a path is its row of
+   ``channel.PATHS``), opened on first use and sent to in parallel; a worker's four calls go
+   to its Ray actor (or to the object itself in one process). One path goes through Ray's
+   object store, for workers that cannot open a connection to the trainer.
 
 Only the newest version matters: a worker applies the newest update it holds, so when the
 publisher falls behind (publishing slower than training) it skips superseded versions instead
 of queueing them; skipped versions are counted. A failed offer (e.g. a dead worker) is counted
 and logged, never raised into the training loop: the driver supervises and restarts workers,
 and :meth:`WeightPublisher.set_workers` hands the newest weights to the new ones at once.
+The run key's rendezvous secret (``secret``) is proved to every worker whose path joins a
+group (``rendezvous_auth``).
 """
 
 from __future__ import annotations
@@ -30,17 +30,16 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from pipeline_rl.weight_sync.channel import TrainerChannel, open_channel
+from pipeline_rl.weight_sync.channel import TrainerChannel, open_channel, traits
 from pipeline_rl.weight_sync.cuda_ipc import to_host
 from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.weight_sync.paths import (
     GPU_PATHS,
-    REASONS,
     Placement,
     ResolvedPath,
     WeightPath,
@@ -48,7 +47,7 @@ from pipeline_rl.weight_sync.paths import (
     local_placement,
 )
 from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient
-from pipeline_rl.weight_sync.shm import SharedWriter, ShmSpaceError, new_shared_buffer, shm_fits
+from pipeline_rl.weight_sync.shm import ShmSpaceError, new_shared_buffer, shm_fits
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +57,9 @@ class PublishStats:
     """Counters and cumulative seconds of one publisher.
 
     ``published``: versions offered to the workers; ``superseded``: versions skipped because a
-    newer one arrived before they were sent; ``offer_failures``: offers that raised (dead worker);
-    ``put_s``: seconds in ``ray.put`` (serialisation into the object store); ``offer_s``: seconds
-    issuing the offers (with the ``vllm`` transport: sending, until every worker finished);
+    newer one arrived before they were sent; ``offer_failures``: sends that failed (dead worker);
+    ``put_s``: seconds in ``ray.put`` (the object-store path's serialisation); ``offer_s``:
+    seconds sending, until every worker finished;
     ``caller_block_s``: seconds :meth:`WeightPublisher.publish` blocked its caller (the
     training thread); ``published_at``: wall-clock time (``time.time()``) each of the last
     versions was handed to :meth:`WeightPublisher.publish`, as (version, time) pairs.
@@ -90,9 +89,7 @@ def _label(worker: object) -> str:
     return repr(worker)
 
 
-Transport = Literal["vllm", "object_store"]
 PUBLISHED_AT_KEPT = 1024  # versions whose publish time the stats keep
-DEVICE_PATHS = frozenset({"ipc", "nccl"})   # paths sent the GPU copy as it is
 
 
 class WeightPublisher:
@@ -100,43 +97,39 @@ class WeightPublisher:
 
     ``background=True`` (the default) does the transport on a daemon thread, so
     :meth:`publish` only hands over a reference and returns; ``background=False`` publishes
-    inline (deterministic, for tests and one-process tools). Thread-safe. With the ``vllm``
-    transport a worker whose send failed loses its channel and gets a new one, and the
-    newest weights, at the next publish (a worker that missed versions re-syncs to the
-    latest, never to a backlog).
+    inline (deterministic, for tests and one-process tools). Thread-safe. A worker whose
+    send failed loses its channel and gets a new one, and the newest weights, at the next
+    publish (a worker that missed versions re-syncs to the latest, never to a backlog).
+    ``secret``: the run key's rendezvous secret (``run_key.rendezvous_secret``).
     """
 
     def __init__(self, workers: Iterable[object] = (), *, background: bool = True,
-                 max_pending_acks: int = 64, transport: Transport = "vllm",
-                 path: WeightPath = "auto") -> None:
-        self.transport: Transport = transport
+                 path: WeightPath = "auto", secret: bytes = b"") -> None:
         self.path: WeightPath = path
         # The path each worker got. Workers are keys as they are: a Ray actor handle hashes and
         # compares by its actor id, so a restarted actor keeps its entry and its channel.
         self.paths: dict[Hashable, ResolvedPath] = {}
         self._channels: dict[Hashable, TrainerChannel] = {}
         self._host_copy: WeightUpdate | None = None   # a GPU-gathered version, for byte paths
-        self._shared = SharedWriter()              # the shm path's one segment
+        self._shared: dict[str, Any] = {}          # per path: what its channels share (PathTraits.shared)
+        self._secret = secret
         self._placement: Placement | None = None
         self._last_bytes = 0                       # the size of the last update sent
         self._senders: ThreadPoolExecutor | None = None
         self._published_at: list[tuple[int, float]] = []
-        self.send_timings: list[SendTiming] = []   # vllm transport: per worker and version
+        self.send_timings: list[SendTiming] = []   # per worker and version
         self._workers: list[object] = list(workers)
         self._background = background
-        self._max_pending_acks = max_pending_acks
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._next: WeightUpdate | None = None   # newest update not yet sent
-        self._latest_ref: Any = None             # ObjectRef of the newest sent update (Ray workers)
         self._latest: WeightUpdate | None = None
-        self._pending_acks: list[Any] = []       # ObjectRefs of offer_weights calls, checked lazily
         self._busy = False
         self._closed = False
         self._published = self._superseded = self._failures = self._bytes = 0
         self._last_version = -1
         self._sending_version = -1                 # version the background thread is sending
-        self._put_s = self._offer_s = self._block_s = 0.0
+        self._offer_s = self._block_s = 0.0
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="weight-publisher", daemon=True)
@@ -187,50 +180,52 @@ class WeightPublisher:
 
     def set_workers(self, workers: Sequence[object]) -> list[str]:
         """Replace the worker list; workers not seen before get the newest weights at once.
-        Returns the path each worker gets, in order (``object_store`` for that transport;
-        the run's start-up line shows them)."""
+        Returns the path each worker gets, in order (the run's start-up line shows them)."""
         with self._lock:
             new = [w for w in workers if all(w is not old for old in self._workers)]
             self._workers = list(workers)
-            latest, ref = self._latest, self._latest_ref
+            latest = self._latest
             keep = set(workers)
             gone = [self._channels.pop(k) for k in list(self._channels) if k not in keep]
         for channel in gone:
             channel.close()
-        paths = [self._path_of(w) if self.transport == "vllm" else "object_store" for w in workers]
+        paths: list[str] = [self._path_of(w) for w in workers]
         if latest is not None:
-            self._offer(new, latest, ref)
+            self._send_all(new, latest, reconnect=False)
         return paths
 
     def offer_latest(self, workers: Sequence[object]) -> None:
         """Offer the newest published weights to ``workers`` now (e.g. a restarted worker
         behind an unchanged handle: its channel is opened anew)."""
         with self._lock:
-            latest, ref = self._latest, self._latest_ref
+            latest = self._latest
         if latest is not None:
-            self._offer(list(workers), latest, ref, reconnect=True)
+            self._send_all(list(workers), latest, reconnect=True)
 
     def on_device(self) -> bool:
-        """Whether ``gather_weights`` should keep the next version on the GPU: some worker
-        takes the ``ipc`` or ``nccl`` path, or the ``shm`` path from a trainer on a GPU (its
-        writer copies the version into the segment, ``host_gpu``); others get a host copy."""
-        paths = set(self.paths.values())
+        """Whether ``gather_weights`` should keep the next version on the GPU: some worker's
+        path moves device tensors (ipc, nccl), or, from a trainer on a GPU, some worker's
+        path sends the GPU copy as it is (shm: its writer copies the version into the
+        segment, ``host_gpu``); others get a host copy."""
+        rows = [traits(p) for p in set(self.paths.values())]
         on_gpu = self._placement is not None and self._placement.device == "cuda"
-        return bool(paths & DEVICE_PATHS) or (on_gpu and "shm" in paths)
+        return any(t.device_tensors or (on_gpu and t.sends_gpu_copy) for t in rows)
 
     def allocator(self) -> Callable[[int], np.ndarray] | None:
         """Where ``gather_weights`` should put the next version: shared memory once some
-        worker takes the shm path (the segment then goes to the workers as it is), else
-        None (ordinary memory)."""
-        if "shm" not in self.paths.values() or not shm_fits(self._last_bytes) or self.on_device():
+        worker's path hands the gathered segment on as it is (shm), else None (ordinary
+        memory)."""
+        into_segment = any(traits(p).gathers_into_segment for p in set(self.paths.values()))
+        if not into_segment or not shm_fits(self._last_bytes) or self.on_device():
             return None
         return new_shared_buffer
 
     def stats(self) -> PublishStats:
         with self._lock:
+            put_s = sum(getattr(shared, "put_s", 0.0) for shared in self._shared.values())
             return PublishStats(published=self._published, superseded=self._superseded,
                                 offer_failures=self._failures, last_version=self._last_version,
-                                put_s=self._put_s, offer_s=self._offer_s,
+                                put_s=put_s, offer_s=self._offer_s,
                                 caller_block_s=self._block_s, bytes_published=self._bytes,
                                 published_at=tuple(self._published_at))
 
@@ -243,11 +238,11 @@ class WeightPublisher:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self._check_acks(block=False)
         for channel in list(self._channels.values()):
             channel.close()
         self._channels.clear()
-        self._shared.close()
+        for shared in self._shared.values():
+            shared.close()
         if self._senders is not None:
             self._senders.shutdown(wait=False, cancel_futures=True)
 
@@ -275,49 +270,15 @@ class WeightPublisher:
     def _send(self, update: WeightUpdate) -> None:
         with self._lock:
             workers = list(self._workers)
-        ref: Any = None
-        if self.transport == "object_store" and any(_is_ray_actor(w) for w in workers):
-            import ray
-
-            t0 = time.perf_counter()
-            ref = ray.put(update)   # once per version, whatever the number of workers
-            with self._lock:
-                self._put_s += time.perf_counter() - t0
-        self._offer(workers, update, ref)
+        self._send_all(workers, update, reconnect=False)
         with self._lock:
             self._published += 1
             self._bytes += update.num_bytes
             self._last_bytes = update.num_bytes
             self._last_version = update.version
-            self._latest, self._latest_ref = update, ref
+            self._latest = update
 
-    def _offer(self, workers: Sequence[object], update: WeightUpdate, ref: Any,
-               reconnect: bool = False) -> None:
-        if self.transport == "vllm":
-            self._send_vllm(workers, update, reconnect)
-            return
-        t0 = time.perf_counter()
-        acks = []
-        for w in workers:
-            try:
-                if _is_ray_actor(w):
-                    if ref is None:
-                        import ray
-
-                        ref = ray.put(update)
-                    acks.append(w.offer_weights.remote([ref]))  # type: ignore[attr-defined]
-                else:
-                    w.offer_weights(update)  # type: ignore[attr-defined]
-            except Exception as e:
-                log.warning("weight publisher: offering version %d failed: %s", update.version, e)
-                with self._lock:
-                    self._failures += 1
-        with self._lock:
-            self._offer_s += time.perf_counter() - t0
-            self._pending_acks.extend(acks)
-        self._check_acks(block=False)
-
-    def _send_vllm(self, workers: Sequence[object], update: WeightUpdate, reconnect: bool) -> None:
+    def _send_all(self, workers: Sequence[object], update: WeightUpdate, reconnect: bool) -> None:
         """Send ``update`` to every worker through its channel, in parallel; a failed
         worker's channel is closed (the next send opens a new one) and counted."""
         if not workers:
@@ -340,14 +301,15 @@ class WeightPublisher:
                 channel = None
             if channel is None:
                 channel = self._open(worker)
-            timing = channel.send(update if channel.path in DEVICE_PATHS | {"shm"} else self._host(update))
+            timing = channel.send(update if traits(channel.path).sends_gpu_copy else self._host(update))
             self._channels[worker] = channel
             return timing
         except ShmSpaceError as e:
-            if self.path != "auto":
+            fallback = traits(self._path_of(worker)).fallback
+            if self.path != "auto" or fallback is None:
                 raise
-            log.warning("weights: %s; worker %s takes the gloo path instead", e, _label(worker))
-            self.paths[worker] = "gloo"     # the memory filesystem is too small: over TCP
+            log.warning("weights: %s; worker %s takes the %s path instead", e, _label(worker), fallback)
+            self.paths[worker] = fallback   # type: ignore[assignment]   # a name from channel.PATHS
             return self._send_one(worker, update, reconnect)
         except Exception as e:
             from pipeline_rl.calls import first_line
@@ -379,7 +341,7 @@ class WeightPublisher:
             path = choose_path(self._placement, where, self.path, GPU_PATHS)
             if where.node_id == UNKNOWN_NODE:
                 return path   # asked again at its next channel
-            log.info("weights: worker %s gets the %s path (%s%s)", _label(worker), path, REASONS[path],
+            log.info("weights: worker %s gets the %s path (%s%s)", _label(worker), path, traits(path).reason,
                      ", forced" if self.path != "auto" else "")
             self.paths[worker] = path
         return path
@@ -391,28 +353,10 @@ class WeightPublisher:
     def _open(self, worker: Hashable) -> TrainerChannel:
         """A new channel to ``worker`` on its path (``weight_sync.channel``)."""
         path, client = self._path_of(worker), self._client(worker)
-        address = trainer_address() if path in ("gloo", "nccl") else "127.0.0.1"
-        return open_channel(path, client, OpenContext(address=address, shared=self._shared))
-
-    def _check_acks(self, *, block: bool) -> None:
-        """Count failed remote offers (dead actors) without waiting on live ones; bounds memory."""
+        row = traits(path)
+        address = trainer_address() if row.address == "node" else "127.0.0.1"
         with self._lock:
-            acks, self._pending_acks = self._pending_acks, []
-        if not acks:
-            return
-        import ray
-
-        if not ray.is_initialized():   # Ray shut down: nothing left to check
-            return
-        done, pending = ray.wait(acks, num_returns=len(acks), timeout=None if block else 0)
-        failures = 0
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception as e:
-                failures += 1
-                log.warning("weight publisher: a worker failed to take an update: %s", str(e).splitlines()[0])
-        keep = pending[-self._max_pending_acks:]
-        with self._lock:
-            self._failures += failures
-            self._pending_acks = keep + self._pending_acks
+            shared = self._shared.get(path)
+            if shared is None and row.shared is not None:
+                shared = self._shared[path] = row.shared()
+        return open_channel(path, client, OpenContext(address=address, shared=shared, secret=self._secret))

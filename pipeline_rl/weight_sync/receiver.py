@@ -1,196 +1,182 @@
-"""The worker half of every weight path: :class:`WeightReceiver`, the backend vLLM's
-``WeightTransferEngineFactory`` builds inside its worker (registered as
-``vllm_adapter.BACKEND`` by ``vllm_adapter.register``). One backend for all paths: each
-message names its path (``weight_sync.channel.decode_update_info``), so an engine need
-not know its path when it starts."""
+"""The worker half of every weight path, once: :class:`Receiver` joins a path's group and
+receives each update into staging and checks it (steps 1 and 2 of ``weight_sync.channel``);
+both engines use it:
+
+- the in-process engine's and an ``AsyncLLM`` engine core's vLLM backend,
+  :class:`WeightReceiver` (registered as ``vllm_adapter.BACKEND`` by
+  ``vllm_adapter.register``), which adds step 3, the load;
+- an ``AsyncLLM`` rollout worker (``rollout.engines.engine_async``), which receives the
+  host paths' bytes in its own process, into its staging segment, beside generation,
+  and hands its engine core that segment (device paths go to the core untouched).
+
+Each message names its path (``weight_sync.channel.decode_update_info``), so an engine
+need not know its path when it starts; each message is decoded once, by the process
+that receives its bytes.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
-
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline_rl.weight_sync import nccl
 from pipeline_rl.weight_sync.channel import InitInfo, UpdateInfo, decode_init_info, decode_update_info
-from pipeline_rl.weight_sync.core_staging import CoreStager
 from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo, check_opened, open_update
 from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo, GlooUpdateInfo, receive_update
 from pipeline_rl.weight_sync.host_gpu import DeviceStaging
-from pipeline_rl.weight_sync.message import (
-    CheckedUpdate,
-    OpenedUpdate,
-    WeightUpdate,
-    WeightUpdateError,
-    as_checked,
-    read_weight_spec,
-    validate_update,
-)
+from pipeline_rl.weight_sync.message import OpenedUpdate, WeightSpec, WeightUpdate, WeightUpdateError, validate_update
+from pipeline_rl.weight_sync.object_store import ObjectStoreUpdateInfo
 from pipeline_rl.weight_sync.protocol import DEFAULT_BUCKET_BYTES
-from pipeline_rl.weight_sync.shm import SegmentReader, ShmUpdateInfo, StatusCell
-from pipeline_rl.weight_sync.vllm_adapter import BACKEND, complete_backend, load_served_weights
+from pipeline_rl.weight_sync.shm import SegmentReader, SharedSegment, ShmUpdateInfo, StatusCell
+
+if TYPE_CHECKING:
+    from pipeline_rl.weight_sync.core_staging import CoreStager
 
 
-@complete_backend   # vLLM 0.26's base also declares its trainer half abstract
-class WeightReceiver(WeightTransferEngine[Any, Any]):
-    """vLLM worker backend :data:`BACKEND`: every path's receiving half, in the
-    sequence ``weight_sync.channel`` states.
+@dataclass(frozen=True, slots=True, eq=False)
+class Received:
+    """One update received into staging and checked, nothing loaded. Exactly one of:
 
-    ``init_transfer_engine`` joins the trainer's gloo or nccl group (shm and ipc need
-    none); ``start_weight_update`` forgets any unapplied update; ``update_weights``
-    *receives into staging and checks*: gloo into a receive buffer reused across
-    updates, shm mapped from the trainer's segment (on a GPU: copied to this GPU and
-    checked there), ipc opened from the trainer's GPU buffer, nccl into a receive buffer
-    on this device -- a bad update is drained, then refused with ``WeightUpdateError``,
-    nothing loaded; ``finish_weight_update`` *loads* it into ``self.model`` (vLLM calls it
-    only while generation is paused). :meth:`take_received` hands a validated host
-    update to a caller that loads it elsewhere (the in-process engine's shadow; its
-    arrays are views of the receive buffer or the segment, valid until the next
-    ``update_weights``). Invariant: the model is touched only by
-    ``finish_weight_update``, and only with a complete, checked update."""
+    - ``host``: a host update (its arrays are views of the staging buffer, a segment or
+      a fetched object: valid until the next receive); ``segment``, the shm path's
+      message for the segment its bytes lie in, when they lie in one (the trainer's, or
+      the receiver's staging segment); ``status``, the trainer's request to load it
+      beside generation and report in that cell (``shm.StatusCell``);
+    - ``opened``: its tensors on this process's device (ipc, nccl, shm copied to a GPU);
+    - ``copying``: shm on a GPU with a status cell, the copy to the GPU under way beside
+      generation (the cell says when it is done)."""
 
-    init_info_cls = GlooInitInfo
-    update_info_cls = GlooUpdateInfo
-    supports_draft_weight_update = False
+    version: int
+    host: WeightUpdate | None = None
+    segment: ShmUpdateInfo | None = None
+    status: str | None = None
+    opened: OpenedUpdate | None = None
+    copying: "Future[OpenedUpdate] | None" = None
 
-    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
-        super().__init__(config, vllm_config, device, model)
-        self._channel: Channel | None = None        # the gloo path's group
+
+class Receiver:
+    """Every path's receiving half (module docstring). ``device``: where device paths
+    land (None or a CPU device: host memory); ``staging``: a segment of this process that
+    host bytes are received into (gloo) or written to (object store), so that another
+    process can load them (None: a buffer of its own, reused); ``check_values``: check
+    host values for non-finite ones (False: the process that loads them on its GPU checks
+    them there); ``secret``: the run key's rendezvous secret, proved when joining a group.
+    One receive at a time per group (the caller serialises updates)."""
+
+    def __init__(self, spec: WeightSpec, *, device: Any = None, staging: SharedSegment | None = None,
+                 check_values: bool = True, secret: bytes = b"") -> None:
+        self._spec, self._device, self._staging = spec, device, staging
+        self._check_values, self.secret = check_values, secret
+        self._channel: Channel | None = None         # the gloo path's group
         self._group: nccl.Broadcaster | None = None  # the nccl path's group
         self._bucket_bytes = DEFAULT_BUCKET_BYTES
-        self._spec = read_weight_spec(vllm_config.model_config.model)
-        self._received: WeightUpdate | None = None
-        self._opened: OpenedUpdate | None = None   # checked tensors on this device (ipc, nccl, shm on a GPU)
-        self._buffer: np.ndarray | None = None     # the gloo receive buffer, reused
-        self._device_buffer = DeviceStaging()      # receive / copy buffer on this device, reused
-        self._copying: Future[OpenedUpdate] | None = None   # shm on a GPU: the copy beside generation
+        self._buffer: np.ndarray | None = None       # the gloo receive buffer without staging
+        self._device_buffer = DeviceStaging()        # receive / copy buffer on this device, reused
         self._segments = SegmentReader()
-        self._stager: CoreStager | None = None   # loads beside generation (AsyncLLM on CPU)
-        self._staged = False
-        self._lock = threading.Lock()  # one receive at a time on the channel
+        self._lock = threading.Lock()
+        self._receivers: dict[type, Callable[[Any], Received]] = {
+            GlooUpdateInfo: self._gloo, ShmUpdateInfo: self._shm, IpcUpdateInfo: self._ipc,
+            nccl.NcclUpdateInfo: self._nccl, ObjectStoreUpdateInfo: self._object}
 
-    def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:  # type: ignore[override]
-        return decode_init_info(init_dict)
+    @property
+    def on_gpu(self) -> bool:
+        return str(getattr(self._device, "type", "cpu")) == "cuda"
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:  # type: ignore[override]
-        return decode_update_info(update_dict)
-
-    def init_transfer_engine(self, init_info: InitInfo) -> None:  # type: ignore[override]
-        self.shutdown()
-        self._bucket_bytes = init_info.bucket_bytes
-        if isinstance(init_info, nccl.NcclInitInfo):
-            self._group = nccl.join(init_info, 1, self.device if init_info.backend == "nccl" else None)
+    # -- join -------------------------------------------------------------------------------------
+    def join(self, info: InitInfo) -> None:
+        """Join the trainer's group (a new one replaces the old); both ends prove the run key."""
+        self.close()
+        self._bucket_bytes = info.bucket_bytes
+        if isinstance(info, GlooInitInfo):
+            self._channel = Channel.connect(info, self.secret)
         else:
-            self._channel = Channel.connect(init_info)
+            self._group = nccl.join(info, 1, self.secret, self._device if info.backend == "nccl" else None)
 
-    def start_weight_update(self) -> None:
-        self._received = None
-        self._opened = None
-        self._copying = None
+    def join_message(self, message: dict[str, Any]) -> None:
+        self.join(decode_init_info(message))
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        # vLLM's base would also synchronise an accelerator; every receive here is done when it returns.
-        self.receive_weights(self.parse_update_info(update_info))
+    # -- receive ----------------------------------------------------------------------------------
+    def receive(self, info: UpdateInfo) -> Received:
+        """Receive ``info``'s update into staging and check it whole (names, shapes, finite
+        values); a bad update is drained first (a group stays aligned), then refused with
+        ``WeightUpdateError``."""
+        return self._receivers[type(info)](info)
 
-    def receive_weights(self, update_info: UpdateInfo) -> None:  # type: ignore[override]
-        """Receive into staging, then check (see the class docstring)."""
-        if isinstance(update_info, IpcUpdateInfo):   # opened and checked on the GPU, not loaded
-            opened = open_update(update_info, self._gpu_index())
-            check_opened(opened, self._spec)
-            self._opened = opened
-        elif isinstance(update_info, ShmUpdateInfo):
-            self._receive_shm(update_info)
-        elif isinstance(update_info, nccl.NcclUpdateInfo):
-            self._receive_nccl(update_info)
-        else:
-            self._receive_gloo(update_info)
+    def receive_message(self, message: dict[str, Any]) -> Received:
+        return self.receive(decode_update_info(message))
 
-    def _gpu_index(self) -> int:
-        return self.device.index if self.device.index is not None else 0
-
-    def _on_gpu(self) -> bool:
-        return str(getattr(self.device, "type", "cpu")) == "cuda"
-
-    def _receive_shm(self, info: ShmUpdateInfo) -> None:
-        update = self._segments.update(info)
-        if self._on_gpu():   # the host path at GPU speed: copied to this GPU, checked there
-            if info.status is not None:   # beside generation; finish loads once it is READY
-                cell, version = StatusCell(info.status, create=False), info.version
-                self._copying = self._device_buffer.start_copy(
-                    update, self.device, lambda opened: check_opened(opened, self._spec),
-                    lambda ok: cell.set(version, StatusCell.READY if ok else StatusCell.FAILED))
-                return
-            self._opened = self._device_buffer.copy_in(update, self.device)
-            check_opened(self._opened, self._spec)
-            return
-        validate_update(update, self._spec, check_values=not info.checked)
-        self._received = update
-        if info.status is not None:   # load beside generation; finish swaps
-            if self._stager is None:
-                self._stager = CoreStager(self.model, self.vllm_config)
-            self._staged = self._stager.start(update, info.status)
-
-    def _receive_nccl(self, info: nccl.NcclUpdateInfo) -> None:
-        if self._group is None:
-            raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
-        into = self._device_buffer.buffer(info.total_bytes(), self.device if self._on_gpu() else None)
-        with self._lock:
-            tensors = nccl.receive_chunks(self._group, info, into, self._bucket_bytes)
-        opened = OpenedUpdate(info.version, into[:info.total_bytes()], tensors)
-        check_opened(opened, self._spec)   # after draining: the group stays aligned
-        if self._on_gpu():
-            self._opened = opened
-        else:
-            self._received = WeightUpdate(info.version, tuple(info.names), tuple(from_torch(t) for _, t in tensors),
-                                          dtype=info.wire_dtype)  # type: ignore[arg-type]
-
-    def _receive_gloo(self, info: GlooUpdateInfo) -> None:
+    def _gloo(self, info: GlooUpdateInfo) -> Received:
         if self._channel is None:
-            raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
+            raise RuntimeError("weights: update_weights before init_weight_transfer_engine")
         size = info.total_bytes()
         with self._lock:
-            if self._buffer is None or self._buffer.size < size:
-                self._buffer = np.empty(size, dtype=np.uint8)
-            got = receive_update(self._channel, info, self._bucket_bytes, into=self._buffer)
+            got = receive_update(self._channel, info, self._bucket_bytes, into=self._host_buffer(size))
         # After draining, so the channel stays aligned; values were checked as they arrived.
         if got.non_finite is not None:
             raise WeightUpdateError(f"{got.non_finite}: non-finite values")
         validate_update(got.update, self._spec, check_values=False)
-        self._received = got.update
+        segment = (ShmUpdateInfo.of(info.layout(), self._staging.path, checked=True)
+                   if self._staging is not None and self._staging.path is not None else None)
+        return Received(info.version, host=got.update, segment=segment)
 
-    def take_received(self) -> WeightUpdate:
-        """The validated host update received since ``start_weight_update`` (handed out once)."""
-        update, self._received = self._received, None
-        if update is None:
-            raise RuntimeError(f"{BACKEND}: finish_weight_update without a received update")
-        return update
+    def _host_buffer(self, size: int) -> np.ndarray:
+        if self._staging is not None:
+            return self._staging.buffer(size)
+        if self._buffer is None or self._buffer.size < size:
+            self._buffer = np.empty(size, dtype=np.uint8)
+        return self._buffer
 
-    def finish_weight_update(self) -> None:
-        """Load what was received and checked (see the class docstring)."""
-        if self._copying is not None:   # a copy that failed loads nothing (the worker saw it failed)
-            copying, self._copying = self._copying, None
-            if not copying.done() or copying.exception() is not None:
-                return
-            self._opened = copying.result()
-        if self._opened is not None:   # on this device: copy into the model, then let it go
-            opened, self._opened = self._opened, None
-            load_served_weights(self.model, sorted(opened.tensors, key=lambda nt: nt[0]), self.vllm_config)
-            import torch
+    def _shm(self, info: ShmUpdateInfo) -> Received:
+        update = self._segments.update(info)
+        if self.on_gpu:   # the host path at GPU speed: copied to this GPU, checked there
+            check = lambda opened: check_opened(opened, self._spec)  # noqa: E731
+            if info.status is not None:   # beside generation; the load waits for the cell
+                cell, version = StatusCell(info.status, create=False), info.version
+                return Received(info.version, copying=self._device_buffer.start_copy(
+                    update, self._device, check,
+                    lambda ok: cell.set(version, StatusCell.READY if ok else StatusCell.FAILED)))
+            opened = self._device_buffer.copy_in(update, self._device)
+            check(opened)
+            return Received(info.version, opened=opened)
+        check_values = self._check_values and not info.checked
+        validate_update(update, self._spec, check_values=check_values)
+        segment = ShmUpdateInfo.of(info.layout(), info.segment, checked=info.checked or check_values,
+                                   offset=info.offset)
+        return Received(info.version, host=update, segment=segment, status=info.status)
 
-            torch.cuda.synchronize(self.device)   # the trainer may free its buffer once this returns
-            return
-        if self._staged and self._stager is not None:   # loaded beside generation: swap it in
-            self._staged = False
-            self._received = None
-            self._stager.finish()    # a failed load changes nothing (the worker saw it failed)
-            return
-        load_into(self.model, as_checked(self.take_received()), self.vllm_config)
+    def _ipc(self, info: IpcUpdateInfo) -> Received:
+        index = self._device.index if getattr(self._device, "index", None) is not None else 0
+        opened = open_update(info, index)
+        check_opened(opened, self._spec)
+        return Received(info.version, opened=opened)
 
-    def shutdown(self) -> None:
+    def _nccl(self, info: nccl.NcclUpdateInfo) -> Received:
+        if self._group is None:
+            raise RuntimeError("weights: update_weights before init_weight_transfer_engine")
+        into = self._device_buffer.buffer(info.total_bytes(), self._device if self.on_gpu else None)
+        with self._lock:
+            tensors = nccl.receive_chunks(self._group, info, into, self._bucket_bytes)
+        opened = OpenedUpdate(info.version, into[:info.total_bytes()], tensors)
+        check_opened(opened, self._spec)   # after draining: the group stays aligned
+        if self.on_gpu:
+            return Received(info.version, opened=opened)
+        host = WeightUpdate(info.version, tuple(info.names), tuple(from_torch(t) for _, t in tensors),
+                            dtype=info.wire_dtype)  # type: ignore[arg-type]
+        return Received(info.version, host=host)
+
+    def _object(self, info: ObjectStoreUpdateInfo) -> Received:
+        update = info.fetch()
+        validate_update(update, self._spec, check_values=self._check_values)
+        segment = self._staging.write(update, checked=self._check_values) if self._staging is not None else None
+        return Received(info.version, host=update, segment=segment)
+
+    def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -199,12 +185,7 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
             self._group = None
 
 
-def load_into(model: Any, checked: CheckedUpdate, vllm_config: Any) -> None:
-    """Load a checked update into a vLLM model that no step is running on: the
-    direct CPU path when it covers the model, else vLLM's layerwise reload."""
-    from pipeline_rl.weight_sync.loaders import DirectLoader
+def make_stager(model: Any, vllm_config: Any) -> "CoreStager":
+    from pipeline_rl.weight_sync.core_staging import CoreStager
 
-    on_cpu = str(vllm_config.device_config.device_type) == "cpu"
-    direct = DirectLoader.build(model) if on_cpu else None
-    if direct is None or not direct.load(checked, vllm_config):
-        load_served_weights(model, checked.tensors, vllm_config)
+    return CoreStager(model, vllm_config)

@@ -1,7 +1,8 @@
-"""Proof of the run key at the cross-node weight channel's rendezvous, before any weight moves.
+"""Proof of the run key at a weight channel's rendezvous, before any weight moves.
 
-The gloo channel's rendezvous is a ``torch.distributed.TCPStore`` the trainer serves on
-an open port (``pipeline_rl.weight_sync.gloo``). A store answers anyone who connects,
+The gloo and nccl channels' rendezvous is a ``torch.distributed.TCPStore`` the trainer
+serves on an open port (``pipeline_rl.weight_sync.gloo``; vLLM's ``StatelessProcessGroup``
+for nccl). A store answers anyone who connects,
 and lists its keys to them (``TCPStore.list_keys``), so neither the port nor a
 secret-looking key prefix keeps a foreign process out: it can read the trainer's gloo
 address and join the two-member group in the worker's place (to take the weights), or
@@ -15,13 +16,18 @@ weights:
 3. the trainer checks the answer and sends ``HMAC(K, "trainer" | c_w | c_t)`` (zeros
    when the check failed), which the worker checks in turn.
 
-``K`` is derived from the run key (``pipeline_rl.run_key``) under its own label; the
+The exchange runs over any two-member group that can broadcast bytes from either rank
+(:class:`ByteBroadcast`): the gloo process group, or vLLM's NCCL communicator (its
+tensors on the GPU, ``vllm_adapter.nccl_broadcaster``).
+
+``K`` (``secret``) is derived from the run key (``run_key.rendezvous_secret``), handed
+to each end as an argument; the
 challenges are fresh per channel, so an answer seen once is worth nothing later. A side
 whose peer fails the check shuts the group down and raises :class:`RendezvousRefused`
 (the channel is never used); the trainer counts each refusal (:func:`refusals`)
 and logs it once per host the peer claims (gloo does not name the peer's address).
-Outside a run (no key installed: tests, in-process benchmarks) both sides prove an empty
-key, which only a process outside any run also holds.
+Outside a run (no key: tests, in-process benchmarks) both sides prove an empty secret,
+which only a process outside any run also holds.
 """
 
 from __future__ import annotations
@@ -32,9 +38,8 @@ import logging
 import secrets
 import socket
 import threading
-from typing import Any
-
-from pipeline_rl.run_key import RunKey
+from collections.abc import Callable
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +62,32 @@ def refusals() -> int:
     return _refusals
 
 
-def prove_membership(pg: Any, rank: int, key: RunKey | None) -> None:
-    """Run the exchange (module docstring) on the formed two-member group ``pg`` as
-    ``rank`` (0: trainer, 1: worker); returns when both ends proved the key, else raises
-    :class:`RendezvousRefused` (or the group's own error if the peer stops answering)
-    after shutting ``pg`` down."""
-    secret = key.derive("weights/rendezvous") if key is not None else b""
+class ByteBroadcast(Protocol):
+    """A two-member group's broadcast of ``size`` bytes from ``root`` (``data`` there,
+    None on the other rank); returns the bytes on both."""
+
+    def __call__(self, data: bytes | None, size: int, root: int) -> bytes: ...
+
+
+def prove_membership(pg: Any, rank: int, secret: bytes) -> None:
+    """Run the exchange (module docstring) on the formed two-member gloo group ``pg`` as
+    ``rank`` (0: trainer, 1: worker); returns when both ends proved ``secret``, else
+    raises :class:`RendezvousRefused` (or the group's own error if the peer stops
+    answering) after shutting ``pg`` down."""
+    prove_over(lambda data, size, root: _broadcast(pg, data, size, root), rank, secret, pg.shutdown)
+
+
+def prove_over(broadcast: ByteBroadcast, rank: int, secret: bytes, close: Callable[[], Any]) -> None:
+    """The exchange over any two-member group (``broadcast``); ``close`` shuts the group
+    down when it fails."""
     try:
         if rank == 0:
-            _as_trainer(pg, secret)
+            _as_trainer(broadcast, secret)
         else:
-            _as_worker(pg, secret)
+            _as_worker(broadcast, secret)
     except BaseException:
         try:
-            pg.shutdown()
+            close()
         except Exception:  # noqa: BLE001 - best effort: the peer may be gone
             pass
         raise
@@ -80,13 +97,13 @@ def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(secret, role + first + second, hashlib.sha256).digest()
 
 
-def _as_trainer(pg: Any, secret: bytes) -> None:
+def _as_trainer(broadcast: ByteBroadcast, secret: bytes) -> None:
     challenge = secrets.token_bytes(_NONCE)
-    _broadcast(pg, challenge, _NONCE, root=0)
-    answer = _broadcast(pg, None, _ANSWER, root=1)
+    broadcast(challenge, _NONCE, 0)
+    answer = broadcast(None, _ANSWER, 1)
     theirs, mac, host = answer[:_NONCE], answer[_NONCE:_NONCE + _MAC], answer[_NONCE + _MAC:]
     ok = hmac.compare_digest(mac, _mac(secret, b"worker", challenge, theirs))
-    _broadcast(pg, _mac(secret, b"trainer", theirs, challenge) if ok else bytes(_MAC), _MAC, root=0)
+    broadcast(_mac(secret, b"trainer", theirs, challenge) if ok else bytes(_MAC), _MAC, 0)
     if not ok:
         claimed = host.rstrip(b"\0").decode(errors="replace") or "?"
         _refused(claimed)
@@ -94,12 +111,12 @@ def _as_trainer(pg: Any, secret: bytes) -> None:
                                 "hold this run's key; no weights were sent")
 
 
-def _as_worker(pg: Any, secret: bytes) -> None:
-    challenge = _broadcast(pg, None, _NONCE, root=0)
+def _as_worker(broadcast: ByteBroadcast, secret: bytes) -> None:
+    challenge = broadcast(None, _NONCE, 0)
     mine = secrets.token_bytes(_NONCE)
     host = socket.gethostname().encode()[:_HOST].ljust(_HOST, b"\0")
-    _broadcast(pg, mine + _mac(secret, b"worker", challenge, mine) + host, _ANSWER, root=1)
-    mac = _broadcast(pg, None, _MAC, root=0)
+    broadcast(mine + _mac(secret, b"worker", challenge, mine) + host, _ANSWER, 1)
+    mac = broadcast(None, _MAC, 0)
     if not hmac.compare_digest(mac, _mac(secret, b"trainer", mine, challenge)):
         raise RendezvousRefused("weight channel: the trainer's end did not prove it holds this run's "
                                 "key (another run's trainer, a foreign process, or it refused this "

