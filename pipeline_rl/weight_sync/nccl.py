@@ -59,6 +59,10 @@ class NcclInitInfo:
     timeout_s: float = DEFAULT_TIMEOUT_S
     backend: Literal["nccl", "gloo"] = "nccl"
 
+    def device_for(self, device: Any) -> Any:
+        """The device a member joins on: ``device`` for NCCL, none for the CPU stand-in."""
+        return device if self.backend == "nccl" else None
+
 
 @dataclass(frozen=True, slots=True)
 class NcclUpdateInfo(UpdateLayout):

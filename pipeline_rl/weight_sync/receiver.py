@@ -96,7 +96,7 @@ class Receiver:
         if isinstance(info, GlooInitInfo):
             self._channel = Channel.connect(info, self.secret)
         else:
-            self._group = nccl.join(info, 1, self.secret, self._device if info.backend == "nccl" else None)
+            self._group = nccl.join(info, 1, self.secret, info.device_for(self._device))
 
     def join_message(self, message: dict[str, Any]) -> None:
         self.join(decode_init_info(message))
