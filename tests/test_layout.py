@@ -9,7 +9,8 @@ section (a test reads that section and compares), so the doc and the code cannot
   public surface (:data:`VLLM_PUBLIC`) into its internals (:data:`VLLM_INTERNALS_ALLOWED`):
   another vLLM module, or a private ``_name`` from any;
 - no two modules share a file name;
-- every file the doc's tree names exists.
+- every file the doc's tree names exists, and the tree names every module (a package's
+  ``__init__.py`` is named by its folder's line).
 
 No import cycle is the other claim; ``tests/test_imports.py`` checks it (not repeated here).
 
@@ -260,8 +261,19 @@ def test_no_two_modules_share_a_name() -> None:
     assert duplicate_names(PACKAGE) == {}
 
 
+def unnamed_modules(layout: str, package: Path) -> list[str]:
+    """The modules under ``package`` (``__init__.py`` aside) that the doc's tree does not name."""
+    named = {f"{d}/{name}".lstrip("/") for name, dirs in tree_files(layout) for d in dirs}
+    return [rel for f in sorted(package.rglob("*.py"))
+            if f.name != "__init__.py" and (rel := f.relative_to(package).as_posix()) not in named]
+
+
 def test_every_file_the_tree_names_exists() -> None:
     assert missing_tree_files(LAYOUT.read_text(), PACKAGE) == []
+
+
+def test_the_tree_names_every_module() -> None:
+    assert unnamed_modules(LAYOUT.read_text(), PACKAGE) == []
 
 
 def test_the_doc_states_the_tables() -> None:
@@ -320,6 +332,8 @@ def test_the_tree_reader_finds_a_missing_file(tmp_path: Path) -> None:
            "    b.py, c.py   not here\n    deep/   nested\n      a.py   not there\n"
            "  tasks/, models/   both (env.py)\n                (x.py)\n```\n")
     assert missing_tree_files(doc, pkg) == ["./gone.py", "run/b.py", "run/c.py", "run/deep/a.py", "tasks|models/x.py"]
+    (pkg / "run" / "unnamed.py").write_text("")
+    assert unnamed_modules(doc, pkg) == ["run/unnamed.py"]   # config.py, run/a.py, tasks/env.py are named
 
 
 def test_the_claims_reader_reads_the_doc_lines() -> None:
