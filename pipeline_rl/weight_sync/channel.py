@@ -17,7 +17,7 @@ finish). What the rest of the project needs to know of a path is its row of
 :data:`PATHS` (:class:`PathTraits`): no other module decides by a path's name.
 
 Worker side, the same sequence on every path, by the one ``receiver.Receiver`` (in the
-vLLM worker's backend, ``receiver.WeightReceiver``; an ``AsyncLLM`` rollout worker's
+vLLM worker's backend, ``vllm_backend.WeightReceiver``; an ``AsyncLLM`` rollout worker's
 receives the host paths in its own process first and hands its engine core a segment):
 
 1. **receive into staging** (``update_weights``): the bytes land where the load reads them

@@ -20,8 +20,8 @@
   half-way never leaves a half-loaded model that generation resumes on.
 
 :class:`GlooTrainerChannel` is the trainer's end (``weight_sync.channel.TrainerChannel``);
-the worker's is ``receiver.WeightReceiver`` (in the vLLM worker) or ``rollout.engine_async``
-(it receives in the rollout worker and hands the bytes to its engine core in a segment).
+the worker's is ``receiver.Receiver``, in the vLLM worker's backend or, with ``AsyncLLM``, in the
+rollout worker (which hands the bytes to its engine core in a segment).
 """
 
 from __future__ import annotations
