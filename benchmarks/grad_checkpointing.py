@@ -145,16 +145,19 @@ def _summarise(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
 def _report(r: dict[str, Any]) -> str:
     rows = [f"| {name} | {c['rss_peak_mb']:.0f} | {c['step_peak_mb']:.0f} | {c['step_s']:.2f} |"
             for name, c in r["configs"].items()]
-    q = r["ratios"]
+    q, hw = r["ratios"], r["hardware"]
     return "\n".join([
         f"# Gradient checkpointing: {r['model']}, {r['groups']} x {r['n']} completions of {r['new_tokens']} "
         f"tokens (prompts {r['prompt_tokens']})", "",
+        f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU; the trainer on one "
+        f"thread, float32, ZeRO-0; {r['rounds']} round(s) of each configuration alternated, {r['steps']} steps "
+        f"each (the first left out of the step time); the machine shared with other work (load average "
+        f"{r['load_avg_1m_at_end']:.1f} at the end).", "",
         "| configuration | peak RSS (MB) | added by the steps (MB) | step (s) |", "|---|---|---|---|", *rows, "",
         f"on / off: peak {q.get('rss_peak_mb_on_over_off', 0):.2f}x, added by the steps "
         f"{q.get('step_peak_mb_on_over_off', 0):.2f}x, step time {q.get('step_s_on_over_off', 0):.2f}x; "
         f"on / off_padded: {q.get('rss_peak_mb_on_over_off_padded', 0):.2f}x, "
-        f"{q.get('step_peak_mb_on_over_off_padded', 0):.2f}x, {q.get('step_s_on_over_off_padded', 0):.2f}x. "
-        f"Load average at the end {r['load_avg_1m_at_end']:.1f}.", ""])
+        f"{q.get('step_peak_mb_on_over_off_padded', 0):.2f}x, {q.get('step_s_on_over_off_padded', 0):.2f}x.", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
