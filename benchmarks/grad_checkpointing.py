@@ -15,8 +15,9 @@ peak resident memory (``ru_maxrss``) is its own; the configurations alternate wi
 
 Figures per configuration: ``rss_init_mb`` (peak resident memory once the trainer is built:
 weights, gradients' and AdamW's buffers), ``rss_peak_mb`` (after the steps), ``step_peak_mb``
-(their difference: what the steps added, activations and logits), ``step_s`` (median over the
-steps after the first, which is left out as warm-up).
+(their difference: what the steps added, activations and logits), ``step_cpu_s`` (the process's
+CPU time per step, user + system: on a shared machine it moves far less with the load than
+wall time) and ``step_s`` (wall), medians over the steps after the first (left out as warm-up).
 
 Usage: ``python -m benchmarks.grad_checkpointing [--model smollm2-135m-instruct]
 [--new-tokens 256] [--json PATH] [--md PATH]``; ``--quick``: the built-in model, a few tokens.
@@ -70,6 +71,12 @@ def _groups(vocab: int, args: argparse.Namespace, seed: int) -> list[Any]:
     return out
 
 
+def _cpu_s() -> float:
+    """This process's CPU time so far (every thread, user + system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _child(args: argparse.Namespace) -> dict[str, Any]:
     from pipeline_rl.cli import parse_config
     from pipeline_rl.driver import resolve_model_dir
@@ -85,14 +92,16 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     trainer = Trainer(cfg, resolve_model_dir(cfg))
     vocab = int(trainer.model.config.vocab_size)
     init = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    times = []
+    times, cpu = [], []
     for s in range(args.steps):
-        t0 = time.perf_counter()
-        trainer.step(_groups(vocab, args, s))
+        groups = _groups(vocab, args, s)
+        c0, t0 = _cpu_s(), time.perf_counter()
+        trainer.step(groups)
         times.append(time.perf_counter() - t0)
+        cpu.append(_cpu_s() - c0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out = {"config": args.child, "rss_init_mb": init, "rss_peak_mb": peak, "step_peak_mb": peak - init,
-           "step_times_s": times, "share_prompts": trainer.share_prompts,
+           "step_times_s": times, "step_cpu_s": cpu, "share_prompts": trainer.share_prompts,
            "checkpointing": bool(trainer.engine.module.is_gradient_checkpointing)}
     trainer.close()
     return out
@@ -132,18 +141,20 @@ def _summarise(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
     per: dict[str, dict[str, float]] = {}
     for name, rs in runs.items():
         steps = [t for r in rs for t in r["step_times_s"][1:]] or [t for r in rs for t in r["step_times_s"]]
+        cpus = [t for r in rs for t in r["step_cpu_s"][1:]] or [t for r in rs for t in r["step_cpu_s"]]
         per[name] = {"rss_init_mb": max(r["rss_init_mb"] for r in rs), "rss_peak_mb": max(r["rss_peak_mb"] for r in rs),
                      "step_peak_mb": max(r["step_peak_mb"] for r in rs), "step_s": statistics.median(steps),
+                     "step_cpu_s": statistics.median(cpus),
                      "first_step_s": statistics.median(r["step_times_s"][0] for r in rs)}
     ratios = {f"{k}_on_over_{base}": per["on"][k] / per[base][k]
-              for base in ("off", "off_padded") for k in ("rss_peak_mb", "step_peak_mb", "step_s") if per[base][k]}
+              for base in ("off", "off_padded") for k in ("rss_peak_mb", "step_peak_mb", "step_s", "step_cpu_s") if per[base][k]}
     return {"model": args.model or "built-in", "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
             "groups": args.groups, "n": args.n, "steps": args.steps, "rounds": args.rounds, "configs": per,
             "ratios": ratios, "wall_s": wall_s, "load_avg_1m_at_end": os.getloadavg()[0], "hardware": hardware()}
 
 
 def _report(r: dict[str, Any]) -> str:
-    rows = [f"| {name} | {c['rss_peak_mb']:.0f} | {c['step_peak_mb']:.0f} | {c['step_s']:.2f} |"
+    rows = [f"| {name} | {c['rss_peak_mb']:.0f} | {c['step_peak_mb']:.0f} | {c['step_cpu_s']:.2f} | {c['step_s']:.2f} |"
             for name, c in r["configs"].items()]
     q, hw = r["ratios"], r["hardware"]
     return "\n".join([
@@ -153,11 +164,15 @@ def _report(r: dict[str, Any]) -> str:
         f"thread, float32, ZeRO-0; {r['rounds']} round(s) of each configuration alternated, {r['steps']} steps "
         f"each (the first left out of the step time); the machine shared with other work (load average "
         f"{r['load_avg_1m_at_end']:.1f} at the end).", "",
-        "| configuration | peak RSS (MB) | added by the steps (MB) | step (s) |", "|---|---|---|---|", *rows, "",
+        "| configuration | peak RSS (MB) | added by the steps (MB) | step CPU (s) | step wall (s) |",
+        "|---|---|---|---|---|", *rows, "",
         f"on / off: peak {q.get('rss_peak_mb_on_over_off', 0):.2f}x, added by the steps "
-        f"{q.get('step_peak_mb_on_over_off', 0):.2f}x, step time {q.get('step_s_on_over_off', 0):.2f}x; "
-        f"on / off_padded: {q.get('rss_peak_mb_on_over_off_padded', 0):.2f}x, "
-        f"{q.get('step_peak_mb_on_over_off_padded', 0):.2f}x, {q.get('step_s_on_over_off_padded', 0):.2f}x.", ""])
+        f"{q.get('step_peak_mb_on_over_off', 0):.2f}x, step CPU time {q.get('step_cpu_s_on_over_off', 0):.2f}x "
+        f"(wall {q.get('step_s_on_over_off', 0):.2f}x); on / off_padded: "
+        f"{q.get('rss_peak_mb_on_over_off_padded', 0):.2f}x, {q.get('step_peak_mb_on_over_off_padded', 0):.2f}x, "
+        f"{q.get('step_cpu_s_on_over_off_padded', 0):.2f}x (wall {q.get('step_s_on_over_off_padded', 0):.2f}x). "
+        "CPU time is the process's own (user + system, every thread): on a shared machine it moves "
+        "far less with the load than wall time does.", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
