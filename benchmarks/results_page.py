@@ -54,6 +54,13 @@ CATALOG: tuple[Entry, ...] = (
           "The packaged SmolLM2-135M-Instruct on English word problems at the pretrained profile's "
           "defaults: the held-out curve, entropy, tokens/s against bare vLLM on one core with the same "
           "sampling (in the same run), weight sync and step time.", figure="real_model.png"),
+    Entry("grad_checkpointing", "Gradient checkpointing on the real chat model",
+          "python -m benchmarks.grad_checkpointing --rounds 1 --steps 3 --json "
+          "benchmarks/results/grad_checkpointing.json --md benchmarks/results/grad_checkpointing.md",
+          "The trainer alone on SmolLM2-135M-Instruct with 256-token completions (2 prompts x 4): peak "
+          "resident memory and step time with `--trainer.gradient_checkpointing` and without (prompts "
+          "shared, today's default; and padded rows, the layout checkpointing uses), each in a fresh "
+          "process."),
     Entry("peers_real_model", "Against TRL's GRPOTrainer on the real chat model",
           "python -m benchmarks.peers --model smollm2-135m-instruct --seeds 1 --systems trl,s2 --steps 40 "
           "--eval-every 10 --heldout-target 0.6 --lr 2e-5 --max-new-tokens 32 --max-model-len 512 "

@@ -31,13 +31,35 @@ from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exporte
 CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 CorrectionName = Literal["none", "tis", "icepop", "seq-mask-tis"]
-AdvantageName = Literal["grpo", "dr_grpo", "rloo"]
+AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce++", "reinforce++-baseline"]
+LRScheduleName = Literal["constant", "linear", "cosine"]
+OptimizerName = Literal["adamw", "muon"]
 LossName = Literal["reinforce", "ppo"]
 NormName = Literal["token", "sequence", "constant"]
 KLEstimator = Literal["k1", "k3"]
 KVPolicy = Literal["keep", "recompute"]
 DType = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
+
+
+#: The first DeepSpeed release whose Muon every ZeRO stage takes (``training/optimizers.py``).
+MUON_MIN_DEEPSPEED = (0, 18, 2)
+
+
+def muon_refusal() -> str | None:
+    """Why this installation cannot run ``--trainer.optimizer muon`` (one line), or None: the
+    installed DeepSpeed's version, read from its metadata (nothing imported)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return "muon is DeepSpeed's optimizer and DeepSpeed is not installed"
+    parts = tuple(int(p) if p.isdigit() else 0 for p in version.split("+")[0].split(".")[:3])
+    if parts < MUON_MIN_DEEPSPEED:
+        need = ".".join(map(str, MUON_MIN_DEEPSPEED))
+        return f"muon needs DeepSpeed >= {need} (installed: {version}); scripts/setup.sh installs one"
+    return None
 
 
 class ModelConfig(Section):
@@ -150,8 +172,10 @@ class BufferConfig(Section):
 class AlgorithmConfig(Section):
     """Advantage estimator and policy objective (docs/design.md section 4)."""
 
-    advantage: AdvantageName = Field("grpo", description="grpo (mean/std), dr_grpo (mean), "
-                                     "rloo (leave-one-out).")
+    advantage: AdvantageName = Field("grpo", description="grpo (group mean/std), dr_grpo (group mean), "
+                                     "rloo (leave-one-out), reinforce++ (the reward whitened over the "
+                                     "batch's tokens) or reinforce++-baseline (the group mean subtracted, "
+                                     "then whitened over the batch's tokens), as OpenRLHF defines them.")
     loss: LossName = Field("reinforce", description="reinforce (one step per batch) or ppo "
                            "(clipped ratio against the proximal policy).")
     normalization: NormName = Field("token", description="Loss normalisation: tokens in batch, "
@@ -165,6 +189,9 @@ class AlgorithmConfig(Section):
                                      "and generate more instead (DAPO's dynamic sampling), so each batch "
                                      "carries signal; counted on the step line (skip N) and in metrics "
                                      "(zero_variance_groups). Off: such groups are trained like any other.")
+    entropy_coef: float = Field(0.0, ge=0.0, le=10.0, description="Entropy bonus: subtract this times the "
+                                "policy's entropy (full distribution at the sampling temperature) over the "
+                                "trained tokens, normalised like the loss (0 = off).")
     kl_estimator: KLEstimator = Field("k3", description="KL estimator for the penalty (k3; k1 "
                                       "is refused as a loss term: its gradient is that of log pi "
                                       "whatever the reference).")
@@ -223,8 +250,28 @@ class TrainerConfig(Section):
                                 "completion tokens: about half the step). Off under ZeRO-3 and "
                                 "for models whose cache is not a plain KV cache (checked at "
                                 "start-up; one warning line).")
-    lr: float = Field(2e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    lr: float = Field(2e-4, gt=0.0, le=1.0, description="Learning rate (AdamW's; with --trainer.optimizer "
+                      "muon, that of the parameters Muon leaves to AdamW), before the schedule.")
+    lr_schedule: LRScheduleName = Field("constant", description="Learning rate by step: constant, or a "
+                                        "linear or cosine decay to 0 at --max-steps, after the warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up to the full rate (step s of "
+                              "the first N uses (s+1)/N of it), before the schedule (0 = none).")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Decoupled weight decay (AdamW's and Muon's).")
+    optimizer: OptimizerName = Field("adamw", description="adamw (torch's fused AdamW), or muon "
+                                     "(DeepSpeed's Muon for the 2-D hidden matrices, AdamW for the "
+                                     "embeddings, head, norms and biases, as DeepSpeed splits them).")
+    muon_lr: float | None = Field(None, gt=0.0, le=1.0, description="Muon's learning rate for the hidden "
+                                  "matrices (its update is orthogonalised: about 1/sqrt(width) per entry, "
+                                  "so it is usually set well above AdamW's). Unset: --trainer.lr.")
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="Muon's momentum (Nesterov).")
+    gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations "
+                                         "in the backward pass instead of keeping them (Hugging Face "
+                                         "models; any ZeRO stage): less memory for long completions, "
+                                         "about one more forward pass of time. Turns prompt sharing off.")
+    ema_decay: float = Field(0.0, ge=0.0, lt=1.0, description="Keep an exponential moving average of the "
+                             "trained weights with this decay per optimizer step (0 = off), saved as a "
+                             "Hugging Face folder ema/ in each checkpoint; the rollout workers keep the "
+                             "live weights. Not with ZeRO-3.")
     grad_clip: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 = off).")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = by time "
@@ -333,6 +380,16 @@ class Config(Section):
         if self.rollout.engine == "inprocess" and self.model.device == "cuda":
             raise ValueError("rollout.engine: inprocess runs on CPU only; use async (or auto) "
                              "with model.device cuda")
+        if self.trainer.warmup_steps >= self.max_steps and self.trainer.warmup_steps > 0:
+            raise ValueError(f"trainer.warmup_steps: must be below max_steps={self.max_steps} "
+                             f"(got {self.trainer.warmup_steps})")
+        if self.trainer.ema_decay > 0 and self.trainer.zero_stage == 3:
+            raise ValueError("trainer.ema_decay: the moving average is kept of whole parameters, which "
+                             "ZeRO-3 partitions over ranks; use --trainer.zero_stage 0-2 with it")
+        if self.trainer.optimizer == "muon":
+            why = muon_refusal()
+            if why is not None:
+                raise ValueError(f"trainer.optimizer: {why}")
         if self.task.name == "word_problems" and self.model.path is None:
             raise ValueError("task.name: word_problems is English for a pretrained chat model; give one "
                              "with --model (e.g. --model smollm2-135m-instruct)")

@@ -47,6 +47,8 @@ class StepMetrics:
     ``reward_unscored``: completions a reward gave no score (``None``, TRL's convention),
     scored 0 (cumulative, all workers); ``zero_variance_groups``: groups the buffer dropped
     because their rewards were all equal (``--algorithm.skip_zero_variance``; cumulative).
+    ``lr``: the learning rate the step trained with (``--trainer.lr`` times the schedule's
+    factor at that step, ``--trainer.lr_schedule``).
     A multi-turn run
     adds its turn metrics to ``extra`` (``run/recorder.py``, ``turn_metrics``): ``turns_mean``
     / ``turns_max`` and ``env_s_mean`` / ``env_s_p90`` (seconds an episode spent in its
@@ -82,6 +84,7 @@ class StepMetrics:
     reward_busy_frac: float = 0.0
     reward_unscored: int = 0
     zero_variance_groups: int = 0
+    lr: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_record(self) -> dict[str, Any]:

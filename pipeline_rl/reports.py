@@ -45,6 +45,7 @@ class LossMetrics:
     weight_sq_sum: float       # Σw²
     normalizer: float          # N used
     all_masked: bool           # no valid token: loss 0, gradient 0
+    entropy_bonus: float = 0.0  # Σ v·s·H / N, before entropy_coef (0 when off)
 
     def as_dict(self) -> dict[str, float]:
         """Flat ``name -> float`` for logging (``all_masked`` as 0/1)."""
@@ -84,7 +85,8 @@ class LossMetrics:
             nonfinite_tokens=sum(p.nonfinite_tokens for p in parts),
             num_seqs=sum(p.num_seqs for p in parts), num_rows=rows,
             weight_sum=w_sum, weight_sq_sum=w_sq, normalizer=parts[0].normalizer,
-            all_masked=all(p.all_masked for p in parts))
+            all_masked=all(p.all_masked for p in parts),
+            entropy_bonus=sum(p.entropy_bonus for p in parts))
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,7 @@ class StepResult:
     pad_frac: float
     grad_norm: float | None
     entropy: float = 0.0
+    lr: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

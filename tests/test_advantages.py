@@ -1,4 +1,4 @@
-"""Group advantages against hand-computed values."""
+"""Advantages against hand-computed values: the group estimators and REINFORCE++'s batch whitening."""
 
 from __future__ import annotations
 
@@ -59,3 +59,53 @@ def test_bad_input() -> None:
         compute_advantages("grpo", torch.tensor([[1.0, float("nan")]]))
     with pytest.raises(ValueError, match="unknown estimator"):
         compute_advantages("ppo", torch.ones(2, 2))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- REINFORCE++ (OpenRLHF's definitions)
+# Rewards [[1, 0], [0, 0]], trained tokens [[1, 3], [2, 2]] (8 in all).
+# reinforce++: a = r = [1, 0, 0, 0]; mu = 1/8; var = (1 (7/8)^2 + 7 (1/8)^2) / 8 = 7/64;
+#   A = (a - 1/8) * 8 / sqrt(7) = [sqrt(7), -1/sqrt(7), -1/sqrt(7), -1/sqrt(7)].
+# reinforce++-baseline: a = r - mean_g = [0.5, -0.5, 0, 0]; mu = (0.5 - 1.5) / 8 = -1/8;
+#   a - mu = [5/8, -3/8, 1/8, 1/8]; var = (25 + 3 * 9 + 2 + 2) / 64 / 8 = 7/64;
+#   A = [5, -3, 1, 1] / sqrt(7).
+S7 = math.sqrt(7.0)
+HAND = {"reinforce++": [[S7, -1 / S7], [-1 / S7, -1 / S7]],
+        "reinforce++-baseline": [[5 / S7, -3 / S7], [1 / S7, 1 / S7]]}
+
+
+@pytest.mark.parametrize("name", sorted(HAND))
+def test_reinforce_pp_whitens_over_the_batch_tokens(name: str) -> None:
+    rewards, lengths = torch.tensor([[1.0, 0.0], [0.0, 0.0]]), torch.tensor([[1.0, 3.0], [2.0, 2.0]])
+    out = compute_advantages(name, rewards, lengths)  # type: ignore[arg-type]
+    assert out.tolist() == [pytest.approx(row, abs=1e-6) for row in HAND[name]]
+
+
+@pytest.mark.parametrize("name", sorted(HAND))
+def test_reinforce_pp_on_groups_counts_the_model_tokens(name: str) -> None:
+    """What the trainer calls: lengths are each completion's model tokens (an episode's
+    environment tokens, mask 0, do not count)."""
+    import numpy as np
+
+    from pipeline_rl.correction.advantages import group_advantages
+    from pipeline_rl.samples import Completion, Group
+
+    def comp(tokens: int, reward: float, env_tokens: int = 0) -> Completion:
+        n = tokens + env_tokens
+        mask = np.array([1] * tokens + [0] * env_tokens, dtype=np.uint8)
+        return Completion(np.arange(n, dtype=np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32),
+                          reward, "stop", mask)
+
+    groups = [Group(0, 0, 0, np.arange(3, dtype=np.int32), (comp(1, 1.0, env_tokens=5), comp(3, 0.0))),
+              Group(1, 1, 0, np.arange(3, dtype=np.int32), (comp(2, 0.0), comp(2, 0.0)))]
+    out = group_advantages(name, groups)  # type: ignore[arg-type]
+    assert [a.dtype for a in out] == [np.float32, np.float32]
+    assert [a.tolist() for a in out] == [pytest.approx(row, abs=1e-6) for row in HAND[name]]
+
+
+def test_reinforce_pp_without_lengths_weighs_each_completion_once() -> None:
+    # a = [1, 0, 0, 0]: mu = 1/4, var = 3/16 -> A = (a - 1/4) * 4 / sqrt(3)
+    out = compute_advantages("reinforce++", torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+    s3 = math.sqrt(3.0)
+    assert out.tolist() == [pytest.approx([s3, -1 / s3], abs=1e-6), pytest.approx([-1 / s3, -1 / s3], abs=1e-6)]
+    # every reward equal: no signal, and no division by a zero spread
+    assert compute_advantages("reinforce++", torch.ones(2, 3)).abs().max().item() == 0.0

@@ -121,20 +121,27 @@ def test_ppo_epochs_keep_one_version_per_step_and_resume(ray_local: None, tiny_m
                                                          tmp_path: Path) -> None:
     """``--algorithm.ppo_epochs 2``: two optimizer steps per batch, one version. Steps,
     versions, checkpoint names and the resumed run all count in that unit; the lag bound
-    holds."""
+    holds. With a warm-up and cosine schedule and an EMA of the weights: metrics.jsonl has
+    each step's rate, each checkpoint its ema/ folder, and the resumed run continues both."""
     from pipeline_rl.training.checkpoint import read_run_state
+    from pipeline_rl.training.schedule import lr_factor
 
-    ppo = ("--algorithm.loss", "ppo", "--algorithm.ppo_epochs", "2", "--trainer.checkpoint_every", "2")
+    ppo = ("--algorithm.loss", "ppo", "--algorithm.ppo_epochs", "2", "--trainer.checkpoint_every", "2",
+           "--trainer.lr_schedule", "cosine", "--trainer.warmup_steps", "1", "--trainer.ema_decay", "0.9")
     cfg = _config(tiny_model_dir, tmp_path / "ppo", "--max-steps", "4", *ppo)
     rows = _run(cfg)
     assert [(r["step"], r["version"]) for r in rows] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    lrs = [cfg.trainer.lr * lr_factor(s, schedule="cosine", warmup_steps=1, total_steps=4) for s in range(4)]
+    assert [r["lr"] for r in rows] == pytest.approx(lrs)
     assert all(r["lag_max"] <= cfg.staleness for r in rows)
     ckpts = Path(cfg.out_dir) / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004"]
     assert read_run_state(ckpts / "step_000002").version == 2
+    assert (ckpts / "step_000002" / "ema" / "model.safetensors").is_file()
     resumed = _config(tiny_model_dir, tmp_path / "resumed", "--max-steps", "4", "--resume",
                       str(ckpts / "step_000002"), *ppo)
     rows = _run(resumed)
     assert [(r["step"], r["version"]) for r in rows] == [(3, 3), (4, 4)]
+    assert [r["lr"] for r in rows] == pytest.approx(lrs[2:])
     assert read_run_state(Path(resumed.out_dir) / "checkpoints" / "step_000004").version == 4
 

@@ -1,20 +1,40 @@
-"""Group-relative advantages (docs/design.md section 4).
+"""Advantages (docs/design.md section 4), one small function per estimator.
 
-``rewards`` is ``[G, n]``: ``G`` groups (prompts) of ``n >= 2`` completions each.
+``rewards`` is ``[G, n]``: ``G`` groups (prompts) of ``n >= 2`` completions each;
+``lengths`` ``[G, n]`` the trained (model) tokens of each completion.
 
-- ``grpo``:    ``(r - mean_g) / (std_g + eps)`` with the unbiased (Bessel) group std,
-  as in DeepSeekMath / TRL / verl.
-- ``dr_grpo``: ``r - mean_g`` (Dr. GRPO drops the std division).
-- ``rloo``:    ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_g)``.
+==========================  ===========================================================
+``grpo``                    ``(r - mean_g) / (std_g + eps)``, unbiased (Bessel) group std,
+                            as in DeepSeekMath / TRL / verl
+``dr_grpo``                 ``r - mean_g`` (Dr. GRPO drops the std division)
+``rloo``                    ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_g)``
+``reinforce++``             ``(r - mu) / sigma`` over the batch's tokens (OpenRLHF's
+                            ``reinforce``)
+``reinforce++-baseline``    ``a = r - mean_g``, then ``(a - mu) / sigma`` over the batch's
+                            tokens (OpenRLHF's ``reinforce_baseline``)
+==========================  ===========================================================
 
-A group whose rewards are all equal carries no signal: its advantages are
-exactly 0 (never NaN, never an ``eps``-amplified rounding residue). Arithmetic is
-done in float64 and returned as float32.
+The two REINFORCE++ estimators whiten over the batch, weighting each completion by its
+trained tokens, as OpenRLHF whitens its per-token advantages (a sequence's advantage is the
+same on each of its tokens: our KL penalty is a loss term, not a per-token reward):
+``mu = Σ L_i a_i / Σ L_i``, ``sigma = sqrt(max(Σ L_i (a_i - mu)² / Σ L_i, 1e-8))``. The batch
+is one trainer rank's share of the step (all of it on one rank).
+
+A group estimator (the first three) gives a group whose rewards are all equal exactly 0
+(never NaN, never an ``eps``-amplified rounding residue): it carries no signal. The batch
+estimators compare across groups, so there such a group gets ``-mu / sigma`` like any other
+completion with that value (``reinforce++-baseline``: 0 before whitening). Arithmetic is
+float64, returned as float32.
+
+Adding an estimator: write ``fn(rewards [G, n] float64) -> [G, n]``, add one line to
+:data:`ADVANTAGES` (``batch_whitened=True`` to whiten its output over the batch) and its name
+to ``AdvantageName`` in ``config.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,40 +45,115 @@ from pipeline_rl.samples import Group
 
 #: Added to the group std in ``grpo`` (only matters for nearly-equal rewards).
 GRPO_STD_EPS = 1e-6
+#: The floor of the batch variance in the REINFORCE++ whitening (OpenRLHF's).
+WHITEN_VAR_FLOOR = 1e-8
 
-ADVANTAGES: tuple[AdvantageName, ...] = ("grpo", "dr_grpo", "rloo")
+
+def grpo(r: Tensor) -> Tensor:
+    """``(r - mean_g) / (std_g + eps)`` [G, n]."""
+    return (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + GRPO_STD_EPS)
 
 
-def compute_advantages(name: AdvantageName, rewards: Tensor) -> Tensor:
-    """Advantages ``[G, n]`` float32 for rewards ``[G, n]``; see the module docstring."""
+def dr_grpo(r: Tensor) -> Tensor:
+    """``r - mean_g`` [G, n] (also REINFORCE++-baseline's group stage)."""
+    return r - r.mean(dim=1, keepdim=True)
+
+
+def rloo(r: Tensor) -> Tensor:
+    """Leave-one-out baseline ``n / (n - 1) * (r - mean_g)`` [G, n]."""
+    n = r.shape[1]
+    return (r - r.mean(dim=1, keepdim=True)) * (n / (n - 1))
+
+
+def raw_reward(r: Tensor) -> Tensor:
+    """The reward itself [G, n] (REINFORCE++'s return with gamma 1 and no per-token KL)."""
+    return r.clone()
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An estimator: its per-group stage, and whether the batch whitening follows."""
+
+    per_group: Callable[[Tensor], Tensor]
+    batch_whitened: bool = False
+
+
+#: Name -> estimator. The names are ``AdvantageName`` in config.py.
+ADVANTAGES: dict[str, Estimator] = {
+    "grpo": Estimator(grpo),
+    "dr_grpo": Estimator(dr_grpo),
+    "rloo": Estimator(rloo),
+    "reinforce++": Estimator(raw_reward, batch_whitened=True),
+    "reinforce++-baseline": Estimator(dr_grpo, batch_whitened=True),
+}
+
+
+def whiten(a: Tensor, lengths: Tensor) -> Tensor:
+    """``(a - mu) / sigma`` with token-weighted ``mu`` and ``sigma`` (module docstring): any
+    shape, ``lengths`` the same shape (tokens per entry, >= 0). All lengths 0: weights 1."""
+    w = lengths.to(a.dtype)
+    if float(w.sum()) <= 0:
+        w = torch.ones_like(a)
+    mu = (a * w).sum() / w.sum()
+    var = ((a - mu) ** 2 * w).sum() / w.sum()
+    return (a - mu) * var.clamp(min=WHITEN_VAR_FLOOR).rsqrt()
+
+
+def _estimator(name: str) -> Estimator:
     if name not in ADVANTAGES:
         raise ValueError(f"algorithm.advantage: unknown estimator {name!r} (known: {', '.join(ADVANTAGES)})")
+    return ADVANTAGES[name]
+
+
+def _checked(rewards: Tensor) -> Tensor:
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"advantages: rewards must be [groups, n] with n >= 2, got {tuple(rewards.shape)}")
     r = rewards.detach().to(torch.float64)                         # [G, n]
     if not bool(torch.isfinite(r).all()):
         raise ValueError("advantages: rewards must be finite")
-    n = r.shape[1]
-    centred = r - r.mean(dim=1, keepdim=True)                      # [G, n]
-    if name == "grpo":
-        adv = centred / (r.std(dim=1, keepdim=True) + GRPO_STD_EPS)
-    elif name == "rloo":
-        adv = centred * (n / (n - 1))
-    else:
-        adv = centred
+    return r
+
+
+def _group_stage(est: Estimator, r: Tensor) -> Tensor:
+    """The per-group stage [G, n]; a group estimator's flat groups exactly 0."""
+    adv = est.per_group(r)                                          # [G, n]
+    if est.batch_whitened:
+        return adv
     flat = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))   # [G, 1]
-    return torch.where(flat, 0.0, adv).to(torch.float32)
+    return torch.where(flat, 0.0, adv)
+
+
+def compute_advantages(name: AdvantageName, rewards: Tensor, lengths: Tensor | None = None) -> Tensor:
+    """Advantages ``[G, n]`` float32 for rewards ``[G, n]``; ``lengths`` ``[G, n]`` weight the
+    batch whitening (None: every completion weighs 1). See the module docstring."""
+    est = _estimator(name)
+    r = _checked(rewards)
+    adv = _group_stage(est, r)
+    if est.batch_whitened:
+        adv = whiten(adv, torch.ones_like(r) if lengths is None else lengths.to(torch.float64))
+    return adv.to(torch.float32)
+
+
+def _model_tokens(group: Group) -> list[float]:
+    return [float(len(c.model_versions)) for c in group.completions]
 
 
 def group_advantages(name: AdvantageName, groups: Sequence[Group]) -> list[np.ndarray]:
-    """Per-group advantages; groups of equal size are computed together ([G, n])."""
-    out: list[np.ndarray | None] = [None] * len(groups)
+    """Per-group advantages of a batch: groups of equal size are computed together ([G, n]),
+    then a batch estimator whitens all of them together."""
+    est = _estimator(name)
+    out: list[Tensor | None] = [None] * len(groups)
     by_size: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
         by_size.setdefault(len(g.completions), []).append(i)
     for idx in by_size.values():
-        rewards = torch.tensor([groups[i].rewards for i in idx], dtype=torch.float32)  # [G, n]
-        adv = compute_advantages(name, rewards)                                         # [G, n]
+        r = _checked(torch.tensor([groups[i].rewards for i in idx], dtype=torch.float64))   # [G, n]
+        adv = _group_stage(est, r)                                                        # [G, n]
         for row, i in enumerate(idx):
-            out[i] = adv[row].detach().cpu().numpy()
-    return [a for a in out if a is not None]
+            out[i] = adv[row]
+    parts = [a for a in out if a is not None]
+    if est.batch_whitened:
+        flat = whiten(torch.cat(parts), torch.tensor([t for g in groups for t in _model_tokens(g)],
+                                                     dtype=torch.float64))
+        parts = list(torch.split(flat, [len(g.completions) for g in groups]))
+    return [a.to(torch.float32).cpu().numpy() for a in parts]

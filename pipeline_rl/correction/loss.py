@@ -18,6 +18,11 @@ scale of the normalisation, ``N`` the normaliser.
 - KL penalty (``kl_coef > 0``, needs ``ref_logp``): ``+ kl_coef · Σ m·s·kl / N``
   with ``kl = logπ - log π_ref`` (k1) or ``exp(d) - d - 1``, ``d = log π_ref - logπ``
   clamped to ±20 (k3, as verl). It is not importance-weighted.
+- Entropy bonus (``entropy_coef > 0``, needs ``entropy``): ``- entropy_coef · Σ v·s·H / N``
+  with ``H_t = -Σ_v p_v log p_v`` the policy's entropy at token ``t`` (full distribution at
+  the sampling temperature, differentiable) and ``v`` the valid tokens (in the mask, finite
+  log-probs: the trained tokens). Neither weighted nor advantage-scaled; added on either path
+  (the fused kernel's gradient covers the policy term, autograd this one).
 
 Gradient accumulation: compute ``N = loss_normalizer(full_mask, algo)`` once for
 the optimizer step and pass it as ``normalizer=`` to every micro-batch's
@@ -34,7 +39,7 @@ float64 for float64 input on the reference path (gradient checks).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -67,6 +72,7 @@ class PolicyBatch:
     advantages: Tensor               # [B]
     prox_logp: Tensor | None = None  # [B, T] π_prox (PPO); None = logp detached
     ref_logp: Tensor | None = None   # [B, T] reference policy (KL penalty)
+    entropy: Tensor | None = None    # [B, T] policy entropy per token (entropy bonus), requires grad
 
 
 def loss_normalizer(mask: Tensor, algo: AlgorithmConfig) -> float:
@@ -115,9 +121,26 @@ def policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfi
     elif use_fused and not (can_fuse and fused.available()):
         raise ValueError("policy_loss: the fused kernel needs numba, CPU tensors, "
                          "algorithm.loss=reinforce and algorithm.kl_coef=0")
-    if use_fused:
-        return _fused_loss(batch, algo, corr, n)
-    return _reference_loss(batch, algo, corr, n)
+    loss, metrics = _fused_loss(batch, algo, corr, n) if use_fused else _reference_loss(batch, algo, corr, n)
+    if algo.entropy_coef > 0:
+        return _with_entropy_bonus(batch, algo, loss, metrics, n)
+    return loss, metrics
+
+
+def _with_entropy_bonus(batch: PolicyBatch, algo: AlgorithmConfig, loss: Tensor, metrics: LossMetrics,
+                        n: float) -> tuple[Tensor, LossMetrics]:
+    """``loss - entropy_coef · Σ v·s·H / N`` (module docstring); ``metrics`` gain the term."""
+    assert batch.entropy is not None
+    ent = batch.entropy.to(loss.dtype if loss.dtype == torch.float64 else torch.float32)   # [B, T]
+    valid = (batch.mask.bool() & usable(batch.logp.detach()) & usable(batch.behav_logp)
+             & torch.isfinite(ent.detach()))                                                 # [B, T]
+    scale = torch.ones(ent.shape[0], dtype=ent.dtype, device=ent.device)                      # [B]
+    if algo.normalization == "sequence":
+        scale = scale / torch.count_nonzero(batch.mask, dim=1).to(ent.dtype).clamp(min=1.0)
+    term = (torch.where(valid, ent, 0.0) * scale[:, None]).sum() / (n if n > 0 else 1.0)
+    total = loss - algo.entropy_coef * term
+    bonus = float(term.detach())
+    return total, replace(metrics, loss=float(total.detach()), entropy_bonus=bonus)
 
 
 def _check(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfig) -> None:
@@ -138,6 +161,8 @@ def _check(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfig) ->
         raise ValueError(f"correction.type: unknown correction {corr.type!r}")
     if algo.kl_coef > 0 and batch.ref_logp is None:
         raise ValueError("algorithm.kl_coef > 0 needs PolicyBatch.ref_logp")
+    if algo.entropy_coef > 0 and (batch.entropy is None or tuple(batch.entropy.shape) != shape):
+        raise ValueError(f"algorithm.entropy_coef > 0 needs PolicyBatch.entropy of shape {shape}")
 
 
 def _row_coef(batch: PolicyBatch, algo: AlgorithmConfig) -> Tensor:

@@ -298,6 +298,7 @@ class StepRecorder:
             step_time_s=step_wall, loss=float(res[0].loss), buffer_fill=buf.fill,
             completion_len_mean=sum(r.num_tokens for r in res) / max(1, sum(r.num_seqs for r in res)),
             entropy=statistics.fmean(r.entropy for r in res),
+            lr=res[0].lr,
             extra={"mismatch_kl_k3": float(lm.mismatch_kl_k3), "ess": float(lm.ess),
                    "masked_seq_frac": float(lm.masked_seq_frac), "clipped_frac": float(lm.clipped_frac),
                    "train_step_s": float(res[0].step_time_s), "groups_lost": float(buf.admission.lost),

@@ -1,7 +1,7 @@
 """DeepSpeed set-up for a trainer rank (``pipeline_rl.training.trainer``): its device,
 config dict, process group, and DeepSpeed's accelerator.
 
-CPU specifics (docs/design.md, platform notes): gloo, torch's fused AdamW (no JIT-compiled C++ op), the
+CPU specifics (docs/design.md, platform notes): gloo, torch's optimizers (no JIT-compiled C++ op), the
 shared-memory comm op skipped, ``TORCH_EXTENSIONS_DIR`` under the project, one thread.
 """
 
@@ -17,6 +17,7 @@ import torch
 from pipeline_rl import runtime_env
 from pipeline_rl.config import Config, Device
 from pipeline_rl.net import free_port
+from pipeline_rl.training.optimizers import muon_config
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +52,20 @@ def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> 
     }
     if cfg.model.trainer_dtype(device_type) == "bfloat16":
         ds["bf16"] = {"enabled": True}
-    return ds
+    return ds | muon_config(cfg)
 
 
-def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
-    """torch's AdamW with its fused kernel (one call updates every tensor, instead of a
-    dozen element-wise ops per tensor): on the built-in model's 21 tensors, 0.28 ms a step against
-    1.0 ms for the per-tensor loop DeepSpeed's ``torch_adam`` option builds on CPU.
-    DeepSpeed takes it as its client optimizer (ZeRO wraps it like its own AdamW)."""
-    t = cfg.trainer
-    return torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=t.weight_decay,
-                             fused=True)
+def prepare_trained_model(model: Any, cfg: Config) -> Any:
+    """The trained model as the trainer runs it. ``--trainer.gradient_checkpointing``: Hugging
+    Face's (non-reentrant) checkpointing of every decoder layer, and the model in training mode
+    (Hugging Face checkpoints only while ``model.training``; the built-in and most chat models
+    have no dropout, so the mode changes nothing else). Off: the model as loaded."""
+    if cfg.trainer.gradient_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"trainer.gradient_checkpointing: {type(model).__name__} does not support it")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    return model
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str | None, master_port: int | None,

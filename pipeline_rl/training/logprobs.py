@@ -33,6 +33,21 @@ def micro_batch_logp(model: Any, mb: AnyMicroBatch, temperature: float) -> torch
     return padded_logp(model, mb, temperature)
 
 
+def micro_batch_logp_entropy(model: Any, mb: AnyMicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`micro_batch_logp` and the policy's entropy at each of those positions
+    (``H = -Σ_v p_v log p_v`` of the whole distribution at ``temperature``, differentiable),
+    both laid out like ``mb.mask``: the entropy bonus's input."""
+    if isinstance(mb, SharedPromptBatch):
+        logits, targets = _shared_prompt_logits(model, mb)                           # [B, T, V], [B, T]
+    else:
+        logits, targets = model(input_ids=mb.input_ids).logits[:, :-1], mb.input_ids[:, 1:]
+    scaled = logits.float() / temperature                                            # [B, N, V]
+    log_z = torch.logsumexp(scaled, dim=-1)                                          # [B, N]
+    logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z              # [B, N]
+    entropy = log_z - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)               # [B, N]
+    return logp, entropy
+
+
 def padded_logp(model: Any, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """Padded rows, one pass: target positions [B, L-1] (``pipeline_rl.training.batching``)."""
     logits = model(input_ids=mb.input_ids).logits                                   # [B, L, V]
@@ -56,6 +71,13 @@ def shared_prompt_logp(model: Any, mb: SharedPromptBatch, temperature: float) ->
     cache that is not a plain per-layer key/value cache (sliding-window or recurrent
     layers), whose continuation would not match the padded pass.
     """
+    logits, ids = _shared_prompt_logits(model, mb)                                   # [B, T, V], [B, T]
+    return _target_logp(logits, ids, temperature)                                     # [B, T]
+
+
+def _shared_prompt_logits(model: Any, mb: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits predicting each completion token [B, T, V] and those tokens [B, T]
+    (:func:`shared_prompt_logp`'s two passes)."""
     ids = mb.completion_ids                                                          # [B, T]
     b, t = ids.shape
     g = mb.prompt_ids.shape[0]
@@ -77,7 +99,7 @@ def shared_prompt_logp(model: Any, mb: SharedPromptBatch, temperature: float) ->
         rest = model(input_ids=ids[:, :-1], past_key_values=cache, attention_mask=attention,
                      position_ids=positions, use_cache=True).logits                   # [B, T-1, V]
         logits = torch.cat([logits, rest], dim=1)                                    # [B, T, V]
-    return _target_logp(logits, ids, temperature)                                     # [B, T]
+    return logits, ids
 
 
 def sharing_check_groups(vocab_size: int) -> list[Group]:

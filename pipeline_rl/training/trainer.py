@@ -51,11 +51,16 @@ from pipeline_rl.training.checkpoint import (
     load_rng, partial_dir, publish_dir, read_run_state, save_rng, write_run_state,
 )
 from pipeline_rl.training.deepspeed_setup import (
-    deepspeed_config, init_distributed, make_optimizer, pick_device, prepare_cpu_deepspeed, prepare_cuda_deepspeed,
+    deepspeed_config, init_distributed, pick_device, prepare_cpu_deepspeed, prepare_cuda_deepspeed,
+    prepare_trained_model,
 )
+from pipeline_rl.training.ema import EMA_DIR, EmaWeights
 from pipeline_rl.training.logprobs import (
-    micro_batch_logp, padded_logp, sampled_entropy, shared_prompt_logp, sharing_check_groups,
+    micro_batch_logp, micro_batch_logp_entropy, padded_logp, sampled_entropy, shared_prompt_logp,
+    sharing_check_groups,
 )
+from pipeline_rl.training.optimizers import make_optimizer, step_context
+from pipeline_rl.training.schedule import LRSchedule
 from pipeline_rl.reports import LossMetrics, StepResult
 from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.weight_sync.dtypes import served_dtype
@@ -106,12 +111,16 @@ class Trainer:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         init_distributed(rank, world_size, master_addr, master_port,
                          "gloo" if self.device.type == "cpu" else "nccl")
-        self.model = self._load_model(self.model_dir)
+        self.model = prepare_trained_model(self._load_model(self.model_dir), cfg)
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.model, model_parameters=trained, optimizer=make_optimizer(cfg, trained),
             config=deepspeed_config(cfg, world_size, self.device.type))
         self.zero_stage = cfg.trainer.zero_stage
+        t = cfg.trainer   # the learning rate of each step, and the moving average (rank 0 keeps it)
+        self.lr_schedule = LRSchedule(self.engine.optimizer, schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+                                      total_steps=cfg.max_steps, base_lr=t.lr)
+        self.ema = EmaWeights(self.engine.module, t.ema_decay) if t.ema_decay > 0 and rank == 0 else None
         if world_size == 1 and self.zero_stage == 0:
             # One rank has nothing to all-reduce: DeepSpeed would still flatten, "reduce"
             # and copy back every gradient at each step (a division by a world size of 1).
@@ -126,7 +135,9 @@ class Trainer:
         # the loss kernel's one-time load (~0.4 s) happens here, while the workers start,
         # instead of in the run's first step
         warm_up(cfg.algorithm, cfg.correction, self.device.type)
-        self.share_prompts = cfg.trainer.share_prompts and self.zero_stage < 3 and self._sharing_works()
+        # Hugging Face drops a layer's KV cache under gradient checkpointing: no prompt sharing
+        self.share_prompts = (cfg.trainer.share_prompts and self.zero_stage < 3 and not t.gradient_checkpointing
+                              and self._sharing_works())
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -189,9 +200,13 @@ class Trainer:
         prox: list[torch.Tensor] | None = None
         first: tuple[float, LossMetrics] | None = None
         entropy = 0.0
+        lr = self.lr_schedule.set(self._version)
         for _ in range(epochs):
             loss_sum, logps, parts = self._accumulate(mbs, norm, prox, ref)
-            self.engine.step()
+            with step_context(self.cfg, self.device.type):
+                self.engine.step()
+            if self.ema is not None:
+                self.ema.update()
             self._steps_taken += 1
             if first is None:
                 # each rank's loss is scaled by world_size (see norm above): undo for the report
@@ -213,7 +228,7 @@ class Trainer:
             num_micro_batches=len(mbs), lag=lag, mixed_version_frac=lag.mixed_version_frac,
             reward_mean=float(np.mean(rewards)) if rewards else 0.0,
             pad_frac=1.0 - real / max(1, sum(mb.num_slots for mb in mbs)),
-            grad_norm=None if grad_norm is None else float(grad_norm), entropy=entropy)
+            grad_norm=None if grad_norm is None else float(grad_norm), entropy=entropy, lr=lr)
 
     def _micro_batches(self, groups: Sequence[Group], advantages: Sequence[np.ndarray]) -> list[AnyMicroBatch]:
         """The batch in the layout this trainer runs (shared prompts or padded rows). Under
@@ -260,8 +275,13 @@ class Trainer:
         Returns the summed loss, the detached log-probs and the per-micro-batch metrics."""
         loss_sum, logps, parts = 0.0, [], []
         for i, mb in enumerate(mbs):
-            logp = self._token_logp(mb, grad=True)                                    # [B, L-1]
+            ent = None
+            if self.cfg.algorithm.entropy_coef > 0:   # the entropy bonus needs the whole distribution
+                logp, ent = micro_batch_logp_entropy(self.engine, mb, self.cfg.rollout.temperature)
+            else:
+                logp = self._token_logp(mb, grad=True)                                # [B, L-1]
             batch = self._policy_batch(mb, logp, prox[i] if prox else None, ref[i] if ref else None)
+            batch.entropy = ent
             loss, metrics = policy_loss(batch, self.cfg.algorithm, self.cfg.correction, normalizer=norm)
             self.engine.backward(loss, scale_wrt_gas=False)
             loss_sum += float(loss.detach())
@@ -351,6 +371,8 @@ class Trainer:
         update = self.weights()
         if self.rank == 0:
             self._save_hf(part, update)
+            if self.ema is not None:
+                self.ema.save(part / EMA_DIR, self.model_dir)
         save_rng(part, self.rank)
         kill_here(self.cfg.fault, "checkpoint_write", self._version)   # a fault test's mid-save death
         dist.barrier()
@@ -388,6 +410,8 @@ class Trainer:
         if loaded is None:
             raise CheckpointError(f"checkpoint {d}: DeepSpeed state {DEEPSPEED_DIR}/{DEEPSPEED_TAG} not found")
         load_rng(d, self.rank)
+        if self.ema is not None:
+            self.ema.load(d)
         self._version = state.version
         return state
 
