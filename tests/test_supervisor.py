@@ -77,6 +77,7 @@ class Worker:
         stats = SimpleNamespace(version=3, in_flight_groups=2, groups_sent=5)
         self.run = Method(lambda *args: run)
         self.ready = Method(answered(True))
+        self.take_over = Method(answered(1))
         self.stats = Method(answered(stats))
 
 

@@ -40,9 +40,12 @@ _EVAL_FINAL_TIMEOUT_S = 300.0  # the end-of-run evaluation must finish by then
 class Orchestrator:
     """Starts Ray and every actor on enter, runs steps in :meth:`train`, stops all on exit."""
 
-    def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder) -> None:
+    def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder,
+                 restarts: int = 0) -> None:
         """``folder``: the run folder (:func:`~pipeline_rl.run.startup.open_run`), which
-        also holds the version the run starts at."""
+        also holds the version the run starts at; ``restarts``: the run's restarts before
+        this start (``run/restarts.py``), recorded on every step."""
+        self.restarts = restarts
         self.folder = folder
         # Actors may run in another working directory: they get the run folder absolute.
         self.out = self.folder.path.resolve()   # trainers save checkpoints there
@@ -82,7 +85,7 @@ class Orchestrator:
         # answered, and training does not wait for it.
         if self.version < self.cfg.max_steps:
             self._evals.begin_start(self.version, self._live_workers())
-        self._recorder = StepRecorder(self.folder, self._calls, actors.workers, actors.buffer)
+        self._recorder = StepRecorder(self.folder, self._calls, actors.workers, actors.buffer, self.restarts)
         self._supervisor = Supervisor(self.cfg, self._calls, actors.buffer, actors.trainers, actors.workers,
                                       self.stop, self._checkpoints, lambda: self.version,
                                       self._worker_lost)
