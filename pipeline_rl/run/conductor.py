@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.config import Config
 from pipeline_rl.run.evaluations import Evaluations
-from pipeline_rl.metrics import StepMetrics
+from pipeline_rl.metrics import EvalMetrics, StepMetrics
 from pipeline_rl.run.checkpoints import CheckpointPolicy
 from pipeline_rl.run.cluster import Cluster, say
 from pipeline_rl.run.recorder import StepRecorder
@@ -144,10 +144,10 @@ class Orchestrator:
             # of leaving it idle. A due evaluation is asked for first, then runs beside the
             # training steps; a checkpoint must see these weights.
             save = self._checkpoints.due(self.version) and self.version < self.cfg.max_steps
-            evals.start_due(self.version, self._live_workers(), rec.log_eval)
+            evals.start_due(self.version, self._live_workers(), self._log_eval)
             refs = self._submit_step() if self._more_steps() and not save else None
             sup.watchdog.step_done(rec.record(reports, self.version).step_time_s)
-            evals.collect(rec.log_eval)
+            evals.collect(self._log_eval)
             if save:
                 self.checkpoint()
                 refs = self._submit_step() if self._more_steps() else None
@@ -166,10 +166,15 @@ class Orchestrator:
         self.checkpoint()
         if not self.stop.is_set():
             try:
-                evals.finish(self.version, self._live_workers(), rec.log_eval, _EVAL_FINAL_TIMEOUT_S)
+                evals.finish(self.version, self._live_workers(), self._log_eval, _EVAL_FINAL_TIMEOUT_S)
             except TimeoutError as e:
                 raise OrchestratorError(str(e)) from None
         print(rec.summary(), flush=True)
+
+    def _log_eval(self, metrics: EvalMetrics) -> None:
+        """An evaluation's record, and its score for the best checkpoint (``--trainer.keep_checkpoints``)."""
+        self._parts()[0].log_eval(metrics)
+        self._checkpoints.evaluated(metrics.step, metrics.greedy_accuracy)
 
     def _parts(self) -> tuple[StepRecorder, Supervisor]:
         assert self._recorder is not None and self._supervisor is not None, "use it as: with ... as orch"
