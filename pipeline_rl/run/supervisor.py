@@ -379,7 +379,7 @@ class Supervisor:
                 return "its standby took over"
             try:
                 self._calls.get(w.handle.ready.remote(), timeout_s=_POLL_S)
-                self._calls.get(w.handle.take_over.remote(w.core))   # a restarted process starts low
+                self._calls.get(w.handle.take_over.remote(w.core))   # a restarted process starts unpinned
                 break
             except NoAnswer:
                 pass
