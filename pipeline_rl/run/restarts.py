@@ -55,12 +55,23 @@ class RestartPolicy:
         return None
 
 
+def restarts_before(folder: RunFolder) -> int:
+    """The restarts a resumed run had made up to where it resumes (its last kept row's)."""
+    from pipeline_rl.metrics import read_metrics
+
+    file = folder.path / "metrics.jsonl"
+    if folder.resumed_at is None or not file.exists():
+        return 0
+    rows = read_metrics(file)
+    return int(rows[-1].get("restarts", 0)) if rows else 0
+
+
 def conduct(cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder) -> None:
     """Run the whole job, restarting it as the module docstring says; raises the last
     :class:`OrchestratorError` (its message: the one line) when it cannot go on."""
     from pipeline_rl.run.conductor import Orchestrator
 
-    policy = RestartPolicy(cfg.run.max_restarts)
+    policy = RestartPolicy(cfg.run.max_restarts, restarts=restarts_before(folder))
     fault = cfg.fault
     while True:
         orch = Orchestrator(cfg, model_dir, stop, folder, policy.restarts)
