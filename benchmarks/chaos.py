@@ -1,27 +1,31 @@
 """Chaos benchmark: a long run on a machine that keeps failing still finishes, with nothing
-trained twice and little lost.
+trained twice and little lost, and heals itself: only a whole-run kill needs ``--resume``.
 
 Usage::
 
-    python -m benchmarks.chaos [--steps 2000] [--worker-kills 10] [--run-kills 3]
-                               [--checkpoint-every 100] [--seed 0] [--no-baseline]
-                               [--out DIR] [--json PATH] [--md PATH] [--quick] [-- PIPELINE FLAGS]
+    python -m benchmarks.chaos [--steps 2000] [--worker-kills 10] [--trainer-kills 3]
+                               [--buffer-kills 2] [--run-kills 2] [--checkpoint-every 100]
+                               [--seed 0] [--no-baseline] [--out DIR] [--json PATH] [--md PATH]
+                               [--quick] [-- PIPELINE FLAGS]
 
 What happens. ``launch/async_grpo.py`` (the default run, ``--max-steps --steps``,
-``--trainer.checkpoint_every``, and ``--rollout.max_restarts`` above the number of worker
-kills) runs as a child process in a process group of its own, writing to ``OUT/chaos``.
-This process follows its ``metrics.jsonl`` and, as the steps pass points fixed in advance:
+``--trainer.checkpoint_every``, ``--rollout.max_restarts`` above the number of worker kills)
+runs as a child process in a process group of its own, writing to ``OUT/chaos``. This
+process follows its ``metrics.jsonl`` and, as the steps pass points fixed in advance:
 
-- every ``steps / (worker_kills + 1)`` steps, SIGKILLs one rollout worker, picked at
-  random (seeded) among the processes Ray titles ``ray::RolloutActor`` under this process
-  (``benchmarks.soak.actor_pids``; public API only): Ray restarts it, the run goes on;
-- at ``--run-kills`` random steps (seeded), SIGKILLs the whole run at once -- every
-  process under it and its process group -- and starts it again with ``--resume OUT/chaos``
-  (the run folder: its newest complete checkpoint). One of these kills strikes during
-  a periodic checkpoint write: the launch carries ``--fault checkpoint_write@N``, so a
-  trainer rank SIGKILLs itself while it writes ``step_N.partial`` and the run ends on it;
-  the resume must tidy the killed save and take the checkpoint before. No whole-run kill
-  falls in the few steps after a worker kill.
+- every ``steps / (worker_kills + 1)`` steps, SIGKILLs the rollout worker that is
+  generating (``benchmarks.chaos_kills``; public API only): its standby or Ray's restart
+  takes its place, the run goes on;
+- at evenly spaced steps between those, SIGKILLs the trainer's rank 0 or the replay buffer
+  (``--trainer-kills``, ``--buffer-kills``): the run restarts itself in the same process from
+  its newest checkpoint (``--run.max_restarts``). One of the trainer kills strikes during a
+  periodic checkpoint write: the launch carries ``--fault checkpoint_write@N``, so the rank
+  SIGKILLs itself while it writes ``step_N.partial`` (a save of a small model takes
+  milliseconds, too short to hit from outside); the restart must tidy the killed save and
+  take the checkpoint before;
+- at ``--run-kills`` random steps (seeded), SIGKILLs the whole run at once -- every process
+  under it and its process group -- and starts it again with ``--resume OUT/chaos``, the
+  only human act. No kill falls in the few steps after another.
 
 Then, unless ``--no-baseline``, the same run unbroken (same flags and seed) in
 ``OUT/unbroken``. Everything is bounded: a run that completes no step for ``--stall-s``
@@ -30,13 +34,15 @@ Then, unless ``--no-baseline``, the same run unbroken (same flags and seed) in
 
 Reported: steps reached against the target; steps in ``metrics.jsonl`` twice or missing
 (and the same for ``eval.jsonl``); per worker kill, the groups lost in flight (the run's
-``groups_lost`` counter across the restart), the steps until the restart shows and the time
-lost (those steps' wall time, plus 5, less as many median steps); per whole-run kill, the
-step killed at, the checkpoint resumed (``resumes.jsonl``), the steps lost (at most one
-checkpoint interval), the groups the buffer held (lost with it), the time from the kill to
-the first step after the resume and to being back at the killed step; the final held-out
-greedy accuracy against the unbroken run's. The exit status is 1 when the run did not
-reach the target or a step is twice or missing in ``metrics.jsonl``.
+``groups_lost`` counter across the restart), the time from the kill to the first step after
+the worker is back (its first new samples: the buffer holds at most a few groups) and the
+time lost (those steps' wall time, plus 5, less as many median steps); per trainer, buffer
+or whole-run kill, the step killed at, the checkpoint it restarted from, the steps lost (at
+most one checkpoint interval), the groups the buffer held (lost with it), the time from the
+kill to the first new step and to being back at the killed step; the final held-out greedy
+accuracy against the unbroken run's; the wall time against the unbroken run's. The exit
+status is 1 when the run did not reach the target or a step is twice or missing in
+``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -56,8 +62,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, BadFlag, Outcome, at_least, hardware, main as bench_main
+from benchmarks.chaos_kills import ActorKill, actor_pid, busiest_worker, marks_of, resolve as resolve_kills
 from benchmarks.chaos_report import acceptance, markdown, records
-from benchmarks.soak import actor_pids
 
 _POLL_S = 0.1
 
@@ -88,17 +94,17 @@ class WorkerKill:
     pid: int
     restart_step: int | None = None
     groups_lost: float | None = None
+    back_s: float | None = None
     time_lost_s: float | None = None
 
 
 @dataclass(slots=True)
 class RunKill:
-    """The whole run SIGKILLed after ``step``; ``in_save``: a ``.partial`` was left behind."""
+    """The whole run SIGKILLed after ``step``."""
 
     step: int
     at: float
     segment: int
-    in_save: bool
     buffer_fill: int
     outside_group: int
     resumed_at: int | None = None
@@ -190,26 +196,39 @@ class Tail:
 
 @dataclass(slots=True)
 class Plan:
-    """The kills, fixed in advance from the seed: the steps after which a worker dies, and
-    those after which the whole run dies; ``in_save``: the periodic checkpoint (from the
-    second on) whose write one of the whole-run kills interrupts, None once it has.
-    No run kill falls in the few steps a worker's restart takes to show."""
+    """The kills, fixed in advance from the seed: the steps after which a worker dies, those
+    after which the trainer or the buffer dies (``actor_at``: (step, kind)), and those after
+    which the whole run dies; ``in_save``: the periodic checkpoint (from the second on) whose
+    write one trainer kill interrupts (the ``checkpoint_write`` fault). No two kills fall
+    within a few steps of each other."""
 
     worker_at: list[int]
+    actor_at: list[tuple[int, str]]
     run_at: list[int]
     in_save: int | None
 
     @classmethod
-    def make(cls, steps: int, worker_kills: int, run_kills: int, every: int, seed: int) -> "Plan":
+    def make(cls, steps: int, worker_kills: int, trainer_kills: int, buffer_kills: int, run_kills: int,
+             every: int, seed: int) -> "Plan":
         rng = random.Random(seed)
         worker_at = [round((i + 1) * steps / (worker_kills + 1)) for i in range(worker_kills)]
-        clear = set(range(every + 1, steps - 1)) - {s for w in worker_at for s in range(w - 2, w + 8)}
-        saves = [s for s in range(2 * every, steps, every) if s in clear]
-        if not run_kills:
-            return cls(worker_at, [], None)
-        save = rng.choice(saves) if saves else None
-        pool = sorted(clear - {s for s in range(save - every, save + every)} if save else clear)
-        return cls(worker_at, sorted(rng.sample(pool, min(len(pool), run_kills - (save is not None)))), save)
+        busy = {s for w in worker_at for s in range(w - 2, w + 8)}
+        saves = [s for s in range(2 * every, steps, every) if s not in busy]
+        save = rng.choice(saves) if saves and trainer_kills else None
+        if save is not None:
+            busy |= set(range(save - 4, save + 8))
+        kinds = ["trainer"] * (trainer_kills - (save is not None)) + ["buffer"] * buffer_kills
+        rng.shuffle(kinds)
+        actor_at = []
+        for i, kind in enumerate(kinds):
+            at = next((s for s in range(round((i + 0.5) * steps / (len(kinds) + 0.5)), steps - 1)
+                       if s > every and s not in busy), None)
+            if at is not None:
+                actor_at.append((at, kind))
+                busy |= set(range(at - 4, at + 8))
+        pool = sorted(set(range(every + 1, steps - 1)) - busy)
+        run_at = sorted(rng.sample(pool, min(len(pool), run_kills)))
+        return cls(worker_at, sorted(actor_at), run_at, save)
 
 
 class Chaos:
@@ -217,19 +236,23 @@ class Chaos:
 
     def __init__(self, args: argparse.Namespace, out: Path, flags: list[str]) -> None:
         self.args, self.out, self.flags = args, out, flags
-        self.plan = Plan.make(args.steps, args.worker_kills, args.run_kills, args.checkpoint_every, args.seed)
+        self.plan = Plan.make(args.steps, args.worker_kills, args.trainer_kills, args.buffer_kills,
+                              args.run_kills, args.checkpoint_every, args.seed)
         self.rng = random.Random(args.seed)
         self.timeline = Timeline()
         self.worker_kills: list[WorkerKill] = []
+        self.actor_kills: list[ActorKill] = []
         self.run_kills: list[RunKill] = []
         self.failure: str | None = None
         self.deadline = time.monotonic() + args.max_wall_s
 
     def run(self) -> None:
         tail, segment, resume = Tail(self.out / "metrics.jsonl"), 0, False
+        fault = ["--fault", f"checkpoint_write@{self.plan.in_save}"] if self.plan.in_save else []
         while self.failure is None:
-            fault = ["--fault", f"checkpoint_write@{self.plan.in_save}"] if self.plan.in_save else []
-            launch = Launch([*self.flags, *fault, *(["--resume", str(self.out)] if resume else [])],
+            # The fault fires in the first life only: a launch past its step does not carry it.
+            past = any(r.step >= (self.plan.in_save or 0) for _, r in self.timeline.rows)
+            launch = Launch([*self.flags, *([] if past else fault), *(["--resume", str(self.out)] if resume else [])],
                             self.out.parent / f"chaos_segment{segment}.log")
             status = self._follow(launch, tail, segment)
             if status == "done":
@@ -238,25 +261,21 @@ class Chaos:
 
     def _follow(self, launch: Launch, tail: Tail, segment: int) -> str:
         """Follow one launch until it ends ("done"), is killed on plan ("killed") or fails."""
-        last_progress, step, fill = time.monotonic(), 0, 0
+        last_progress, step, top, fill = time.monotonic(), 0, 0, 0
         while True:
             rows = tail.new_rows()
             for r in rows:
                 self.timeline.rows.append((segment, r))
-                step, fill = r.step, r.buffer_fill
+                step, top, fill = r.step, max(top, r.step), r.buffer_fill
             now = time.monotonic()
             last_progress = now if rows else last_progress
             code = launch.proc.poll()
             if code is not None:
-                outside = launch.kill()
+                launch.kill()
                 for r in tail.new_rows():   # the rows written after the last look
                     self.timeline.rows.append((segment, r))
-                    step, fill = r.step, r.buffer_fill
                 if code == 0 and max((r.step for _, r in self.timeline.rows), default=0) >= self.args.steps:
                     return "done"
-                killed = self._killed_in_save(step, segment, fill, outside)
-                if killed:
-                    return "killed"
                 self.failure = f"segment {segment} exited with status {code} at step {step}: {launch.tail()}"
                 return "failed"
             if now - last_progress > self.args.stall_s or now > self.deadline:
@@ -264,34 +283,24 @@ class Chaos:
                 why = "no step" if now <= self.deadline else "--max-wall-s passed"
                 self.failure = f"segment {segment}: {why} for {now - last_progress:.0f} s at step {step}; killed"
                 return "failed"
-            if self.plan.worker_at and step >= self.plan.worker_at[0]:
+            if self.plan.worker_at and top >= self.plan.worker_at[0] and rows:
                 self._kill_worker(step, segment)
-            if self.plan.run_at and step >= self.plan.run_at[0]:
+            if self.plan.actor_at and top >= self.plan.actor_at[0][0] and rows:
+                self._kill_actor(step, fill)
+            if self.plan.run_at and top >= self.plan.run_at[0] and rows:
                 self.plan.run_at.pop(0)
                 outside = launch.kill()
                 for r in tail.new_rows():   # the steps it finished before it died
                     self.timeline.rows.append((segment, r))
                     step, fill = r.step, r.buffer_fill
-                self.run_kills.append(RunKill(step, time.time(), segment, False, fill, outside))
+                self.run_kills.append(RunKill(step, time.time(), segment, fill, outside))
                 return "killed"
             time.sleep(_POLL_S)
 
-    def _killed_in_save(self, step: int, segment: int, fill: int, outside: int) -> bool:
-        """Whether the launch that just ended was the one the ``checkpoint_write`` fault killed
-        during the write of ``plan.in_save``: a trainer rank SIGKILLed itself there, and the
-        run ended on it. The kill's time is the last change to the ``.partial`` folder."""
-        left = sorted((self.out / "checkpoints").glob("step_*.partial"))
-        if self.plan.in_save is None or not left:
-            return False
-        self.plan.in_save = None
-        self.run_kills.append(RunKill(step, left[-1].stat().st_mtime, segment, True, fill, outside))
-        return True
-
     def _kill_worker(self, step: int, segment: int) -> None:
-        pids = [pid for name, pid in actor_pids().items() if name.startswith("rollout")]
-        if not pids:
+        pid = busiest_worker()
+        if pid is None:
             return   # none up right now (one is restarting): the next poll tries again
-        pid = self.rng.choice(pids)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -299,10 +308,20 @@ class Chaos:
         self.plan.worker_at.pop(0)
         self.worker_kills.append(WorkerKill(step, time.time(), segment, pid))
 
+    def _kill_actor(self, step: int, fill: int) -> None:
+        kind = self.plan.actor_at[0][1]
+        pid = actor_pid(kind)
+        if pid is None:
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.plan.actor_at.pop(0)
+        self.actor_kills.append(ActorKill(kind, step, time.time(), fill))
+
     def resolve(self) -> None:
         """Fill in what each kill cost, from the rows that followed it."""
-        from pipeline_rl.run.run_folder import read_resumes
-
         med = self.median_step_s()
         for k in self.worker_kills:
             after = self.timeline.after(k.segment, k.at)
@@ -313,18 +332,26 @@ class Chaos:
             back = next((r for r in after if r.worker_restarts > base.worker_restarts), None)
             if back is None:
                 continue
-            k.restart_step = back.step
+            k.restart_step, k.back_s = back.step, back.at - k.at
             window = [r for r in after if r.step <= back.step + 5]
             k.groups_lost = max(r.groups_lost for r in window) - base.groups_lost
             end = window[-1]
             k.time_lost_s = end.at - base.at - (end.step - base.step) * med
-        for rk, mark in zip(self.run_kills, read_resumes(self.out)):
+        marks, taken = marks_of(self.out), set()
+        for rk in self.run_kills:   # a whole-run kill's resume: the first mark after it
+            i = next((i for i, m in enumerate(marks) if m.unix_time_s > rk.at and i not in taken), None)
+            if i is None:
+                continue
+            taken.add(i)
+            mark = marks[i]
             rk.resumed_at, rk.steps_lost = mark.resumed_at, rk.step - mark.resumed_at
             after = [r for s, r in self.timeline.rows if s == rk.segment + 1]
             killed = [r for s, r in self.timeline.rows if s == rk.segment and r.step == rk.step]
             again = next((r for r in after if r.step >= rk.step), None)
             rk.restart_s = after[0].at - rk.at if after else None
             rk.time_lost_s = again.at - killed[-1].at if again is not None and killed else None
+        self.actor_kills += resolve_kills(self.actor_kills, marks, self.timeline.rows, taken)
+        self.actor_kills.sort(key=lambda k: k.at)
 
     def median_step_s(self) -> float:
         gaps = [b.at - a.at for (sa, a), (sb, b) in zip(self.timeline.rows, self.timeline.rows[1:])
@@ -352,8 +379,12 @@ def baseline(args: argparse.Namespace, out: Path, flags: list[str]) -> tuple[dic
 def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=2000, help="Steps the run must reach (default 2000).")
     p.add_argument("--worker-kills", type=int, default=10, help="Rollout-worker SIGKILLs, evenly spaced (default 10).")
-    p.add_argument("--run-kills", type=int, default=3,
-                   help="Whole-run SIGKILLs at random steps, each followed by --resume (default 3).")
+    p.add_argument("--trainer-kills", type=int, default=3,
+                   help="Trainer SIGKILLs (one of them during a checkpoint write); the run restarts itself (default 3).")
+    p.add_argument("--buffer-kills", type=int, default=2,
+                   help="Replay-buffer SIGKILLs; the run restarts itself (default 2).")
+    p.add_argument("--run-kills", type=int, default=2,
+                   help="Whole-run SIGKILLs at random steps, each followed by --resume (default 2).")
     p.add_argument("--checkpoint-every", type=int, default=100, help="--trainer.checkpoint_every (default 100).")
     p.add_argument("--seed", type=int, default=0, help="The run's --seed and the kills' (default 0).")
     p.add_argument("--no-baseline", action="store_true", help="Skip the unbroken run of the same seed.")
@@ -366,8 +397,8 @@ def flags(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Outcome:
     if args.quick:
         args.steps, args.worker_kills, args.run_kills, args.checkpoint_every = 50, 1, 1, 10
-        args.no_baseline = True
-    at_least(args, steps=4, worker_kills=0, run_kills=0, checkpoint_every=1)
+        args.trainer_kills, args.buffer_kills, args.no_baseline = 1, 0, True
+    at_least(args, steps=4, worker_kills=0, trainer_kills=0, buffer_kills=0, run_kills=0, checkpoint_every=1)
     if args.checkpoint_every + args.run_kills + 2 >= args.steps:
         raise BadFlag(f"--steps {args.steps} leaves no room for {args.run_kills} run kill(s) after the first "
                       f"checkpoint (--checkpoint-every {args.checkpoint_every})")
@@ -386,7 +417,8 @@ def run(args: argparse.Namespace) -> Outcome:
         "steps": args.steps, "seed": args.seed, "checkpoint_every": args.checkpoint_every, "flags": shared,
         "hardware": hardware(), "failure": chaos.failure, "chaos_wall_s": chaos_wall,
         "median_step_s": chaos.median_step_s(), "chaos": records(out, args.steps),
-        "worker_kills": [asdict(k) for k in chaos.worker_kills], "run_kills": [asdict(k) for k in chaos.run_kills]}
+        "worker_kills": [asdict(k) for k in chaos.worker_kills], "actor_kills": [asdict(k) for k in chaos.actor_kills],
+        "run_kills": [asdict(k) for k in chaos.run_kills]}
     if not args.no_baseline and chaos.failure is None:
         plain = args.out / "unbroken"
         shutil.rmtree(plain, ignore_errors=True)
@@ -401,8 +433,8 @@ def run(args: argparse.Namespace) -> Outcome:
 
 def main(argv: list[str] | None = None) -> int:
     return bench_main("chaos", __doc__, argv, run, flags=flags, out="runs/chaos",
-                      quick="A short run: 50 steps, one worker kill, one whole-run kill (checkpoints every 10), "
-                            "no unbroken run.",
+                      quick="A short run: 50 steps, one worker kill, one trainer kill during a checkpoint write, "
+                            "one whole-run kill (checkpoints every 10), no unbroken run.",
                       run_flags="Pipeline flags (launch/async_grpo.py's), after --.")
 
 

@@ -34,9 +34,12 @@ def _num(x: float | None, fmt: str = "{:.1f}") -> str:
 def markdown(res: dict[str, Any]) -> str:
     c, u, hw = res["chaos"], res.get("unbroken"), res["hardware"]
     every = res["checkpoint_every"]
+    actors = res.get("actor_kills", [])
+    kinds = {kind: sum(k["kind"].startswith(kind) for k in actors) for kind in ("trainer", "buffer")}
     lines = [f"Chaos: {res['steps']:,} steps of `launch/async_grpo.py {' '.join(res['flags'])}`, "
-             f"{len(res['worker_kills'])} rollout-worker kills and {len(res['run_kills'])} whole-run kills "
-             f"(SIGKILL) each followed by `--resume RUN_DIR` (seed {res['seed']}).",
+             f"{len(res['worker_kills'])} rollout-worker kills, {kinds['trainer']} trainer kills and "
+             f"{kinds['buffer']} buffer kills (each healed by the run itself), {len(res['run_kills'])} whole-run "
+             f"kills (SIGKILL) each followed by `--resume RUN_DIR` (seed {res['seed']}).",
              f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB.", ""]
     if res["failure"]:
         lines += [f"**Failed:** {res['failure']}", ""]
@@ -54,15 +57,22 @@ def markdown(res: dict[str, Any]) -> str:
         ("training time (the run's clock)", f"{c['train_s']:,.0f} s", f"{u['train_s']:,.0f} s" if u else "-"),
     ]
     lines += [f"| {a} | {b} | {x} |" for a, b, x in both]
-    lines += ["", f"Median step: {res['median_step_s'] * 1e3:.0f} ms.", "",
-              "| worker kill | after step | groups lost in flight | restart seen at step | time lost |",
-              "|---:|---:|---:|---:|---:|"]
+    back = worker_back_p90(res)
+    lines += ["", f"Median step: {res['median_step_s'] * 1e3:.0f} ms. Worker kill to the first step after "
+              f"it is back, p90: {_num(back)} s.", "",
+              "| worker kill | after step | groups lost in flight | back at step | kill to that step | time lost |",
+              "|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {i + 1} | {k['step']} | {_num(k['groups_lost'], '{:.0f}')} | {k['restart_step'] or 'n/a'} | "
-              f"{_num(k['time_lost_s'])} s |" for i, k in enumerate(res["worker_kills"])]
-    lines += ["", "| run kill | after step | during a checkpoint write | resumed at step | steps lost "
+              f"{_num(k.get('back_s'))} s | {_num(k['time_lost_s'])} s |" for i, k in enumerate(res["worker_kills"])]
+    lines += ["", f"| trainer or buffer kill | what | after step | restarted at step | steps lost (bound {every}) "
+              "| groups in the buffer (lost) | kill to first new step | kill to the step again |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {i + 1} | {k['kind']} | {k['step']} | {k['resumed_at']} | {k['steps_lost']} | {k['buffer_fill']} | "
+              f"{_num(k['back_s'])} s | {_num(k['time_lost_s'])} s |" for i, k in enumerate(actors)]
+    lines += ["", "| run kill | after step | resumed at step | steps lost "
               f"(bound {every}) | groups in the buffer (lost) | kill to first step | kill to the step again "
-              "| processes outside its group |", "|---:|---:|:---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {i + 1} | {k['step']} | {'yes' if k['in_save'] else 'no'} | {k['resumed_at']} | {k['steps_lost']} | "
+              "| processes outside its group |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {i + 1} | {k['step']} | {k['resumed_at']} | {k['steps_lost']} | "
               f"{k['buffer_fill']} | {_num(k['restart_s'])} s | {_num(k['time_lost_s'])} s | {k['outside_group']} |"
               for i, k in enumerate(res["run_kills"])]
     lines += ["", "| acceptance | met |", "|---|:---:|"]
@@ -70,12 +80,27 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def worker_back_p90(res: dict[str, Any]) -> float | None:
+    """The 90th percentile of the worker kills' time to the first step after the worker is back."""
+    backs = sorted(k["back_s"] for k in res["worker_kills"] if k.get("back_s") is not None)
+    return backs[min(len(backs) - 1, int(0.9 * len(backs)))] if backs else None
+
+
 def acceptance(res: dict[str, Any]) -> dict[str, bool]:
     c, u, every = res["chaos"], res.get("unbroken"), res["checkpoint_every"]
+    kills = res.get("actor_kills", [])
     out = {f"reaches step {res['steps']:,}": c["reached"] >= res["steps"],
            "no step twice (or missing) in metrics.jsonl": not c["twice"] and not c["missing"],
+           "no evaluation twice in eval.jsonl": not c["evals_twice"],
+           f"steps lost per trainer or buffer kill <= one checkpoint interval ({every})":
+               all(k["steps_lost"] is not None and 0 <= k["steps_lost"] <= every for k in kills),
            f"steps lost per whole-run kill <= one checkpoint interval ({every})":
                all(k["steps_lost"] is not None and 0 <= k["steps_lost"] <= every for k in res["run_kills"])}
+    back = worker_back_p90(res)
+    if back is not None:
+        out["worker kill to the first step after it is back: p90 <= 20 s"] = back <= 20.0
     if u is not None and u["final_greedy"] is not None and c["final_greedy"] is not None:
         out["final held-out greedy within 0.1 of the unbroken run"] = abs(c["final_greedy"] - u["final_greedy"]) <= 0.1
+    if u is not None and res.get("unbroken_wall_s"):
+        out["wall time at most 2x the unbroken run's"] = res["chaos_wall_s"] <= 2 * res["unbroken_wall_s"]
     return out

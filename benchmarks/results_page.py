@@ -148,6 +148,10 @@ CATALOG: tuple[Entry, ...] = (
           "2,000 default steps with 10 rollout-worker SIGKILLs and 3 whole-run SIGKILLs (one during a "
           "checkpoint write), each followed by `--resume RUN_DIR`: steps reached, steps twice or missing, "
           "what each kill cost, and the final held-out greedy against an unbroken run of the same seed."),
+    Entry("chaos_heal", "A run that heals itself", "python -m benchmarks.chaos",
+          "The same benchmark with the run healing itself: 10 rollout-worker kills (the standby takes "
+          "over), 3 trainer and 2 buffer kills (the run restarts itself from its newest checkpoint), 2 "
+          "whole-run kills resumed by `--resume`: what each kill cost."),
 )
 
 _INTRO = """\

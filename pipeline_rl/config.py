@@ -155,6 +155,10 @@ class RolloutConfig(Section):
     max_restarts: int = Field(3, ge=0, le=1000, description="Times a rollout worker whose process "
                               "died is restarted before the run ends (an exception inside a worker "
                               "ends the run at once).")
+    standby: bool = Field(True, description="Keep a standby of each rollout worker, built at low "
+                          "priority beside the run, that takes its place at once when its process "
+                          "dies (instead of a new process's cold start, 13-30 s on 2 cores). CPU "
+                          "workers only: on GPUs it would need its own share of GPU memory.")
 
 
 class BufferConfig(Section):
@@ -280,6 +284,19 @@ class TrainerConfig(Section):
                                       "seconds passed since the last checkpoint (0 = off), so a "
                                       "crash loses minutes, not the run.")
     batch_timeout_s: float = Field(600.0, gt=0.0, description="Give up when no batch arrives this long.")
+    keep_checkpoints: int = Field(0, ge=0, le=1_000_000, description="Keep the newest K checkpoints, plus "
+                                  "the best by held-out greedy accuracy when evaluation runs (the "
+                                  "checkpoints/best link); older ones are deleted (0 = keep all).")
+
+
+class RunConfig(Section):
+    """How the run heals itself (docs/failures.md)."""
+
+    max_restarts: int = Field(3, ge=0, le=1000, description="When a trainer rank or the replay buffer dies "
+                              "(its process killed, out of memory, a Ray actor death) or a weight update "
+                              "fails, the run stops what is left and starts again in the same process "
+                              "from its newest complete checkpoint; this many restarts in a row without "
+                              "a step in between end the run (0 = never restart).")
 
 
 class RayConfig(Section):
@@ -343,8 +360,8 @@ class Config(Section):
         "--model is a pretrained model (named, or any folder but the built-in model's), else builtin.")
     fault: str | None = Field(None, description="Failure tests: make one actor raise at POINT@VERSION "
                               "(weight_update, engine_step, trainer_step, buffer, engine_hang, "
-                              "engine_start; checkpoint_write: a trainer killed mid-save) once the "
-                              "policy reaches VERSION.")
+                              "engine_start; checkpoint_write: a trainer killed mid-save; trainer_kill, "
+                              "buffer_kill: that process killed) once the policy reaches VERSION.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -354,6 +371,7 @@ class Config(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="before")
     @classmethod

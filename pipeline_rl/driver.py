@@ -16,8 +16,9 @@ weights to every worker in the background. The driver logs one
   tells the buffer to refund the dead worker's admission grants (its in-flight
   groups are lost and counted), hands the new worker the newest weights and
   restarts its generation loop; the run goes on;
-- a trainer rank that dies stops the run with one clear message; the last
-  checkpoint (every ``--trainer.checkpoint_every`` steps) is resumable;
+- a trainer rank or the buffer that dies restarts the run in this process from its
+  newest checkpoint (``run/restarts.py``, ``--run.max_restarts``); a failure a restart
+  would not heal stops the run with one clear message, naming the checkpoint to resume;
 - Ctrl-C (SIGINT) or SIGTERM stops everything: the loop ends, workers stop,
   sockets close, and a local Ray started here is shut down.
 """
@@ -147,7 +148,7 @@ def _configure_logging(cfg: Config) -> None:
 def run(cfg: Config) -> int:
     """Run a whole training job; returns the process exit status."""
     _configure_logging(cfg)
-    from pipeline_rl.run.conductor import Orchestrator
+    from pipeline_rl.run.restarts import conduct
     from pipeline_rl.run.run_folder import resolve_resume
     from pipeline_rl.run.startup import open_run
     from pipeline_rl.run.supervisor import OrchestratorError
@@ -166,8 +167,7 @@ def run(cfg: Config) -> int:
     stop = _StopFlag()
     stop.install()
     try:
-        with Orchestrator(cfg, model_dir, stop.event, folder) as orch:
-            orch.train()
+        conduct(cfg, model_dir, stop.event, folder)   # restarts itself (--run.max_restarts)
     except OrchestratorError as e:
         print(f"async_grpo.py: error: {e}", file=sys.stderr)
         return 1

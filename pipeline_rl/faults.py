@@ -16,6 +16,10 @@ policy version >= ``VERSION``. Points:
   checkpoint (its files are in ``step_N.partial``, the run state is not): what a machine
   dying mid-save leaves behind. The run ends as on any trainer death; the previous
   checkpoint resumes (``benchmarks.chaos`` uses it to kill a run during a write).
+- ``trainer_kill``, ``buffer_kill``: a trainer rank (at the start of a step) or the replay
+  buffer (handing out a batch) SIGKILLs its own process: what the run's restart
+  (``--run.max_restarts``) heals. A restart runs without the fault, unless its version is
+  0 (a failure at every start: what the restart cap is for).
 
 Unset (the normal case) every check is one comparison. Nothing here runs at import.
 """
@@ -26,7 +30,7 @@ import os
 import signal
 
 FAULT_POINTS = ("weight_update", "engine_step", "trainer_step", "buffer", "engine_hang", "engine_start",
-                "checkpoint_write")
+                "checkpoint_write", "trainer_kill", "buffer_kill")
 
 
 class InjectedFault(RuntimeError):

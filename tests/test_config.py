@@ -46,6 +46,9 @@ def test_flags_override_toml(tmp_path: Path) -> None:
     (["--algorithm.skip_zero_variance", "maybe"], "--algorithm.skip_zero_variance"),
     (["--ray.preload", "false"], "--ray.preload"),      # removed (issue 43): an unknown flag
     (["--ray.dashboard", "true"], "--ray.dashboard"),
+    (["--run.max_restarts", "-1"], "--run.max_restarts"),
+    (["--trainer.keep_checkpoints", "-2"], "--trainer.keep_checkpoints"),
+    (["--rollout.standby", "maybe"], "--rollout.standby"),
 ])
 def test_bad_values_give_one_line_naming_the_flag(argv: list[str], flag: str | None) -> None:
     if flag is None:  # a valid combination: seq_lo < seq_hi

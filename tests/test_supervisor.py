@@ -19,6 +19,11 @@ from pipeline_rl.run.remote_calls import ActorDied, ActorRaised, ActorUnavailabl
 from pipeline_rl.run.supervisor import OrchestratorError, Supervisor, WorkerSlot
 
 
+@pytest.fixture(autouse=True)
+def _no_admission_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pipeline_rl.run.supervisor._ADMISSION_SETTLE_S", 0.0)
+
+
 class Ref:
     """A stand-in for a remote result: answered (a value, or a failure) or not yet."""
 
@@ -77,6 +82,7 @@ class Worker:
         stats = SimpleNamespace(version=3, in_flight_groups=2, groups_sent=5)
         self.run = Method(lambda *args: run)
         self.ready = Method(answered(True))
+        self.take_over = Method(answered(1))
         self.stats = Method(answered(stats))
 
 
@@ -108,14 +114,15 @@ def supervisor(tmp_path: Path, buffer: Buffer, workers: list[Worker], trainer: T
 
 def test_a_dead_worker_is_restarted(tmp_path: Path) -> None:
     worker = Worker(Ref(error=died("The actor died unexpectedly")))
-    trainer = Trainer()
-    sup, slots, restarted = supervisor(tmp_path, Buffer(), [worker], trainer)
+    trainer, buffer = Trainer(), Buffer()
+    sup, slots, restarted = supervisor(tmp_path, buffer, [worker], trainer)
     worker_run_after = Ref(answered=False)
     worker.run.answer = lambda *args: worker_run_after
     sup.check()
     assert restarted == [0] and slots[0].restarts == 1 and slots[0].run_ref is worker_run_after
     assert trainer.offer_latest.calls == [([worker],)]      # the newest weights, at once
     assert worker.run.calls[-1] == ((1 << 28) + 3 * 4,)      # a fresh range of group ids
+    assert buffer.worker_lost.calls == [(0,), (0,)]           # refunded again before the new one asks
 
 
 def test_a_worker_that_dies_once_too_often_ends_the_run(tmp_path: Path) -> None:

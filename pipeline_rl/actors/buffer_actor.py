@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 from pipeline_rl.actors.process import end_of_startup, setup_actor_process
 from pipeline_rl.config import Config
-from pipeline_rl.faults import inject
+from pipeline_rl.faults import inject, kill_here
 from pipeline_rl.resources import CoreSlot
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ class BufferActor:
     def get_batch(self, num_groups: int, trainer_version: int, timeout_s: float,
                   rank: int) -> list[Group] | None:
         inject(self._fault, "buffer", trainer_version)
+        kill_here(self._fault, "buffer_kill", trainer_version)
         return self._buffer.get_batch(num_groups, trainer_version, timeout_s, rank=rank)
 
     def watch(self, poll_s: float = 0.5) -> str | None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pipeline_rl.buffer.types import Admission, BufferStats
     from pipeline_rl.rollout.eval_feed import EvalRequest, EvalResult
     from pipeline_rl.reports import RankStepReport
+    from pipeline_rl.resources import CoreSlot
     from pipeline_rl.rollout.worker import WorkerStats
     from pipeline_rl.samples import Group
 
@@ -50,6 +51,7 @@ class RolloutHandle(Protocol):
     """:class:`~pipeline_rl.actors.rollout_actor.RolloutActor` behind Ray."""
 
     ready: Remote[[], bool]
+    take_over: Remote[["CoreSlot | None"], int]
     run: Remote[[int], "WorkerStats"]
     init_weight_transfer_engine: Remote[[dict[str, Any]], None]
     start_weight_update: Remote[[], None]

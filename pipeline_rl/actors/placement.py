@@ -25,6 +25,7 @@ class ActorClasses:
     buffer: Any
     rollout: Any
     trainer: Any
+    standby: Any
 
     def new_buffer(self, cfg: Config, bind_host: str, start_version: int,
                    avoid: tuple[CoreSlot, ...], key: RunKey) -> BufferHandle:
@@ -34,6 +35,11 @@ class ActorClasses:
                     core: CoreSlot | None, gpu_memory: float | None, key: RunKey) -> RolloutHandle:
         return cast(RolloutHandle, self.rollout.remote(cfg, worker_id, model_dir, buffer_name, core, gpu_memory,
                                                        key=key))
+
+    def new_standby(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str, key: RunKey) -> RolloutHandle:
+        """Rollout worker ``worker_id``'s standby (``run/slots.py``): no CPU reserved, unpinned."""
+        return cast(RolloutHandle, self.standby.remote(cfg, worker_id, model_dir, buffer_name, None, None,
+                                                       key=key, standby=True))
 
     def new_trainer(self, cfg: Config, model_dir: str, rank: int, world_size: int, buffer: BufferHandle,
                     core: CoreSlot | None, gpu_memory: float | None, key: RunKey) -> TrainerHandle:
@@ -64,7 +70,11 @@ def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str, *,
             num_cpus=1, num_gpus=per_actor, max_concurrency=8, max_restarts=-1, max_task_retries=0,
             resources=needs(cfg.ray.rollout_resource)),
         trainer=_actor(TrainerActor).options(num_cpus=1, num_gpus=per_actor, max_concurrency=2,
-                                             resources=needs(cfg.ray.trainer_resource)))
+                                             resources=needs(cfg.ray.trainer_resource)),
+        # A standby idles once built: no CPU of Ray's sizing is reserved for it (CPU runs only).
+        standby=_actor(RolloutActor).options(
+            num_cpus=0, max_concurrency=8, max_restarts=-1, max_task_retries=0,
+            resources=needs(cfg.ray.rollout_resource)))
 
 
 def gpu_plan(cfg: Config) -> GpuPlan | None:

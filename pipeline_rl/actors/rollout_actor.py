@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipeline_rl.actors.buffer_actor import RayAdmission
-from pipeline_rl.actors.process import end_of_startup, setup_actor_process
+from pipeline_rl.actors.process import end_of_startup, pin_to_core, raise_to_parent_priority, setup_actor_process
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
 from pipeline_rl.run_key import RunKey
@@ -36,14 +36,26 @@ class RolloutActor:
 
     def __init__(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str,
                  core: CoreSlot | None = None, gpu_memory: float | None = None, *,
-                 key: RunKey | None = None) -> None:
+                 key: RunKey | None = None, standby: bool = False) -> None:
         """``key``: the run key (the buffer's sender and the weight channels prove it; the
         agent endpoint's token is derived from it).
         ``buffer_name``: the buffer actor's Ray name; its socket address is asked for here,
         so the driver starts this actor while the buffer is still starting. ``core``: the
         core slot this worker's process is pinned to (None: unpinned); ``gpu_memory``: the
-        share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``)."""
-        setup_actor_process(cfg, f"rollout-{worker_id}", core=core)
+        share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``);
+        ``standby``: the worker's standby (``run/slots.py``): it logs to its own file and
+        stays unpinned until :meth:`take_over` (so does a process Ray restarted while the
+        run keeps standbys)."""
+        import ray
+
+        # A process Ray restarts while the run keeps standbys becomes the slot's standby, or
+        # is handed the slot by take_over: unpinned until then, like a standby.
+        again = cfg.rollout.standby and ray.get_runtime_context().was_current_actor_reconstructed
+        unpinned = standby or again
+        setup_actor_process(cfg, f"rollout-{worker_id}" + ("-standby" if standby else ""),
+                            core=None if unpinned else core)
+        if unpinned:
+            raise_to_parent_priority()
         from pipeline_rl.rollout.worker import RolloutWorker
         from pipeline_rl.tasks.build import build_task_for_model
         from pipeline_rl.tasks.chat import plugin_reward
@@ -65,6 +77,12 @@ class RolloutActor:
 
     def ready(self) -> bool:
         return True
+
+    def take_over(self, core: CoreSlot | None) -> int:
+        """A standby takes a dead worker's place: its core, when the run pins; returns its pid."""
+        if core is not None:
+            pin_to_core(core)
+        return os.getpid()
 
     def run(self, start_counter: int = 0) -> WorkerStats:
         """The generation loop (returns when stopped); group ids and prompts continue

@@ -139,6 +139,9 @@ class TrainerActor:
     def train_step(self, timeout_s: float) -> RankStepReport | None:
         """This rank's pipeline step (:class:`RankStep`: wait for the batch share, step,
         publish, open the admission budget); None when no batch came within ``timeout_s``."""
+        from pipeline_rl.faults import kill_here
+
+        kill_here(self._cfg.fault, "trainer_kill", self._trainer.version)
         return self._on_torch_thread(lambda: self._step(timeout_s))
 
     def save_checkpoint(self, path: str) -> str:

@@ -1,11 +1,19 @@
 """The checkpoint policy of a run: every rank saves under ``OUT_DIR/checkpoints/step_N`` (N =
 the version it holds) every ``--trainer.checkpoint_every`` steps, every
 ``--trainer.checkpoint_every_s`` seconds and at the end; every failure message names the
-newest complete one to ``--resume`` from, or says there is none yet."""
+newest complete one to ``--resume`` from, or says there is none yet.
+
+``--trainer.keep_checkpoints K`` keeps the newest K complete checkpoints and the best one:
+the checkpoint at the step an evaluation was launched after with the highest held-out
+greedy accuracy (the earliest of equals), named by the link ``checkpoints/best``; the others
+are deleted after each save and each evaluation. The scores of a resumed run's earlier
+evaluations are read back from ``eval.jsonl``. Without evaluation there is no best."""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +35,12 @@ class CheckpointPolicy:
         self._every, self._every_s = cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_every_s
         self.folder = out / "checkpoints"
         self._last_t = time.monotonic()
+        self._keep = cfg.trainer.keep_checkpoints
+        self._scores: dict[int, float] = {}   # step -> held-out greedy accuracy
+        if self._keep and (out / "eval.jsonl").exists():
+            from pipeline_rl.metrics import read_evals
+
+            self._scores = {e.step: e.greedy_accuracy for e in read_evals(out / "eval.jsonl")}
 
     def due(self, version: int) -> bool:
         """A periodic checkpoint is due after the step that reached ``version``."""
@@ -46,7 +60,36 @@ class CheckpointPolicy:
             calls.get(ref)
         self.restart_clock()
         log.info("checkpoint saved: %s", path)
+        self.tidy()
         return path
+
+    def evaluated(self, step: int, greedy_accuracy: float) -> None:
+        """An evaluation launched after ``step`` scored ``greedy_accuracy``."""
+        self._scores[step] = greedy_accuracy
+        self.tidy()
+
+    def tidy(self) -> list[Path]:
+        """Point ``best`` at the best scored checkpoint and delete what ``keep_checkpoints``
+        does not keep (nothing when it is 0); returns the deleted folders."""
+        if not self._keep or not self.folder.is_dir():
+            return []
+        from pipeline_rl.training.checkpoint import RUN_STATE_FILE
+
+        saved = sorted((int(d.name.removeprefix("step_")), d) for d in self.folder.glob("step_*")
+                       if d.name.removeprefix("step_").isdigit() and (d / RUN_STATE_FILE).is_file())
+        scored = [(self._scores[v], -v, d) for v, d in saved if v in self._scores]
+        best = max(scored)[2] if scored else None
+        if best is not None:
+            link = self.folder / "best"
+            tmp = self.folder / f".best-{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(best.name)
+            tmp.replace(link)   # atomic: readers see the old target or the new one
+        keep = {d for _, d in saved[-self._keep:]} | ({best} if best is not None else set())
+        gone = [d for _, d in saved if d not in keep]
+        for d in gone:
+            shutil.rmtree(d, ignore_errors=True)
+        return gone
 
     def resume_hint(self, message: str) -> str:
         """``message`` plus where to resume from: the newest complete checkpoint, or none."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.config import Config
 from pipeline_rl.run.evaluations import Evaluations
-from pipeline_rl.metrics import StepMetrics
+from pipeline_rl.metrics import EvalMetrics, StepMetrics
 from pipeline_rl.run.checkpoints import CheckpointPolicy
 from pipeline_rl.run.cluster import Cluster, say
 from pipeline_rl.run.recorder import StepRecorder
@@ -40,9 +40,12 @@ _EVAL_FINAL_TIMEOUT_S = 300.0  # the end-of-run evaluation must finish by then
 class Orchestrator:
     """Starts Ray and every actor on enter, runs steps in :meth:`train`, stops all on exit."""
 
-    def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder) -> None:
+    def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder,
+                 restarts: int = 0) -> None:
         """``folder``: the run folder (:func:`~pipeline_rl.run.startup.open_run`), which
-        also holds the version the run starts at."""
+        also holds the version the run starts at; ``restarts``: the run's restarts before
+        this start (``run/restarts.py``), recorded on every step."""
+        self.restarts = restarts
         self.folder = folder
         # Actors may run in another working directory: they get the run folder absolute.
         self.out = self.folder.path.resolve()   # trainers save checkpoints there
@@ -82,7 +85,7 @@ class Orchestrator:
         # answered, and training does not wait for it.
         if self.version < self.cfg.max_steps:
             self._evals.begin_start(self.version, self._live_workers())
-        self._recorder = StepRecorder(self.folder, self._calls, actors.workers, actors.buffer)
+        self._recorder = StepRecorder(self.folder, self._calls, actors.workers, actors.buffer, self.restarts)
         self._supervisor = Supervisor(self.cfg, self._calls, actors.buffer, actors.trainers, actors.workers,
                                       self.stop, self._checkpoints, lambda: self.version,
                                       self._worker_lost)
@@ -141,10 +144,10 @@ class Orchestrator:
             # of leaving it idle. A due evaluation is asked for first, then runs beside the
             # training steps; a checkpoint must see these weights.
             save = self._checkpoints.due(self.version) and self.version < self.cfg.max_steps
-            evals.start_due(self.version, self._live_workers(), rec.log_eval)
+            evals.start_due(self.version, self._live_workers(), self._log_eval)
             refs = self._submit_step() if self._more_steps() and not save else None
             sup.watchdog.step_done(rec.record(reports, self.version).step_time_s)
-            evals.collect(rec.log_eval)
+            evals.collect(self._log_eval)
             if save:
                 self.checkpoint()
                 refs = self._submit_step() if self._more_steps() else None
@@ -163,10 +166,15 @@ class Orchestrator:
         self.checkpoint()
         if not self.stop.is_set():
             try:
-                evals.finish(self.version, self._live_workers(), rec.log_eval, _EVAL_FINAL_TIMEOUT_S)
+                evals.finish(self.version, self._live_workers(), self._log_eval, _EVAL_FINAL_TIMEOUT_S)
             except TimeoutError as e:
                 raise OrchestratorError(str(e)) from None
         print(rec.summary(), flush=True)
+
+    def _log_eval(self, metrics: EvalMetrics) -> None:
+        """An evaluation's record, and its score for the best checkpoint (``--trainer.keep_checkpoints``)."""
+        self._parts()[0].log_eval(metrics)
+        self._checkpoints.evaluated(metrics.step, metrics.greedy_accuracy)
 
     def _parts(self) -> tuple[StepRecorder, Supervisor]:
         assert self._recorder is not None and self._supervisor is not None, "use it as: with ... as orch"

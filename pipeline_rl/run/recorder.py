@@ -244,8 +244,11 @@ class StepRecorder:
     docstring); keeps the most recent ``_HISTORY_STEPS`` rows in memory (the whole record
     is ``OUT_DIR/metrics.jsonl``)."""
 
-    def __init__(self, folder: RunFolder, calls: Calls, workers: Sequence[WorkerSlot], buffer: BufferHandle) -> None:
-        """``folder``: the run's; a resumed run's clock goes on from the time it had reached."""
+    def __init__(self, folder: RunFolder, calls: Calls, workers: Sequence[WorkerSlot], buffer: BufferHandle,
+                 restarts: int = 0) -> None:
+        """``folder``: the run's; a resumed run's clock goes on from the time it had reached;
+        ``restarts``: the run's restarts so far (``run/restarts.py``), on every row."""
+        self._restarts = restarts
         self.out = out = folder.path
         self._elapsed_before = folder.elapsed_s
         self._workers = workers
@@ -303,6 +306,7 @@ class StepRecorder:
                    "masked_seq_frac": float(lm.masked_seq_frac), "clipped_frac": float(lm.clipped_frac),
                    "train_step_s": float(res[0].step_time_s), "groups_lost": float(buf.admission.lost),
                    "worker_restarts": float(sum(w.restarts for w in self._workers)),
+                   "restarts": float(self._restarts),
                    "generator_idle_frac": rates.idle_frac,
                    **turn_metrics(rates.turns, self._stats.episodes),
                    # Wall clock, so a caller can measure from its own start (start-up included).
@@ -317,7 +321,12 @@ class StepRecorder:
         self._logger.close()
         history = read_history(self.out / "metrics.jsonl")   # the folder holds this run only
         ran = read_evals(self.out / "eval.jsonl")
-        return summary_table(history, ran, self._stats.sync.all_ms)
+        table = summary_table(history, ran, self._stats.sync.all_ms)
+        restarts = int(history[-1].extra.get("restarts", 0)) if history else 0
+        if not restarts:
+            return table
+        width = table.index(" | value |") - 2
+        return f"{table}\n| {'run restarts (--run.max_restarts)':<{width}} | {restarts} |"
 
     def close(self) -> None:
         self._logger.close()

@@ -236,3 +236,21 @@ def _mark(folder: RunFolder) -> None:
     segments = json.loads(marker.read_text())["segments"] if marker.exists() else []
     segments.append({"started_unix_s": time.time(), "resumed_at": folder.resumed_at})
     marker.write_text(json.dumps({"segments": segments}, indent=1) + "\n")
+
+
+def restart_in(path: Path) -> tuple[RunFolder, str | None]:
+    """The run in ``path`` started again in the same process (``run/restarts.py``): what a
+    killed save left is tidied, the newest complete checkpoint (None: none yet, the run
+    starts over) resumes as ``--resume`` would, with its records trimmed and the restart
+    marked. Returns the folder and the checkpoint."""
+    from pipeline_rl.training.checkpoint import latest_checkpoint, read_run_state, recover_checkpoints
+
+    root = path / "checkpoints"
+    if root.is_dir():
+        for done in recover_checkpoints(root):
+            log.warning("restart: a checkpoint save was interrupted: %s", done)
+    latest = latest_checkpoint(root) if root.is_dir() else None
+    version = read_run_state(latest).version if latest is not None else 0
+    folder = replace(_continue(path, version, str(latest or "(the start)")), start_version=version)
+    _mark(folder)
+    return folder, None if latest is None else str(latest)

@@ -86,14 +86,13 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     key = RunKey.new()
 
     workers = [WorkerSlot(i, classes.new_rollout(cfg, i, model_dir, buffer_name, where.cores.workers[i], memory,
-                                                 key))
+                                                 key), core=where.cores.workers[i])
                for i in range(cfg.rollout.num_workers)]
     started(None, [], workers)
     buffer = classes.new_buffer(cfg, where.host, start_version, where.cores.worker_slots, key)
     n = cfg.trainer.num_ranks
     trainers = [classes.new_trainer(cfg, model_dir, r, n, buffer, where.cores.ranks[r], memory, key)
                 for r in range(n)]
-    del key
     started(buffer, trainers, workers)
     ahead = import_ahead(TRAINING)   # while the actors start
     setups = _setup_trainers(trainers, where, wait)
@@ -109,6 +108,10 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     wait([t.publish_current.remote() for t in trainers], "the first weights to be published", "trainer")
     for w in workers:
         w.start(version, cfg.groups_per_step)
+    if cfg.rollout.standby and not where.gpus:   # built beside the run, once start-up is done
+        for w in workers:
+            w.standby = classes.new_standby(cfg, w.index, model_dir, buffer_name, key)
+    del key
     ahead.join()   # long done: the workers' start took seconds
     return Actors(buffer, trainers, workers, version)
 
@@ -169,7 +172,7 @@ def stop_actors(buffer: BufferHandle | None, trainers: Sequence[TrainerHandle], 
         _quiet(lambda: ray.wait(closing, num_returns=len(closing), timeout=_SHUTDOWN_WAIT_S))
     if buffer is not None:
         _quiet(lambda: ray.get(buffer.close.remote(), timeout=_SHUTDOWN_WAIT_S))
-    handles: list[Any] = [w.handle for w in workers] + list(trainers) + [buffer]
+    handles: list[Any] = [w.handle for w in workers] + [w.standby for w in workers] + list(trainers) + [buffer]
     for handle in handles:
         if handle is not None:
             _quiet(lambda: ray.kill(handle))

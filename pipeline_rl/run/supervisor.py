@@ -32,6 +32,9 @@ from pipeline_rl.run.remote_calls import (
     WorkerCall,
     WorkerLost,
 )
+from pipeline_rl.run.slots import WorkerSlot
+
+__all__ = ["OrchestratorError", "Supervisor", "Watchdog", "WorkerSlot", "cause_of", "describe_failure", "role_of"]
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
@@ -133,29 +136,34 @@ class Watchdog:
 
 class OrchestratorError(RuntimeError):
     """The run cannot go on (a trainer died, no batch came in time, start-up failed); the
-    message is the one line the user sees."""
+    message is the one line the user sees. ``cause``: that line without where to resume
+    from; ``restartable``: a failure the run's restart heals (``run/restarts.py``: a process
+    that died, a weight update that failed), not one that would only repeat;
+    ``repeat_key``: what makes the same failure twice not worth a third try (None: any)."""
+
+    def __init__(self, message: str, *, cause: str | None = None, restartable: bool = False,
+                 repeat_key: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause if cause is not None else message
+        self.restartable, self.repeat_key = restartable, repeat_key
+
+
+#: Innermost causes that mean a process died (Ray's names), not an exception in its code.
+_DEATHS = frozenset({"ActorDiedError", "ActorUnavailableError", "RayActorError", "WorkerCrashedError",
+                     "OutOfMemoryError", "NodeDiedError", "LocalRayletDiedError"})
+
+
+def died(e: CallFailed) -> bool:
+    """Whether a failed call's actor (or one it called) died, rather than raised."""
+    name = type(_innermost(e.error)[1]).__name__.removeprefix("RayTaskError(").removesuffix(")")
+    return isinstance(e, ActorDied) or name in _DEATHS
 
 
 _POLL_S = 0.5
 _STOP_GRACE_S = 3.0
 _RESTART_TIMEOUT_S = 300.0  # a restarted rollout worker must have its engine up by then
 _DEATH_SETTLE_S = 5.0       # a worker call failed as dead: its generation loop's call fails by then too
-
-
-@dataclass(slots=True)
-class WorkerSlot:
-    """A rollout worker as the driver supervises it: its handle, its generation loop's
-    call in flight, and how often its process was restarted."""
-
-    index: int
-    handle: RolloutHandle
-    run_ref: Any = None
-    restarts: int = 0
-
-    def start(self, version: int, groups_per_step: int) -> None:
-        """Start (or restart) its generation loop: group ids continue past a resumed run's,
-        in a fresh range of 2**28 per restart (ids stay unique; prompts do not repeat)."""
-        self.run_ref = self.handle.run.remote((self.restarts << 28) + version * groups_per_step)
+_ADMISSION_SETTLE_S = 3.0   # a dead worker's admission request (held up to 0.5 s) is answered by then
 
 
 class Supervisor:
@@ -176,8 +184,9 @@ class Supervisor:
         self.abandoned_step = False   # a stop left a train step unfinished: no final checkpoint
         self._buffer_watch = buffer.watch.remote()   # answers only when the buffer fails or closes
 
-    def fail(self, message: str) -> OrchestratorError:
-        return OrchestratorError(self._checkpoints.resume_hint(message))
+    def fail(self, message: str, *, restartable: bool = False, repeat_key: str | None = None) -> OrchestratorError:
+        return OrchestratorError(self._checkpoints.resume_hint(message), cause=message, restartable=restartable,
+                                 repeat_key=repeat_key)
 
     def await_step(self, refs: Sequence[Any]) -> list[RankStepReport] | None:
         """The step's reports (every rank's); None when a stop request abandoned the step.
@@ -217,7 +226,8 @@ class Supervisor:
         """The line for a failed trainer call: a dead buffer is named as such (a trainer
         waiting on it fails too), else the innermost failing actor."""
         self.check_buffer(probe=True)
-        return self.fail(f"{describe_failure(e.error, 'trainer')} (at version {self._version()})")
+        return self.fail(f"{describe_failure(e.error, 'trainer')} (at version {self._version()})",
+                         restartable=died(e))
 
     def check_buffer(self, *, probe: bool = False) -> None:
         """End the run if the buffer's sentinel answered (its receiver thread crashed, or its
@@ -236,7 +246,7 @@ class Supervisor:
             except (ActorDied, ActorRaised) as e:
                 why = f"its process died ({e})"
         if why is not None and not self._stop.is_set():
-            raise self.fail(f"replay buffer failed: {why}")
+            raise self.fail(f"replay buffer failed: {why}", restartable=why.startswith("its process died"))
 
     def _stalled_now(self) -> bool:
         """Whether the watchdog fires now. Past half its bound the buffer's zero-variance
@@ -298,13 +308,14 @@ class Supervisor:
         return "; ".join(parts)
 
     def supervise_workers(self) -> None:
-        """Restart the generation loop of a worker whose process died (Ray restarts the
-        process) up to ``rollout.max_restarts`` times; an exception raised inside a
-        worker ends the run."""
+        """Restart the generation loop of a worker whose process died (its standby takes
+        over, or Ray restarts the process) up to ``rollout.max_restarts`` times; an
+        exception raised inside a worker ends the run."""
         runs = [w.run_ref for w in self._workers]
         running = self._calls.pending(runs, 0)
         for w in self._workers:
             if w.run_ref in running or self._stop.is_set():
+                w.poll_standby(self._calls)
                 continue
             try:
                 self._calls.get(w.run_ref)
@@ -312,8 +323,10 @@ class Supervisor:
             except ActorDied as e:
                 why = f"its process died ({e})"
             except CallFailed as e:
-                raise self.fail(f"rollout worker {w.index} failed: {cause_of(e.error)} "
-                                f"(at version {self._version()})") from None
+                cause = cause_of(e.error)   # a weight update that failed is tried again once
+                raise self.fail(f"rollout worker {w.index} failed: {cause} (at version {self._version()})",
+                                restartable=cause.startswith("WeightLoadFailed"),
+                                repeat_key=f"{cause} (at version {self._version()})") from None
             self._restart(w, why)
 
     def answers(self, calls: Sequence[WorkerCall]) -> list[Any] | None:
@@ -342,6 +355,7 @@ class Supervisor:
             self._on_lost(WorkerLost(w.index, f"a call to it failed ({e})", restarted=False))
 
     def _restart(self, w: WorkerSlot, why: str) -> None:
+        """Bring ``w`` back (:meth:`_bring_back`), then start its generation loop."""
         if w.restarts >= self.cfg.rollout.max_restarts:
             raise self.fail(f"rollout worker {w.index} stopped {w.restarts + 1} times, more than "
                             f"--rollout.max_restarts={self.cfg.rollout.max_restarts} allows: {why}")
@@ -349,22 +363,31 @@ class Supervisor:
         w.restarts += 1
         self._on_lost(WorkerLost(w.index, why))
         log.warning("rollout worker %d stopped (%s): restarting, %d in-flight groups lost", w.index, why, lost)
-        if not self._await_restart(w):
+        t0 = time.monotonic()
+        how = self._bring_back(w)
+        if how is None:
             return
-        try:
-            self._calls.get(self._trainers[0].offer_latest.remote([w.handle]))
-        except (ActorDied, ActorRaised) as e:
-            raise self.trainer_failure(e) from None
+        log.info("rollout worker %d is back after %.1f s (%s)", w.index, time.monotonic() - t0, how)
+        # An admission request the dead process had pending at the buffer can be granted after
+        # the refund, and nobody would use that grant (found by the chaos run: a standby that
+        # took over at once left the budget full); wait it out and refund again, before the
+        # new process asks for any.
+        time.sleep(max(0.0, _ADMISSION_SETTLE_S - (time.monotonic() - t0)))
+        self._calls.get(self._buffer.worker_lost.remote(w.index))
         w.start(self._version(), self.cfg.groups_per_step)
 
-    def _await_restart(self, w: WorkerSlot) -> bool:
-        """Wait until Ray has restarted a worker's process and its engine is up (calls to
-        an actor that is still restarting fail as unavailable); False on a stop request."""
+    def _bring_back(self, w: WorkerSlot) -> str | None:
+        """Whichever is up first takes the slot, with the newest weights: its standby
+        (``run/slots.py``), or the process Ray restarts (calls to an actor still restarting
+        fail as unavailable). Says which; None on a stop request."""
         deadline = time.monotonic() + _RESTART_TIMEOUT_S
         while not self._stop.is_set():
+            if w.poll_standby(self._calls) and self._take_over(w):
+                return "its standby took over"
             try:
-                self._calls.get(w.handle.ready.remote(), timeout_s=_POLL_S * 10)
-                return True
+                self._calls.get(w.handle.ready.remote(), timeout_s=_POLL_S)
+                self._calls.get(w.handle.take_over.remote(w.core))   # a restarted process starts unpinned
+                break
             except NoAnswer:
                 pass
             except ActorUnavailable:
@@ -374,4 +397,28 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise self.fail(f"rollout worker {w.index} did not come back within {_RESTART_TIMEOUT_S:.0f} s "
                                 f"of its restart")
-        return False
+        else:
+            return None
+        try:
+            self._calls.get(self._trainers[0].offer_latest.remote([w.handle]))
+        except (ActorDied, ActorRaised) as e:
+            raise self.trainer_failure(e) from None
+        return "its process was restarted"
+
+    def _take_over(self, w: WorkerSlot) -> bool:
+        """Swap ``w``'s standby in: it takes the slot's core and the trainer's publisher
+        the new worker list (a worker new to it gets the newest weights at once). False,
+        swapped back, when the standby fails meanwhile."""
+        w.swap()
+        try:
+            self._calls.get(w.handle.take_over.remote(w.core), timeout_s=_POLL_S * 20)
+        except CallFailed as e:
+            log.info("rollout worker %d: its standby failed to take over (%s)", w.index, e)
+            w.swap()
+            w.standby_up = False
+            return False
+        try:
+            self._calls.get(self._trainers[0].set_workers.remote([s.handle for s in self._workers]))
+        except (ActorDied, ActorRaised) as e:
+            raise self.trainer_failure(e) from None
+        return True

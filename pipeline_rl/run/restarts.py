@@ -1,0 +1,95 @@
+"""A run that heals itself: when a trainer rank or the replay buffer dies (a killed process,
+an out-of-memory kill, a Ray actor death) or a weight update fails, the run stops what is
+left (every actor, its Ray) and starts again in the same process from its newest complete
+checkpoint (``--run.max_restarts``, docs/failures.md).
+
+Invariants: a restart continues the same folder as ``--resume`` would (records past the
+checkpoint dropped, the restart marked: no step twice in ``metrics.jsonl``), with the same
+configuration, seed and so data order; the steps since that checkpoint are trained again,
+so at most one checkpoint interval is lost. Each restart is one console line naming the
+cause. A failure that would only repeat is not retried (an exception inside an actor, a
+configuration or start-up error, a reward failing everywhere, the watchdog), nor the same
+weight-update failure twice at the same version; ``max_restarts`` restarts in a row without a
+step in between end the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from pipeline_rl.config import Config
+from pipeline_rl.run.run_folder import RunFolder, restart_in
+from pipeline_rl.run.supervisor import OrchestratorError
+
+log = logging.getLogger("pipeline_rl.run.restarts")
+
+
+@dataclass(slots=True)
+class RestartPolicy:
+    """Whether a failure restarts the run (see the module docstring). ``streak``: restarts
+    in a row not followed by a step."""
+
+    max_restarts: int
+    restarts: int = 0
+    streak: int = 0
+    seen: set[str] = field(default_factory=set)
+
+    def refusal(self, e: OrchestratorError, stepped: bool) -> str | None:
+        """None when ``e`` restarts the run (counted); else why not, as the run's last line
+        (``e``'s own message when the failure is not one a restart heals)."""
+        if not e.restartable or not self.max_restarts:
+            return str(e)
+        if e.repeat_key is not None and e.repeat_key in self.seen:
+            return f"{e} (the same failure twice: not restarted again)"
+        self.streak = 0 if stepped else self.streak
+        if self.streak >= self.max_restarts:
+            return (f"{e} ({self.streak} restart(s) in a row without a step in between, "
+                    f"--run.max_restarts={self.max_restarts})")
+        if e.repeat_key is not None:
+            self.seen.add(e.repeat_key)
+        self.restarts += 1
+        self.streak += 1
+        return None
+
+
+def restarts_before(folder: RunFolder) -> int:
+    """The restarts a resumed run had made up to where it resumes (its last kept row's)."""
+    from pipeline_rl.metrics import read_metrics
+
+    file = folder.path / "metrics.jsonl"
+    if folder.resumed_at is None or not file.exists():
+        return 0
+    rows = read_metrics(file)
+    return int(rows[-1].get("restarts", 0)) if rows else 0
+
+
+def conduct(cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder) -> None:
+    """Run the whole job, restarting it as the module docstring says; raises the last
+    :class:`OrchestratorError` (its message: the one line) when it cannot go on."""
+    from pipeline_rl.run.conductor import Orchestrator
+
+    policy = RestartPolicy(cfg.run.max_restarts, restarts=restarts_before(folder))
+    fault = cfg.fault
+    while True:
+        orch = Orchestrator(cfg, model_dir, stop, folder, policy.restarts)
+        try:
+            with orch:
+                orch.train()
+            return
+        except OrchestratorError as e:
+            if stop.is_set():
+                raise
+            why = policy.refusal(e, orch.steps_done > 0)
+            if why is not None:
+                raise OrchestratorError(why) from None
+            cause = e.cause
+        folder, checkpoint = restart_in(folder.path)
+        where = f"from {checkpoint}" if checkpoint else "from the start (no checkpoint was saved yet)"
+        print(f"async_grpo.py: restart {policy.restarts}: {cause}; starting again {where}",
+              file=sys.stderr, flush=True)
+        # An injected fault fires in the run's first life only, unless at version 0 (every start).
+        keep_fault = fault is not None and fault.endswith("@0")
+        cfg = cfg.model_copy(update={"resume": checkpoint, "fault": fault if keep_fault else None})

@@ -1,0 +1,103 @@
+"""The run restarts itself (``run/restarts.py``): a killed trainer or buffer process restarts
+the run from its newest checkpoint and it finishes with every step once in ``metrics.jsonl``;
+a failure that would only repeat is not retried; the restart cap ends the run in one line.
+The policy is checked alone first, then through the launcher's entry point on the real
+pipeline (one Ray shared by the module)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline_rl.run.restarts import RestartPolicy
+from pipeline_rl.run.supervisor import OrchestratorError
+from tiny_run import tiny_run_config
+
+
+def death(cause: str = "trainer failed: its process died") -> OrchestratorError:
+    return OrchestratorError(f"{cause}; resume with --resume X", cause=cause, restartable=True)
+
+
+def test_a_death_restarts_until_the_cap_of_restarts_in_a_row_without_a_step() -> None:
+    policy = RestartPolicy(2)
+    assert policy.refusal(death(), stepped=True) is None
+    assert policy.refusal(death(), stepped=False) is None
+    why = policy.refusal(death(), stepped=False)
+    assert why is not None and "2 restart(s) in a row without a step in between, --run.max_restarts=2" in why
+    assert policy.restarts == 2
+
+
+def test_a_step_in_between_resets_the_count() -> None:
+    policy = RestartPolicy(1)
+    for _ in range(4):
+        assert policy.refusal(death(), stepped=True) is None
+    assert policy.restarts == 4
+
+
+def test_what_would_repeat_is_not_retried() -> None:
+    policy = RestartPolicy(3)
+    raised = OrchestratorError("trainer failed: ValueError: bad (at version 3); no checkpoint was saved yet")
+    assert policy.refusal(raised, stepped=True) == str(raised) and policy.restarts == 0
+    update = OrchestratorError("x", cause="rollout worker 0 failed: WeightLoadFailed: y (at version 3)",
+                               restartable=True, repeat_key="WeightLoadFailed: y (at version 3)")
+    assert policy.refusal(update, stepped=True) is None
+    why = policy.refusal(update, stepped=True)
+    assert why is not None and why.endswith("(the same failure twice: not restarted again)")
+    assert RestartPolicy(0).refusal(death(), stepped=True) == str(death())   # 0: today's behaviour
+
+
+def _run(model_dir: str, out: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, list[str]]:
+    from pipeline_rl.driver import run
+
+    cfg = tiny_run_config(model_dir, out, *flags)
+    capsys.readouterr()
+    rc = run(cfg)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("async_grpo.py:")]
+    return rc, lines
+
+
+def _steps(out: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point,role", [("trainer_kill", "trainer"), ("buffer_kill", "replay buffer")])
+def test_a_killed_process_restarts_the_run_and_it_finishes(point: str, role: str, ray_local: None,
+                                                           tiny_model_dir: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    rc, lines = _run(tiny_model_dir, out, capsys, "--max-steps", "12", "--trainer.checkpoint_every", "4",
+                     "--fault", f"{point}@6")
+    assert rc == 0, lines
+    assert len(lines) == 1 and lines[0].startswith(f"async_grpo.py: restart 1: {role} failed: "), lines
+    assert lines[0].endswith("starting again from " + str((out / "checkpoints" / "step_000004").resolve())), lines
+    assert _steps(out) == list(range(1, 13))                    # no step twice, none missing
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["restarts"] == 1.0 and rows[0]["restarts"] == 0.0
+    with capsys.disabled():
+        print(f"\n{point}: run of 12 steps with one restart: {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.slow
+def test_the_same_weight_update_failure_twice_ends_the_run(ray_local: None, tiny_model_dir: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc, lines = _run(tiny_model_dir, tmp_path / "run", capsys, "--max-steps", "12", "--fault", "weight_update@0")
+    assert rc == 1 and len(lines) == 2, lines
+    assert lines[0].startswith("async_grpo.py: restart 1: rollout worker 0 failed: WeightLoadFailed"), lines
+    assert lines[1].startswith("async_grpo.py: error: rollout worker 0 failed: WeightLoadFailed"), lines
+    assert lines[1].endswith("(the same failure twice: not restarted again)"), lines
+
+
+@pytest.mark.slow
+def test_the_restart_cap_ends_the_run_in_one_line(ray_local: None, tiny_model_dir: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    rc, lines = _run(tiny_model_dir, tmp_path / "run", capsys, "--max-steps", "12", "--fault", "trainer_kill@0",
+                     "--run.max_restarts", "1")
+    assert rc == 1 and len(lines) == 2, lines
+    assert lines[0].startswith("async_grpo.py: restart 1: trainer failed: "), lines
+    assert lines[1].startswith("async_grpo.py: error: trainer failed: "), lines
+    assert "(1 restart(s) in a row without a step in between, --run.max_restarts=1)" in lines[1], lines
