@@ -154,6 +154,10 @@ def run(cfg: Config) -> int:
         log.warning("%s", warning)
     try:
         model_dir = resolve_model_dir(cfg)
+        if cfg.lora.enabled:   # the adapter's modules against the model's, before Ray
+            from pipeline_rl.training.lora import check_lora
+
+            check_lora(cfg.lora, model_dir)
         cfg = resolve_resume(check_task(cfg, model_dir))   # --resume RUN_DIR: its newest checkpoint
         folder = open_run(cfg)
     except (TaskError, OSError, ValueError, OrchestratorError) as e:
