@@ -6,8 +6,9 @@ Names. An adapter tensor travels and is saved under PEFT's saved name,
 ``base_model.model.<module>.lora_A.weight`` (``A``: ``[r, in]``) and ``...lora_B.weight``
 (``B``: ``[out, r]``), the keys of ``adapter_model.safetensors``, which
 ``peft.PeftModel.from_pretrained`` and vLLM's LoRA loader read as they are; the served base
-weight it changes is ``<module>.weight`` (:func:`base_weight_name`), and the update it makes
-is ``scale * B @ A`` with ``scale = alpha / r`` (``[out, in]``, :func:`lora_delta`).
+weight it changes is ``<module>.weight``, and the update it makes is ``scale * B @ A`` with
+``scale = alpha / r`` (``[out, in]``); the worker's side of these names is
+``pipeline_rl.weight_sync.lora_update``.
 
 Invariants: with ``lora.rank`` 0 nothing here runs and the model is the plain Hugging Face
 model; with an adapter, the only trainable parameters are the adapter's (DeepSpeed is handed
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.lora_config import DEFAULT_TARGETS, LoraConfig
+from pipeline_rl.weight_sync.lora_update import base_weight_name
 
 if TYPE_CHECKING:
     import torch
@@ -31,8 +33,6 @@ if TYPE_CHECKING:
 #: PEFT's adapter files (``PeftModel.save_pretrained`` writes these names).
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-#: The prefix PEFT puts before a module's name in a saved adapter.
-PEFT_PREFIX = "base_model.model."
 #: PEFT's name for the one adapter the trainer trains.
 ADAPTER_NAME = "default"
 
@@ -122,21 +122,6 @@ def wire_name(param_name: str) -> str:
 def adapter_parameters(module: Any) -> list[tuple[str, "torch.nn.Parameter"]]:
     """The adapter's parameters of the wrapped model, by their saved names, in the module's order."""
     return [(wire_name(n), p) for n, p in module.named_parameters() if p.requires_grad]
-
-
-def is_adapter_name(name: str) -> bool:
-    return name.startswith(PEFT_PREFIX) and name.endswith((".lora_A.weight", ".lora_B.weight"))
-
-
-def base_weight_name(adapter_name: str) -> str:
-    """``base_model.model.M.lora_A.weight`` -> ``M.weight``: the served weight it changes."""
-    module = adapter_name.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0]
-    return f"{module}.weight"
-
-
-def lora_delta(a: "torch.Tensor", b: "torch.Tensor", scale: float) -> "torch.Tensor":
-    """``scale * B @ A``: ``a`` ``[r, in]``, ``b`` ``[out, r]`` -> ``[out, in]``, in float32."""
-    return (b.float() @ a.float()) * scale
 
 
 @contextlib.contextmanager
