@@ -70,3 +70,11 @@ class LoraConfig(Section):
         if self.serving != "auto":
             return self.serving
         return "native" if device_type == "cuda" else "merged"
+
+    def startup_text(self, device_type: str) -> str:
+        """The start-up line's part: ``lora: rank 16, alpha 32, targets auto, serving merged
+        (auto on cpu)``."""
+        mode = self.serving_mode(device_type)
+        why = f"auto on {device_type}" if self.serving == "auto" else "forced"
+        return (f"lora: rank {self.rank}, alpha {self.alpha:g}, targets {self.target_modules}, "
+                f"serving {mode} ({why})")

@@ -241,3 +241,14 @@ def test_zero3_two_ranks_trains_the_same_adapter(make_trainer: Any, tiny_model_d
         np.testing.assert_allclose(dp[name], arr, rtol=1e-4, atol=2e-5, err_msg=name)
     saved = load_file(str(tmp_path / "z3.ckpt" / "adapter_model.safetensors"))
     assert sorted(saved) == sorted(ref) and all(np.array_equal(saved[n], dp[n]) for n in saved)
+
+
+def test_the_startup_line_names_the_serving_mode() -> None:
+    from pipeline_rl.driver import startup_line
+
+    cfg, _ = parse_config(["--lora.rank", "8", "--model.device", "cpu"], check_cpu=False)
+    assert startup_line(cfg).endswith("| lora: rank 8, alpha 32, targets auto, serving merged (auto on cpu)")
+    assert cfg.lora.serving_mode("cuda") == "native"
+    forced, _ = parse_config(["--lora.rank", "8", "--lora.serving", "native"], check_cpu=False)
+    assert "serving native (forced)" in startup_line(forced)
+    assert "lora" not in startup_line(Config())
