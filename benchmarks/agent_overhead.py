@@ -111,7 +111,7 @@ def one_form(round_: int, form: str, groups: int, warmup: int, flags: list[str],
     from pipeline_rl.buffer.server import BufferServer
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.rollout.worker import RolloutWorker
-    from pipeline_rl.tasks import build_task_for_model
+    from pipeline_rl.tasks.build import build_task_for_model
 
     agent = ["--task.agent", spec] if form == "agent" else []
     cfg = config(["--task.name", "calc", "--staleness", "1000", "--seed", str(round_), *agent, *flags])

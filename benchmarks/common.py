@@ -7,6 +7,7 @@ takes, besides its own flags (``--help`` documents each): ``--json PATH`` (its f
 ``--md PATH`` (its report, which it also prints), and where it has them ``--quick`` (a
 smoke run, what the tests run), ``--out DIR`` (its run folders; its JSON and
 Markdown are written there too, named after it) and pipeline flags after ``--``.
+What it writes carries no absolute path of the machine (:func:`portable`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import logging
 import os
 import platform
+import re
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -99,11 +102,39 @@ def at_least(args: argparse.Namespace, **lows: float) -> None:
 
 
 def write_files(outputs: list[tuple[Path | None, str]]) -> None:
-    """Write each ``(path, text)`` whose path is given (parents made, a final newline)."""
+    """Write each ``(path, text)`` whose path is given (parents made, a final newline), its
+    paths made :func:`portable`."""
     for path, body in outputs:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(body + "\n")
+            path.write_text(portable(body) + "\n")
+
+
+def portable(text: str) -> str:
+    """``text`` with this machine's absolute paths written as anyone's: the model cache as
+    ``.cache/pipeline_rl/...`` (also where ``$PIPELINE_RL_CACHE_DIR`` or a linked ``.cache`` points),
+    the repository's files relative to it (``.venv``, ``.cache/peers-trl-venv``; ``.`` for
+    the repository itself, also through a link in it), the home folder as ``~`` and the
+    temporary folder as ``$TMPDIR``. A results page is read on other machines."""
+    from pipeline_rl.models.default import cache_root
+
+    places: dict[str, str] = {}
+    cache = cache_root()
+    for folder in (cache, cache.resolve()):
+        places[str(folder)] = ".cache/pipeline_rl"
+    for entry in (ROOT / ".cache", ROOT / ".venv"):
+        places[str(entry.resolve())] = entry.name
+    places[str(ROOT)] = "."
+    places.setdefault(str(Path.home()), "~")
+    places.setdefault(str(Path(tempfile.gettempdir()).resolve()), "$TMPDIR")
+    for at in sorted((a for a in places if a not in ("", "/")), key=len, reverse=True):
+        with_slash = re.compile(r"(?<![\w./~$-])" + re.escape(at) + r"/")
+        alone = re.compile(r"(?<![\w./~$-])" + re.escape(at) + r"(?![\w./-])")
+        name = places[at]
+        under = "" if name == "." else name + "/"
+        text = with_slash.sub(lambda _: under, text)
+        text = alone.sub(lambda _: name, text)
+    return text
 
 
 def pyplot() -> Any:

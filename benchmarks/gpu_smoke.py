@@ -91,8 +91,8 @@ def updates_in_flight(report: Report, root: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.rollout.engine import EngineConfig, GenRequest, SamplingConfig
-    from pipeline_rl.rollout.engine_async import AsyncEngine
+    from pipeline_rl.rollout.engines.engine import EngineConfig, GenRequest, SamplingConfig
+    from pipeline_rl.rollout.engines.engine_async import AsyncEngine
     from pipeline_rl.weight_sync.message import load_update
     from pipeline_rl.models.tiny_llama import build_tiny_model
 
@@ -280,8 +280,8 @@ def _count_params(model_dir: Path) -> int:
 FAULT_SCRIPT = """
 import json, sys, threading, time
 import psutil
-from pipeline_rl.rollout.engine import EngineConfig
-from pipeline_rl.rollout.engine_async import AsyncEngine
+from pipeline_rl.rollout.engines.engine import EngineConfig
+from pipeline_rl.rollout.engines.engine_async import AsyncEngine
 try:
     AsyncEngine(EngineConfig(model_dir=sys.argv[1], device=sys.argv[2], dtype=sys.argv[3],
                              max_num_seqs=4, max_model_len=64, fault="engine_start@0"))

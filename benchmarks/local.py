@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pipeline_rl.buffer import BufferServer, ReplayBuffer
     from pipeline_rl.config import Config
-    from pipeline_rl.rollout.engine import GenerationEngine
+    from pipeline_rl.rollout.engines.engine import GenerationEngine
     from pipeline_rl.rollout.worker import RolloutWorker
-    from pipeline_rl.tasks import Task
+    from pipeline_rl.tasks.base import Task
     from pipeline_rl.training.rank_step import RankStep
     from pipeline_rl.training.trainer import Trainer
     from pipeline_rl.weight_sync.publisher import WeightPublisher
@@ -50,14 +50,14 @@ class LocalPipeline:
 
     @cached_property
     def engine(self) -> GenerationEngine:
-        from pipeline_rl.rollout.engine import engine_config
-        from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+        from pipeline_rl.rollout.engines.engine import engine_config
+        from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
         return InprocessEngine(engine_config(self.cfg.rollout, self.model_dir, seed=self.cfg.seed, fault=self.cfg.fault))
 
     @cached_property
     def task(self) -> Task:
-        from pipeline_rl.tasks import build_task_for_model
+        from pipeline_rl.tasks.build import build_task_for_model
 
         return build_task_for_model(self.cfg.task, self.model_dir, seed=self.cfg.seed, evaluation=self.cfg.eval)
 

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> Outcome:
     from transformers import AutoModelForCausalLM
 
     from pipeline_rl.lora_config import LoraConfig
-    from pipeline_rl.rollout import vllm_compat as compat
+    from pipeline_rl.rollout.engines import vllm_compat as compat
     from pipeline_rl.training.lora import adapter_parameters, wrap
     from pipeline_rl.weight_sync.gather import gather_weights
     from pipeline_rl.weight_sync.lora_update import LORA_ID, LoraServing, Merger, peft_config_dict

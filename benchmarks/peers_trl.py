@@ -65,9 +65,9 @@ def flags(p: argparse.ArgumentParser) -> None:
 
 def task_and_prompts(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     """The pipeline's task as its rollout workers build it, and the prompts
-    (:class:`pipeline_rl.tasks.Prompt`) of ``max_steps`` steps in the order a single
+    (:class:`pipeline_rl.tasks.base.Prompt`) of ``max_steps`` steps in the order a single
     worker draws them."""
-    from pipeline_rl.tasks import build_task_for_model
+    from pipeline_rl.tasks.build import build_task_for_model
 
     cfg = config(["--task.name", args.task, *args.task_flags.split(), "--seed", str(args.seed),
                   "--model.path", args.model])
@@ -78,7 +78,7 @@ def task_and_prompts(args: argparse.Namespace) -> tuple[Any, list[Any]]:
 def held_out(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     """The task's held-out split as the project's evaluation builds it, and its first
     ``--eval-prompts`` prompts (ids 0, 1, ...: the ids the project's evaluation asks for)."""
-    from pipeline_rl.tasks import build_task_for_model
+    from pipeline_rl.tasks.build import build_task_for_model
 
     cfg = config(["--task.name", args.task, *args.task_flags.split(), "--seed", str(args.seed),
                   "--model.path", args.model, "--eval.num_prompts", str(args.eval_prompts)])

@@ -74,13 +74,13 @@ def _percentile(values: list[float], q: float) -> float | None:
 def bare_vllm(cfg: Any, model_dir: str, groups: int, rounds: int) -> Bare:
     """``LLM.generate`` on ``groups`` training prompts of the run's task, as a worker
     would sample them, this process pinned to one core for the call."""
-    from pipeline_rl.rollout.engine import engine_config
-    from pipeline_rl.tasks import build_task_for_model
+    from pipeline_rl.rollout.engines.engine import engine_config
+    from pipeline_rl.tasks.build import build_task_for_model
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from pipeline_rl.rollout.vllm_compat import hidden_from_vllm_kernel_scan
+    from pipeline_rl.rollout.engines.vllm_compat import hidden_from_vllm_kernel_scan
 
     ecfg = engine_config(cfg.rollout, model_dir, seed=cfg.seed)
     task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)

@@ -73,7 +73,7 @@ def run_worker(engine: object, model_dir: str, w: Workload, *, offers: Sequence[
     """One worker run of ``w.groups`` groups; with ``offers``, a thread offers them in
     turn every ``update_every_s`` while the run lasts. Returns stats and the
     in-flight sequence counts seen at each update."""
-    from pipeline_rl.tasks import AdditionTask
+    from pipeline_rl.tasks.builtin import AdditionTask
 
     local = LocalPipeline(_config(w), model_dir=model_dir, engine=engine, task=AdditionTask(2, 100_000, 0))  # type: ignore[arg-type]
     worker = local.worker
@@ -134,12 +134,12 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    from pipeline_rl.rollout.engine import EngineConfig
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine import EngineConfig
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
     from pipeline_rl.weight_sync.message import load_update
     from pipeline_rl.models.tiny_llama import build_tiny_model
-    from pipeline_rl.rollout.vllm_compat import hidden_from_vllm_kernel_scan
-    from pipeline_rl.tasks import AdditionTask
+    from pipeline_rl.rollout.engines.vllm_compat import hidden_from_vllm_kernel_scan
+    from pipeline_rl.tasks.builtin import AdditionTask
 
     shape = dict(hidden_size=hidden, num_layers=layers, num_heads=heads, intermediate_size=intermediate)
     dir_a = str(build_tiny_model(model_root / "a", seed=0, **shape))

@@ -51,8 +51,8 @@ _PIECES = {
                 "start_local(num_cpus=2, object_store_mb=200, env=ACTOR_ENV, logging_level=30)",
     "import_vllm": _NO_GC + "import vllm",
     "vllm_engine": _NO_GC + "import vllm; t = time.perf_counter(); "   # its build after ``import vllm``
-                   "from pipeline_rl.rollout.engine import EngineConfig; "
-                   "from pipeline_rl.rollout.engine_inprocess import InprocessEngine; "
+                   "from pipeline_rl.rollout.engines.engine import EngineConfig; "
+                   "from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine; "
                    "InprocessEngine(EngineConfig(model_dir={model_dir!r}))",
     "trainer_start": _NO_GC + "from pipeline_rl import runtime_env; from pipeline_rl.net import free_port; "
                      "port = free_port(); runtime_env.for_rendezvous('127.0.0.1', port, 0, 1); "

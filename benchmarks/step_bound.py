@@ -47,7 +47,7 @@ def _ms(xs: list[float]) -> float:
 
 def generate(cfg: Config, model_dir: str, batches: int, in_flight: int) -> dict[str, float]:
     """Milliseconds per batch (and per engine step) with ``in_flight`` batches at once, on a fresh engine."""
-    from pipeline_rl.rollout.engine import GenRequest, SamplingConfig
+    from pipeline_rl.rollout.engines.engine import GenRequest, SamplingConfig
 
     sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
     per_batch, per_step, round_steps, lengths, prompt_lens, longest = [], [], [], [], [], []

@@ -12,8 +12,8 @@ Usage::
 Set-up (one process run, one cell after the other, never two engines at once):
 a local Ray (one CPU per core); per (model, engine, transport) cell ``--workers`` fresh
 rollout-worker actors of this module (:class:`SyncWorker`), each owning one engine
-(``inprocess``: :class:`~pipeline_rl.rollout.engine_inprocess.InprocessEngine`; ``async``:
-:class:`~pipeline_rl.rollout.engine_async.AsyncEngine`, engine core in its own process)
+(``inprocess``: :class:`~pipeline_rl.rollout.engines.engine_inprocess.InprocessEngine`; ``async``:
+:class:`~pipeline_rl.rollout.engines.engine_async.AsyncEngine`, engine core in its own process)
 and generating continuously on a thread of its own: ``--max-num-seqs`` sequences in
 flight (random-token prompts of ``--prompt-len``, ``--max-new-tokens`` tokens each,
 ``ignore_eos``; a finished one is replaced at once), ``engine.apply_staged()``
@@ -138,18 +138,18 @@ class SyncWorker:
         import torch
 
         torch.set_num_threads(1)
-        from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine, SamplingConfig
+        from pipeline_rl.rollout.engines.engine import EngineConfig, GenerationEngine, SamplingConfig
 
         cfg = EngineConfig(model_dir=model_dir, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            kv_cache_gib=1.0, seed=seed, dtype=dtype)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         self._engine: GenerationEngine
         if engine_kind == "inprocess":
-            from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+            from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
             self._engine = InprocessEngine(cfg)
         elif engine_kind == "async":
-            from pipeline_rl.rollout.engine_async import AsyncEngine
+            from pipeline_rl.rollout.engines.engine_async import AsyncEngine
 
             self._engine = AsyncEngine(cfg)
         else:
@@ -187,7 +187,7 @@ class SyncWorker:
         self._thread.start()
 
     def _loop(self) -> None:
-        from pipeline_rl.rollout.engine import GenRequest
+        from pipeline_rl.rollout.engines.engine import GenRequest
 
         engine = self._engine
         try:
@@ -231,7 +231,7 @@ class SyncWorker:
     def _offer(self, refs: list[Any]) -> None:
         """RolloutWorker.offer_weights, its two phases timed: the object fetched, then laid
         out in this worker's segment and taken through the engine's weight calls."""
-        from pipeline_rl.rollout.engine import EngineCalls
+        from pipeline_rl.rollout.engines.engine import EngineCalls
         from pipeline_rl.weight_sync.message import resolve_offer
 
         t0 = time.perf_counter()

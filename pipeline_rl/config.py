@@ -26,7 +26,7 @@ from pydantic import Field, field_validator, model_validator
 from pipeline_rl.config_section import Section
 from pipeline_rl.lora_config import LoraConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
-from pipeline_rl.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
+from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
 
 #: Attention head sizes vLLM's CPU attention backend accepts (docs/design.md, platform notes).
 CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

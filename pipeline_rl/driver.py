@@ -104,7 +104,10 @@ def check_task(cfg: Config, model_dir: str) -> Config:
     Returns the configuration to run, ``cfg`` itself or a copy with ``eval`` adjusted: a
     training dataset too small to give any row to the held-out split turns evaluation off
     (one warning line); ``num_prompts`` is capped at the held-out pool's size."""
-    from pipeline_rl.tasks import TaskError, build_task, check_tokenizer, plugin_reward
+    from pipeline_rl.tasks.base import TaskError
+    from pipeline_rl.tasks.build import build_task
+    from pipeline_rl.tasks.tokenizer import check_tokenizer
+    from pipeline_rl.tasks.chat import plugin_reward
 
     if cfg.task.env is not None:   # a misnamed environment: one line here, not an actor's death
         from pipeline_rl.tasks.env import resolve_env
@@ -155,7 +158,7 @@ def run(cfg: Config) -> int:
     from pipeline_rl.run.run_folder import resolve_resume
     from pipeline_rl.run.startup import open_run
     from pipeline_rl.run.supervisor import OrchestratorError
-    from pipeline_rl.tasks import TaskError
+    from pipeline_rl.tasks.base import TaskError
 
     for warning in cfg.warnings():
         log.warning("%s", warning)

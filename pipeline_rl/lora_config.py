@@ -1,5 +1,5 @@
 """``--lora.*``: train a low-rank adapter instead of every weight (docs/models-and-data.md, "LoRA").
-A section of :class:`pipeline_rl.config.Config`, in a module of its own like ``task_config.py``;
+A section of :class:`pipeline_rl.config.Config`, in a module of its own like ``tasks/task_config.py``;
 it imports no torch, vLLM or Ray.
 
 Invariants: ``rank`` 0 means off (every other field is then unused); ``target_modules`` is

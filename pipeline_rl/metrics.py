@@ -93,7 +93,7 @@ class StepMetrics:
 
 @dataclass(frozen=True, slots=True)
 class EvalMetrics:
-    """One held-out evaluation (``pipeline_rl.evaluation``): launched after ``step``
+    """One held-out evaluation (``pipeline_rl.run.evaluations``): launched after ``step``
     at ``version``; answers came from weights ``version_min`` .. ``version_max``;
     ``eval_s``: from launch to the last answer scored (it runs beside training)."""
 

@@ -64,8 +64,8 @@ VENV=${VENV_ARG:-$ROOT/.venv}
 VPY="$VENV/bin/python"
 
 PY=${PYTHON:-python3}
-"$PY" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null \
-  || fail "Python >= 3.10 is required (found: $("$PY" --version 2>&1))"
+"$PY" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null \
+  || fail "Python >= 3.11 is required (found: $("$PY" --version 2>&1))"
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   FLAVOUR=gpu

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline_rl.models import default_model_dir, recipe_for
     from pipeline_rl.models.default import INFO_FILE
     from benchmarks.rl_probe import RLProbeConfig, grpo_probe
-    from pipeline_rl.tasks import build_task
+    from pipeline_rl.tasks.build import build_task
 
     torch.set_num_threads(1)
     task_cfg = TaskConfig(name=args.task, digits=args.digits)

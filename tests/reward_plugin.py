@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline_rl.tasks import Prompt
+from pipeline_rl.tasks.base import Prompt
 
 NOT_CALLABLE = 3
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pipeline_rl.calls import in_daemon_thread
-from pipeline_rl.rollout.engine import GenerationEngine
+from pipeline_rl.rollout.engines.engine import GenerationEngine
 from pipeline_rl.weight_sync import nccl
 from pipeline_rl.weight_sync.channel import decode_init_info, decode_update_info
 from pipeline_rl.weight_sync.cuda_ipc import check_opened

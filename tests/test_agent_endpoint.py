@@ -28,12 +28,13 @@ from chat_models import build_chat_model
 from pipeline_rl.buffer.replay import ReplayBuffer
 from pipeline_rl.buffer.server import BufferServer
 from pipeline_rl.config import Config
-from pipeline_rl.evaluation import EvalRequest
-from pipeline_rl.rollout.agents import AgentRunner
-from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine
+from pipeline_rl.rollout.eval_feed import EvalRequest
+from pipeline_rl.rollout.agents.runner import AgentRunner
+from pipeline_rl.rollout.engines.engine import EngineConfig, GenerationEngine
 from pipeline_rl.rollout.worker import RolloutWorker
 from pipeline_rl.samples import Group
-from pipeline_rl.tasks import AdditionTask, Prompt
+from pipeline_rl.tasks.builtin import AdditionTask
+from pipeline_rl.tasks.base import Prompt
 
 N = 2
 TOOLS: list[Any] = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
@@ -123,7 +124,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Gene
 
 
 def _engine(engines: dict[str, GenerationEngine], family: str, root: Path) -> GenerationEngine:
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
     if family not in engines:
         model = build_chat_model(family, root / family)
@@ -313,7 +314,7 @@ def _kill_later(pid: int, sig: int, after_s: float) -> None:
 
 
 def test_an_agents_process_that_dies_ends_the_worker_in_one_line(qwen_engine: GenerationEngine) -> None:
-    from pipeline_rl.rollout.agent_host import AgentHostDied
+    from pipeline_rl.rollout.agents.agent_host import AgentHostDied
 
     rig = Rig(qwen_engine, "hangs")
     _kill_later(rig.runner.host_pid, signal.SIGKILL, 2.0)
@@ -327,7 +328,7 @@ def test_an_agents_process_that_dies_ends_the_worker_in_one_line(qwen_engine: Ge
 
 
 def test_a_stuck_agents_process_cannot_hold_episodes_past_their_timeout(qwen_engine: GenerationEngine) -> None:
-    from pipeline_rl.rollout.agents import HOST_GRACE_S
+    from pipeline_rl.rollout.agents.runner import HOST_GRACE_S
 
     rig = Rig(qwen_engine, "hangs", env_timeout_s=0.5)
     _kill_later(rig.runner.host_pid, signal.SIGSTOP, 1.5)   # it answers nothing more, ends nothing
@@ -343,7 +344,7 @@ def test_a_stuck_agents_process_cannot_hold_episodes_past_their_timeout(qwen_eng
 
 def test_an_agents_process_exits_with_its_worker(tmp_path: Path) -> None:
     """A worker killed outright leaves no agents' process behind (its end of the pair reads EOF)."""
-    script = ("import sys, time\nfrom pipeline_rl.rollout.agent_host import AgentHost, HostSetup\n"
+    script = ("import sys, time\nfrom pipeline_rl.rollout.agents.agent_host import AgentHost, HostSetup\n"
               "h = AgentHost(HostSetup('pipeline_rl.tasks.calc_agent:calc', 'k', 1.0, 1, tuple(sys.path), 'w'),"
               " print, print)\nprint(h.pid, flush=True)\ntime.sleep(3600)\n")
     worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -362,7 +363,7 @@ def test_an_agents_process_exits_with_its_worker(tmp_path: Path) -> None:
 def test_a_pinned_workers_agents_process_runs_off_its_core() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     script = (f"import os, sys, time\nos.sched_setaffinity(0, {{{cpus[0]}}})\n"
-              "from pipeline_rl.rollout.agent_host import AgentHost, HostSetup, host_cpus\n"
+              "from pipeline_rl.rollout.agents.agent_host import AgentHost, HostSetup, host_cpus\n"
               "h = AgentHost(HostSetup('pipeline_rl.tasks.calc_agent:calc', 'k', 1.0, 1, tuple(sys.path), 'w', "
               "host_cpus()), print, print)\ntime.sleep(1.5)\nprint(sorted(os.sched_getaffinity(h.pid)))\nh.close()\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout
@@ -370,7 +371,7 @@ def test_a_pinned_workers_agents_process_runs_off_its_core() -> None:
 
 
 def test_the_agents_tool_parser_reaches_the_worker_from_its_agents_process() -> None:
-    from pipeline_rl.rollout.agent_host import AgentHost, HostSetup
+    from pipeline_rl.rollout.agents.agent_host import AgentHost, HostSetup
 
     host = AgentHost(HostSetup("test_agent_endpoint:reads_llama_calls", "k", 1.0, 1, tuple(sys.path), "w"),
                      print, print)
@@ -381,7 +382,7 @@ def test_the_agents_tool_parser_reaches_the_worker_from_its_agents_process() -> 
 
 
 def test_an_agent_the_agents_process_cannot_load_is_one_line() -> None:
-    from pipeline_rl.rollout.agent_host import AgentHost, HostSetup
+    from pipeline_rl.rollout.agents.agent_host import AgentHost, HostSetup
 
     died: list[BaseException] = []
     host = AgentHost(HostSetup("no_such_module_xyz:agent", "k", 1.0, 1, (), "7"), print, died.append)
@@ -414,7 +415,7 @@ def test_a_chat_loop_renders_as_the_template_when_answers_are_their_texts_encodi
     """No engine: answers whose ids are their text's encoding give the template's own rendering."""
     from transformers import AutoTokenizer
 
-    from pipeline_rl.rollout.agent_tokens import Answer, render_ids
+    from pipeline_rl.rollout.agents.agent_tokens import Answer, render_ids
     from pipeline_rl.rollout.chat_turns import ChatTurns
 
     for family in ("qwen2", "llama3"):
@@ -435,7 +436,7 @@ def test_a_chat_loop_renders_as_the_template_when_answers_are_their_texts_encodi
 
 
 def test_a_text_loop_reuses_the_sampled_ids_with_their_end_token() -> None:
-    from pipeline_rl.rollout.agent_tokens import Answer, Call, episode_samples, text_prompt_ids
+    from pipeline_rl.rollout.agents.agent_tokens import Answer, Call, episode_samples, text_prompt_ids
 
     def encode(text: str, special: bool) -> list[int]:
         return ([1] if special else []) + [ord(c) for c in text]
@@ -452,7 +453,7 @@ def test_a_text_loop_reuses_the_sampled_ids_with_their_end_token() -> None:
 
 
 def test_calc_runs_as_an_agent_through_the_endpoint(tiny_model_dir: str) -> None:
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
     from pipeline_rl.tasks.calc import CalcTask
 
     engine = InprocessEngine(EngineConfig(model_dir=tiny_model_dir, max_num_seqs=8, max_model_len=128))
@@ -485,9 +486,9 @@ def test_calc_runs_as_an_agent_through_the_endpoint(tiny_model_dir: str) -> None
 def test_an_answer_with_tool_calls_is_matched_by_its_calls_and_spliced(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from pipeline_rl.rollout.agent_tokens import Answer, is_answer, render_ids
+    from pipeline_rl.rollout.agents.agent_tokens import Answer, is_answer, render_ids
     from pipeline_rl.rollout.chat_turns import ChatTurns
-    from pipeline_rl.rollout.vllm_tools import ParsedCall
+    from pipeline_rl.tasks.tool_calls import ParsedCall
 
     tok = AutoTokenizer.from_pretrained(str(build_chat_model("qwen2", tmp_path / "q")))
     chat = ChatTurns(tok, TOOLS)

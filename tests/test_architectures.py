@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from benchmarks.archs import ARCHS, EOS, HF_ARCHITECTURE, IM_START, build_arch_model, write_addition_jsonl
-from pipeline_rl.rollout.engine import (
+from pipeline_rl.rollout.engines.engine import (
     EngineConfig,
     FinishedSequence,
     GenerationEngine,
@@ -102,7 +102,7 @@ class EngineSlot:
     def get(self, model_dir: Path, kv_policy: str, *, at_version: int | None = None) -> GenerationEngine:
         """The engine serving ``model_dir`` under ``kv_policy``; a fresh one when none is
         live for them, or when ``at_version`` is given and the live one has moved on."""
-        from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+        from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
         key = (str(model_dir), kv_policy)
         if self._engine is not None and (self._key != key or (at_version is not None

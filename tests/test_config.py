@@ -129,7 +129,7 @@ def test_cuda_without_a_gpu_is_one_line() -> None:
 
 
 def test_engine_dtype_auto_is_float32_on_cpu_and_bfloat16_on_cuda() -> None:
-    from pipeline_rl.rollout.engine import engine_config
+    from pipeline_rl.rollout.engines.engine import engine_config
 
     cfg, _ = parse_config([], check_cpu=True)
     assert engine_config(cfg.rollout, "m", device="cpu").dtype == "float32"
@@ -145,7 +145,7 @@ def test_kv_cache_is_sized_for_the_run_unless_given(tiny_model_dir: str) -> None
     import json
     from pathlib import Path
 
-    from pipeline_rl.rollout.engine import MIN_AUTO_KV_GIB, engine_config
+    from pipeline_rl.rollout.engines.engine import MIN_AUTO_KV_GIB, engine_config
 
     spec = json.loads((Path(tiny_model_dir) / "config.json").read_text())
     per_token = 2 * spec["num_hidden_layers"] * spec.get("num_key_value_heads", spec["num_attention_heads"]) * (

@@ -30,8 +30,8 @@ from test_engine_inprocess import (  # noqa: F401 - the fixtures are shared with
 
 
 from pipeline_rl.calls import in_daemon_thread
-from pipeline_rl.rollout.engine import FinishedSequence, GenRequest, SamplingConfig
-from pipeline_rl.rollout.engine_async import AsyncEngine, transfer_backend
+from pipeline_rl.rollout.engines.engine import FinishedSequence, GenRequest, SamplingConfig
+from pipeline_rl.rollout.engines.engine_async import AsyncEngine, transfer_backend
 from pipeline_rl.weight_sync.vllm_adapter import BACKEND
 from pipeline_rl.weight_sync.gloo import GlooUpdateInfo
 from pipeline_rl.weight_sync.protocol import tagged
@@ -43,7 +43,7 @@ PROMPTS = ("12+34=", "sort 5193=", "hello", "7+8=")
 
 @pytest.fixture(scope="module")
 def engine(model_dirs: tuple[Path, Path]) -> Iterator[AsyncEngine]:
-    from pipeline_rl.rollout.engine import EngineConfig
+    from pipeline_rl.rollout.engines.engine import EngineConfig
 
     eng = AsyncEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=16, max_model_len=256))
     eng.load_update(load_update(model_dirs[0], 1))   # the first load through the calls (same weights)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_rl.rollout.engine import (
+from pipeline_rl.rollout.engines.engine import (
     EngineConfig,
     FinishedSequence,
     GenerationEngine,
@@ -50,7 +50,7 @@ def hf_models(model_dirs: tuple[Path, Path]) -> tuple[torch.nn.Module, torch.nn.
 
 
 def _engine(model_dir: Path, kv_policy: str, *, staged: bool = True) -> Iterator[GenerationEngine]:
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
     eng = InprocessEngine(EngineConfig(model_dir=str(model_dir), kv_policy=kv_policy,  # type: ignore[arg-type]
                                  max_num_seqs=16, max_model_len=128), staged=staged)

@@ -13,7 +13,7 @@ from staging_helpers import gloo_trainer, send_buckets
 from test_engine_inprocess import PROMPTS, TEMPERATURE, model_dirs  # noqa: F401
 
 from pipeline_rl.calls import in_daemon_thread
-from pipeline_rl.rollout.engine import EngineConfig, FinishedSequence, GenRequest, SamplingConfig
+from pipeline_rl.rollout.engines.engine import EngineConfig, FinishedSequence, GenRequest, SamplingConfig
 from pipeline_rl.weight_sync.gloo import GlooUpdateInfo
 from pipeline_rl.weight_sync.protocol import tagged
 from pipeline_rl.weight_sync.message import WeightUpdateError, load_update
@@ -26,7 +26,7 @@ HALF_WAY_TIMEOUT_S = 5.0
 
 @pytest.fixture(scope="module")
 def engine(model_dirs: tuple[Path, Path]) -> Iterator[object]:  # noqa: F811
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
     eng = InprocessEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=16, max_model_len=128))
     yield eng
@@ -34,7 +34,7 @@ def engine(model_dirs: tuple[Path, Path]) -> Iterator[object]:  # noqa: F811
 
 
 def _add_short(engine: object, tag: str, count: int) -> None:
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
     assert isinstance(engine, InprocessEngine)
     for i in range(count):
@@ -43,7 +43,7 @@ def _add_short(engine: object, tag: str, count: int) -> None:
 
 
 def test_generation_goes_on_while_the_bytes_arrive(engine: object, model_dirs: tuple) -> None:  # noqa: F811
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
     assert isinstance(engine, InprocessEngine)
     v = engine.version
@@ -71,7 +71,7 @@ def test_generation_goes_on_while_the_bytes_arrive(engine: object, model_dirs: t
 
 def test_a_transfer_failing_half_way_leaves_the_old_weights_serving(engine: object,
                                                                       model_dirs: tuple) -> None:  # noqa: F811
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
     assert isinstance(engine, InprocessEngine)
     v = engine.version

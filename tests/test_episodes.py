@@ -15,7 +15,7 @@ import pytest
 
 from test_rollout_worker import MAX_SEQS, _Rig, engine, model_dirs  # noqa: F401 - shared fixtures
 
-from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine
+from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine
 from pipeline_rl.rollout.scoring import REWARD_FAILURES_FATAL, RewardFailed
 from pipeline_rl.tasks.base import Prompt
 from pipeline_rl.tasks.env import EnvReply

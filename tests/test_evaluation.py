@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline_rl.evaluation import (
+from pipeline_rl.rollout.eval_feed import (
     EvalFeed, EvalRequest, EvalResult, PendingEval, parse_request_id, request_id,
 )
 from pipeline_rl.config import EvalConfig
-from pipeline_rl.evaluation import Evaluations, split_prompts
-from pipeline_rl.tasks import Prompt
+from pipeline_rl.run.evaluations import Evaluations, split_prompts
+from pipeline_rl.tasks.base import Prompt
 
 
 def test_split_prompts_covers_each_id_once() -> None:

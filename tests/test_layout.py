@@ -9,7 +9,8 @@ section (a test reads that section and compares), so the doc and the code cannot
   public surface (:data:`VLLM_PUBLIC`) into its internals (:data:`VLLM_INTERNALS_ALLOWED`):
   another vLLM module, or a private ``_name`` from any;
 - no two modules share a file name;
-- every file the doc's tree names exists.
+- every file the doc's tree names exists, and the tree names every module (a package's
+  ``__init__.py`` is named by its folder's line).
 
 No import cycle is the other claim; ``tests/test_imports.py`` checks it (not repeated here).
 
@@ -47,7 +48,8 @@ RAY_ALLOWED = frozenset({
     "pipeline_rl.weight_sync.paths",       # this process's Ray node id (which path a worker gets)
 })
 #: Modules (or packages) that may import vLLM.
-VLLM_ALLOWED = frozenset({"pipeline_rl.rollout", "pipeline_rl.weight_sync"})
+VLLM_ALLOWED = frozenset({"pipeline_rl.rollout", "pipeline_rl.weight_sync",
+                          "pipeline_rl.tasks.tool_calls"})   # inside its parser only: the tasks import no vLLM
 #: vLLM's public surface: the modules any of :data:`VLLM_ALLOWED` may import (no private names).
 VLLM_PUBLIC = frozenset({
     "vllm", "vllm.sampling_params", "vllm.outputs", "vllm.config",
@@ -56,8 +58,9 @@ VLLM_PUBLIC = frozenset({
 })
 #: The modules that may reach past :data:`VLLM_PUBLIC` (each with a fallback and a comment saying why).
 VLLM_INTERNALS_ALLOWED = frozenset({
-    "pipeline_rl.rollout.vllm_compat",   # engines and weight transfer across vLLM 0.26-0.33
-    "pipeline_rl.rollout.vllm_tools",    # the tool-call parsers `vllm serve --tool-call-parser` uses
+    "pipeline_rl.rollout.engines.vllm_compat",   # engines and weight transfer across vLLM 0.26-0.33
+    "pipeline_rl.rollout.agents.vllm_tools",     # the OpenAI server's request/response types the endpoint speaks
+    "pipeline_rl.tasks.tool_calls",              # the tool-call parsers `vllm serve --tool-call-parser` uses
     "pipeline_rl.weight_sync.vllm_adapter",   # the weights' side: backend registry, reloads, NCCL, packing
 })
 #: Packages that import nothing from another: (lower, upper) -- weights know no engine.
@@ -186,19 +189,25 @@ def duplicate_names(package: Path) -> dict[str, list[str]]:
 def tree_files(layout: str) -> list[tuple[str, list[str]]]:
     """``(file name, the folders it may be in)`` for every ``*.py`` the doc's tree block names.
 
-    The tree: a line indented two spaces starting with ``folder/`` (or ``a/, b/``) opens
-    those folders; one indented two spaces naming files is at the package's top; deeper
-    lines belong to the folders last opened."""
+    The tree: a line starting with ``folder/`` (or ``a/, b/``) opens those folders inside the
+    folders open at a smaller indent (two spaces: the package's top); one indented two spaces
+    naming files is at the package's top; other lines belong to the folders last opened."""
     block = layout.split("```", 2)[1] if layout.count("```") >= 2 else ""
-    folders: list[str] = [""]
+    stack: list[tuple[int, list[str]]] = [(0, [""])]
     out = []
     for line in block.splitlines()[1:]:
         if not line.strip():
             continue
         indent = len(line) - len(line.lstrip())
-        head = re.match(r"\s*((?:[\w]+/,?\s*)+)", line)
-        if indent == 2:
-            folders = [f.strip().rstrip("/") for f in head.group(1).split(",") if f.strip()] if head else [""]
+        head = re.match(r"\s*((?:[\w]+/,?\s*)+)", line) if indent >= 2 else None
+        if head or indent == 2:
+            while len(stack) > 1 and stack[-1][0] >= indent:
+                stack.pop()
+        if head:
+            parents = stack[-1][1]
+            names = [f.strip().rstrip("/") for f in head.group(1).split(",") if f.strip()]
+            stack.append((indent, [f"{p}/{n}".lstrip("/") for p in parents for n in names]))
+        folders = stack[-1][1]
         out += [(f, list(folders)) for f in re.findall(r"(?<![\w/])\w+\.py\b", line)]   # not a/b.py
     return out
 
@@ -252,8 +261,19 @@ def test_no_two_modules_share_a_name() -> None:
     assert duplicate_names(PACKAGE) == {}
 
 
+def unnamed_modules(layout: str, package: Path) -> list[str]:
+    """The modules under ``package`` (``__init__.py`` aside) that the doc's tree does not name."""
+    named = {f"{d}/{name}".lstrip("/") for name, dirs in tree_files(layout) for d in dirs}
+    return [rel for f in sorted(package.rglob("*.py"))
+            if f.name != "__init__.py" and (rel := f.relative_to(package).as_posix()) not in named]
+
+
 def test_every_file_the_tree_names_exists() -> None:
     assert missing_tree_files(LAYOUT.read_text(), PACKAGE) == []
+
+
+def test_the_tree_names_every_module() -> None:
+    assert unnamed_modules(LAYOUT.read_text(), PACKAGE) == []
 
 
 def test_the_doc_states_the_tables() -> None:
@@ -309,8 +329,11 @@ def test_the_tree_reader_finds_a_missing_file(tmp_path: Path) -> None:
     pkg = _package(tmp_path, {"__init__.py": "", "config.py": "", "run/__init__.py": "", "run/a.py": "",
                               "tasks/env.py": ""})
     doc = ("```\npkg/\n  config.py, gone.py    top\n\n  run/    conductor\n    a.py    here\n"
-           "    b.py, c.py   not here\n  tasks/, models/   both (env.py)\n                (x.py)\n```\n")
-    assert missing_tree_files(doc, pkg) == ["./gone.py", "run/b.py", "run/c.py", "tasks|models/x.py"]
+           "    b.py, c.py   not here\n    deep/   nested\n      a.py   not there\n"
+           "  tasks/, models/   both (env.py)\n                (x.py)\n```\n")
+    assert missing_tree_files(doc, pkg) == ["./gone.py", "run/b.py", "run/c.py", "run/deep/a.py", "tasks|models/x.py"]
+    (pkg / "run" / "unnamed.py").write_text("")
+    assert unnamed_modules(doc, pkg) == ["run/unnamed.py"]   # config.py, run/a.py, tasks/env.py are named
 
 
 def test_the_claims_reader_reads_the_doc_lines() -> None:

@@ -14,7 +14,7 @@ from pipeline_rl.models import WarmStartRecipe, default_model_dir, recipe_for
 from pipeline_rl.models.tiny_llama import build_tiny_model
 from pipeline_rl.models.default import INFO_FILE
 from pipeline_rl.models.warmstart import EOS_ID, decode, encode
-from pipeline_rl.tasks import build_task
+from pipeline_rl.tasks.build import build_task
 
 TEXTS = ["sort 5193=", "1359", "74+64=", "138", "What is 1 + 1? \\boxed{2} ~!@#$%^&*()_{}|:\"<>?`"]
 QUICK = WarmStartRecipe(steps=60, batch_size=32, lr=3e-3, smoothing=0.0)
@@ -89,7 +89,7 @@ def test_default_recipe_aims_at_the_target_reward() -> None:
     """The default recipe teaches the right answer in ``target_reward`` of the examples and
     the decoy in the rest, with hard targets."""
     from pipeline_rl.models.warmstart import decoy_answer
-    from pipeline_rl.tasks import Prompt
+    from pipeline_rl.tasks.base import Prompt
 
     for name, digits in (("sort", 4), ("sort", 6), ("addition", 2)):
         r = recipe_for(name, digits, target_reward=0.25)

@@ -13,7 +13,10 @@ import pytest
 from pipeline_rl.config import ModelConfig, TaskConfig
 from pipeline_rl.models.tiny_llama import EOS, build_tiny_model
 from pipeline_rl.models.warmstart import EOS_ID, WarmStartRecipe, _soft_targets, demonstration, encode
-from pipeline_rl.tasks import CalcTask, SortTask, Task, TaskError, build_task
+from pipeline_rl.tasks.calc import CalcTask
+from pipeline_rl.tasks.builtin import SortTask
+from pipeline_rl.tasks.base import Task, TaskError
+from pipeline_rl.tasks.build import build_task
 from pipeline_rl.tasks.base import Prompt, is_held_out
 from pipeline_rl.tasks.calc import CalcEnv, episode_text
 from pipeline_rl.tasks.chat import ConfiguredTask
@@ -49,7 +52,7 @@ def test_prompts_are_deterministic_per_seed_and_id() -> None:
 
 
 def test_digits_bounds_and_the_longest_prompt() -> None:
-    from pipeline_rl.tasks import longest_prompt
+    from pipeline_rl.tasks.build import longest_prompt
 
     assert re.fullmatch(r"calc [1-9]\*[1-9]=", calc(digits=1).prompt(0).text)
     assert re.fullmatch(r"calc \d{6}\*\d{6}=", calc(digits=6).prompt(0).text)

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from pipeline_rl.actors.process import HeapTrimmer, end_of_startup
+from pipeline_rl.heap import HeapTrimmer
+from pipeline_rl.actors.process import end_of_startup
 
 _PIN = """
 import json, os, threading

@@ -338,3 +338,20 @@ def test_a_wrong_flag_value_or_default_fails() -> None:
                                          ("--model.path", "unset"), ("--rollout.engine", "`auto`")])
 def test_a_right_default_passes(flag: str, stated: str) -> None:
     assert wrong_defaults(f"`{flag}` (default {stated})\n") == []
+
+
+def test_the_readme_stays_at_most_260_lines() -> None:
+    """The front page stays short; detail goes in docs/."""
+    assert len(README.read_text().splitlines()) <= 260
+
+
+def test_the_python_requirement_is_the_same_everywhere() -> None:
+    """pyproject.toml, scripts/setup.sh's check and the README state one requirement, and it
+    is one the code meets (``tomllib``, imported by the command line, is Python 3.11's)."""
+    found = re.search(r'requires-python = ">=(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert found is not None
+    major, minor = int(found.group(1)), int(found.group(2))
+    assert (major, minor) >= (3, 11)
+    assert f"Python ≥ {major}.{minor}" in README.read_text()
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert f"sys.version_info >= ({major}, {minor})" in setup and f"Python >= {major}.{minor} is required" in setup

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from benchmarks import results_page
+from benchmarks.common import ROOT, portable
 from benchmarks.results_page import CATALOG, Entry
+
+#: The start of an absolute path of a machine (a home, a checkout, a temporary folder).
+MACHINE_PATH = re.compile(r"(?<![\w./~$:-])/(?:root|home|Users|work|tmp|var|mnt|opt|scratch|data|srv)/")
 
 
 def test_page_is_up_to_date() -> None:
@@ -29,3 +35,22 @@ def test_a_report_without_its_machine_is_refused(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(results_page, "CATALOG", (Entry("gone", "Gone", "python -m benchmarks.gone", "x"),))
     with pytest.raises(ValueError, match="gone.md is missing"):
         results_page.render()
+
+
+def test_no_result_carries_a_path_of_the_machine() -> None:
+    """A results page (and the page built from them) is read on other machines: paths in it
+    are relative to the repository or the cache (``benchmarks.common.portable``)."""
+    files = sorted(p for p in results_page.RESULTS.iterdir() if p.suffix in (".md", ".json", ".txt", ".csv"))
+    found = [f"{f.relative_to(ROOT)}:{i}: {m.group(0)}..." for f in [*files, results_page.PAGE]
+             for i, line in enumerate(f.read_text().splitlines(), 1) for m in MACHINE_PATH.finditer(line)]
+    assert found == []
+
+
+def test_the_reports_write_paths_relative_to_the_repository_or_the_cache() -> None:
+    from pipeline_rl.models.default import cache_root
+
+    text = (f"model ({cache_root() / 'smollm2-135m-instruct'}); python {ROOT / '.venv' / 'bin' / 'python'}; "
+            f"run {ROOT}; out {Path(tempfile.gettempdir()).resolve() / 'soak' / 'run'}")
+    assert portable(text) == ("model (.cache/pipeline_rl/smollm2-135m-instruct); python .venv/bin/python; "
+                              "run .; out $TMPDIR/soak/run")
+    assert not MACHINE_PATH.search(portable(text))

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from pipeline_rl.config import TaskConfig
-from pipeline_rl.rollout.engine import FinishedSequence
+from pipeline_rl.rollout.engines.engine import FinishedSequence
 from pipeline_rl.rollout.scoring import PendingGroup
-from pipeline_rl.tasks import Prompt, TaskError, build_task
+from pipeline_rl.tasks.base import Prompt, TaskError
+from pipeline_rl.tasks.build import build_task
 from pipeline_rl.tasks.plugin import check_reward_spec
 from pipeline_rl.tasks.reward_forms import PluginReward, detect_form, wrap
 from pipeline_rl.tasks.reward_mix import WeightedReward, WeightedSpec, split_specs

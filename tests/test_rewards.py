@@ -30,11 +30,12 @@ import pytest
 from benchmarks.rewards import json_reply
 from pipeline_rl.cli import UsageError, build_parser, parse_config
 from pipeline_rl.config import TaskConfig
-from pipeline_rl.rollout.engine import FinishedSequence
+from pipeline_rl.rollout.engines.engine import FinishedSequence
 from pipeline_rl.rollout.scoring import PendingGroup, RewardFailed, Scorer, reward_source
 from pipeline_rl.rollout.worker_stats import Counters, RewardTally
 from pipeline_rl.samples import Group
-from pipeline_rl.tasks import RewardFn, Task, TaskError, build_task
+from pipeline_rl.tasks.base import RewardFn, Task, TaskError
+from pipeline_rl.tasks.build import build_task
 
 TESTS = Path(__file__).resolve().parent
 N = 4

@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine
+from pipeline_rl.rollout.engines.engine import EngineConfig, GenerationEngine
 from pipeline_rl.rollout.worker import RolloutWorker
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, load_update
 from pipeline_rl.buffer.replay import ReplayBuffer
@@ -26,7 +26,8 @@ from pipeline_rl.buffer.server import BufferServer
 from pipeline_rl.config import Config
 from pipeline_rl.models.tiny_llama import build_tiny_model
 from pipeline_rl.samples import Group
-from pipeline_rl.tasks import AdditionTask, Prompt
+from pipeline_rl.tasks.builtin import AdditionTask
+from pipeline_rl.tasks.base import Prompt
 
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
 N, MAX_SEQS, MAX_NEW = 4, 16, 12
@@ -47,7 +48,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def engine(model_dirs: tuple[Path, Path]) -> Iterator[GenerationEngine]:
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
     eng = InprocessEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=MAX_SEQS, max_model_len=64))
     yield eng
@@ -198,7 +199,7 @@ def test_evaluation_beside_generation(engine: GenerationEngine, model_dirs: tupl
     """Held-out prompts are evaluated on the worker's own engine while training groups
     keep flowing: greedy answers are deterministic (two evaluations agree), k samples
     per prompt, the serving version is reported; a stopped worker fails what is left."""
-    from pipeline_rl.evaluation import EvalRequest
+    from pipeline_rl.rollout.eval_feed import EvalRequest
 
     rig = _Rig(engine, model_dirs[0], reward_fn=_len_reward, eval_task=AdditionTask(2, 1000, 0, "eval"))
     loop = threading.Thread(target=rig.worker.run, daemon=True)
@@ -224,7 +225,7 @@ def test_the_starting_evaluation_holds_the_weights_until_answered(engine: Genera
                                                                   model_dirs: tuple) -> None:
     """An evaluation that is not a stream (the starting one) is of the weights loaded when it
     was asked: an update offered meanwhile waits, staged, and lands once it is answered."""
-    from pipeline_rl.evaluation import EvalRequest
+    from pipeline_rl.rollout.eval_feed import EvalRequest
 
     while engine.num_unfinished():   # sequences an earlier test's stopped worker left behind
         engine.step()
@@ -250,7 +251,7 @@ def test_the_starting_evaluation_holds_the_weights_until_answered(engine: Genera
 
 
 def test_evaluation_needs_an_eval_task(engine: GenerationEngine, model_dirs: tuple) -> None:
-    from pipeline_rl.evaluation import EvalRequest
+    from pipeline_rl.rollout.eval_feed import EvalRequest
 
     rig = _Rig(engine, model_dirs[0])
     try:

@@ -169,7 +169,7 @@ def test_a_stall_says_who_waits_for_what(tmp_path: Path) -> None:
 
 # -- evaluations read through the same stand-ins ---------------------------------------------
 def _share() -> Any:
-    from pipeline_rl.evaluation import EvalResult
+    from pipeline_rl.rollout.eval_feed import EvalResult
 
     return EvalResult(num_prompts=2, k=2, greedy_reward_sum=1.0, sampled_reward_sum=3.0, passed=2,
                       greedy_tokens=8, version_min=4, version_max=5)
@@ -187,7 +187,7 @@ class EvalWorker(Worker):
 def evaluations(tmp_path: Path, workers: list[EvalWorker]) -> tuple[Any, Supervisor, list[WorkerSlot], list[int]]:
     """Evaluations whose answers the supervisor reads and whose losses it reports, wired as the run does."""
     from pipeline_rl.config import EvalConfig
-    from pipeline_rl.evaluation import Evaluations
+    from pipeline_rl.run.evaluations import Evaluations
 
     told: list[Callable[[WorkerLost], None]] = []
     sup, slots, restarted = supervisor(tmp_path, Buffer(), list(workers), on_lost=lambda n: told[0](n))

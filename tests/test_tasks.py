@@ -14,19 +14,12 @@ import pytest
 
 from pipeline_rl.cli import UsageError, parse_config
 from pipeline_rl.config import TaskConfig
-from pipeline_rl.tasks import (
-    AdditionTask,
-    ConfiguredTask,
-    CountdownTask,
-    DatasetTask,
-    Prompt,
-    SortTask,
-    Task,
-    TaskError,
-    build_task,
-    build_task_for_model,
-    resolve_reward,
-)
+from pipeline_rl.tasks.builtin import AdditionTask, CountdownTask, SortTask
+from pipeline_rl.tasks.chat import ConfiguredTask
+from pipeline_rl.tasks.dataset import DatasetTask
+from pipeline_rl.tasks.base import Prompt, Task, TaskError
+from pipeline_rl.tasks.build import build_task, build_task_for_model
+from pipeline_rl.tasks.plugin import resolve_reward
 from pipeline_rl.tasks.math_reward import answers_match, extract_answer, math_reward
 
 TESTS = Path(__file__).resolve().parent
@@ -497,7 +490,7 @@ def test_cli_accepts_the_new_task_flags(tmp_path: Path) -> None:
 
 
 def test_importing_tasks_stays_light() -> None:
-    code = ("import sys, pipeline_rl.tasks, pipeline_rl.config; "
+    code = ("import sys, pipeline_rl.tasks.build, pipeline_rl.tasks.tokenizer, pipeline_rl.config; "
             "heavy = {'torch', 'datasets', 'transformers', 'pyarrow'} & set(sys.modules); "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=TESTS.parent)
@@ -601,7 +594,7 @@ def test_start_up_check_counts_tokens_like_the_models_tokenizer(tiny_model_dir: 
     from transformers import AutoTokenizer
 
     from pipeline_rl.config import TaskConfig
-    from pipeline_rl.tasks import _LightEncoder, check_tokenizer
+    from pipeline_rl.tasks.tokenizer import _LightEncoder, check_tokenizer
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)

@@ -148,14 +148,14 @@ def _e2e_child(tmp: str, out: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.rollout.engine import EngineConfig
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine import EngineConfig
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
     from pipeline_rl.rollout.worker import RolloutWorker
     from pipeline_rl.training.trainer import Trainer
     from pipeline_rl.buffer.replay import ReplayBuffer
     from pipeline_rl.buffer.server import BufferServer
     from pipeline_rl.models.tiny_llama import build_tiny_model
-    from pipeline_rl.tasks import AdditionTask
+    from pipeline_rl.tasks.builtin import AdditionTask
 
     torch.set_num_threads(1)
     model_dir = str(build_tiny_model(Path(tmp) / "m", hidden_size=64, num_layers=2, num_heads=2,

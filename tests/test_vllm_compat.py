@@ -26,9 +26,9 @@ import test_engine_async as async_tests
 import test_engine_inprocess as cpu_tests
 from test_engine_inprocess import hf_models, model_dirs  # noqa: F401 - shared fixtures
 
-from pipeline_rl.rollout import vllm_compat as compat
+from pipeline_rl.rollout.engines import vllm_compat as compat
 from pipeline_rl.weight_sync import vllm_adapter as adapter
-from pipeline_rl.rollout.engine import EngineConfig, GenerationEngine
+from pipeline_rl.rollout.engines.engine import EngineConfig, GenerationEngine
 from pipeline_rl.weight_sync.message import load_update
 
 
@@ -96,7 +96,7 @@ def cpu_engine_026(vllm_026: None, model_dirs: tuple[Path, Path]) -> Iterator[Ge
 
 @pytest.fixture(scope="module")
 def async_engine_026(vllm_026: None, model_dirs: tuple[Path, Path]) -> Iterator[GenerationEngine]:
-    from pipeline_rl.rollout.engine_async import AsyncEngine
+    from pipeline_rl.rollout.engines.engine_async import AsyncEngine
 
     eng = AsyncEngine(EngineConfig(model_dir=str(model_dirs[0]), max_num_seqs=16, max_model_len=256))
     eng.load_update(load_update(model_dirs[0], 1))   # opens the loopback channel (same weights)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline_rl.cli import UsageError, parse_config
-from pipeline_rl.tasks import TaskError, build_task, longest_prompt
+from pipeline_rl.tasks.base import TaskError
+from pipeline_rl.tasks.build import build_task, longest_prompt
 from pipeline_rl.tasks.word_problems import INSTRUCTION, MAX_LEVEL, WordProblemsTask
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef
 
     from pipeline_rl.buffer.types import Admission, BufferStats
-    from pipeline_rl.evaluation import EvalRequest, EvalResult
+    from pipeline_rl.rollout.eval_feed import EvalRequest, EvalResult
     from pipeline_rl.reports import RankStepReport
     from pipeline_rl.rollout.worker import WorkerStats
     from pipeline_rl.samples import Group

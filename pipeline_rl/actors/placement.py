@@ -20,7 +20,7 @@ class ActorClasses:
     """The three actor classes as Ray places them (resources, restarts, placement), with
     constructors that return typed handles. Each constructor hands the actor the run key
     (``pipeline_rl.run_key``) as an argument: Ray carries it, nothing prints it (a rollout
-    worker's agent endpoint takes its own key derived from it, ``rollout/endpoint.py``)."""
+    worker's agent endpoint takes its own key derived from it, ``rollout/agents/endpoint.py``)."""
 
     buffer: Any
     rollout: Any

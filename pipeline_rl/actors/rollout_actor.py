@@ -21,7 +21,7 @@ from pipeline_rl.run_key import RunKey, install
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from pipeline_rl.evaluation import EvalRequest, EvalResult
+    from pipeline_rl.rollout.eval_feed import EvalRequest, EvalResult
     from pipeline_rl.rollout.worker import WorkerStats
     from pipeline_rl.weight_sync.paths import Placement
 
@@ -48,7 +48,9 @@ class RolloutActor:
         setup_actor_process(cfg, f"rollout-{worker_id}", core=core)
         install(key)
         from pipeline_rl.rollout.worker import RolloutWorker
-        from pipeline_rl.tasks import build_task_for_model, plugin_reward, task_tokenizer
+        from pipeline_rl.tasks.build import build_task_for_model
+        from pipeline_rl.tasks.chat import plugin_reward
+        from pipeline_rl.tasks.tokenizer import task_tokenizer
 
         # The model's tokenizer (loaded once): prompts reach the engine rendered by its chat template.
         tokenizer = task_tokenizer(cfg.task, model_dir)

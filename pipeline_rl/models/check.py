@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from pipeline_rl.config import CPU_SUPPORTED_HEAD_DIMS, ModelConfig
-from pipeline_rl.rollout.vllm_compat import text_generation_architectures
+from pipeline_rl.rollout.engines.vllm_compat import text_generation_architectures
 
 _FLAG = "--model.path"
 

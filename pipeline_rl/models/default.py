@@ -170,7 +170,8 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
     from transformers import LlamaForCausalLM
 
     from pipeline_rl.models.hf_episodes import probe_episodes
-    from pipeline_rl.tasks import TaskError, build_task
+    from pipeline_rl.tasks.base import TaskError
+    from pipeline_rl.tasks.build import build_task
     from pipeline_rl.tasks.env import task_env_factory
     from pipeline_rl.tasks.builtin import countdown_answer_tokens
 

@@ -37,7 +37,7 @@ from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import TaskConfig
 from pipeline_rl.rollout.bounded_calls import BoundedCalls, Outcome
 from pipeline_rl.rollout.chat_turns import ChatTurns
-from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
+from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.samples import Completion, FinishReason
 from pipeline_rl.tasks.base import Prompt
 from pipeline_rl.tasks.chat import has_chat_template

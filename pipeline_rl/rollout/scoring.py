@@ -41,9 +41,9 @@ import numpy as np
 
 from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import TaskConfig
-from pipeline_rl.evaluation import PendingEval
+from pipeline_rl.rollout.eval_feed import PendingEval
 from pipeline_rl.rollout.bounded_calls import BoundedCalls
-from pipeline_rl.rollout.engine import FinishedSequence
+from pipeline_rl.rollout.engines.engine import FinishedSequence
 from pipeline_rl.rollout.episodes import Episode
 from pipeline_rl.rollout.ports import SenderLike
 from pipeline_rl.rollout.worker_stats import Counters

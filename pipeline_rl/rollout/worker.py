@@ -45,16 +45,16 @@ import numpy as np
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.rollout.agents import AgentRunner
-from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
-from pipeline_rl.rollout.engine_factory import build_engine
+from pipeline_rl.rollout.agents.runner import AgentRunner
+from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
+from pipeline_rl.rollout.engines.engine_factory import build_engine
 from pipeline_rl.rollout.episodes import Episode, EpisodeDriver
 from pipeline_rl.rollout.ports import AdmissionSource, SenderLike, connect_sender
 from pipeline_rl.rollout.scoring import PendingGroup, Scorer, reward_source
 from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
-from pipeline_rl.evaluation import EVAL_PREFIX, STREAM_SHARE, EvalFeed, EvalRequest, EvalResult, PendingEval
-from pipeline_rl.evaluation import parse_request_id as parse_eval_request_id, request_id as eval_request_id
-from pipeline_rl.actors.process import HeapTrimmer
+from pipeline_rl.rollout.eval_feed import EVAL_PREFIX, STREAM_SHARE, EvalFeed, EvalRequest, EvalResult, PendingEval
+from pipeline_rl.rollout.eval_feed import parse_request_id as parse_eval_request_id, request_id as eval_request_id
+from pipeline_rl.heap import HeapTrimmer
 from pipeline_rl.weight_sync.protocol import receive_in_one_call
 from pipeline_rl.weight_sync.layout import UpdateLayout
 from pipeline_rl.weight_sync.message import WeightUpdateError, resolve_offer
@@ -171,7 +171,7 @@ class RolloutWorker:
         return receive_in_one_call(self, update_info, weight_version)
 
     def evaluate(self, request: EvalRequest) -> Future[EvalResult]:
-        """Evaluate held-out prompts (``pipeline_rl.evaluation``) beside training; the future is
+        """Evaluate held-out prompts (``pipeline_rl.rollout.eval_feed``) beside training; the future is
         set when every answer is scored, or fails when the worker stops first. Any thread."""
         if self._eval_task is None:
             raise ValueError(f"worker {self.worker_id}: no evaluation task was given")

@@ -79,7 +79,7 @@ class EpisodeTally:
     environments reported; ``done`` ... ``timeout``: episodes by how they ended (the
     environment ended it, the turn cap, the context, the environment failed, it timed out);
     ``env_errors`` / ``env_timeouts``: environment calls that failed / timed out (one per
-    failed episode: it ends there); agents (``rollout/agents.py``): ``samples_split``, samples
+    failed episode: it ends there); agents (``rollout/agents/runner.py``): ``samples_split``, samples
     beyond one per episode (an agent rewrote its history), ``endpoint_refused``, requests to
     the endpoint without the run's key."""
 

@@ -1,7 +1,7 @@
 """One run, conducted: the step loop. Its duties live beside it in ``run/``: the Ray
 cluster (``cluster``), starting the actors (``startup``), supervision (``supervisor``),
 the step records (``recorder``), checkpoints (``checkpoints``); held-out evaluation in
-``pipeline_rl.evaluation``.
+``pipeline_rl.rollout.eval_feed``.
 
 Invariants the loop keeps: the trainer version only grows, one per step (the trainer
 owns it, the driver follows); every step's metrics are logged before the next step's
@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.config import Config
-from pipeline_rl.evaluation import Evaluations
+from pipeline_rl.run.evaluations import Evaluations
 from pipeline_rl.metrics import StepMetrics
 from pipeline_rl.run.checkpoints import CheckpointPolicy
 from pipeline_rl.run.cluster import Cluster, say

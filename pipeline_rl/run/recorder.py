@@ -40,7 +40,7 @@ from pipeline_rl.run.supervisor import WorkerSlot
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle
     from pipeline_rl.buffer.types import BufferStats
-    from pipeline_rl.evaluation import EvalMetrics
+    from pipeline_rl.metrics import EvalMetrics
     from pipeline_rl.reports import RankStepReport
 
 log = logging.getLogger(__name__)

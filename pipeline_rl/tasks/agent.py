@@ -2,19 +2,19 @@
 
 - ``client``: an ``openai.AsyncOpenAI`` for an ``async def`` agent, an ``openai.OpenAI`` for a
   plain one, already pointed at the rollout worker's endpoint with the run's key
-  (``rollout/endpoint.py``); the ``model`` an agent names in its requests is not read.
+  (``rollout/agents/endpoint.py``); the ``model`` an agent names in its requests is not read.
 - ``sample``: the data row (:class:`~pipeline_rl.tasks.base.Prompt`: ``question``,
   ``answer``, ``messages``, ``columns``, ``prompt_id``).
 - the reward: a float, or a dict with ``"reward"`` (a float) and other numbers (metrics).
 
 The worker calls it ``--rollout.n`` times per prompt (a GRPO group), each call bounded by
-``--task.env_timeout_s`` (``rollout/agents.py``). The function may carry ``tool_parser``,
+``--task.env_timeout_s`` (``rollout/agents/runner.py``). The function may carry ``tool_parser``,
 the name of vLLM's tool-call parser for the model's calls (``vllm serve --tool-call-parser``;
 default :data:`DEFAULT_TOOL_PARSER`).
 
 The spec is resolved in the driver before any process starts (a misnamed one is a one-line
 :class:`TaskError` naming ``task.agent``, exit status 2), and again in each rollout worker's
-agents' process (``rollout/agent_host.py``), which runs it; the worker itself never imports it.
+agents' process (``rollout/agents/agent_host.py``), which runs it; the worker itself never imports it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ is the description, ``name: text`` lines under ``Args:`` describe the parameters
 to the chat template as the conversation's ``tools`` (the rollout worker renders the
 prompt with them). A model turn is read with vLLM's tool-call parser :attr:`parser` (the
 ``vllm serve --tool-call-parser`` name: ``hermes`` for Qwen2.5/Hermes ``<tool_call>`` JSON,
-``llama3_json`` for Llama 3.1; ``rollout/vllm_tools.py``). Each call is answered by a
+``llama3_json`` for Llama 3.1; ``tasks/tool_calls.py``). Each call is answered by a
 ``tool`` message carrying the call's id and the function's result; a malformed call, an
 unknown tool, bad arguments or a tool that raises are answered by an error message the
 model sees (and counted as tool errors), never an exception. A turn without a call ends
@@ -71,7 +71,7 @@ class FunctionToolEnv(ABC):
         return [function_schema(f) for f in cls.functions]
 
     def attach(self, tokenizer: Any) -> None:
-        from pipeline_rl.rollout.vllm_tools import ToolCallParser
+        from pipeline_rl.tasks.tool_calls import ToolCallParser
 
         self._parser = ToolCallParser(self.parser, tokenizer, self.tool_schemas())
 

@@ -59,7 +59,7 @@ from pipeline_rl.training.logprobs import (
 )
 from pipeline_rl.reports import LossMetrics, StepResult
 from pipeline_rl.weight_sync.gather import gather_weights
-from pipeline_rl.rollout.engine import served_dtype
+from pipeline_rl.weight_sync.dtypes import served_dtype
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config
 from pipeline_rl.faults import kill_here

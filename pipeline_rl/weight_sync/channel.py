@@ -14,7 +14,7 @@ a CUDA IPC handle), ``gloo.GlooTrainerChannel`` (any machine, buckets over TCP) 
 worker with one call (``SyncClient.receive_update``: vLLM's start, update and finish).
 
 Worker side, the same sequence on every path (``receiver.WeightReceiver`` in the vLLM
-worker; ``rollout.engine_async`` stages in the rollout worker first):
+worker; ``rollout.engines.engine_async`` stages in the rollout worker first):
 
 1. **receive into staging** (``update_weights``): the bytes land where the load reads them
    -- the gloo receive buffer or a segment, the trainer's segment mapped, the trainer's GPU

@@ -35,6 +35,14 @@ def served_wire_dtype(served: str) -> WireDtype:
     return served  # type: ignore[return-value]
 
 
+def served_dtype(dtype: str, device: str) -> Literal["float32", "bfloat16"]:
+    """The engine's dtype for ``--rollout.dtype`` on ``device``: ``auto`` is float32 on CPU
+    and bfloat16 on CUDA. The trainer sends its weights in it (``gather_weights``)."""
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return "bfloat16" if dtype == "bfloat16" else "float32"
+
+
 def torch_dtype(name: str) -> "torch.dtype":
     import torch
 

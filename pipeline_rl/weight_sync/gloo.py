@@ -20,7 +20,7 @@
   half-way never leaves a half-loaded model that generation resumes on.
 
 :class:`GlooTrainerChannel` is the trainer's end (``weight_sync.channel.TrainerChannel``);
-the worker's is ``receiver.WeightReceiver`` (in the vLLM worker) or ``rollout.engine_async``
+the worker's is ``receiver.WeightReceiver`` (in the vLLM worker) or ``rollout.engines.engine_async``
 (it receives in the rollout worker and hands the bytes to its engine core in a segment).
 """
 

@@ -1,5 +1,5 @@
 """Loaders of full weights into a served vLLM model on CPU: the in-process engine's
-*shadow* and the direct loader (``pipeline_rl.rollout.engine_inprocess`` stages through
+*shadow* and the direct loader (``pipeline_rl.rollout.engines.engine_inprocess`` stages through
 them; ``pipeline_rl.weight_sync.receiver.load_into`` uses the direct loader).
 
 Staged updates (default): the reload is the expensive part (~10 ms of Python

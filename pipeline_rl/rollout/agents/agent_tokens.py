@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from pipeline_rl.rollout.chat_turns import ChatTurns
-from pipeline_rl.rollout.vllm_tools import ParsedCall
+from pipeline_rl.tasks.tool_calls import ParsedCall
 from pipeline_rl.samples import Completion, FinishReason
 
 

@@ -1,7 +1,7 @@
 """Agents as rollouts (``--task.agent MODULE:FUNCTION``, ``pipeline_rl.tasks.agent``): a group
 is ``n`` calls of the agent on one prompt, each an *episode* whose every request to the
-worker's endpoint (``rollout/endpoint.py``) is generated on the worker's own engine and
-recorded, token in, token out (``rollout/agent_tokens.py``).
+worker's endpoint (``rollout/agents/endpoint.py``) is generated on the worker's own engine and
+recorded, token in, token out (``rollout/agents/agent_tokens.py``).
 
 How a request travels: the endpoint's thread renders its prompt ids and queues one
 ``GenRequest`` per answer (``KEY#aK.I``: episode ``KEY``, its request ``K``, answer ``I``);
@@ -12,7 +12,7 @@ back to the waiting request. The answers' ids, log-probs and versions are record
 the episode; when the agent returns, its samples (one for a chat loop, one more per
 divergence: ``samples_split``) get its reward.
 
-The agent calls run in the worker's agents' process (``rollout/agent_host.py``), not in the
+The agent calls run in the worker's agents' process (``rollout/agents/agent_host.py``), not in the
 worker: their ``openai`` clients' Python and the agent's own code run on another core than the
 engine's, and an agent that burns CPU or holds the GIL cannot slow generation. There they run
 through the shared ``rollout.bounded_calls`` helper, like environments (``async def`` ones on
@@ -45,17 +45,17 @@ from typing import Any
 import numpy as np
 
 from pipeline_rl.calls import LoopThread, first_line
-from pipeline_rl.evaluation import EVAL_PREFIX
+from pipeline_rl.rollout.eval_feed import EVAL_PREFIX
 from pipeline_rl.config import Config
-from pipeline_rl.rollout.agent_tokens import (Answer, Call, Sample, episode_samples, group_completions, render_ids,
+from pipeline_rl.rollout.agents.agent_tokens import (Answer, Call, Sample, episode_samples, group_completions, render_ids,
                                               text_prompt_ids)
-from pipeline_rl.rollout.agent_host import AgentHost, EpisodeEnded, HostSetup, host_cpus
+from pipeline_rl.rollout.agents.agent_host import AgentHost, EpisodeEnded, HostSetup, host_cpus
 from pipeline_rl.rollout.chat_turns import ChatTurns
-from pipeline_rl.rollout.endpoint import Endpoint, UnknownEpisode
-from pipeline_rl.rollout.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
+from pipeline_rl.rollout.agents.endpoint import Endpoint, UnknownEpisode
+from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.rollout.scoring import PendingGroup, Scorer
-from pipeline_rl.rollout.vllm_tools import (ChatCall, Choice, RequestError, TextCall, ToolCallParser,
-                                            chat_response, text_response)
+from pipeline_rl.rollout.agents.vllm_tools import ChatCall, Choice, RequestError, TextCall, chat_response, text_response
+from pipeline_rl.tasks.tool_calls import ToolCallParser
 from pipeline_rl.rollout.worker_stats import AgentMetric, Counters
 from pipeline_rl.tasks.base import Prompt
 

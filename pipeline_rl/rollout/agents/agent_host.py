@@ -1,5 +1,5 @@
 """The agents' own process: a rollout worker's agent code (``--task.agent``) and its ``openai``
-clients run here, beside the worker, never in it (``rollout/agents.py`` keeps the endpoint,
+clients run here, beside the worker, never in it (``rollout/agents/runner.py`` keeps the endpoint,
 the engine, the admission budget, the token records and the rewards).
 
 Why a process of its own: an agent request costs about as much Python on the client's side
@@ -159,7 +159,7 @@ class AgentHost:
         self._tool_parser = DEFAULT_TOOL_PARSER
         self._sock, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
-        self._proc = subprocess.Popen([sys.executable, "-m", "pipeline_rl.rollout.agent_host", str(theirs.fileno())],
+        self._proc = subprocess.Popen([sys.executable, "-m", "pipeline_rl.rollout.agents.agent_host", str(theirs.fileno())],
                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self._send(setup)
@@ -339,7 +339,7 @@ async def _serve(fd: int, parent: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m pipeline_rl.rollout.agent_host FD``: serve the worker on inherited socket ``FD``;
+    """``python -m pipeline_rl.rollout.agents.agent_host FD``: serve the worker on inherited socket ``FD``;
     exit at once (``os._exit``: hung agent threads do not hold it) when the worker is done."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a terminal's Ctrl-C is the worker's to act on
     parent, status = os.getppid(), 0
@@ -357,6 +357,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":   # the messages' classes are the module's, not __main__'s
-    from pipeline_rl.rollout.agent_host import main as _main
+    from pipeline_rl.rollout.agents.agent_host import main as _main
 
     _main(sys.argv[1:])

@@ -1,6 +1,6 @@
-"""Held-out evaluation: what a rollout worker does with a request, and when the driver asks.
+"""Held-out evaluation, the worker's half: what a rollout worker does with a request.
 
-**On a worker.** Asked for held-out prompt ids (:class:`EvalRequest`), a worker adds per
+Asked for held-out prompt ids (:class:`EvalRequest`), a worker adds per
 prompt one greedy request and ``k`` sampled ones to the engine it generates training
 samples with (same weights, same batch: nothing pauses; an update landing mid-evaluation
 applies as to any sequence) and answers with sums (:class:`EvalResult`) naming the
@@ -13,47 +13,30 @@ stepping. The starting evaluation is not a stream (``EvalRequest.stream`` False)
 the engine at once, and the worker holds every weight update until it is answered, so it
 is of the starting weights alone while training goes on (:attr:`EvalFeed.pinned`).
 
-**In the driver** (:class:`Evaluations`). At the start (as soon as the workers generate;
-training does not wait for it), every ``--eval.every`` steps and at the end, the same
-``--eval.num_prompts`` held-out ids are split over the live workers; training goes on
-and the answers are collected after later steps. At most one evaluation is in flight (a
-due one is skipped and counted meanwhile); the final one is waited for, bounded. The
-answers are read through the run's supervisor, the one place that handles a dead worker:
-an evaluation with a share on a worker the supervisor reports lost (``WorkerLost``, through
-:meth:`Evaluations.worker_lost`) is lost (counted, one line); any other failure is raised.
+When the driver asks: :mod:`pipeline_rl.run.evaluations`.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pipeline_rl.config import EvalConfig
-from pipeline_rl.metrics import EvalMetrics
-from pipeline_rl.run.remote_calls import Calls, RayCalls, WorkerCall, WorkerLost
 from pipeline_rl.tasks.base import Prompt
 
 if TYPE_CHECKING:
     import numpy as np
 
 
-#: How long a due evaluation waits for the starting one (:meth:`Evaluations.start_due`).
-START_WAIT_S = 60.0
 #: Reward at or above which a sample counts as solved (for pass@k).
 SOLVED = 1.0 - 1e-6
 #: Scores one answer: ``(prompt, completion text) -> reward``.
 RewardOf = Callable[[Prompt, str], float]
 #: Request ids of evaluation sequences start with this (training ids are ``GROUP:INDEX``).
 EVAL_PREFIX = "eval:"
-#: Reads the answers to calls made to the workers; None when the reader reported them lost
-#: (the run's: ``Supervisor.answers``).
-ReadAnswers = Callable[[Sequence[WorkerCall]], "list[Any] | None"]
 #: Share of a worker's engine sequences (``--rollout.max_num_seqs``) a side-stream
 #: evaluation holds at most at a time; training generation keeps the rest.
 STREAM_SHARE = 0.25
@@ -256,152 +239,3 @@ class EvalFeed:
         self._next.clear()
         self._streaming = 0
         return waiting
-
-
-log = logging.getLogger("pipeline_rl.evaluation")
-
-
-def split_prompts(num_prompts: int, num_workers: int) -> list[tuple[int, ...]]:
-    """Contiguous, near-equal shares of ``0 .. num_prompts-1`` (empty shares dropped)."""
-    base, extra = divmod(num_prompts, num_workers)
-    out, start = [], 0
-    for w in range(num_workers):
-        size = base + (1 if w < extra else 0)
-        if size:
-            out.append(tuple(range(start, start + size)))
-        start += size
-    return out
-
-
-@dataclass(slots=True)
-class _InFlight:
-    eval_id: int
-    step: int
-    version: int
-    launched: float
-    shares: list[WorkerCall]    # refs: ``ObjectRef[EvalResult]``
-    stream: bool = True
-
-
-class Evaluations:
-    """Launches, collects and reports held-out evaluations (see the module docstring).
-    ``clock`` gives the run's elapsed seconds (for ``EvalMetrics.time_s``); ``calls`` waits
-    for the workers' answers (Ray's, unless a test gives stand-ins); ``answers`` reads them:
-    the run gives its supervisor's (``Supervisor.answers``), which reports a dead worker's
-    share to :meth:`worker_lost` before it returns None; without one, a failure is raised."""
-
-    def __init__(self, cfg: EvalConfig, clock: Callable[[], float], calls: Calls | None = None,
-                 answers: ReadAnswers | None = None) -> None:
-        self.cfg = cfg
-        self._clock = clock
-        self._calls: Calls = calls if calls is not None else RayCalls()
-        self._answers: ReadAnswers = answers if answers is not None else self._read
-        self._next_id = 0
-        self._in_flight: _InFlight | None = None
-        self.skipped = 0
-        self.lost = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.cfg.every > 0
-
-    def due(self, step: int) -> bool:
-        return self.enabled and step % self.cfg.every == 0
-
-    def launch(self, step: int, version: int, workers: Sequence[Any], *, stream: bool = True) -> bool:
-        """Ask ``workers`` (Ray handles of rollout actors, ``workers[i]`` being worker ``i``)
-        to evaluate (``stream``: as a side-stream, :class:`EvalFeed`); False (and counted as
-        skipped) while the previous evaluation is still running."""
-        if self._in_flight is not None:
-            self.skipped += 1
-            log.info("evaluation after step %d skipped: the one after step %d is still running",
-                     step, self._in_flight.step)
-            return False
-        shares = split_prompts(self.cfg.num_prompts, len(workers))
-        eval_id = self._next_id
-        self._next_id += 1
-        calls = [WorkerCall(i, w.evaluate.remote(EvalRequest(eval_id, share, self.cfg.k, stream)))
-                 for i, (w, share) in enumerate(zip(workers, shares))]
-        self._in_flight = _InFlight(eval_id, step, version, time.monotonic(), calls, stream)
-        return True
-
-    def worker_lost(self, notice: WorkerLost) -> None:
-        """The supervisor's notice: the evaluation in flight, if it has a share on that worker,
-        is lost (counted, one line)."""
-        job = self._in_flight
-        if job is None or all(c.index != notice.index for c in job.shares):
-            return
-        self._in_flight = None
-        self.lost += 1
-        log.warning("evaluation after step %d lost: rollout worker %d: %s", job.step, notice.index, notice.why)
-
-    def _read(self, calls: Sequence[WorkerCall]) -> list[Any]:
-        return [self._calls.get(c.ref) for c in calls]
-
-    def poll(self, timeout_s: float = 0.0) -> EvalMetrics | None:
-        """The in-flight evaluation's metrics once all its answers are in (waiting up to
-        ``timeout_s``), else None (also when the answers' reader reported it lost)."""
-        job = self._in_flight
-        if job is None:
-            return None
-        if self._calls.pending([c.ref for c in job.shares], timeout_s):
-            return None
-        parts: list[EvalResult] | None = self._answers(job.shares)
-        if parts is None or self._in_flight is not job:   # lost: worker_lost was told
-            return None
-        self._in_flight = None
-        res = EvalResult.merge(parts)
-        return EvalMetrics(
-            step=job.step, version=job.version, time_s=self._clock(),
-            greedy_accuracy=res.greedy_accuracy, mean_at_k=res.mean_at_k, pass_at_k=res.pass_at_k,
-            k=res.k, num_prompts=res.num_prompts, version_min=res.version_min, version_max=res.version_max,
-            eval_s=time.monotonic() - job.launched,
-            greedy_len_mean=res.greedy_tokens / res.num_prompts if res.num_prompts else 0.0)
-
-    @property
-    def in_flight_step(self) -> int | None:
-        return None if self._in_flight is None else self._in_flight.step
-
-    def begin_start(self, version: int, workers: Sequence[Any]) -> None:
-        """As soon as the workers generate: evaluate the starting weights (``version``), all
-        at once and not as a side-stream, so each worker holds its weight updates until it
-        has answered and ``version_max == version`` (:attr:`EvalFeed.pinned`); training goes
-        on meanwhile, and :meth:`collect` records it like any other."""
-        if self.enabled:
-            self.launch(version, version, workers, stream=False)
-
-    def start_due(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None]) -> None:
-        """After the step that made ``version``: launch the evaluation due now, if any. The
-        starting evaluation, if still out, is waited for first (at most ``START_WAIT_S``) and
-        recorded: it is short, and the due one would otherwise be skipped."""
-        if not self.due(version):
-            return
-        job = self._in_flight
-        if job is not None and not job.stream and (done := self.poll(START_WAIT_S)) is not None:
-            record(done)
-        self.launch(version, version, workers)
-
-    def collect(self, record: Callable[[EvalMetrics], None]) -> None:
-        """Between two steps: record the evaluation in flight if it has finished."""
-        if self.enabled and (done := self.poll(0.0)) is not None:
-            record(done)
-
-    def finish(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None],
-               timeout_s: float) -> None:
-        """At the end of a run: wait for the evaluation in flight, then evaluate the final
-        weights (unless it already did) and wait; TimeoutError (one line) past ``timeout_s``."""
-        if not self.enabled:
-            return
-        done = self.poll(timeout_s)
-        if done is not None:
-            record(done)
-        if self.in_flight_step is not None:
-            raise TimeoutError(f"the evaluation after step {self.in_flight_step} did not finish "
-                               f"within {timeout_s:.0f} s")
-        if done is None or done.version != version:
-            self.launch(version, version, workers)
-            last = self.poll(timeout_s)
-            if last is not None:
-                record(last)
-            elif self.in_flight_step is not None:
-                raise TimeoutError(f"the final evaluation did not finish within {timeout_s:.0f} s")

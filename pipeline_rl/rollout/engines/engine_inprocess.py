@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline_rl.rollout.engine import (
+from pipeline_rl.rollout.engines.engine import (
     AppliedUpdate,
     EngineConfig,
     FinishedSequence,
@@ -38,7 +38,7 @@ from pipeline_rl.rollout.engine import (
     SamplingConfig,
 )
 from pipeline_rl import runtime_env
-from pipeline_rl.rollout import vllm_compat as compat
+from pipeline_rl.rollout.engines import vllm_compat as compat
 from pipeline_rl.weight_sync import vllm_adapter as adapter
 from pipeline_rl.weight_sync.loaders import make_shadow
 from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdateError, as_checked, read_weight_spec

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pipeline_rl.config import Config
-from pipeline_rl.rollout.engine import GenerationEngine, engine_config
+from pipeline_rl.rollout.engines.engine import GenerationEngine, engine_config
 
 
 def build_engine(cfg: Config, model_dir: str, *, seed: int = 0,
@@ -21,10 +21,10 @@ def build_engine(cfg: Config, model_dir: str, *, seed: int = 0,
     if device == "cuda" and cfg.rollout.engine == "inprocess":
         raise ValueError("--rollout.engine inprocess runs on CPU only; use async (or auto) on CUDA")
     if device == "cuda" or cfg.rollout.engine == "async":
-        from pipeline_rl.rollout.engine_async import AsyncEngine
+        from pipeline_rl.rollout.engines.engine_async import AsyncEngine
 
         return AsyncEngine(ecfg)
-    from pipeline_rl.rollout.engine_inprocess import InprocessEngine
+    from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
 
     return InprocessEngine(ecfg)
 
