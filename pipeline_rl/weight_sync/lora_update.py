@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pipeline_rl.weight_sync.message import CheckedUpdate, WeightSpec, WeightUpdateError
+from pipeline_rl.weight_sync.message import CheckedUpdate, WeightSpec, WeightUpdateError, read_weight_spec
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,8 @@ PEFT_PREFIX = "base_model.model."
 #: Native serving: the one adapter's id and name in vLLM (every request carries it).
 LORA_ID = 1
 LORA_NAME = "policy"
+#: The ranks vLLM's ``max_lora_rank`` accepts (an adapter of a smaller rank is padded).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,30 @@ class LoraServing:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "targets": list(self.targets)}
+
+    @classmethod
+    def of_run(cls, lora: Any, device_type: str) -> "LoraServing | None":
+        """A run's (``cfg.lora``, a ``LoraConfig``) on ``device_type``; None without an adapter.
+        Targets the run did not name are the defaults; :func:`adapter_spec` keeps those the
+        served model has (the driver checked the named ones)."""
+        if not lora.enabled:
+            return None
+        from pipeline_rl.lora_config import DEFAULT_TARGETS
+
+        return cls(rank=lora.rank, alpha=lora.alpha, targets=lora.requested_targets() or DEFAULT_TARGETS,
+                   mode=lora.serving_mode(device_type))
+
+    def engine_args(self) -> dict[str, Any]:
+        """``EngineArgs`` keywords (vLLM's public ones): these settings for the worker's backend
+        (``additional_config``) and, serving natively, LoRA enabled for one adapter."""
+        args: dict[str, Any] = {"additional_config": {LORA_KEY: self.to_dict()}}
+        if self.mode == "native":
+            if self.rank > VLLM_LORA_RANKS[-1]:
+                raise ValueError(f"--lora.rank: vLLM serves ranks up to {VLLM_LORA_RANKS[-1]} natively "
+                                 f"(got {self.rank}); use --lora.serving merged")
+            args.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                        max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= self.rank))
+        return args
 
     @classmethod
     def from_additional(cls, additional: object) -> "LoraServing | None":
@@ -106,13 +132,62 @@ def lora_delta(a: "torch.Tensor", b: "torch.Tensor", scale: float) -> "torch.Ten
     return (b.float() @ a.float()).mul_(scale)
 
 
+class AdapterServer:
+    """A worker's LoRA serving, one per engine, held by its vLLM backend
+    (``receiver.WeightReceiver.adapter``): the adapter's spec (what every update is checked
+    against) and, per version, the adapter made live in ``model``: ``merged`` loads the
+    complete update (:meth:`full`), ``native`` replaces vLLM's one adapter in place
+    (:meth:`replace`; a zero adapter is registered at start, so a request never makes vLLM
+    look for its folder and step 0 serves the base). ``version``: the adapter version
+    served (-1 before the first). A version that cannot be applied raises
+    :class:`WeightUpdateError` in one line."""
+
+    def __init__(self, model_dir: str | Path, lora: LoraServing, model: Any = None) -> None:
+        self.lora = lora
+        self.merger = Merger(model_dir, lora) if lora.mode == "merged" else None
+        self.spec = self.merger.spec if self.merger is not None else adapter_spec(read_weight_spec(model_dir), lora)
+        self.version = -1
+        self._model = model
+        if lora.mode == "native" and model is not None:
+            import torch
+
+            zeros = tuple((n, torch.zeros(shape)) for n, shape in sorted(self.spec.shapes.items()))
+            self.replace(CheckedUpdate(-1, zeros, 0))
+
+    def full(self, update: CheckedUpdate) -> CheckedUpdate:
+        """Merged serving: ``update`` (an adapter) as the complete update to load."""
+        assert self.merger is not None
+        return self.merger.merge(update.version, update.tensors)
+
+    def replace(self, update: CheckedUpdate) -> None:
+        """Native serving: vLLM's adapter replaced by ``update``'s tensors (between steps)."""
+        from pipeline_rl.weight_sync.vllm_adapter import replace_lora
+
+        try:
+            replace_lora(self._model, LORA_ID, dict(update.tensors), peft_config_dict(self.lora))
+        except Exception as e:
+            raise WeightUpdateError(f"adapter v{update.version} not applied: {type(e).__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        self.version = update.version
+
+    def serve(self, update: CheckedUpdate, vllm_config: Any) -> None:
+        """Make ``update`` (a checked adapter) live in the model no step is running on."""
+        if self.merger is None:
+            self.replace(update)
+            return
+        from pipeline_rl.weight_sync.receiver import load_into
+
+        load_into(self._model, self.full(update), vllm_config)
+        self.version = update.version
+
+
 class Merger:
     """Merged serving: the base weights ``W0`` (float32, host memory, read once from the
     served model's folder) and, per version, the complete update ``W0 + scale * B @ A`` for
     every targeted weight and ``W0`` for every other one."""
 
     def __init__(self, model_dir: str | Path, lora: LoraServing) -> None:
-        from pipeline_rl.weight_sync.message import load_update, read_weight_spec
+        from pipeline_rl.weight_sync.message import load_update
 
         import torch
 

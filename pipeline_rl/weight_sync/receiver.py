@@ -32,6 +32,7 @@ from pipeline_rl.weight_sync.message import (
 )
 from pipeline_rl.weight_sync.protocol import DEFAULT_BUCKET_BYTES
 from pipeline_rl.weight_sync.shm import SegmentReader, ShmUpdateInfo, StatusCell
+from pipeline_rl.weight_sync.lora_update import AdapterServer, LoraServing
 from pipeline_rl.weight_sync.vllm_adapter import BACKEND, complete_backend, load_served_weights
 
 
@@ -62,7 +63,10 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
         self._channel: Channel | None = None        # the gloo path's group
         self._group: nccl.Broadcaster | None = None  # the nccl path's group
         self._bucket_bytes = DEFAULT_BUCKET_BYTES
-        self._spec = read_weight_spec(vllm_config.model_config.model)
+        lora = LoraServing.from_additional(getattr(vllm_config, "additional_config", None))
+        #: A LoRA run's serving (None: full weights): updates are the adapter, checked against its spec.
+        self.adapter = AdapterServer(vllm_config.model_config.model, lora, model) if lora is not None else None
+        self._spec = self.adapter.spec if self.adapter is not None else read_weight_spec(vllm_config.model_config.model)
         self._received: WeightUpdate | None = None
         self._opened: OpenedUpdate | None = None   # checked tensors on this device (ipc, nccl, shm on a GPU)
         self._buffer: np.ndarray | None = None     # the gloo receive buffer, reused
@@ -129,7 +133,9 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
             return
         validate_update(update, self._spec, check_values=not info.checked)
         self._received = update
-        if info.status is not None:   # load beside generation; finish swaps
+        if info.status is not None and self.adapter is not None:   # an adapter: loaded while paused
+            StatusCell(info.status, create=False).set(info.version, StatusCell.NO_SHADOW)
+        elif info.status is not None:   # load beside generation; finish swaps
             if self._stager is None:
                 self._stager = CoreStager(self.model, self.vllm_config)
             self._staged = self._stager.start(update, info.status)
@@ -178,7 +184,11 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
             self._opened = copying.result()
         if self._opened is not None:   # on this device: copy into the model, then let it go
             opened, self._opened = self._opened, None
-            load_served_weights(self.model, sorted(opened.tensors, key=lambda nt: nt[0]), self.vllm_config)
+            tensors = sorted(opened.tensors, key=lambda nt: nt[0])
+            if self.adapter is not None:
+                self.adapter.serve(CheckedUpdate(opened.version, tuple(tensors), 0), self.vllm_config)
+            else:
+                load_served_weights(self.model, tensors, self.vllm_config)
             import torch
 
             torch.cuda.synchronize(self.device)   # the trainer may free its buffer once this returns
@@ -187,6 +197,9 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
             self._staged = False
             self._received = None
             self._stager.finish()    # a failed load changes nothing (the worker saw it failed)
+            return
+        if self.adapter is not None:
+            self.adapter.serve(as_checked(self.take_received()), self.vllm_config)
             return
         load_into(self.model, as_checked(self.take_received()), self.vllm_config)
 

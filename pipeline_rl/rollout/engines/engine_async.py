@@ -71,7 +71,6 @@ from pipeline_rl.weight_sync.message import (
     CheckedUpdate,
     WeightUpdate,
     WeightUpdateError,
-    read_weight_spec,
     validate_update,
 )
 from pipeline_rl.weight_sync.nccl import NcclUpdateInfo
@@ -109,7 +108,7 @@ class AsyncEngine(GenerationEngine):
         self.cfg = cfg
         self.kv_policy = cfg.kv_policy
         self.backend = transfer_backend(cfg.device)
-        self._spec = read_weight_spec(cfg.model_dir)
+        self._spec = cfg.update_spec()   # a LoRA run's: the adapter's
         self._version = cfg.initial_version
         self._done: queue.Queue[FinishedSequence | BaseException] = queue.Queue()
         self._unfinished = 0
@@ -153,7 +152,9 @@ class AsyncEngine(GenerationEngine):
             gpu_memory_utilization=cfg.gpu_memory_fraction,
             enforce_eager=cfg.device != "cuda", distributed_executor_backend="uni",
             weight_transfer_config=WeightTransferConfig(backend=self.backend),
+            **cfg.lora_args(),
         )
+        self._lora = cfg.lora_request()
         with compat.hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
             self._run(self._build(args))
         self._tokenizer = self._llm.tokenizer
@@ -195,7 +196,7 @@ class AsyncEngine(GenerationEngine):
     async def _generate(self, request: GenRequest) -> None:
         try:
             final = await compat.generate_final(self._llm, request.request_id, request.prompt_ids,
-                                                sampling_params(request.sampling), self._record)
+                                                sampling_params(request.sampling), self._record, self._lora)
             self._done.put(to_finished(final, self._version, self._tokenizer, self._record))
         except BaseException as e:  # surfaced to the caller by step()
             self._done.put(e)
