@@ -25,7 +25,7 @@ validated version.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -142,12 +142,13 @@ class AdapterServer:
     served (-1 before the first). A version that cannot be applied raises
     :class:`WeightUpdateError` in one line."""
 
-    def __init__(self, model_dir: str | Path, lora: LoraServing, model: Any = None) -> None:
+    def __init__(self, model_dir: str | Path, lora: LoraServing, model: Any = None,
+                 load_full: Callable[[CheckedUpdate], None] | None = None) -> None:
         self.lora = lora
         self.merger = Merger(model_dir, lora) if lora.mode == "merged" else None
         self.spec = self.merger.spec if self.merger is not None else adapter_spec(read_weight_spec(model_dir), lora)
         self.version = -1
-        self._model = model
+        self._model, self._load_full = model, load_full   # load_full: a complete update into model
         if lora.mode == "native" and model is not None:
             import torch
 
@@ -170,14 +171,13 @@ class AdapterServer:
                                     f"{str(e).splitlines()[0] if str(e) else ''}") from e
         self.version = update.version
 
-    def serve(self, update: CheckedUpdate, vllm_config: Any) -> None:
+    def serve(self, update: CheckedUpdate) -> None:
         """Make ``update`` (a checked adapter) live in the model no step is running on."""
         if self.merger is None:
             self.replace(update)
             return
-        from pipeline_rl.weight_sync.receiver import load_into
-
-        load_into(self._model, self.full(update), vllm_config)
+        assert self._load_full is not None
+        self._load_full(self.full(update))
         self.version = update.version
 
 

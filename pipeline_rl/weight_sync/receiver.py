@@ -65,7 +65,8 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
         self._bucket_bytes = DEFAULT_BUCKET_BYTES
         lora = LoraServing.from_additional(getattr(vllm_config, "additional_config", None))
         #: A LoRA run's serving (None: full weights): updates are the adapter, checked against its spec.
-        self.adapter = AdapterServer(vllm_config.model_config.model, lora, model) if lora is not None else None
+        self.adapter = AdapterServer(vllm_config.model_config.model, lora, model,
+                                     lambda full: load_into(model, full, vllm_config)) if lora is not None else None
         self._spec = self.adapter.spec if self.adapter is not None else read_weight_spec(vllm_config.model_config.model)
         self._received: WeightUpdate | None = None
         self._opened: OpenedUpdate | None = None   # checked tensors on this device (ipc, nccl, shm on a GPU)
@@ -186,7 +187,7 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
             opened, self._opened = self._opened, None
             tensors = sorted(opened.tensors, key=lambda nt: nt[0])
             if self.adapter is not None:
-                self.adapter.serve(CheckedUpdate(opened.version, tuple(tensors), 0), self.vllm_config)
+                self.adapter.serve(CheckedUpdate(opened.version, tuple(tensors), 0))
             else:
                 load_served_weights(self.model, tensors, self.vllm_config)
             import torch
@@ -199,7 +200,7 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
             self._stager.finish()    # a failed load changes nothing (the worker saw it failed)
             return
         if self.adapter is not None:
-            self.adapter.serve(as_checked(self.take_received()), self.vllm_config)
+            self.adapter.serve(as_checked(self.take_received()))
             return
         load_into(self.model, as_checked(self.take_received()), self.vllm_config)
 
