@@ -84,7 +84,8 @@ class LoraServing:
                 raise ValueError(f"--lora.rank: vLLM serves ranks up to {VLLM_LORA_RANKS[-1]} natively "
                                  f"(got {self.rank}); use --lora.serving merged")
             args.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
-                        max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= self.rank))
+                        max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= self.rank),
+                        worker_extension_cls="pipeline_rl.weight_sync.vllm_adapter.LoraWorkerExtension")
         return args
 
     @classmethod
@@ -149,6 +150,7 @@ class AdapterServer:
         self.spec = self.merger.spec if self.merger is not None else adapter_spec(read_weight_spec(model_dir), lora)
         self.version = -1
         self._model, self._load_full = model, load_full   # load_full: a complete update into model
+        self._live: Any = None   # native: vLLM's adapter object now served
         if lora.mode == "native" and model is not None:
             import torch
 
@@ -165,11 +167,19 @@ class AdapterServer:
         from pipeline_rl.weight_sync.vllm_adapter import replace_lora
 
         try:
-            replace_lora(self._model, LORA_ID, dict(update.tensors), peft_config_dict(self.lora))
+            self._live = replace_lora(self._model, LORA_ID, dict(update.tensors), peft_config_dict(self.lora))
         except Exception as e:
             raise WeightUpdateError(f"adapter v{update.version} not applied: {type(e).__name__}: "
                                     f"{str(e).splitlines()[0] if str(e) else ''}") from e
         self.version = update.version
+
+    def restore(self) -> None:
+        """Native serving: the adapter now served registered again (vLLM's worker drops every
+        adapter after a weight update through its API; ``vllm_adapter.LoraWorkerExtension``)."""
+        if self._live is not None:
+            from pipeline_rl.weight_sync.vllm_adapter import readd_lora
+
+            readd_lora(self._model, self._live)
 
     def serve(self, update: CheckedUpdate) -> None:
         """Make ``update`` (a checked adapter) live in the model no step is running on."""

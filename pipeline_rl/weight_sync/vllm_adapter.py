@@ -255,7 +255,7 @@ def lora_manager(model: Any) -> Any:
     return manager
 
 
-def replace_lora(model: Any, lora_id: int, tensors: dict[str, Any], peft_config: dict[str, Any]) -> None:
+def replace_lora(model: Any, lora_id: int, tensors: dict[str, Any], peft_config: dict[str, Any]) -> Any:
     """Replace adapter ``lora_id`` of the served model by ``tensors`` (PEFT's saved names)
     with ``peft_config`` (``adapter_config.json``'s fields): built on the host in the LoRA
     dtype, then copied into its slot (the next engine step uses it)."""
@@ -270,5 +270,30 @@ def replace_lora(model: Any, lora_id: int, tensors: dict[str, Any], peft_config:
         if hasattr(manager.model, "config") else None,
         weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
     manager.remove_adapter(lora_id)
+    readd_lora(model, lora)
+    return lora
+
+
+def readd_lora(model: Any, lora: Any) -> None:
+    """Register and activate ``lora`` (a ``LoRAModel`` built by :func:`replace_lora`) in the
+    served model's manager: also after vLLM's worker dropped every adapter (it does after a
+    weight update through its weight-transfer API, ``reset_lora_state``)."""
+    manager = lora_manager(model)
     manager.add_adapter(lora)
-    manager.activate_adapter(lora_id)
+    manager.activate_adapter(lora.id)
+
+
+#: The worker method (:class:`LoraWorkerExtension`) that puts the served adapter back.
+RESTORE_LORA = "pipeline_rl_restore_lora"
+
+
+class LoraWorkerExtension:
+    """Mixed into vLLM's worker class through ``EngineArgs.worker_extension_cls`` (vLLM's public
+    way to give its worker methods an RL trainer calls with ``collective_rpc``): the adapter
+    the backend serves, put back after vLLM's worker dropped it (see :func:`readd_lora`)."""
+
+    def pipeline_rl_restore_lora(self) -> None:
+        receiver = getattr(self, "weight_transfer_engine", None)
+        adapter = getattr(receiver, "adapter", None)
+        if adapter is not None:
+            adapter.restore()

@@ -361,7 +361,7 @@ class AsyncEngine(GenerationEngine):
         if state in (StatusCell.READY, StatusCell.NO_SHADOW):
             return state == StatusCell.READY
         try:   # end vLLM's update session: the core swaps nothing after a failed load
-            self._run(compat.async_finish_update(self._llm, None, self._native))
+            self._run(compat.async_finish_update(self._llm, None, self._native, self._lora is not None))
         finally:
             self._end_update()
         what = "failed (see the engine core's log)" if state == StatusCell.FAILED else \
@@ -376,7 +376,7 @@ class AsyncEngine(GenerationEngine):
         await self._llm.update_weights(WeightTransferUpdateRequest(tagged(staged)))
 
     async def _finish(self, version: int) -> None:
-        await compat.async_finish_update(self._llm, version, self._native)
+        await compat.async_finish_update(self._llm, version, self._native, self._lora is not None)
         if self._record is not None:
             # Paused: every token so far came from the old weights once its output is processed.
             await compat.drain_async_outputs(self._llm)

@@ -173,12 +173,20 @@ async def generate_final(llm: Any, request_id: str, prompt_ids: Sequence[int], p
             return out
 
 
-async def async_finish_update(llm: Any, version: int | None, native: bool) -> None:
-    """``AsyncLLM.finish_weight_update``, naming the new version where vLLM takes it."""
+async def async_finish_update(llm: Any, version: int | None, native: bool, lora: bool = False) -> None:
+    """``AsyncLLM.finish_weight_update``, naming the new version where vLLM takes it.
+    ``lora`` (an adapter served natively): vLLM's worker drops every LoRA adapter after a
+    weight update (``reset_lora_state``, meant for new base weights), so the adapter just
+    made live is put back through the worker extension this project registers
+    (``weight_sync.vllm_adapter.LoraWorkerExtension``), before generation resumes."""
     if native and version is not None:
         await llm.finish_weight_update(weight_version=str(version))
     else:
         await llm.finish_weight_update()
+    if lora:
+        from pipeline_rl.weight_sync.vllm_adapter import RESTORE_LORA
+
+        await llm.collective_rpc(RESTORE_LORA)
 
 
 # -- the in-process engine's private state -------------------------------------------------------
