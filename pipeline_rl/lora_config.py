@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline_rl.config_section import Section
 
@@ -20,6 +20,8 @@ from pipeline_rl.config_section import Section
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 LoraServing = Literal["auto", "native", "merged"]
+#: The largest rank vLLM's LoRA serves (its ``max_lora_rank`` choices end there).
+VLLM_MAX_LORA_RANK = 512
 
 
 class LoraConfig(Section):
@@ -51,6 +53,13 @@ class LoraConfig(Section):
             raise ValueError(f"lora.target_modules: {bad[0]!r} is not a module name (a comma-separated "
                              f"list such as q_proj,v_proj, or auto)")
         return ",".join(names)
+
+    @model_validator(mode="after")
+    def _native_rank(self) -> "LoraConfig":
+        if self.serving == "native" and self.rank > VLLM_MAX_LORA_RANK:
+            raise ValueError(f"lora.rank: vLLM serves ranks up to {VLLM_MAX_LORA_RANK} natively (got "
+                             f"{self.rank}); use --lora.serving merged")
+        return self
 
     @property
     def enabled(self) -> bool:

@@ -76,6 +76,7 @@ def make_trainer(tiny_model_dir: str) -> Any:
     (["--lora.rank", "4", "--lora.target_modules", "q_proj,v-proj"], "--lora.target_modules: 'v-proj' is not"),
     (["--lora.rank", "4", "--lora.dropout", "1"], "--lora.dropout"),
     (["--lora.rank", "4", "--lora.serving", "fast"], "--lora.serving"),
+    (["--lora.rank", "600", "--lora.serving", "native"], "--lora.rank: vLLM serves ranks up to 512 natively"),
 ])
 def test_bad_lora_flags_are_one_line(argv: list[str], needle: str) -> None:
     with pytest.raises(UsageError) as e:
