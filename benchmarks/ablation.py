@@ -30,8 +30,8 @@ Outputs, under ``--out`` (default ``runs/bench_ablation``):
 - ``ablation.json``, ``ablation.md``, ``ablation_<dtype>.png``,
   ``ablation_final.png``: per arm, the mean and 95% interval over seeds of
   every figure, significance against ``none``, curves with bands
-  (``benchmarks/ablation_report.py`` defines them all; ``benchmarks/ablation_cells.py``
-  the arms, cells and records).
+  (``benchmarks/ablation_report.py`` defines them all, ``benchmarks/ablation_plots.py``
+  draws them; ``benchmarks/ablation_cells.py`` the arms, cells and records).
 
 ``--quick`` (the smoke grid for a 2-core CPU machine): staleness {0, 2, 8} x
 all four corrections, bfloat16 generation only, 100 steps each of the
@@ -64,7 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.ablation_cells import Arm, Cell, CellResult, CellStatus, GridSettings
-from benchmarks.ablation_report import build_result, markdown, plot
+from benchmarks.ablation_plots import plot
+from benchmarks.ablation_report import build_result, markdown
 from benchmarks.common import (BadFlag, Outcome, at_least, config, main as bench_main, ray_session, repo_on_path,
                                run_pipeline)
 
