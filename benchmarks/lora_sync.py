@@ -60,9 +60,12 @@ def _engine(model_dir: str, rank: int | None) -> Any:
 
     lora: dict[str, Any] = {} if rank is None else {
         "enable_lora": True, "max_loras": 1, "max_lora_rank": max(8, 1 << (rank - 1).bit_length())}
-    return LLMEngine.from_engine_args(EngineArgs(
-        model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=4, enforce_eager=True,
-        kv_cache_memory_bytes=1 << 26, disable_log_stats=True, **lora))
+    from pipeline_rl.rollout.engines import vllm_compat as compat
+
+    with compat.hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
+        return LLMEngine.from_engine_args(EngineArgs(
+            model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=4, enforce_eager=True,
+            kv_cache_memory_bytes=1 << 26, disable_log_stats=True, **lora))
 
 
 def run(args: argparse.Namespace) -> Outcome:

@@ -90,10 +90,13 @@ def test_the_peft_checkpoint_loads_in_vllm(tiny_model_dir: str, tmp_path: Path) 
     update = adapter_update(policy, 1)
     save_adapter(tmp_path, {n: torch.from_numpy(a) for n, a in zip(update.names, update.arrays)},
                  LoraConfig(rank=4), tiny_model_dir)
-    llm = LLMEngine.from_engine_args(EngineArgs(
-        model=tiny_model_dir, dtype="float32", max_model_len=128, max_num_seqs=4, enforce_eager=True,
-        kv_cache_memory_bytes=1 << 24, enable_lora=True, max_lora_rank=8, max_loras=1,
-        logprobs_mode="processed_logprobs", disable_log_stats=True))
+    from pipeline_rl.rollout.engines import vllm_compat as compat
+
+    with compat.hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):   # numba loaded by other tests
+        llm = LLMEngine.from_engine_args(EngineArgs(
+            model=tiny_model_dir, dtype="float32", max_model_len=128, max_num_seqs=4, enforce_eager=True,
+            kv_cache_memory_bytes=1 << 24, enable_lora=True, max_lora_rank=8, max_loras=1,
+            logprobs_mode="processed_logprobs", disable_log_stats=True))
     try:
         prompt = [5, 6, 7, 8, 9]
         llm.add_request("ckpt", {"prompt_token_ids": prompt},
