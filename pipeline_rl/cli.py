@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline_rl.config import Config
 from pipeline_rl.models.pretrained import PRETRAINED
-from pipeline_rl.profiles import PRETRAINED_DEFAULTS
+from pipeline_rl.profiles import PRETRAINED_DEFAULTS, PRETRAINED_LORA_DEFAULTS
 
 class UsageError(ValueError):
     """A bad command line or configuration; the message is one line naming the flag."""
@@ -72,6 +72,8 @@ def _add_field(group: Any, dest: str, name: str, info: Any) -> None:
     default = info.get_default(call_default_factory=True)
     pretrained = PRETRAINED_DEFAULTS.get(dest)
     shown = f"{default}" if pretrained is None else f"{default}; --profile pretrained: {pretrained}"
+    if dest in PRETRAINED_LORA_DEFAULTS:
+        shown += f", with --lora.rank > 0: {PRETRAINED_LORA_DEFAULTS[dest]}"
     help_text = (info.description or "").replace("%", "%%") + f" (default: {shown})"
     if get_origin(tp) is Literal:
         choices = list(get_args(tp))

@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipeline_rl.config_section import Section
+from pipeline_rl.lora_config import LoraConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
 from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
 
@@ -369,6 +370,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     run: RunConfig = Field(default_factory=RunConfig)

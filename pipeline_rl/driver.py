@@ -81,11 +81,18 @@ def resolve_model_dir(cfg: Config) -> str:
 
 def startup_line(cfg: Config) -> str:
     """The model and the profile of defaults in force, with the values the run uses:
-    ``model: NAME | profile: pretrained (lr 1e-05, kl 0, ...)``."""
+    ``model: NAME | profile: pretrained (lr 1e-05, kl 0, ...)``, and a LoRA run's adapter and
+    serving mode (``| lora: rank 16, ..., serving merged (auto on cpu)``)."""
     from pipeline_rl.profiles import PROFILE_KEYS, profile_line
 
     values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for _, key in PROFILE_KEYS}
-    return f"model: {cfg.model.path or 'built-in'} | {profile_line(cfg.profile, values)}"
+    line = f"model: {cfg.model.path or 'built-in'} | {profile_line(cfg.profile, values)}"
+    if cfg.lora.enabled:   # the serving mode in force, and why
+        import torch
+
+        device = cfg.model.device if cfg.model.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        line += f" | {cfg.lora.startup_text(device)}"
+    return line
 
 
 def check_task(cfg: Config, model_dir: str) -> Config:
@@ -158,6 +165,10 @@ def run(cfg: Config) -> int:
         log.warning("%s", warning)
     try:
         model_dir = resolve_model_dir(cfg)
+        if cfg.lora.enabled:   # the adapter's modules against the model's, before Ray
+            from pipeline_rl.training.lora import check_lora
+
+            check_lora(cfg.lora, model_dir)
         cfg = resolve_resume(check_task(cfg, model_dir))   # --resume RUN_DIR: its newest checkpoint
         folder = open_run(cfg)
     except (TaskError, OSError, ValueError, OrchestratorError) as e:

@@ -163,7 +163,11 @@ class Orchestrator:
             return
         if not rec.steps_done:
             return
-        self.checkpoint()
+        path = self.checkpoint()
+        if self.cfg.lora.enabled and self.cfg.lora.merge_at_end:   # the adapter folded into the base
+            from pipeline_rl.training.lora import write_merged
+
+            log.info("merged model: %s", write_merged(path, self._checkpoints.folder.parent / "merged"))
         if not self.stop.is_set():
             try:
                 evals.finish(self.version, self._live_workers(), self._log_eval, _EVAL_FINAL_TIMEOUT_S)

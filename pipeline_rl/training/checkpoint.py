@@ -3,6 +3,8 @@
 A checkpoint is one folder::
 
     <dir>/config.json, model.safetensors, ...   Hugging Face save_pretrained output
+                                                 (a LoRA run: adapter_config.json and
+                                                 adapter_model.safetensors, PEFT's files)
     <dir>/tokenizer.json, tokenizer_config.json  copied from the model folder
     <dir>/deepspeed/state/...                    DeepSpeed engine state: optimizer (partitioned
                                                  per rank under ZeRO 1-3), scheduler, fp32 weights
@@ -10,7 +12,8 @@ A checkpoint is one folder::
     <dir>/run_state.json                          version, data position, layout; written LAST
 
 Invariants:
-- The folder loads as-is in transformers (``AutoModelForCausalLM.from_pretrained``) and vLLM.
+- The folder loads as-is in transformers (``AutoModelForCausalLM.from_pretrained``) and vLLM;
+  a LoRA run's in ``peft.PeftModel.from_pretrained`` and in vLLM with LoRA enabled.
 - A checkpoint is complete exactly when ``run_state.json`` is present and valid: the trainer
   writes everything into ``<dir>.partial`` and renames it to ``<dir>`` after every rank has
   finished, so a crash mid-save never leaves a half-written ``<dir>``.
@@ -134,8 +137,8 @@ def read_run_state(ckpt_dir: str | Path) -> RunState:
     if not rs_file.is_file():
         raise CheckpointError(f"checkpoint {d}: incomplete, {RUN_STATE_FILE} is missing")
     state = RunState.from_json(rs_file.read_text(), rs_file)
-    if not (d / "config.json").is_file():
-        raise CheckpointError(f"checkpoint {d}: config.json is missing")
+    if not (d / "config.json").is_file() and not (d / "adapter_config.json").is_file():
+        raise CheckpointError(f"checkpoint {d}: config.json (or a LoRA run's adapter_config.json) is missing")
     _check_safetensors(d)
     ds = d / DEEPSPEED_DIR / DEEPSPEED_TAG
     if not ds.is_dir() or not any(ds.iterdir()):

@@ -55,6 +55,7 @@ from pipeline_rl.training.deepspeed_setup import (
     prepare_trained_model,
 )
 from pipeline_rl.training.ema import EMA_DIR, EmaWeights
+from pipeline_rl.training.lora import adapter_disabled, adapter_parameters, save_adapter, wrap
 from pipeline_rl.training.logprobs import (
     micro_batch_logp, micro_batch_logp_entropy, padded_logp, sampled_entropy, shared_prompt_logp,
     sharing_check_groups,
@@ -111,7 +112,10 @@ class Trainer:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         init_distributed(rank, world_size, master_addr, master_port,
                          "gloo" if self.device.type == "cpu" else "nccl")
+        self.lora = cfg.lora if cfg.lora.enabled else None   # LoRA: PEFT's adapter is all that trains
         self.model = prepare_trained_model(self._load_model(self.model_dir), cfg)
+        if self.lora is not None:
+            self.model = wrap(self.model, self.lora, self.model_dir, cfg.seed)
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.model, model_parameters=trained, optimizer=make_optimizer(cfg, trained),
@@ -126,8 +130,9 @@ class Trainer:
             # and copy back every gradient at each step (a division by a world size of 1).
             self.engine.enable_backward_allreduce = False
         self.pad_id = int(self.model.config.pad_token_id or 0)
+        self._kl = cfg.algorithm.kl_coef > 0   # with LoRA the reference is the model with its adapter off
         self.ref_model = self._load_model(self.model_dir).eval().requires_grad_(False).to(self.device) \
-            if cfg.algorithm.kl_coef > 0 else None
+            if self._kl and self.lora is None else None
         self._version = 0
         self._steps_taken = 0
         self._grad_norm: float | None = None
@@ -193,7 +198,7 @@ class Trainer:
         advantages = group_advantages(algo.advantage, groups)
         mbs = [mb.to(self.device) for mb in self._micro_batches(groups, advantages)]
         norm = self._global_normalizer(mbs) / self.world_size
-        ref = [self._ref_logp(mb) for mb in mbs] if self.ref_model is not None else None
+        ref = [self._ref_logp(mb) for mb in mbs] if self._kl else None
         epochs = algo.ppo_epochs if algo.loss == "ppo" else 1
         # PPO's proximal policy is the trainer at the start of the batch: None in the first
         # epoch (the loss then uses logp detached), that epoch's log-probs afterwards.
@@ -296,7 +301,9 @@ class Trainer:
 
     @torch.no_grad()
     def _ref_logp(self, mb: AnyMicroBatch) -> torch.Tensor:
-        assert self.ref_model is not None
+        if self.ref_model is None:   # LoRA: the same model, its adapter off
+            with adapter_disabled(self.engine.module):
+                return micro_batch_logp(self.engine, mb, self.cfg.rollout.temperature)
         return micro_batch_logp(self.ref_model, mb, self.cfg.rollout.temperature)
 
     @staticmethod
@@ -345,12 +352,14 @@ class Trainer:
 
     def weights(self, version: int | None = None, allocate: Callable[[int], np.ndarray] | None = None,
                 on_device: bool = False) -> WeightUpdate:
-        """Full parameters in the engines' dtype (ZeRO-3: a collective); see ``gather_weights``."""
+        """Full parameters in the engines' dtype, or with LoRA the adapter's only (ZeRO-3: a
+        collective); see ``gather_weights``."""
         if version is not None and version != self._version:
             raise ValueError(f"trainer.weights: asked for version {version}, trainer is at {self._version}")
         return gather_weights(self.engine.module, self._version, zero_stage=self.zero_stage,
                               dtype=served_dtype(self.cfg.rollout.dtype, self.device.type), allocate=allocate,
-                              on_device=on_device)
+                              on_device=on_device,
+                              named=adapter_parameters(self.engine.module) if self.lora is not None else None)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -367,7 +376,8 @@ class Trainer:
             shutil.rmtree(part, ignore_errors=True)
             part.mkdir(parents=True)
         dist.barrier()
-        self.engine.save_checkpoint(str(part / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+        self.engine.save_checkpoint(str(part / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.lora is not None)
         update = self.weights()
         if self.rank == 0:
             self._save_hf(part, update)
@@ -387,7 +397,10 @@ class Trainer:
     def _save_hf(self, out: Path, update: WeightUpdate) -> None:
         dtype = next(self.engine.module.parameters()).dtype
         state = {n: torch.from_numpy(a).to(dtype) for n, a in zip(update.names, update.arrays, strict=True)}
-        self.engine.module.save_pretrained(str(out), state_dict=state)
+        if self.lora is not None:   # PEFT's adapter files, naming the base model
+            save_adapter(out, state, self.lora, self.model_dir)
+        else:
+            self.engine.module.save_pretrained(str(out), state_dict=state)
         copy_tokenizer_files(self.model_dir, out)
 
     def load_checkpoint(self, path: str | Path) -> RunState:
@@ -403,7 +416,7 @@ class Trainer:
             raise CheckpointError(f"checkpoint {d}: load it before the first step under ZeRO-3")
         try:
             loaded, _ = self.engine.load_checkpoint(str(d / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
-                                                    load_module_strict=True)
+                                                    load_module_strict=self.lora is None)
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else "unreadable"
             raise CheckpointError(f"checkpoint {d}: DeepSpeed state is corrupt ({type(e).__name__}: {first})") from None

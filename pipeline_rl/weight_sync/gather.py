@@ -5,7 +5,7 @@ The publisher (``pipeline_rl.weight_sync.publisher``) sends what this gathers.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,8 @@ from pipeline_rl.weight_sync.message import WeightUpdate
 
 
 def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDtype = "float32",
-                   allocate: Callable[[int], np.ndarray] | None = None, on_device: bool = False) -> WeightUpdate:
+                   allocate: Callable[[int], np.ndarray] | None = None, on_device: bool = False,
+                   named: Sequence[tuple[str, Any]] | None = None) -> WeightUpdate:
     """Full parameters of ``module`` (the HF model inside the DeepSpeed engine) in the wire
     dtype ``dtype`` -- the served model's: a bfloat16 engine gets bfloat16, cast here once,
     parameter by parameter as they are copied out (``float32`` keeps float32).
@@ -33,10 +34,12 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
     into one tensor on that GPU instead (``WeightUpdate.device``; a device-to-device copy).
     Parameters on a GPU bound for host memory are gathered on the GPU the same way, then
     copied out whole into ``allocate``'s buffer (``host_gpu.device_to_host``).
+    ``named``: the (name, parameter) pairs to send instead of all of them (a LoRA run's
+    adapter, ``pipeline_rl.training.lora``), gathered and laid out the same way.
     """
     import torch
 
-    params = list(module.named_parameters())
+    params = list(module.named_parameters() if named is None else named)
     if zero_stage == 3:
         import deepspeed
 

@@ -247,3 +247,71 @@ def nccl_broadcaster(address: str, port: int, rank: int, device: Any, timeout_s:
     broadcaster = NcclBroadcaster(PyNcclCommunicator(group, device=device))
     prove_over(broadcaster.broadcast_bytes, rank, secret, broadcaster.close)
     return broadcaster
+
+
+# -- native LoRA serving -----------------------------------------------------------------------
+# vLLM loads a LoRA adapter only from a folder (``LoRARequest.lora_path``; ``load_inplace``
+# re-reads it), and its in-memory path (RFC "in-memory LoRA for RL") is not public yet. A LoRA
+# run's worker (``--lora.serving native``) replaces its one adapter from the tensors it
+# received, in the worker process that holds the model, with vLLM's own LoRA classes: the
+# model's ``lora_manager`` (set by vLLM's ``LoRAModelManager`` on the model it wraps),
+# ``LoRAModel.from_lora_tensors`` (how vLLM builds an adapter from a checkpoint's tensors) and
+# the manager's remove / add / activate (what ``load_inplace`` does after reading the folder).
+# Nothing of vLLM's is patched; without a ``lora_manager`` (vLLM built without LoRA, or a
+# release that moved it) :class:`LoraUnavailable` says so in one line.
+
+class LoraUnavailable(RuntimeError):
+    """The served model has no LoRA manager to replace the adapter in (one-line message)."""
+
+
+def lora_manager(model: Any) -> Any:
+    """The served model's LoRA manager (vLLM's ``LoRAModelManager``)."""
+    manager = getattr(model, "lora_manager", None)
+    if manager is None:
+        raise LoraUnavailable("native LoRA serving: the served model has no LoRA manager "
+                              "(engine started without enable_lora, or an unsupported vLLM)")
+    return manager
+
+
+def replace_lora(model: Any, lora_id: int, tensors: dict[str, Any], peft_config: dict[str, Any]) -> Any:
+    """Replace adapter ``lora_id`` of the served model by ``tensors`` (PEFT's saved names)
+    with ``peft_config`` (``adapter_config.json``'s fields): built on the host in the LoRA
+    dtype, then copied into its slot (the next engine step uses it)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = lora_manager(model)
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_id, tensors, PEFTHelper.from_dict(dict(peft_config)), device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.model.config.vocab_size
+        if hasattr(manager.model, "config") else None,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
+    manager.remove_adapter(lora_id)
+    readd_lora(model, lora)
+    return lora
+
+
+def readd_lora(model: Any, lora: Any) -> None:
+    """Register and activate ``lora`` (a ``LoRAModel`` built by :func:`replace_lora`) in the
+    served model's manager: also after vLLM's worker dropped every adapter (it does after a
+    weight update through its weight-transfer API, ``reset_lora_state``)."""
+    manager = lora_manager(model)
+    manager.add_adapter(lora)
+    manager.activate_adapter(lora.id)
+
+
+#: The worker method (:class:`LoraWorkerExtension`) that puts the served adapter back.
+RESTORE_LORA = "pipeline_rl_restore_lora"
+
+
+class LoraWorkerExtension:
+    """Mixed into vLLM's worker class through ``EngineArgs.worker_extension_cls`` (vLLM's public
+    way to give its worker methods an RL trainer calls with ``collective_rpc``): the adapter
+    the backend serves, put back after vLLM's worker dropped it (see :func:`readd_lora`)."""
+
+    def pipeline_rl_restore_lora(self) -> None:
+        receiver = getattr(self, "weight_transfer_engine", None)
+        adapter = getattr(receiver, "adapter", None)
+        if adapter is not None:
+            adapter.restore()

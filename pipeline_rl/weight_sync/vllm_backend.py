@@ -16,7 +16,9 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from pipeline_rl.weight_sync.channel import InitInfo, UpdateInfo, decode_init_info, decode_update_info
 from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, as_checked, read_weight_spec
+from pipeline_rl.weight_sync.lora_update import AdapterServer, LoraServing
 from pipeline_rl.weight_sync.receiver import Received, Receiver, make_stager
+from pipeline_rl.weight_sync.shm import StatusCell
 from pipeline_rl.weight_sync.vllm_adapter import complete_backend, load_served_weights
 
 #: The init message's field that carries the rendezvous secret from a rollout worker to its
@@ -45,7 +47,12 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._rx = Receiver(read_weight_spec(vllm_config.model_config.model), device=device)
+        lora = LoraServing.from_additional(getattr(vllm_config, "additional_config", None))
+        #: A LoRA run's serving (None: full weights): updates are the adapter, checked against its spec.
+        self.adapter = AdapterServer(vllm_config.model_config.model, lora, model,
+                                     lambda full: load_into(model, full, vllm_config)) if lora is not None else None
+        spec = self.adapter.spec if self.adapter is not None else read_weight_spec(vllm_config.model_config.model)
+        self._rx = Receiver(spec, device=device)
         self._received: Received | None = None
         self._stager: Any = None   # core_staging.CoreStager: loads beside generation (AsyncLLM on CPU)
         self._staged = False
@@ -73,7 +80,9 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
         into the shadow beside generation (``core_staging``)."""
         received = self._rx.receive(update_info)
         self._received = received
-        if received.host is not None and received.status is not None:
+        if received.host is not None and received.status is not None and self.adapter is not None:
+            StatusCell(received.status, create=False).set(received.version, StatusCell.NO_SHADOW)  # loaded while paused
+        elif received.host is not None and received.status is not None:
             if self._stager is None:
                 self._stager = make_stager(self.model, self.vllm_config)
             self._staged = self._stager.start(received.host, received.status)
@@ -96,7 +105,11 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
                 return
             opened = received.copying.result()
         if opened is not None:   # on this device: copy into the model, then let it go
-            load_served_weights(self.model, sorted(opened.tensors, key=lambda nt: nt[0]), self.vllm_config)
+            tensors = sorted(opened.tensors, key=lambda nt: nt[0])
+            if self.adapter is not None:
+                self.adapter.serve(CheckedUpdate(opened.version, tuple(tensors), 0))
+            else:
+                load_served_weights(self.model, tensors, self.vllm_config)
             import torch
 
             torch.cuda.synchronize(self.device)   # the trainer may free its buffer once this returns
@@ -106,6 +119,9 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
             self._stager.finish()    # a failed load changes nothing (the worker saw it failed)
             return
         assert received.host is not None
+        if self.adapter is not None:
+            self.adapter.serve(as_checked(received.host))
+            return
         load_into(self.model, as_checked(received.host), self.vllm_config)
 
     def shutdown(self) -> None:

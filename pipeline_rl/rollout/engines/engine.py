@@ -55,8 +55,10 @@ from pipeline_rl.weight_sync.message import (
     WeightUpdate,
     WeightUpdateError,
     check_update,
+    read_weight_spec,
 )
 from pipeline_rl.weight_sync.dtypes import served_dtype
+from pipeline_rl.weight_sync.lora_update import LORA_ID, LORA_NAME, LoraServing, adapter_spec
 from pipeline_rl.config import KVPolicy
 from pipeline_rl.samples import F32, I32, FinishReason
 
@@ -99,6 +101,24 @@ class EngineConfig:
     #: The run key's rendezvous secret (``run_key.rendezvous_secret``): the engine's weight
     #: receiver proves it when it joins a trainer's group; empty outside a run.
     rendezvous_secret: bytes = field(default=b"", repr=False)
+    lora: LoraServing | None = None   # a LoRA run: how the adapter is served (``weight_sync.lora_update``)
+
+    def update_spec(self) -> WeightSpec:
+        """What every update is checked against: the model's weights, or a LoRA run's adapter."""
+        spec = read_weight_spec(self.model_dir)
+        return spec if self.lora is None else adapter_spec(spec, self.lora)
+
+    def lora_args(self) -> dict[str, Any]:
+        """``EngineArgs`` keywords of a LoRA run (``LoraServing.engine_args``); none otherwise."""
+        return self.lora.engine_args() if self.lora is not None else {}
+
+    def lora_request(self) -> Any:
+        """What every request carries when the adapter is served natively (else None)."""
+        if self.lora is None or self.lora.mode != "native":
+            return None
+        from pipeline_rl.rollout.engines import vllm_compat
+
+        return vllm_compat.lora_request(LORA_ID, LORA_NAME)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +270,8 @@ class GenerationEngine(ABC):
 
 def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_version: int = 0,
                   device: Literal["cpu", "cuda"] = "cpu", gpu_memory: float | None = None,
-                  fault: str | None = None, rendezvous_secret: bytes = b"") -> EngineConfig:
+                  fault: str | None = None, rendezvous_secret: bytes = b"",
+                  lora: LoraServing | None = None) -> EngineConfig:
     """The :class:`EngineConfig` for a ``RolloutConfig`` on ``device``: dtype ``auto``
     is float32 on CPU (bf16 is slower there without AVX512) and bfloat16 on CUDA
     (FlashAttention needs a 16-bit dtype); ``gpu_memory``: the share of a shared GPU's
@@ -264,7 +285,7 @@ def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_ver
                         kv_cache_gib=rollout.kv_cache_gib or kv_cache_gib_needed(model_dir, rollout, dtype),
                         gpu_memory_fraction=gpu_memory if gpu_memory is not None else VLLM_DEFAULT_GPU_MEMORY,
                         seed=seed, initial_version=initial_version, fault=fault,
-                        rendezvous_secret=rendezvous_secret)
+                        rendezvous_secret=rendezvous_secret, lora=lora)
 
 
 #: Smallest KV cache the automatic size gives (1/64 GiB).

@@ -68,7 +68,7 @@ from pipeline_rl.rollout.engines.engine_inprocess import sampling_params, to_fin
 from pipeline_rl.weight_sync.channel import path_of
 from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.layout import UpdateLayout
-from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, WeightUpdateError, read_weight_spec
+from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, WeightUpdateError
 from pipeline_rl.weight_sync.protocol import DEFAULT_TIMEOUT_S, receive_in_one_call, tagged
 from pipeline_rl.weight_sync.receiver import Receiver
 from pipeline_rl.weight_sync.shm import SharedSegment, ShmUpdateInfo, StatusCell
@@ -115,7 +115,7 @@ class AsyncEngine(GenerationEngine):
         self.cfg = cfg
         self.kv_policy = cfg.kv_policy
         self.backend = transfer_backend(cfg.device)
-        self._spec = read_weight_spec(cfg.model_dir)
+        self._spec = cfg.update_spec()   # a LoRA run's: the adapter's
         self._version = cfg.initial_version
         self._done: queue.Queue[FinishedSequence | BaseException] = queue.Queue()
         self._unfinished = 0
@@ -159,7 +159,9 @@ class AsyncEngine(GenerationEngine):
             gpu_memory_utilization=cfg.gpu_memory_fraction,
             enforce_eager=cfg.device != "cuda", distributed_executor_backend="uni",
             weight_transfer_config=WeightTransferConfig(backend=self.backend),
+            **cfg.lora_args(),
         )
+        self._lora = cfg.lora_request()
         with compat.hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
             self._run(self._build(args))
         self._tokenizer = self._llm.tokenizer
@@ -201,7 +203,7 @@ class AsyncEngine(GenerationEngine):
     async def _generate(self, request: GenRequest) -> None:
         try:
             final = await compat.generate_final(self._llm, request.request_id, request.prompt_ids,
-                                                sampling_params(request.sampling), self._record)
+                                                sampling_params(request.sampling), self._record, self._lora)
             self._done.put(to_finished(final, self._version, self._tokenizer, self._record))
         except BaseException as e:  # surfaced to the caller by step()
             self._done.put(e)
@@ -357,7 +359,7 @@ class AsyncEngine(GenerationEngine):
         if state in (StatusCell.READY, StatusCell.NO_SHADOW):
             return state == StatusCell.READY
         try:   # end vLLM's update session: the core swaps nothing after a failed load
-            self._run(compat.async_finish_update(self._llm, None, self._native))
+            self._run(compat.async_finish_update(self._llm, None, self._native, self._lora is not None))
         finally:
             self._end_update()
         what = "failed (see the engine core's log)" if state == StatusCell.FAILED else \
@@ -372,7 +374,7 @@ class AsyncEngine(GenerationEngine):
         await self._llm.update_weights(WeightTransferUpdateRequest(message))
 
     async def _finish(self, version: int) -> None:
-        await compat.async_finish_update(self._llm, version, self._native)
+        await compat.async_finish_update(self._llm, version, self._native, self._lora is not None)
         if self._record is not None:
             # Paused: every token so far came from the old weights once its output is processed.
             await compat.drain_async_outputs(self._llm)

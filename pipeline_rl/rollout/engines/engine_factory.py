@@ -7,6 +7,7 @@ from typing import Literal
 
 from pipeline_rl.config import Config
 from pipeline_rl.rollout.engines.engine import GenerationEngine, engine_config
+from pipeline_rl.weight_sync.lora_update import LoraServing
 
 
 def build_engine(cfg: Config, model_dir: str, *, seed: int = 0, gpu_memory: float | None = None,
@@ -18,7 +19,8 @@ def build_engine(cfg: Config, model_dir: str, *, seed: int = 0, gpu_memory: floa
     trainer's weight channels."""
     device = resolve_device(cfg.model.device)
     ecfg = engine_config(cfg.rollout, model_dir, seed=seed, device=device, gpu_memory=gpu_memory,
-                         fault=cfg.fault, rendezvous_secret=rendezvous_secret)
+                         fault=cfg.fault, rendezvous_secret=rendezvous_secret,
+                         lora=LoraServing.of_run(cfg.lora, device))
     if device == "cuda" and cfg.rollout.engine == "inprocess":
         raise ValueError("--rollout.engine inprocess runs on CPU only; use async (or auto) on CUDA")
     if device == "cuda" or cfg.rollout.engine == "async":

@@ -105,6 +105,7 @@ class InprocessEngine(GenerationEngine):
             enforce_eager=enforce_eager, disable_log_stats=True,
             kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
             weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+            **cfg.lora_args(),
         )
         freeze_gc_before_build()
         with compat.hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
@@ -119,7 +120,11 @@ class InprocessEngine(GenerationEngine):
         # Layers with no checkpoint weights (rotary cos/sin caches) keep their tensors
         # on reload, which vLLM reports as a warning on every update: expected here.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        self._spec = read_weight_spec(cfg.model_dir)
+        # A LoRA run: its backend's adapter server (the updates are adapters; merged serving
+        # loads each one's complete update into the shadow, native replaces vLLM's adapter).
+        self._adapter = self._receiver().adapter
+        self._spec = self._adapter.spec if self._adapter is not None else read_weight_spec(cfg.model_dir)
+        self._lora = cfg.lora_request()
         self._version = cfg.initial_version
         # vLLM >= 0.27 labels tokens itself; before, this engine keeps the record.
         self._record = None if compat.features().inprocess_versions else compat.VersionRecord(self._version)
@@ -137,7 +142,8 @@ class InprocessEngine(GenerationEngine):
     # -- GenerationEngine -------------------------------------------------------------
     def add(self, request: GenRequest) -> None:
         prompt: Any = {"prompt_token_ids": list(request.prompt_ids)}
-        self._llm.add_request(request.request_id, prompt, sampling_params(request.sampling))
+        self._llm.add_request(request.request_id, prompt, sampling_params(request.sampling),
+                              lora_request=self._lora)
         if self._record is not None:
             self._record.add(request.request_id, registered=True)
 
@@ -150,7 +156,8 @@ class InprocessEngine(GenerationEngine):
         if sampling.seed is not None or len(request_ids) < 2:
             super().add_copies(request_ids, prompt_ids, sampling)
             return
-        compat.add_processed_copies(self._llm, request_ids, prompt_ids, sampling_params(sampling), self._tasks)
+        compat.add_processed_copies(self._llm, request_ids, prompt_ids, sampling_params(sampling), self._tasks,
+                                    self._lora)
         if self._record is not None:
             for request_id in request_ids:
                 self._record.add(request_id, registered=True)
@@ -175,7 +182,9 @@ class InprocessEngine(GenerationEngine):
             if update.version <= newest:
                 return False
             t0 = time.perf_counter()
-            if self._shadow is not None:
+            if self._adapter is not None and self._adapter.merger is not None:
+                update = self._adapter.full(update)   # merged serving: W0 + alpha/r B A, beside generation
+            if self._shadow is not None and self._lora is None:
                 self._shadow.load(update, self._llm.vllm_config)
             else:   # kept until the next step: own the bytes (the receive buffer is reused)
                 update = CheckedUpdate(update.version, tuple((n, t.clone()) for n, t in update.tensors),
@@ -196,7 +205,9 @@ class InprocessEngine(GenerationEngine):
                 return None
             start = time.perf_counter()
             in_flight = self.num_unfinished()
-            if self._shadow is not None:
+            if self._lora is not None:   # native serving: the adapter replaced in place
+                self._adapter.replace(update)
+            elif self._shadow is not None:
                 self._shadow.swap_into()
             else:
                 adapter.layerwise_reload(compat.inprocess_model(self._llm), update.tensors,
@@ -255,6 +266,8 @@ class InprocessEngine(GenerationEngine):
         if self.kv_policy == "recompute":
             self._llm.reset_prefix_cache(reset_running_requests=True)
         self._version = version
+        if self._adapter is not None:   # the adapter version this engine serves
+            self._adapter.version = version
         if self._record is not None:
             self._record.switch(version, compat.output_token_counts(self._llm.output_processor))
         else:

@@ -147,13 +147,24 @@ async def drain_async_outputs(llm: Any, max_yields: int = 1000) -> None:
         await asyncio.sleep(0)
 
 
+def lora_request(lora_id: int, name: str) -> Any:
+    """The request-side handle of a natively served LoRA adapter (``vllm.lora.request``,
+    past vLLM's public surface): every request names it, so vLLM runs it with the adapter
+    the worker's backend keeps replaced in place (``weight_sync.vllm_adapter.replace_lora``).
+    Its path is never read: the adapter is registered from memory before any request."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, lora_id, f"in-memory:{name}")
+
+
 async def generate_final(llm: Any, request_id: str, prompt_ids: Sequence[int], params: Any,
-                         record: VersionRecord | None) -> Any:
+                         record: VersionRecord | None, lora: Any = None) -> Any:
     """One request through ``AsyncLLM`` (as its ``generate`` does), returning the final
     ``RequestOutput``; ``record`` (if any) learns when vLLM holds the request."""
     if record is not None:
         record.add(request_id)
-    collector = await llm.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+    collector = await llm.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params,
+                                      lora_request=lora)
     if record is not None:
         record.registered(request_id)
     while True:
@@ -162,12 +173,20 @@ async def generate_final(llm: Any, request_id: str, prompt_ids: Sequence[int], p
             return out
 
 
-async def async_finish_update(llm: Any, version: int | None, native: bool) -> None:
-    """``AsyncLLM.finish_weight_update``, naming the new version where vLLM takes it."""
+async def async_finish_update(llm: Any, version: int | None, native: bool, lora: bool = False) -> None:
+    """``AsyncLLM.finish_weight_update``, naming the new version where vLLM takes it.
+    ``lora`` (an adapter served natively): vLLM's worker drops every LoRA adapter after a
+    weight update (``reset_lora_state``, meant for new base weights), so the adapter just
+    made live is put back through the worker extension this project registers
+    (``weight_sync.vllm_adapter.LoraWorkerExtension``), before generation resumes."""
     if native and version is not None:
         await llm.finish_weight_update(weight_version=str(version))
     else:
         await llm.finish_weight_update()
+    if lora:
+        from pipeline_rl.weight_sync.vllm_adapter import RESTORE_LORA
+
+        await llm.collective_rpc(RESTORE_LORA)
 
 
 # -- the in-process engine's private state -------------------------------------------------------
@@ -194,13 +213,14 @@ def transfer_receiver(llm: Any) -> Any:
 
 
 def add_processed_copies(llm: Any, request_ids: Sequence[str], prompt_ids: Sequence[int],
-                         params: Any, tasks: Any) -> None:
+                         params: Any, tasks: Any, lora: Any = None) -> None:
     """Process a prompt once and add one request per id (vLLM's own ``n > 1`` fan-out,
     each copy a request of its own)."""
     import copy
 
     base = llm.input_processor.process_inputs(
-        request_ids[0], {"prompt_token_ids": list(prompt_ids)}, params, supported_tasks=tasks)
+        request_ids[0], {"prompt_token_ids": list(prompt_ids)}, params, supported_tasks=tasks,
+        lora_request=lora)
     for request_id in request_ids:
         request = copy.copy(base)
         request.request_id = request_id

@@ -1,0 +1,147 @@
+"""A LoRA run's weight sync against full weights, part by part, on one machine, in one sitting.
+
+For a model wrapped as the trainer wraps it (``--lora.rank``, all seven projections by
+default; ``B`` drawn non-zero, as after training), it reports:
+
+- **bytes per version**: the adapter's update against the full update, in the served dtype
+  (float32 on CPU) and in bfloat16 (a GPU's);
+- **gather** (the trainer's copy-out, on the critical path): adapter against full, p50;
+- **merged serving**: the worker's fold ``W0 + alpha/r B A`` into a complete update
+  (``weight_sync.lora_update.Merger``), p50; its load into the engine is a full update's
+  load (``benchmarks.weight_sync`` measures that);
+- **native serving**: the adapter replaced in place in a vLLM engine started with LoRA
+  (``weight_sync.vllm_adapter.replace_lora``), p50.
+
+The transfer itself is the shm path's copy of the bytes (``benchmarks.weight_sync`` measures
+it per path); here its size is what changes. Usage: ``python -m benchmarks.lora_sync
+[--model smollm2-135m-instruct] [--rank 16] [--reps 5] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Outcome, hardware, main as bench_main
+
+
+def _p50(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    if args.quick:
+        from pipeline_rl.models.tiny_llama import build_tiny_model
+
+        out = Path(tempfile.mkdtemp(prefix="lora_sync_"))
+        build_tiny_model(out, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
+        return str(out)
+    from pipeline_rl.models.pretrained import is_pretrained_name, pretrained_model_dir
+
+    return str(pretrained_model_dir(args.model)) if is_pretrained_name(args.model) else args.model
+
+
+def _engine(model_dir: str, rank: int | None) -> Any:
+    """An in-process vLLM engine on CPU, float32 (with LoRA when ``rank`` is given)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    lora: dict[str, Any] = {} if rank is None else {
+        "enable_lora": True, "max_loras": 1, "max_lora_rank": max(8, 1 << (rank - 1).bit_length())}
+    from pipeline_rl.rollout.engines import vllm_compat as compat
+
+    with compat.hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
+        return LLMEngine.from_engine_args(EngineArgs(
+            model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=4, enforce_eager=True,
+            kv_cache_memory_bytes=1 << 26, disable_log_stats=True, **lora))
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline_rl.lora_config import LoraConfig
+    from pipeline_rl.rollout.engines import vllm_compat as compat
+    from pipeline_rl.training.lora import adapter_parameters, wrap
+    from pipeline_rl.weight_sync.gather import gather_weights
+    from pipeline_rl.weight_sync.lora_update import LORA_ID, LoraServing, Merger, peft_config_dict
+    from pipeline_rl.weight_sync.message import as_checked
+    from pipeline_rl.weight_sync.vllm_adapter import replace_lora
+
+    torch.set_num_threads(1)
+    model_dir = _model_dir(args)
+    lora = LoraConfig(rank=args.rank)
+    model = wrap(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora, model_dir, 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 1e-3)
+    named = adapter_parameters(model)
+    targets = tuple(sorted({n.rsplit(".", 3)[-3] for n, _ in named}))
+    serving = LoraServing(args.rank, lora.alpha, targets, "merged")
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)   # full fine-tuning's
+    full = gather_weights(base, 1, zero_stage=0)
+    adapter = gather_weights(model, 1, zero_stage=0, named=named)
+    bf16_full = gather_weights(base, 1, zero_stage=0, dtype="bfloat16").num_bytes
+    bf16_adapter = gather_weights(model, 1, zero_stage=0, dtype="bfloat16", named=named).num_bytes
+    gather_adapter = _p50(lambda: gather_weights(model, 1, zero_stage=0, named=named), args.reps)
+    gather_full = _p50(lambda: gather_weights(base, 1, zero_stage=0), args.reps)
+    checked = as_checked(adapter)
+    merger = Merger(model_dir, serving)
+    merge_s = _p50(lambda: merger.merge(1, checked.tensors), args.reps)
+    with_lora = _engine(model_dir, args.rank)
+    lora_model = compat.inprocess_model(with_lora)
+    tensors, config = dict(checked.tensors), peft_config_dict(serving)
+    native = _p50(lambda: replace_lora(lora_model, LORA_ID, tensors, config), args.reps)
+    result = {
+        "model": args.model if not args.quick else "tiny", "rank": args.rank, "alpha": lora.alpha,
+        "targets": list(targets), "reps": args.reps, "hardware": hardware(),
+        "bytes_full": full.num_bytes, "bytes_adapter": adapter.num_bytes,
+        "bytes_ratio": adapter.num_bytes / full.num_bytes,
+        "bytes_full_bf16": bf16_full, "bytes_adapter_bf16": bf16_adapter,
+        "gather_adapter_s": gather_adapter, "gather_full_s": gather_full,
+        "merged_merge_s": merge_s, "native_replace_s": native,
+    }
+    md = "\n".join([
+        f"LoRA weight sync, {result['model']}, rank {args.rank} on {','.join(targets)} "
+        f"(p50 of {args.reps}; one core, float32)",
+        "",
+        "| part | adapter | full weights | ratio |",
+        "|---|---|---|---|",
+        f"| bytes per version (float32) | {adapter.num_bytes / 1e6:.1f} MB | {full.num_bytes / 1e6:.1f} MB | "
+        f"{result['bytes_ratio']:.3f} |",
+        f"| bytes per version (bfloat16) | {bf16_adapter / 1e6:.1f} MB | {bf16_full / 1e6:.1f} MB | "
+        f"{bf16_adapter / bf16_full:.3f} |",
+        f"| trainer's gather | {gather_adapter * 1e3:.1f} ms | {gather_full * 1e3:.1f} ms | "
+        f"{gather_adapter / gather_full:.3f} |",
+        f"| merged: fold W0 + alpha/r B A | {merge_s * 1e3:.1f} ms | - | - |",
+        f"| native: adapter replaced in place | {native * 1e3:.1f} ms | - | - |",
+    ])
+    return Outcome(result, md)
+
+
+def _flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="A model folder or a named pretrained model.")
+    p.add_argument("--rank", type=int, default=16, help="Adapter rank (all seven projections).")
+    p.add_argument("--reps", type=int, default=5, help="Repetitions per timed part (p50 reported).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("lora_sync", __doc__, argv, run, flags=_flags, quick="The tiny built-in-size model "
+                      "(a smoke run, what the tests run).")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
