@@ -64,7 +64,7 @@ def test_ipc_info_is_told_apart_by_its_tag_and_a_bad_one_refused() -> None:
     assert "\n" not in str(e.value)
     for tag in (None, "carrier-pigeon"):   # no guessing from the keys: an untagged message is refused
         untagged = {k: v for k, v in info.items() if k != "path"} | ({"path": tag} if tag else {})
-        with pytest.raises(WeightUpdateError, match="path tag .* is not one of gloo, ipc, nccl, shm"):
+        with pytest.raises(WeightUpdateError, match="path tag .* is not one of gloo, ipc, nccl, object_store, shm"):
             decode_update_info(untagged)
 
 
