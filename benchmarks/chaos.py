@@ -66,6 +66,10 @@ from benchmarks.chaos_kills import ActorKill, actor_pid, busiest_worker, marks_o
 from benchmarks.chaos_report import acceptance, markdown, records
 
 _POLL_S = 0.1
+#: How many steps after its planned step a kill may land: the harness polls metrics.jsonl and
+#: kills from outside while the run goes on (a tiny model's step takes ~50 ms on 2 cores), so
+#: the plan keeps this much room after each kill before the next one.
+_LATE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +204,8 @@ class Plan:
     after which the trainer or the buffer dies (``actor_at``: (step, kind)), and those after
     which the whole run dies; ``in_save``: the periodic checkpoint (from the second on) whose
     write one trainer kill interrupts (the ``checkpoint_write`` fault). No two kills fall
-    within a few steps of each other."""
+    within a few steps of each other, and none is planned fewer than ``_LATE`` steps before
+    another or before the run's end (a kill from outside lands late)."""
 
     worker_at: list[int]
     actor_at: list[tuple[int, str]]
@@ -212,11 +217,11 @@ class Plan:
              every: int, seed: int) -> "Plan":
         rng = random.Random(seed)
         worker_at = [round((i + 1) * steps / (worker_kills + 1)) for i in range(worker_kills)]
-        busy = {s for w in worker_at for s in range(w - 2, w + 8)}
+        busy = {s for w in worker_at for s in range(w - 2 - _LATE, w + 8)}
         saves = [s for s in range(2 * every, steps, every) if s not in busy]
         save = rng.choice(saves) if saves and trainer_kills else None
-        if save is not None:
-            busy |= set(range(save - 4, save + 8))
+        if save is not None:   # a kill planned before the save lands up to _LATE steps later
+            busy |= set(range(save - 4 - _LATE, save + 8))
         kinds = ["trainer"] * (trainer_kills - (save is not None)) + ["buffer"] * buffer_kills
         rng.shuffle(kinds)
         actor_at = []
@@ -225,8 +230,8 @@ class Plan:
                        if s > every and s not in busy), None)
             if at is not None:
                 actor_at.append((at, kind))
-                busy |= set(range(at - 4, at + 8))
-        pool = sorted(set(range(every + 1, steps - 1)) - busy)
+                busy |= set(range(at - 4 - _LATE, at + 8 + _LATE))
+        pool = sorted(set(range(every + 1, steps - 1 - _LATE)) - busy)
         run_at = sorted(rng.sample(pool, min(len(pool), run_kills)))
         return cls(worker_at, sorted(actor_at), run_at, save)
 

@@ -1,6 +1,6 @@
-"""The chaos benchmark, short: a run that loses a rollout worker, then its trainer while it
-writes a checkpoint (the run restarts itself), then is SIGKILLed whole still reaches its last
-step after ``--resume RUN_DIR``, with every step once in ``metrics.jsonl`` and in
+"""The chaos benchmark, short: a run that is SIGKILLed whole (then ``--resume RUN_DIR``),
+loses a rollout worker, then its trainer while it writes a checkpoint (the run restarts
+itself) still reaches its last step, with every step once in ``metrics.jsonl`` and in
 TensorBoard, and the killed save tidied."""
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import peers, peers_env
+from benchmarks.common import portable
 
 
 def test_trailing_mean_uses_full_windows_only() -> None:
@@ -104,5 +105,6 @@ def test_trl_and_pipeline_side_by_side_on_a_tiny_model(tiny_model_dir: str, tmp_
     assert [e["step"] for e in trl_evals] == [0, 2, 3] and all(e["num_prompts"] == 4 for e in trl_evals)
     md = (out / "peers.md").read_text()
     assert "Held-out greedy accuracy (4 prompts" in md
-    assert "TRL GRPOTrainer" in md and f"pipeline_rl: {sys.prefix} (" in md
+    # Where each side ran, written as anyone's path (a results page is read on other machines).
+    assert "TRL GRPOTrainer" in md and f"pipeline_rl: {portable(sys.prefix)} (" in md
     assert (out / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
