@@ -257,6 +257,18 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
     assert upward_violations(pkg, (("pkg.ws", "pkg.ro"),)) == ["pkg.ws.a:2 imports pkg.ro"]
 
 
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_longer_than_the_bound() -> None:
+    """A module past the bound is a room holding two things: split it by what it does."""
+    long = {f.relative_to(PACKAGE).as_posix(): n for f in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"modules over {MAX_MODULE_LINES} lines: {long}"
+    tail = LAYOUT.read_text().partition("## Checked claims")[2]
+    assert f"No module of the package is longer than {MAX_MODULE_LINES} lines." in tail
+
+
 def test_no_two_modules_share_a_name() -> None:
     assert duplicate_names(PACKAGE) == {}
 

@@ -24,13 +24,11 @@ Invariants:
 - Weight updates never stop or drain a sequence: sequences in flight continue
   under the new weights (KV policy from ``rollout.kv_policy``) and their tokens'
   versions change at the step where the update took effect.
-- New weights arrive through vLLM's weight-transfer calls the trainer makes (forwarded
-  to the engine; per update in one call, :meth:`RolloutWorker.receive_update`), on every
-  path, Ray's object store included; an update in memory (:meth:`RolloutWorker.offer_weights`:
-  tests, one-process tools) takes the same calls. Either way received, validated and staged
-  (the costly part) in the caller's thread
-  while the engine keeps stepping; a bad payload raises ``WeightUpdateError``, never applied.
-  Only the newest staged update is kept; the loop makes it live between two steps.
+- New weights arrive through vLLM's weight-transfer calls the trainer makes, on every path
+  (:meth:`RolloutWorker.receive_update`; in memory, :meth:`RolloutWorker.offer_weights`, the
+  same calls). They are received, validated and staged in the caller's thread while the
+  engine keeps stepping; a bad payload raises ``WeightUpdateError``, never applied. Only the
+  newest staged update is kept; the loop makes it live between two steps.
 - Rewards run off the engine's critical path (``pipeline_rl.rollout.scoring``). A send
   that fails stops the worker with that error, and so does :meth:`RolloutWorker.fail`
   (the actor calls it when new weights cannot be taken).
@@ -73,8 +71,7 @@ log = logging.getLogger(__name__)
 
 GROUP_ID_STRIDE = 1 << 40  # group ids: worker_id * stride + local counter (unique per run)
 
-#: How long beyond its hold a stopping worker waits for the answer to its last request.
-_ANSWER_WAIT_S = 5.0
+_ANSWER_WAIT_S = 5.0  # how long beyond its hold a stopping worker waits for its last answer
 
 
 class RolloutWorker:
