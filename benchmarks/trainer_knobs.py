@@ -116,6 +116,14 @@ def _report(r: dict[str, Any]) -> str:
     rows = [f"| {run['variant']} | {run['seed']} | "
             + " | ".join(f"{run['greedy'].get(s, run['greedy'].get(str(s), float('nan'))):.3f}" for s in steps)
             + f" | {run['wall_s']:.0f} |" for run in r["runs"]]
+    means = []
+    for variant in dict.fromkeys(run["variant"] for run in r["runs"]):
+        mine = [run for run in r["runs"] if run["variant"] == variant]
+        cells = [[g for run in mine if (g := run["greedy"].get(s, run["greedy"].get(str(s)))) is not None]
+                 for s in steps]
+        means.append(f"| {variant} | mean of {len(mine)} | "
+                     + " | ".join(f"{sum(c) / len(c):.3f}" if c else "-" for c in cells)
+                     + f" | {sum(run['wall_s'] for run in mine) / len(mine):.0f} |")
     hw = r["hardware"]
     not_run = ", ".join(r["not_run"]) or "none"
     return "\n".join([
@@ -123,7 +131,7 @@ def _report(r: dict[str, Any]) -> str:
         f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU, shared with other work "
         f"(load average {r['load_avg_1m_at_end']:.1f} at the end); {r['steps']} steps per run, the pretrained "
         f"profile's defaults, muon_lr {r['muon_lr']:g}; {r['date']}. Not run (the time ran out, or failed): {not_run}.", "",
-        head, "|---|---:|" + "---:|" * (len(steps) + 1), *rows, "",
+        head, "|---|---:|" + "---:|" * (len(steps) + 1), *rows, *means, "",
         "Greedy accuracy over 32 held-out prompts (one prompt = 0.031).", ""])
 
 
