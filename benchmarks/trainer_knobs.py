@@ -110,16 +110,22 @@ def _result(args: argparse.Namespace, runs: list[dict[str, Any]], skipped: list[
             "date": dt.date.today().isoformat()}
 
 
+def _greedy_at(run: dict[str, Any], step: int) -> float | None:
+    """A run's greedy accuracy after ``step`` (its keys are ints in memory, strings from JSON)."""
+    greedy = run["greedy"]
+    return greedy.get(step, greedy.get(str(step)))
+
+
 def _report(r: dict[str, Any]) -> str:
     steps = sorted({int(s) for run in r["runs"] for s in run["greedy"]})
     head = "| variant | seed | " + " | ".join(f"step {s}" for s in steps) + " | run (s) |"
     rows = [f"| {run['variant']} | {run['seed']} | "
-            + " | ".join(f"{run['greedy'].get(s, run['greedy'].get(str(s), float('nan'))):.3f}" for s in steps)
+            + " | ".join(f"{_greedy_at(run, s) if _greedy_at(run, s) is not None else float('nan'):.3f}" for s in steps)
             + f" | {run['wall_s']:.0f} |" for run in r["runs"]]
     means = []
     for variant in dict.fromkeys(run["variant"] for run in r["runs"]):
         mine = [run for run in r["runs"] if run["variant"] == variant]
-        cells = [[g for run in mine if (g := run["greedy"].get(s, run["greedy"].get(str(s)))) is not None]
+        cells = [[g for run in mine if (g := _greedy_at(run, s)) is not None]
                  for s in steps]
         means.append(f"| {variant} | mean of {len(mine)} | "
                      + " | ".join(f"{sum(c) / len(c):.3f}" if c else "-" for c in cells)
