@@ -127,6 +127,29 @@ class Timeline:
         return [r for s, r in self.rows if s == segment and r.at > at]
 
 
+def resolve_worker_kill(k: WorkerKill, timeline: Timeline, med: float, restart_at: float | None) -> None:
+    """Fill in what worker kill ``k`` cost. The worker is back at the first row that counts one
+    more worker restart; or, when the run restarted itself first (a trainer kill before the
+    worker was back: every worker is new), at the first row after that restart (``restart_at``;
+    the run's counters start again from zero there)."""
+    after = timeline.after(k.segment, k.at)
+    before = [r for s, r in timeline.rows if s == k.segment and r.at <= k.at]
+    if not before:
+        return
+    base = before[-1]
+    first = [r for r in after if restart_at is None or r.at < restart_at]
+    back = next((r for r in first if r.worker_restarts > base.worker_restarts), None)
+    if back is None:
+        back = next((r for r in after if restart_at is not None and r.at > restart_at), None)
+    if back is None:
+        return
+    k.restart_step, k.back_s = back.step, back.at - k.at
+    window = [r for r in first if r.step <= back.step + 5] or [base]
+    k.groups_lost = max(r.groups_lost for r in window) - base.groups_lost
+    end = [r for r in after if r.step <= back.step + 5][-1]
+    k.time_lost_s = end.at - base.at - (end.step - base.step) * med
+
+
 class Launch:
     """One launch of the run: a child process in a process group of its own."""
 
@@ -290,9 +313,11 @@ class Chaos:
                 return "failed"
             if self.plan.worker_at and top >= self.plan.worker_at[0] and rows:
                 self._kill_worker(step, segment)
-            if self.plan.actor_at and top >= self.plan.actor_at[0][0] and rows:
+            if self._worker_healing(segment):
+                pass   # a kill waits for the worker killed before it: each kill's cost is its own
+            elif self.plan.actor_at and top >= self.plan.actor_at[0][0] and rows:
                 self._kill_actor(step, fill)
-            if self.plan.run_at and top >= self.plan.run_at[0] and rows:
+            elif self.plan.run_at and top >= self.plan.run_at[0] and rows:
                 self.plan.run_at.pop(0)
                 outside = launch.kill()
                 for r in tail.new_rows():   # the steps it finished before it died
@@ -301,6 +326,16 @@ class Chaos:
                 self.run_kills.append(RunKill(step, time.time(), segment, fill, outside))
                 return "killed"
             time.sleep(_POLL_S)
+
+    def _worker_healing(self, segment: int) -> bool:
+        """Whether the last worker killed in this segment is not back yet (no row since its
+        kill counts one more worker restart than the row before it)."""
+        k = self.worker_kills[-1] if self.worker_kills else None
+        if k is None or k.segment != segment:
+            return False
+        before = [r.worker_restarts for s, r in self.timeline.rows if s == segment and r.at <= k.at]
+        base = before[-1] if before else 0.0
+        return not any(r.worker_restarts > base for r in self.timeline.after(segment, k.at))
 
     def _kill_worker(self, step: int, segment: int) -> None:
         pid = busiest_worker()
@@ -328,21 +363,9 @@ class Chaos:
     def resolve(self) -> None:
         """Fill in what each kill cost, from the rows that followed it."""
         med = self.median_step_s()
-        for k in self.worker_kills:
-            after = self.timeline.after(k.segment, k.at)
-            before = [r for s, r in self.timeline.rows if s == k.segment and r.at <= k.at]
-            if not before:
-                continue
-            base = before[-1]
-            back = next((r for r in after if r.worker_restarts > base.worker_restarts), None)
-            if back is None:
-                continue
-            k.restart_step, k.back_s = back.step, back.at - k.at
-            window = [r for r in after if r.step <= back.step + 5]
-            k.groups_lost = max(r.groups_lost for r in window) - base.groups_lost
-            end = window[-1]
-            k.time_lost_s = end.at - base.at - (end.step - base.step) * med
         marks, taken = marks_of(self.out), set()
+        for k in self.worker_kills:
+            resolve_worker_kill(k, self.timeline, med, next((m.unix_time_s for m in marks if m.unix_time_s > k.at), None))
         for rk in self.run_kills:   # a whole-run kill's resume: the first mark after it
             i = next((i for i, m in enumerate(marks) if m.unix_time_s > rk.at and i not in taken), None)
             if i is None:

@@ -46,3 +46,24 @@ def test_a_worker_kill_a_trainer_kill_in_a_save_and_a_whole_run_kill(tiny_model_
     losses = [e.step for f in sorted((run / "tb").glob("*tfevents*")) for e in EventFileLoader(str(f)).Load()
               if any(v.tag == "loss" for v in e.summary.value)]
     assert sorted(losses) == list(range(1, 51))
+
+
+def _row(step: int, at: float, restarts: float, lost: float = 0.0) -> chaos.Row:
+    return chaos.Row(step, at, lost, restarts, 0)
+
+
+def test_a_worker_kill_is_back_when_its_restart_is_counted() -> None:
+    rows = [_row(s, float(s), 0.0) for s in range(1, 6)] + [_row(6, 6.5, 0.0, 2.0), _row(7, 9.0, 1.0, 2.0)]
+    kill = chaos.WorkerKill(5, 5.2, 0, 1)
+    chaos.resolve_worker_kill(kill, chaos.Timeline([(0, r) for r in rows]), 1.0, None)
+    assert (kill.restart_step, kill.groups_lost) == (7, 2.0) and kill.back_s == pytest.approx(3.8)
+
+
+def test_a_worker_kill_overtaken_by_a_run_restart_is_back_after_that_restart() -> None:
+    # The trainer dies at step 8 before the killed worker is back; the run restarts from step
+    # 5 at t=20 with new workers, and its counters start again from zero.
+    before = [_row(s, float(s), 0.0) for s in range(1, 9)]
+    after = [_row(s, 20.0 + s, 0.0) for s in range(6, 12)]
+    kill = chaos.WorkerKill(4, 4.5, 0, 1)
+    chaos.resolve_worker_kill(kill, chaos.Timeline([(0, r) for r in before + after]), 1.0, 19.0)
+    assert (kill.restart_step, kill.groups_lost) == (6, 0.0) and kill.back_s == pytest.approx(21.5)
