@@ -17,8 +17,11 @@ Runs go seed by seed (every variant of seed 0, then of seed 1, ...), so a run cu
 ``--not-after`` (no run starts after that UTC time) still compares the variants on the seeds
 it reached; the JSON and the report are rewritten after every run.
 
+``--add-to JSON`` continues an earlier result of the same settings (one cut short): its runs
+are kept and not run again, and the rest are added.
+
 Usage: ``python -m benchmarks.trainer_knobs [--seeds 0 1] [--steps 30] [--not-after 23:55]
-[--json PATH] [--md PATH]``.
+[--add-to JSON] [--json PATH] [--md PATH]``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
                    help="Variants to run (default all, in the order adamw, muon, cosine).")
     p.add_argument("--not-after", default=None, metavar="HH:MM", help="Start no run after this UTC time.")
+    p.add_argument("--add-to", type=Path, default=None, metavar="JSON",
+                   help="An earlier result of the same settings: its runs are kept, the others run.")
 
 
 def _too_late(not_after: str | None) -> bool:
@@ -76,12 +81,33 @@ def _one(args: argparse.Namespace, variant: str, seed: int) -> dict[str, Any]:
             "lr_first_last": [rows[0].get("lr", 0.0), rows[-1].get("lr", 0.0)] if rows else []}
 
 
+def _earlier(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The runs of ``--add-to`` (none without it); exits 2 when its settings differ."""
+    import json
+
+    if args.add_to is None:
+        return []
+    try:
+        old = json.loads(args.add_to.read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"trainer_knobs: --add-to {args.add_to}: cannot read it ({e})")
+    mine = {"model": args.model, "steps": args.steps, "eval_every": args.eval_every, "muon_lr": args.muon_lr}
+    differ = [k for k, v in mine.items() if old.get(k) != v]
+    if differ:
+        sys.exit(f"trainer_knobs: --add-to {args.add_to}: other settings ({', '.join(differ)}: "
+                 f"{', '.join(str(old.get(k)) for k in differ)})")
+    return list(old["runs"])
+
+
 def _run(args: argparse.Namespace) -> Outcome:
-    runs: list[dict[str, Any]] = []
+    runs = _earlier(args)
+    done = {(run["variant"], run["seed"]) for run in runs}
     skipped: list[str] = []
     result: dict[str, Any] = {}
     for seed in args.seeds:
         for variant in args.variants:
+            if (variant, seed) in done:
+                continue
             if _too_late(args.not_after):
                 skipped.append(f"{variant}-seed{seed}")
                 continue
@@ -134,7 +160,7 @@ def _report(r: dict[str, Any]) -> str:
     not_run = ", ".join(r["not_run"]) or "none"
     return "\n".join([
         f"# The trainer's knobs on {r['model']}: held-out greedy accuracy by step (word_problems)", "",
-        f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU, shared with other work "
+        f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU "
         f"(load average {r['load_avg_1m_at_end']:.1f} at the end); {r['steps']} steps per run, the pretrained "
         f"profile's defaults, muon_lr {r['muon_lr']:g}; {r['date']}. Not run (the time ran out, or failed): {not_run}.", "",
         head, "|---|---:|" + "---:|" * (len(steps) + 1), *rows, *means, "",

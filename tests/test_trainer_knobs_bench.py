@@ -1,0 +1,22 @@
+"""``benchmarks.trainer_knobs --add-to``: an earlier result of other settings is refused in one
+line before any run starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import trainer_knobs
+
+
+def test_add_to_a_result_of_other_settings_is_refused(tmp_path: Path) -> None:
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"model": "smollm2-135m-instruct", "steps": 20, "eval_every": 10,
+                               "muon_lr": 1.6e-4, "runs": []}))
+    with pytest.raises(SystemExit) as e:
+        trainer_knobs.main(["--add-to", str(old), "--steps", "30", "--out", str(tmp_path / "out"),
+                            "--json", str(tmp_path / "r.json"), "--md", str(tmp_path / "r.md")])
+    assert "other settings (steps: 20)" in str(e.value.code)
+    assert not (tmp_path / "r.json").exists()
