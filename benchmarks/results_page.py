@@ -61,6 +61,13 @@ CATALOG: tuple[Entry, ...] = (
           "resident memory and step time with `--trainer.gradient_checkpointing` and without (prompts "
           "shared, today's default; and padded rows, the layout checkpointing uses), each in a fresh "
           "process."),
+    Entry("trainer_knobs", "Muon and warm-up + cosine on the real chat model",
+          "python -m benchmarks.trainer_knobs --seeds 0 1 --steps 30",
+          "SmolLM2-135M-Instruct on word problems, 30 steps per run, two seeds: held-out greedy accuracy "
+          "every 10 steps with AdamW at a constant rate (the default), Muon (`--trainer.optimizer muon`, "
+          "muon_lr 1.6e-4 by Moonlight's update-size rule) and a 3-step warm-up then cosine decay. The "
+          "cosine seed-1 run shared the machine with a test run for 8 of its 12 minutes (its time "
+          "only)."),
     Entry("peers_real_model", "Against TRL's GRPOTrainer on the real chat model",
           "python -m benchmarks.peers --model smollm2-135m-instruct --seeds 1 --systems trl,s2 --steps 40 "
           "--eval-every 10 --heldout-target 0.6 --lr 2e-5 --max-new-tokens 32 --max-model-len 512 "
