@@ -38,13 +38,15 @@ _EVAL_FINAL_TIMEOUT_S = 300.0  # the end-of-run evaluation must finish by then
 
 
 class Orchestrator:
-    """Starts Ray and every actor on enter, runs steps in :meth:`train`, stops all on exit."""
+    """Starts Ray (unless given one) and every actor on enter, runs steps in :meth:`train`,
+    stops the actors (and the Ray it started) on exit."""
 
     def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder,
-                 restarts: int = 0) -> None:
+                 restarts: int = 0, cluster: Cluster | None = None) -> None:
         """``folder``: the run folder (:func:`~pipeline_rl.run.startup.open_run`), which
         also holds the version the run starts at; ``restarts``: the run's restarts before
-        this start (``run/restarts.py``), recorded on every step."""
+        this start (``run/restarts.py``), recorded on every step; ``cluster``: a Ray that
+        outlives this orchestrator (its caller shuts it down); None: its own."""
         self.restarts = restarts
         self.folder = folder
         # Actors may run in another working directory: they get the run folder absolute.
@@ -54,7 +56,8 @@ class Orchestrator:
         self.stop = stop
         self.version = 0
         self._calls = RayCalls()
-        self._cluster = Cluster(self.cfg, model_dir)
+        self._owns_cluster = cluster is None
+        self._cluster = Cluster(self.cfg, model_dir) if cluster is None else cluster
         self._checkpoints = CheckpointPolicy(self.cfg, self.out)
         # the actors as start-up creates them, to stop them if it fails half-way
         self._started: tuple[BufferHandle | None, list[TrainerHandle], list[WorkerSlot]] = (None, [], [])
@@ -111,7 +114,8 @@ class Orchestrator:
         stop_actors(*self._started)
         if self._recorder is not None:
             self._recorder.close()
-        self._cluster.shutdown()
+        if self._owns_cluster:
+            self._cluster.shutdown()
 
     @property
     def actors(self) -> Actors:

@@ -1,7 +1,7 @@
 """A run that heals itself: when a trainer rank or the replay buffer dies (a killed process,
 an out-of-memory kill, a Ray actor death) or a weight update fails, the run stops what is
-left (every actor, its Ray) and starts again in the same process from its newest complete
-checkpoint (``--run.max_restarts``, docs/failures.md).
+left (every actor) and starts new actors in the same process, on the same Ray, from its
+newest complete checkpoint (``--run.max_restarts``, docs/failures.md).
 
 Invariants: a restart continues the same folder as ``--resume`` would (records past the
 checkpoint dropped, the restart marked: no step twice in ``metrics.jsonl``), with the same
@@ -20,9 +20,14 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from pipeline_rl.config import Config
 from pipeline_rl.run.run_folder import RunFolder, restart_in
 from pipeline_rl.run.supervisor import OrchestratorError
+
+if TYPE_CHECKING:
+    from pipeline_rl.run.cluster import Cluster
 
 log = logging.getLogger("pipeline_rl.run.restarts")
 
@@ -69,12 +74,23 @@ def restarts_before(folder: RunFolder) -> int:
 def conduct(cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder) -> None:
     """Run the whole job, restarting it as the module docstring says; raises the last
     :class:`OrchestratorError` (its message: the one line) when it cannot go on."""
+    from pipeline_rl.run.cluster import Cluster
+
+    cluster = Cluster(cfg, model_dir)   # one Ray for every life of the run
+    try:
+        _lives(cfg, model_dir, stop, folder, cluster)
+    finally:
+        cluster.shutdown()
+
+
+def _lives(cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder, cluster: "Cluster") -> None:
+    """The run's lives on ``cluster``: each a new set of actors, from the newest checkpoint."""
     from pipeline_rl.run.conductor import Orchestrator
 
     policy = RestartPolicy(cfg.run.max_restarts, restarts=restarts_before(folder))
     fault = cfg.fault
     while True:
-        orch = Orchestrator(cfg, model_dir, stop, folder, policy.restarts)
+        orch = Orchestrator(cfg, model_dir, stop, folder, policy.restarts, cluster)
         try:
             with orch:
                 orch.train()
