@@ -14,7 +14,8 @@ the entropy's largest ratio to step 1's over the first 20 steps, the mismatch KL
 trainer's step (median ``train_step_s``: forward, backward and optimizer, the publish not
 included), the median pipeline step, generated tokens/s over the worker's busy time, stall
 p50 and weight sync p50 (step end to every worker generating with the new version) in both
-serving modes. ``--lora-sync`` adds the bytes per version and the parts of a sync from
+serving modes; and the tokens/s over steps 4-10 with the completions' median length, since
+tokens/s follows the lengths the two policies learn. ``--lora-sync`` adds the bytes per version and the parts of a sync from
 ``benchmarks.lora_sync``'s JSON. Steps 1-3 (start-up) are left out of every median, as
 ``benchmarks.real_model`` does.
 
@@ -39,6 +40,10 @@ from benchmarks.common import BadFlag, Outcome, main as bench_main
 
 #: Steps left out of the medians (start-up), as benchmarks.real_model does.
 WARMUP_STEPS = 3
+#: The early window (steps 4-10), before two policies' completion lengths part: tokens/s
+#: follows them (a decode step on a CPU reads every weight however few sequences it still
+#: carries, so a batch whose completions end early makes fewer tokens per step).
+EARLY_STEPS = 10
 
 
 def _flags(p: argparse.ArgumentParser) -> None:
@@ -68,7 +73,10 @@ def _side(folder: Path) -> dict[str, Any]:
     """One run's figures for the table."""
     res, rows = _read(folder)
     f = res["figures"]
-    return {"flags": res["flags"], "greedy_first": f["greedy_first"], "greedy_last": f["greedy_last"],
+    early = [r["tokens_per_s"] / (1.0 - r["generator_idle_frac"]) for r in rows[WARMUP_STEPS:EARLY_STEPS]
+             if r.get("generator_idle_frac") is not None and r["generator_idle_frac"] < 1.0]
+    return {"completion_len": _median(rows, "completion_len_mean"),
+            "tokens_per_s_busy_early": statistics.median(early) if early else None, "flags": res["flags"], "greedy_first": f["greedy_first"], "greedy_last": f["greedy_last"],
             "greedy_gain": f["greedy_gain_reached"], "entropy_ratio": f["entropy_max_ratio_first20"],
             "mismatch_kl_max": f["mismatch_kl_max_first20"], "train_step_s": _median(rows, "train_step_s"),
             "step_s": f["step_time_s_median"], "tokens_per_s_busy": f["tokens_per_s_busy"],
@@ -97,6 +105,8 @@ def _run(args: argparse.Namespace) -> Outcome:
         "train_step": _ratio(lora["train_step_s"], full["train_step_s"]),
         "step": _ratio(lora["step_s"], full["step_s"]),
         "tokens_per_s_busy": _ratio(lora["tokens_per_s_busy"], full["tokens_per_s_busy"]),
+        "tokens_per_s_busy_early": _ratio(lora["tokens_per_s_busy_early"], full["tokens_per_s_busy_early"]),
+        "completion_len": _ratio(lora["completion_len"], full["completion_len"]),
         "stall_p50": _ratio(lora["stall_ms_p50"], full["stall_ms_p50"]),
         "sync_p50_default": _ratio(lora["sync_ms_p50"], full["sync_ms_p50"]),
         "sync_p50_native": _ratio(native["sync_ms_p50"], full["sync_ms_p50"]) if native else None}}
@@ -120,6 +130,10 @@ def _markdown(r: dict[str, Any]) -> str:
          _cell(q["step"], ".2f")),
         ("tokens/s over the worker's busy time", _cell(full["tokens_per_s_busy"], ".1f"),
          _cell(lora["tokens_per_s_busy"], ".1f"), _cell(q["tokens_per_s_busy"], ".2f")),
+        ("the same, steps 4-10", _cell(full["tokens_per_s_busy_early"], ".1f"),
+         _cell(lora["tokens_per_s_busy_early"], ".1f"), _cell(q["tokens_per_s_busy_early"], ".2f")),
+        ("completion length, median of the steps' means (tokens)", _cell(full["completion_len"], ".1f"),
+         _cell(lora["completion_len"], ".1f"), _cell(q["completion_len"], ".2f")),
         ("stall p50 (ms)", _cell(full["stall_ms_p50"], ".1f"), _cell(lora["stall_ms_p50"], ".1f"),
          _cell(q["stall_p50"], ".2f")),
         ("weight sync p50 (ms), default serving", _cell(full["sync_ms_p50"], ".0f"), _cell(lora["sync_ms_p50"], ".0f"),

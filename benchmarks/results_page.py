@@ -68,6 +68,13 @@ CATALOG: tuple[Entry, ...] = (
           "muon_lr 1.6e-4 by Moonlight's update-size rule) and a 3-step warm-up then cosine decay. The "
           "cosine seed-1 run shared the machine with a test run for 8 of its 12 minutes (its time "
           "only)."),
+    Entry("lora_vs_full", "LoRA beside full fine-tuning on the real chat model",
+          "python -m benchmarks.real_model --steps 30 -- --task.name word_problems [--lora.rank 16 "
+          "[--lora.serving native]], then python -m benchmarks.lora_vs_full",
+          "SmolLM2-135M-Instruct on word problems, in one sitting: full fine-tuning (30 steps), a rank-16 "
+          "adapter on all seven projections in the CPU's default serving mode, merged (30 steps), and the "
+          "same adapter served natively by vLLM's LoRA (10 steps, for its weight sync). The LoRA runs "
+          "name `--trainer.lr 4e-4`, the pretrained profile's LoRA rate since these runs (2e-4 before)."),
     Entry("peers_real_model", "Against TRL's GRPOTrainer on the real chat model",
           "python -m benchmarks.peers --model smollm2-135m-instruct --seeds 1 --systems trl,s2 --steps 40 "
           "--eval-every 10 --heldout-target 0.6 --lr 2e-5 --max-new-tokens 32 --max-model-len 512 "
