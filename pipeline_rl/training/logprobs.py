@@ -81,8 +81,12 @@ def _shared_prompt_logits(model: Any, mb: SharedPromptBatch) -> tuple[torch.Tens
     ids = mb.completion_ids                                                          # [B, T]
     b, t = ids.shape
     g = mb.prompt_ids.shape[0]
-    out = model(input_ids=mb.prompt_ids, use_cache=True)                             # logits [G, P, V]
-    last = out.logits[torch.arange(g, device=ids.device), mb.prompt_lens - 1]        # [G, V]
+    # Only the positions some prompt ends at go through the LM head (``logits_to_keep``, a
+    # sorted index over P): the other prompt positions' logits are never used.
+    ends = mb.prompt_lens - 1                                                        # [G]
+    keep = torch.unique(ends)                                                        # [U], U <= G
+    out = model(input_ids=mb.prompt_ids, use_cache=True, logits_to_keep=keep)        # logits [G, U, V]
+    last = out.logits[torch.arange(g, device=ids.device), torch.searchsorted(keep, ends)]   # [G, V]
     logits = last[mb.row_prompt].unsqueeze(1)                                        # [B, 1, V]
     if t > 1:
         cache = out.past_key_values
