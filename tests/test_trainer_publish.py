@@ -74,6 +74,30 @@ def test_new_worker_gets_latest_at_once() -> None:
     assert a.versions == [1] and b.versions == [1]
 
 
+
+def test_a_worker_added_while_a_version_is_on_its_way_gets_that_version() -> None:
+    # A standby takes a dead worker's place while v2 is being sent: it is handed v1 (the
+    # newest sent) and must then get v2 too, or it waits for v2 forever (and the trainer for it).
+    a, b = SlowSink(), SlowSink()
+    b.release.set()
+    pub = WeightPublisher([a], path="object_store")
+    a.release.set()
+    pub.publish(_update(1))
+    assert pub.flush(10)
+    a.release.clear()
+    a.entered.clear()
+    pub.publish(_update(2))
+    assert a.entered.wait(10)                                        # v2 is on its way to a
+    joined = threading.Thread(target=pub.set_workers, args=([a, b],))
+    joined.start()
+    time.sleep(0.2)
+    a.release.set()
+    joined.join(10)
+    assert pub.flush(10)
+    pub.close()
+    assert a.versions == [1, 2] and b.versions[-1] == 2 and b.versions == sorted(b.versions)
+    assert b.versions.count(2) == 1                                  # sent once, not twice
+
 # ------------------------------------------------------------------------------ Ray object store
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,10 @@ class WeightPublisher:
         self._background = background
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        # One send at a time (a version never overtakes another on its way to a worker), and
+        # the newest version each worker was sent (set_workers sends nothing older or twice).
+        self._sending = threading.Lock()
+        self._sent: dict[Hashable, int] = {}
         self._next: WeightUpdate | None = None   # newest update not yet sent
         self._latest: WeightUpdate | None = None
         self._busy = False
@@ -184,23 +188,29 @@ class WeightPublisher:
         with self._lock:
             new = [w for w in workers if all(w is not old for old in self._workers)]
             self._workers = list(workers)
-            latest = self._latest
             keep = set(workers)
             gone = [self._channels.pop(k) for k in list(self._channels) if k not in keep]
+            for k in [k for k in self._sent if k not in keep]:
+                del self._sent[k]
         for channel in gone:
             channel.close()
         paths: list[str] = [self._path_of(w) for w in workers]
-        if latest is not None:
-            self._send_all(new, latest, reconnect=False)
+        with self._sending:   # a version on its way now reaches the new workers too (``_send``)
+            with self._lock:
+                latest = self._latest
+                behind = [w for w in new if latest is not None and self._sent.get(w, -1) < latest.version]
+            if latest is not None and behind:
+                self._send_all(behind, latest, reconnect=False)
         return paths
 
     def offer_latest(self, workers: Sequence[object]) -> None:
         """Offer the newest published weights to ``workers`` now (e.g. a restarted worker
         behind an unchanged handle: its channel is opened anew)."""
-        with self._lock:
-            latest = self._latest
-        if latest is not None:
-            self._send_all(list(workers), latest, reconnect=True)
+        with self._sending:
+            with self._lock:
+                latest = self._latest
+            if latest is not None:
+                self._send_all(list(workers), latest, reconnect=True)
 
     def on_device(self) -> bool:
         """Whether ``gather_weights`` should keep the next version on the GPU: some worker's
@@ -268,15 +278,24 @@ class WeightPublisher:
                     self._wake.notify_all()
 
     def _send(self, update: WeightUpdate) -> None:
-        with self._lock:
-            workers = list(self._workers)
-        self._send_all(workers, update, reconnect=False)
-        with self._lock:
-            self._published += 1
-            self._bytes += update.num_bytes
-            self._last_bytes = update.num_bytes
-            self._last_version = update.version
-            self._latest = update
+        """Send ``update`` to every worker, those :meth:`set_workers` adds meanwhile included:
+        they were handed the version before this one, and without this one they would wait
+        for it forever (the trainer waits for their groups; found by the chaos run, a standby
+        taking over while a version was on its way)."""
+        with self._sending:
+            done: list[object] = []
+            while True:
+                with self._lock:
+                    todo = [w for w in self._workers if all(w is not d for d in done)]
+                    if not todo:
+                        self._published += 1
+                        self._bytes += update.num_bytes
+                        self._last_bytes = update.num_bytes
+                        self._last_version = update.version
+                        self._latest = update
+                        return
+                self._send_all(todo, update, reconnect=False)
+                done += todo
 
     def _send_all(self, workers: Sequence[object], update: WeightUpdate, reconnect: bool) -> None:
         """Send ``update`` to every worker through its channel, in parallel; a failed
@@ -303,6 +322,8 @@ class WeightPublisher:
                 channel = self._open(worker)
             timing = channel.send(update if traits(channel.path).sends_gpu_copy else self._host(update))
             self._channels[worker] = channel
+            with self._lock:
+                self._sent[worker] = max(update.version, self._sent.get(worker, -1))
             return timing
         except ShmSpaceError as e:
             fallback = traits(self._path_of(worker)).fallback
