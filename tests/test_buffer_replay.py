@@ -163,6 +163,17 @@ def test_a_request_held_for_a_lost_worker_grants_nothing() -> None:
     assert buf.acquire(1, 2).granted == 2                   # the restarted worker is served
 
 
+
+def test_a_request_a_dead_process_sent_that_arrives_late_grants_nothing() -> None:
+    """A request the dead process (pid 100) sent before it died reaches the buffer only
+    after the worker was declared lost: it grants nothing; its successor (pid 200) is served."""
+    buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2)
+    assert buf.acquire(1, 1, requester=100).granted == 1
+    assert buf.worker_lost(1) == 1
+    assert buf.acquire(1, 2, requester=100).granted == 0
+    assert buf.stats().admission.outstanding == 0
+    assert buf.acquire(1, 2, requester=200).granted == 2
+
 def test_evicted_groups_return_their_budget() -> None:
     buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2)
     assert buf.acquire(0, 5).granted == 2

@@ -7,6 +7,7 @@ without Ray; this module only adds process set-up and the Ray-facing methods.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, cast
@@ -45,8 +46,9 @@ class BufferActor:
     def address(self) -> str:
         return self._server.address
 
-    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Admission:
-        return self._buffer.acquire(worker_id, max_groups, timeout_s)
+    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0,
+                requester: int | None = None) -> Admission:
+        return self._buffer.acquire(worker_id, max_groups, timeout_s, requester)
 
     def set_version(self, version: int) -> None:
         self._buffer.set_version(version)
@@ -107,7 +109,10 @@ class RayAdmission:
 
     def request(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> "Future[Admission]":
         """The buffer's answer, on a future: the caller goes on while the call is in flight."""
-        future: Future[Admission] = self._buffer.acquire.remote(worker_id, max_groups, timeout_s).future()
+        # Its pid goes with it: a request this process sent before it died, arriving after
+        # the driver declared it lost, grants nothing.
+        future: Future[Admission] = self._buffer.acquire.remote(worker_id, max_groups, timeout_s,
+                                                                os.getpid()).future()
         return future
 
     def release(self, worker_id: int, count: int) -> int:

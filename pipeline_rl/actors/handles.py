@@ -36,7 +36,7 @@ class BufferHandle(Protocol):
     """:class:`~pipeline_rl.actors.buffer_actor.BufferActor` behind Ray."""
 
     address: Remote[[], str]
-    acquire: Remote[[int, int, float], "Admission"]
+    acquire: Remote[[int, int, float, int], "Admission"]
     set_version: Remote[[int], None]
     get_batch: Remote[[int, int, float | None, int], "list[Group] | None"]
     watch: Remote[[], str | None]

@@ -16,7 +16,19 @@ class Grants:
         # deadline: the last trainer version its group can be trained at).
         self.outstanding: dict[int, list[int]] = {}
         self.lives: dict[int, int] = {}   # per worker: how many times it was declared lost
+        # per worker: the processes (pids) that asked for grants since it was last declared
+        # lost; then theirs are dead, and a request of theirs that arrives late is refused.
+        self.requesters: dict[int, set[int]] = {}
+        self.dead: set[tuple[int, int]] = set()
         self.granted = self.lost = self.unadmitted = 0
+
+    def asked_by(self, worker_id: int, requester: int) -> bool:
+        """Note ``requester`` (a process) asking for ``worker_id``; False when that process
+        was declared lost (its request must grant nothing: no one would use the grants)."""
+        if (worker_id, requester) in self.dead:
+            return False
+        self.requesters.setdefault(worker_id, set()).add(requester)
+        return True
 
     def receive(self, worker_id: int, latest: int) -> None:
         """A group of ``worker_id`` arrived that can meet deadlines up to ``latest``."""
@@ -40,6 +52,7 @@ class Grants:
         return refund
 
     def lose(self, worker_id: int) -> int:
+        self.dead |= {(worker_id, r) for r in self.requesters.pop(worker_id, set())}
         refund = len(self.outstanding.pop(worker_id, []))
         self.lost += refund
         self.lives[worker_id] = self.lives.get(worker_id, 0) + 1

@@ -197,19 +197,23 @@ class ReplayBuffer:
         self._grants.receive(group.worker_id, oldest + self.staleness)
 
     # ---------------------------------------------------------------- admission
-    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> Admission:
+    def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0,
+                requester: int | None = None) -> Admission:
         """Grant up to ``max_groups`` new groups to ``worker_id`` under the global
-        budget; waits up to ``timeout_s`` for a non-zero grant (default: answer now)."""
+        budget; waits up to ``timeout_s`` for a non-zero grant (default: answer now).
+        ``requester``: the asking process (its pid), for a worker in another process."""
         if max_groups < 0:
             raise ValueError(f"max_groups must be >= 0, got {max_groups}")
         deadline = time.monotonic() + timeout_s
         with self._lock:
             # A request held here when its worker is declared lost grants nothing: its
-            # answer would reach no one, and the grants would hold budget forever.
+            # answer would reach no one, and the grants would hold budget forever. Nor does
+            # one a dead process sent that arrives only after (its pid was declared lost).
             life = self._grants.lives.get(worker_id, 0)
+            alive = requester is None or self._grants.asked_by(worker_id, requester)
 
             def lost() -> bool:
-                return self._grants.lives.get(worker_id, 0) != life
+                return not alive or self._grants.lives.get(worker_id, 0) != life
 
             self._wait_locked(lambda: self._room_locked() > 0 or max_groups == 0 or lost(), deadline, None)
             granted = 0 if lost() else max(0, min(max_groups, self._room_locked()))

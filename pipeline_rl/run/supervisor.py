@@ -163,7 +163,6 @@ _POLL_S = 0.5
 _STOP_GRACE_S = 3.0
 _RESTART_TIMEOUT_S = 300.0  # a restarted rollout worker must have its engine up by then
 _DEATH_SETTLE_S = 5.0       # a worker call failed as dead: its generation loop's call fails by then too
-_ADMISSION_SETTLE_S = 3.0   # a dead worker's admission request (held up to 0.5 s) is answered by then
 
 
 class Supervisor:
@@ -368,12 +367,8 @@ class Supervisor:
         if how is None:
             return
         log.info("rollout worker %d is back after %.1f s (%s)", w.index, time.monotonic() - t0, how)
-        # An admission request the dead process had pending at the buffer can be granted after
-        # the refund, and nobody would use that grant (found by the chaos run: a standby that
-        # took over at once left the budget full); wait it out and refund again, before the
-        # new process asks for any.
-        time.sleep(max(0.0, _ADMISSION_SETTLE_S - (time.monotonic() - t0)))
-        self._calls.get(self._buffer.worker_lost.remote(w.index))
+        # An admission request the dead process sent that reaches the buffer only now grants
+        # nothing: the buffer knows that process (its pid) as lost.
         w.start(self._version(), self.cfg.groups_per_step)
 
     def _bring_back(self, w: WorkerSlot) -> str | None:
