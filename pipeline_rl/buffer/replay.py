@@ -1,9 +1,8 @@
 """The bounded replay buffer: storage of whole groups in arrival order, staleness
 eviction, the global admission budget, and most-urgent-first, multi-rank batch hand-out.
 
-Thread-safe and in-process: the ZeroMQ receiver thread (``server.py``) puts
-groups, trainer ranks take batches, rollout workers ask for admission (in the
-driver all three reach it through one Ray actor).
+Thread-safe and in-process: the ZeroMQ receiver thread (``server.py``) puts groups, trainer ranks
+take batches, rollout workers ask for admission (all three through one Ray actor in a run).
 
 Invariants (checked by the tests):
 
@@ -199,16 +198,14 @@ class ReplayBuffer:
     # ---------------------------------------------------------------- admission
     def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0,
                 requester: int | None = None) -> Admission:
-        """Grant up to ``max_groups`` new groups to ``worker_id`` under the global
-        budget; waits up to ``timeout_s`` for a non-zero grant (default: answer now).
-        ``requester``: the asking process (its pid), for a worker in another process."""
+        """Grant up to ``max_groups`` new groups to ``worker_id`` under the global budget; waits up to
+        ``timeout_s`` for a non-zero grant (default: answer now). ``requester``: the asking process's pid."""
         if max_groups < 0:
             raise ValueError(f"max_groups must be >= 0, got {max_groups}")
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            # A request held here when its worker is declared lost grants nothing: its
-            # answer would reach no one, and the grants would hold budget forever. Nor does
-            # one a dead process sent that arrives only after (its pid was declared lost).
+            # A request held here when its worker is declared lost, or sent by a process declared
+            # lost, grants nothing: no one would use the grants, and they would hold budget forever.
             life = self._grants.lives.get(worker_id, 0)
             alive = requester is None or self._grants.asked_by(worker_id, requester)
 
@@ -227,9 +224,8 @@ class ReplayBuffer:
             return Admission(granted, self._version, min_version)
 
     def request(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> "Future[Admission]":
-        """:meth:`acquire` without blocking the caller (a worker in this process): the
-        answer is on the future at once when there is room (or ``timeout_s`` is 0), else
-        a helper thread waits in :meth:`acquire` and puts it there."""
+        """:meth:`acquire` without blocking the caller (a worker in this process): the answer is on the
+        future at once when there is room (or ``timeout_s`` is 0), else a helper thread's."""
         now = self.acquire(worker_id, max_groups)
         if now.granted or timeout_s <= 0:
             future: Future[Admission] = Future()
