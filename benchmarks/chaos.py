@@ -126,6 +126,10 @@ class Timeline:
     def after(self, segment: int, at: float) -> list[Row]:
         return [r for s, r in self.rows if s == segment and r.at > at]
 
+    def last_before(self, segment: int, at: float) -> Row | None:
+        """The segment's last row at or before ``at`` (None: none yet)."""
+        return next((r for s, r in reversed(self.rows) if s == segment and r.at <= at), None)
+
 
 def resolve_worker_kill(k: WorkerKill, timeline: Timeline, med: float, restart_at: float | None) -> None:
     """Fill in what worker kill ``k`` cost. The worker is back at the first row that counts one
@@ -133,10 +137,9 @@ def resolve_worker_kill(k: WorkerKill, timeline: Timeline, med: float, restart_a
     worker was back: every worker is new), at the first row after that restart (``restart_at``;
     the run's counters start again from zero there)."""
     after = timeline.after(k.segment, k.at)
-    before = [r for s, r in timeline.rows if s == k.segment and r.at <= k.at]
-    if not before:
+    base = timeline.last_before(k.segment, k.at)
+    if base is None:
         return
-    base = before[-1]
     first = [r for r in after if restart_at is None or r.at < restart_at]
     back = next((r for r in first if r.worker_restarts > base.worker_restarts), None)
     if back is None:
@@ -333,9 +336,9 @@ class Chaos:
         k = self.worker_kills[-1] if self.worker_kills else None
         if k is None or k.segment != segment:
             return False
-        before = [r.worker_restarts for s, r in self.timeline.rows if s == segment and r.at <= k.at]
-        base = before[-1] if before else 0.0
-        return not any(r.worker_restarts > base for r in self.timeline.after(segment, k.at))
+        base = self.timeline.last_before(segment, k.at)
+        counted = base.worker_restarts if base is not None else 0.0
+        return not any(r.worker_restarts > counted for r in self.timeline.after(segment, k.at))
 
     def _kill_worker(self, step: int, segment: int) -> None:
         pid = busiest_worker()

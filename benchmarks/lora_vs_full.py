@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import BadFlag, Outcome, main as bench_main
+from benchmarks.real_model import WARMUP_STEPS, busy_tokens_per_s
 
-#: Steps left out of the medians (start-up), as benchmarks.real_model does.
-WARMUP_STEPS = 3
 #: The early window (steps 4-10), before two policies' completion lengths part: tokens/s
 #: follows them (a decode step on a CPU reads every weight however few sequences it still
 #: carries, so a batch whose completions end early makes fewer tokens per step).
@@ -73,10 +72,8 @@ def _side(folder: Path) -> dict[str, Any]:
     """One run's figures for the table."""
     res, rows = _read(folder)
     f = res["figures"]
-    early = [r["tokens_per_s"] / (1.0 - r["generator_idle_frac"]) for r in rows[WARMUP_STEPS:EARLY_STEPS]
-             if r.get("generator_idle_frac") is not None and r["generator_idle_frac"] < 1.0]
     return {"completion_len": _median(rows, "completion_len_mean"),
-            "tokens_per_s_busy_early": statistics.median(early) if early else None, "flags": res["flags"], "greedy_first": f["greedy_first"], "greedy_last": f["greedy_last"],
+            "tokens_per_s_busy_early": busy_tokens_per_s(rows[WARMUP_STEPS:EARLY_STEPS]), "flags": res["flags"], "greedy_first": f["greedy_first"], "greedy_last": f["greedy_last"],
             "greedy_gain": f["greedy_gain_reached"], "entropy_ratio": f["entropy_max_ratio_first20"],
             "mismatch_kl_max": f["mismatch_kl_max_first20"], "train_step_s": _median(rows, "train_step_s"),
             "step_s": f["step_time_s_median"], "tokens_per_s_busy": f["tokens_per_s_busy"],

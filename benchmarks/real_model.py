@@ -119,13 +119,19 @@ def bare_vllm(cfg: Any, model_dir: str, groups: int, rounds: int) -> Bare:
     return Bare(rates, groups, r.n, r.max_new_tokens, ecfg.dtype, statistics.fmean(lens))
 
 
+def busy_tokens_per_s(rows: list[dict[str, Any]]) -> float | None:
+    """Median generated tokens/s over the rollout worker's busy time (idle on the admission
+    budget taken out) of ``rows``; None when no row says how idle it was."""
+    busy = [r["tokens_per_s"] / max(1e-9, 1.0 - r["generator_idle_frac"]) for r in rows
+            if "generator_idle_frac" in r and r["generator_idle_frac"] < 1.0]
+    return statistics.median(busy) if busy else None
+
+
 def figures(rows: list[dict[str, Any]], evals: list[dict[str, Any]], bare: Bare) -> dict[str, Any]:
     """The run's figures from its metrics rows and evaluations."""
     steady = rows[WARMUP_STEPS:] or rows
     tps = statistics.median(r["tokens_per_s"] for r in steady) if steady else 0.0
-    busy = [r["tokens_per_s"] / max(1e-9, 1.0 - r["generator_idle_frac"]) for r in steady
-            if "generator_idle_frac" in r and r["generator_idle_frac"] < 1.0]
-    tps_busy = statistics.median(busy) if busy else None
+    tps_busy = busy_tokens_per_s(steady)
     ent = [r["entropy"] for r in rows[:ENTROPY_WINDOW]]
     sync = [r["weight_sync_ms"] for r in steady if r.get("weight_sync_ms")]
     stall = [r["weight_update_stall_ms"] for r in steady if r.get("weight_update_stall_ms")]

@@ -19,7 +19,6 @@ import logging
 import sys
 import threading
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from pipeline_rl.config import Config
