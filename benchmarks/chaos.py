@@ -135,7 +135,8 @@ def resolve_worker_kill(k: WorkerKill, timeline: Timeline, med: float, restart_a
     """Fill in what worker kill ``k`` cost. The worker is back at the first row that counts one
     more worker restart; or, when the run restarted itself first (a trainer kill before the
     worker was back: every worker is new), at the first row after that restart (``restart_at``;
-    the run's counters start again from zero there)."""
+    the run's counters start again from zero there). Its time lost ends at ``back`` + 5 steps
+    or at that restart, whichever comes first."""
     after = timeline.after(k.segment, k.at)
     base = timeline.last_before(k.segment, k.at)
     if base is None:
@@ -147,9 +148,11 @@ def resolve_worker_kill(k: WorkerKill, timeline: Timeline, med: float, restart_a
     if back is None:
         return
     k.restart_step, k.back_s = back.step, back.at - k.at
+    # The cost is counted within the run's life the kill fell in: a run restart after it
+    # is the restart's own cost (its rows start again from the checkpoint's step).
     window = [r for r in first if r.step <= back.step + 5] or [base]
     k.groups_lost = max(r.groups_lost for r in window) - base.groups_lost
-    end = [r for r in after if r.step <= back.step + 5][-1]
+    end = window[-1]
     k.time_lost_s = end.at - base.at - (end.step - base.step) * med
 
 

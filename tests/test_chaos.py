@@ -57,6 +57,17 @@ def test_a_worker_kill_is_back_when_its_restart_is_counted() -> None:
     kill = chaos.WorkerKill(5, 5.2, 0, 1)
     chaos.resolve_worker_kill(kill, chaos.Timeline([(0, r) for r in rows]), 1.0, None)
     assert (kill.restart_step, kill.groups_lost) == (7, 2.0) and kill.back_s == pytest.approx(3.8)
+    assert kill.time_lost_s == pytest.approx(2.0)   # steps 6-7 took 4 s, 2 median steps
+
+
+def test_a_worker_kill_does_not_count_a_later_run_restart_as_its_time_lost() -> None:
+    # The worker is back at step 7; the trainer dies at step 8 and the run restarts from step 5
+    # at t=20: steps 6-11 again, in the restart's life, are not the worker kill's cost.
+    before = [_row(s, float(s), 1.0 if s >= 7 else 0.0) for s in range(1, 9)]
+    after = [_row(s, 20.0 + s, 0.0) for s in range(6, 12)]
+    kill = chaos.WorkerKill(4, 4.5, 0, 1)
+    chaos.resolve_worker_kill(kill, chaos.Timeline([(0, r) for r in before + after]), 1.0, 19.0)
+    assert kill.restart_step == 7 and kill.time_lost_s == pytest.approx(0.0)
 
 
 def test_a_worker_kill_overtaken_by_a_run_restart_is_back_after_that_restart() -> None:
