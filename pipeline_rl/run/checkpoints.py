@@ -55,11 +55,12 @@ class CheckpointPolicy:
         from pipeline_rl.training.checkpoint import checkpoint_name
 
         path = self.folder / checkpoint_name(version)
+        start = time.monotonic()
         refs = [t.save_checkpoint.remote(str(path)) for t in trainers]
         for ref in refs:
             calls.get(ref)
         self.restart_clock()
-        log.info("checkpoint saved: %s", path)
+        log.info("checkpoint saved in %.2f s: %s", time.monotonic() - start, path)
         self.tidy()
         return path
 
