@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -61,6 +62,9 @@ class Orchestrator:
         self._checkpoints = CheckpointPolicy(self.cfg, self.out)
         # the actors as start-up creates them, to stop them if it fails half-way
         self._started: tuple[BufferHandle | None, list[TrainerHandle], list[WorkerSlot]] = (None, [], [])
+        #: Seconds the actors took to start (ready to train) and to stop (None: not yet).
+        self.started_in_s: float | None = None
+        self.stopped_in_s: float | None = None
         self._actors: Actors | None = None
         self._supervisor: Supervisor | None = None
         self._recorder: StepRecorder | None = None
@@ -80,6 +84,7 @@ class Orchestrator:
         self._shutdown()
 
     def _start(self) -> None:
+        began = time.monotonic()
         where = self._cluster.start()
         actors = start_actors(self.cfg, self.model_dir, where, self.stop, self._note_started,
                               self.folder.start_version)
@@ -93,8 +98,10 @@ class Orchestrator:
                                       self.stop, self._checkpoints, lambda: self.version,
                                       self._worker_lost)
         self._checkpoints.restart_clock()
+        self.started_in_s = time.monotonic() - began
         logs = "" if self.cfg.log_level == "debug" else f"; actor logs in {self.out / 'logs'}"
-        say(f"training: {self.cfg.max_steps} steps at staleness {self.cfg.staleness}{logs}")
+        say(f"training: {self.cfg.max_steps} steps at staleness {self.cfg.staleness} (actors started in "
+            f"{self.started_in_s:.1f} s){logs}")
 
     def _read_answers(self, calls: Sequence[WorkerCall]) -> list[Any] | None:
         """The workers' answers, read by the supervisor (it handles a dead worker)."""
@@ -111,7 +118,9 @@ class Orchestrator:
         self._started = (buffer, trainers, workers)
 
     def _shutdown(self) -> None:
+        began = time.monotonic()
         stop_actors(*self._started)
+        self.stopped_in_s = time.monotonic() - began
         if self._recorder is not None:
             self._recorder.close()
         if self._owns_cluster:

@@ -103,7 +103,8 @@ def _lives(cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder
             cause = e.cause
         folder, checkpoint = restart_in(folder.path)
         where = f"from {checkpoint}" if checkpoint else "from the start (no checkpoint was saved yet)"
-        print(f"async_grpo.py: restart {policy.restarts}: {cause}; starting again {where}",
+        stopped = f" (its actors stopped in {orch.stopped_in_s:.1f} s)" if orch.stopped_in_s is not None else ""
+        print(f"async_grpo.py: restart {policy.restarts}: {cause}{stopped}; starting again {where}",
               file=sys.stderr, flush=True)
         # An injected fault fires in the run's first life only, unless at version 0 (every start).
         keep_fault = fault is not None and fault.endswith("@0")
