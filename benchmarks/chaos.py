@@ -284,7 +284,7 @@ class Chaos:
         tail, segment, resume = Tail(self.out / "metrics.jsonl"), 0, False
         fault = ["--fault", f"checkpoint_write@{self.plan.in_save}"] if self.plan.in_save else []
         while self.failure is None:
-            # The fault fires in the first life only: a launch past its step does not carry it.
+            # The fault fires once: a launch (or a restart) past its step does not carry it.
             past = any(r.step >= (self.plan.in_save or 0) for _, r in self.timeline.rows)
             launch = Launch([*self.flags, *([] if past else fault), *(["--resume", str(self.out)] if resume else [])],
                             self.out.parent / f"chaos_segment{segment}.log")

@@ -26,8 +26,11 @@ def test_a_worker_kill_a_trainer_kill_in_a_save_and_a_whole_run_kill(tiny_model_
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     out = tmp_path / "chaos"
+    # Three times the tiny run's batch: ~0.2 s steps, so that the kills from outside land near
+    # their planned steps even when the machine is busy with the tests beside this one.
     status = chaos.main(["--quick", "--stall-s", "240", "--out", str(out), "--",
-                         "--model.path", tiny_model_dir, *TINY_RUN_FLAGS, "--rollout.standby", "true"])
+                         "--model.path", tiny_model_dir, *TINY_RUN_FLAGS, "--rollout.standby", "true",
+                         "--trainer.batch_size", "24", "--trainer.micro_batch_size", "24"])
     res = json.loads((out / "chaos.json").read_text())
     assert status == 0, (out / "chaos.md").read_text()
     c = res["chaos"]

@@ -101,3 +101,11 @@ def test_the_restart_cap_ends_the_run_in_one_line(ray_local: None, tiny_model_di
     assert lines[0].startswith("async_grpo.py: restart 1: trainer failed: "), lines
     assert lines[1].startswith("async_grpo.py: error: trainer failed: "), lines
     assert "(1 restart(s) in a row without a step in between, --run.max_restarts=1)" in lines[1], lines
+
+
+def test_an_injected_fault_goes_on_into_the_next_life_until_a_life_reached_its_version() -> None:
+    from pipeline_rl.run.restarts import fault_left
+
+    assert fault_left("checkpoint_write@50", 20)       # a restart at 20 (another failure): still ahead
+    assert not fault_left("checkpoint_write@50", 50)   # that life reached 50: it fired
+    assert fault_left("engine_hang@0", 7) and not fault_left(None, 3)

@@ -75,5 +75,6 @@ class TrainerHandle(Protocol):
     publish_current: Remote[[], None]
     train_step: Remote[[float], "RankStepReport | None"]
     save_checkpoint: Remote[[str], str]
+    wait_for_checkpoints: Remote[[], None]
     load_checkpoint: Remote[[str], int]
     close: Remote[[], None]

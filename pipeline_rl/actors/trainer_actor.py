@@ -145,7 +145,12 @@ class TrainerActor:
         return self._on_torch_thread(lambda: self._step(timeout_s))
 
     def save_checkpoint(self, path: str) -> str:
-        return self._on_torch_thread(lambda: str(self._trainer.save_checkpoint(path)))
+        """Copy the state for checkpoint ``path`` and return; it is written in the background."""
+        return self._on_torch_thread(lambda: str(self._trainer.save_checkpoint(path, background=True)))
+
+    def wait_for_checkpoints(self) -> None:
+        """Return once this rank's checkpoint writes are done (raises a failed one's error)."""
+        self._trainer.wait_for_checkpoints()
 
     def load_checkpoint(self, path: str) -> int:
         return self._on_torch_thread(lambda: int(self._trainer.load_checkpoint(path).version))

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pipeline_rl.run.checkpoints")
 
+#: How long the end of a run waits for the last checkpoint's background writes.
+_WRITTEN_TIMEOUT_S = 1800.0
+
 
 class CheckpointPolicy:
     """When and where a run checkpoints (see the module docstring)."""
@@ -51,7 +54,9 @@ class CheckpointPolicy:
         self._last_t = time.monotonic()
 
     def save(self, trainers: Sequence[TrainerHandle], version: int, calls: Calls) -> Path:
-        """Every rank saves its part of ``step_<version>`` (raises the failed call's error)."""
+        """Every rank copies its part of ``step_<version>`` and writes it in the background
+        (``training.checkpoint_writer``); raises the failed call's error, a failed earlier
+        write's among them."""
         from pipeline_rl.training.checkpoint import checkpoint_name
 
         path = self.folder / checkpoint_name(version)
@@ -60,9 +65,18 @@ class CheckpointPolicy:
         for ref in refs:
             calls.get(ref)
         self.restart_clock()
-        log.info("checkpoint saved in %.2f s: %s", time.monotonic() - start, path)
+        log.info("checkpoint %s: state copied in %.2f s, written in the background", path.name,
+                 time.monotonic() - start)
         self.tidy()
         return path
+
+    def written(self, trainers: Sequence[TrainerHandle], calls: Calls) -> None:
+        """Wait until every rank has written its checkpoints (the last one is then complete)."""
+        start = time.monotonic()
+        for ref in [t.wait_for_checkpoints.remote() for t in trainers]:
+            calls.get(ref, timeout_s=_WRITTEN_TIMEOUT_S)
+        log.info("checkpoints written (waited %.2f s)", time.monotonic() - start)
+        self.tidy()
 
     def evaluated(self, step: int, greedy_accuracy: float) -> None:
         """An evaluation launched after ``step`` scored ``greedy_accuracy``."""

@@ -176,7 +176,7 @@ class Orchestrator:
             return
         if not rec.steps_done:
             return
-        path = self.checkpoint()
+        path = self.checkpoint(wait=True)
         if self.cfg.lora.enabled and self.cfg.lora.merge_at_end:   # the adapter folded into the base
             from pipeline_rl.training.lora import write_merged
 
@@ -207,11 +207,14 @@ class Orchestrator:
         """Start one pipeline step on every trainer rank (the supervisor awaits it)."""
         return [t.train_step.remote(self.cfg.trainer.batch_timeout_s) for t in self.actors.trainers]
 
-    def checkpoint(self) -> Path:
-        """Save a resumable checkpoint of every rank under ``OUT_DIR/checkpoints``."""
+    def checkpoint(self, wait: bool = False) -> Path:
+        """Save a resumable checkpoint of every rank under ``OUT_DIR/checkpoints``, written in
+        the background; ``wait``: return once it is complete on disk."""
         rec, sup = self._parts()
         try:
             path = self._checkpoints.save(self.actors.trainers, self.version, self._calls)
+            if wait:
+                self._checkpoints.written(self.actors.trainers, self._calls)
         except CallFailed as e:
             raise sup.trainer_failure(e) from None
         sup.watchdog.touch()

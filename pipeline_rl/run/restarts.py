@@ -70,6 +70,16 @@ def restarts_before(folder: RunFolder) -> int:
     return int(rows[-1].get("restarts", 0)) if rows else 0
 
 
+def fault_left(fault: str | None, reached: int) -> bool:
+    """Whether an injected fault (``POINT@VERSION``) goes on into the run's next life, the
+    failed one having reached version ``reached``: until a life reaches its version (where it
+    fires), so a fault fires once; one at version 0 fires at every start."""
+    if fault is None:
+        return False
+    at = int(fault.partition("@")[2] or 0)
+    return at == 0 or reached < at
+
+
 def conduct(cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder) -> None:
     """Run the whole job, restarting it as the module docstring says; raises the last
     :class:`OrchestratorError` (its message: the one line) when it cannot go on."""
@@ -106,6 +116,5 @@ def _lives(cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder
         stopped = f" (its actors stopped in {orch.stopped_in_s:.1f} s)" if orch.stopped_in_s is not None else ""
         print(f"async_grpo.py: restart {policy.restarts}: {cause}{stopped}; starting again {where}",
               file=sys.stderr, flush=True)
-        # An injected fault fires in the run's first life only, unless at version 0 (every start).
-        keep_fault = fault is not None and fault.endswith("@0")
-        cfg = cfg.model_copy(update={"resume": checkpoint, "fault": fault if keep_fault else None})
+        fault = fault if fault_left(fault, orch.version) else None
+        cfg = cfg.model_copy(update={"resume": checkpoint, "fault": fault})

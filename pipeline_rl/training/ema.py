@@ -56,14 +56,15 @@ class EmaWeights:
             state[key] = self.avg[name] if name is not None else value.detach().float()
         return state
 
-    def save(self, out: Path, model_dir: Path) -> None:
-        """``out`` as a Hugging Face folder of the averaged model (loads as it is)."""
+    def save(self, out: Path, model_dir: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """``out`` as a Hugging Face folder of the averaged model (loads as it is); ``state``:
+        a copy of :meth:`state_dict` taken earlier (a background write), else the current one."""
         out.mkdir(parents=True, exist_ok=True)
         config: Any = self.module.config
         dtype = config.dtype
         config.dtype = torch.float32   # what the folder holds, so it loads as float32
         try:
-            getattr(self.module, "save_pretrained")(str(out), state_dict=self.state_dict())
+            getattr(self.module, "save_pretrained")(str(out), state_dict=self.state_dict() if state is None else state)
         finally:
             config.dtype = dtype
         copy_tokenizer_files(model_dir, out)

@@ -47,15 +47,16 @@ from pipeline_rl.training.batching import (
     AnyMicroBatch, build_micro_batches, build_shared_prompt_batches, lag_stats,
 )
 from pipeline_rl.training.checkpoint import (
-    DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, copy_tokenizer_files,
-    load_rng, partial_dir, publish_dir, read_run_state, save_rng, write_run_state,
+    DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, capture_rng,
+    load_rng, partial_dir, read_run_state, rng_file,
 )
+from pipeline_rl.training.checkpoint_writer import CheckpointWriter, background_engine, finish_part, write_weights
 from pipeline_rl.training.deepspeed_setup import (
     deepspeed_config, init_distributed, pick_device, prepare_cpu_deepspeed, prepare_cuda_deepspeed,
     prepare_trained_model,
 )
 from pipeline_rl.training.ema import EMA_DIR, EmaWeights
-from pipeline_rl.training.lora import adapter_disabled, adapter_parameters, save_adapter, wrap
+from pipeline_rl.training.lora import adapter_disabled, adapter_parameters, wrap
 from pipeline_rl.training.logprobs import (
     micro_batch_logp, micro_batch_logp_entropy, padded_logp, sampled_entropy, shared_prompt_logp,
     sharing_check_groups,
@@ -67,7 +68,7 @@ from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.weight_sync.dtypes import served_dtype
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config
-from pipeline_rl.faults import kill_here
+from pipeline_rl.faults import kill_here, reached
 from pipeline_rl.correction.advantages import group_advantages
 from pipeline_rl.correction.loss import PolicyBatch, loss_normalizer, policy_loss, warm_up
 from pipeline_rl.samples import Group
@@ -121,6 +122,8 @@ class Trainer:
             model=self.model, model_parameters=trained, optimizer=make_optimizer(cfg, trained),
             config=deepspeed_config(cfg, world_size, self.device.type))
         self.zero_stage = cfg.trainer.zero_stage
+        self._writer = CheckpointWriter()   # DeepSpeed's checkpoint files go through it
+        self.engine.checkpoint_engine = background_engine(self._writer)
         t = cfg.trainer   # the learning rate of each step, and the moving average (rank 0 keeps it)
         self.lr_schedule = LRSchedule(self.engine.optimizer, schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                                       total_steps=cfg.max_steps, base_lr=t.lr)
@@ -363,45 +366,50 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str | Path) -> Path:
+    def save_checkpoint(self, path: str | Path, background: bool = False) -> Path:
         """Write a complete checkpoint to ``path`` (see ``pipeline_rl.training.checkpoint``); a
         collective. Its run state holds the version and the groups trained so far
         (``version * groups_per_step``). Multi-rank runs need ``path`` on a filesystem every
-        rank sees."""
+        rank sees. ``background``: return once the state is copied; the copy is written on
+        this rank's writer thread (``training.checkpoint_writer``) and ``path`` appears when
+        every rank has written its part (:meth:`wait_for_checkpoints`)."""
         import torch.distributed as dist
 
+        self._writer.wait()   # the previous save is written (or its failure raised) first
         final = Path(path)
         part = partial_dir(final)
         if self.rank == 0:
             shutil.rmtree(part, ignore_errors=True)
             part.mkdir(parents=True)
         dist.barrier()
+        # DeepSpeed's files: copied now, written by the writer (checkpoint_writer.background_engine)
         self.engine.save_checkpoint(str(part / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False,
                                     exclude_frozen_parameters=self.lora is not None)
-        update = self.weights()
-        if self.rank == 0:
-            self._save_hf(part, update)
-            if self.ema is not None:
-                self.ema.save(part / EMA_DIR, self.model_dir)
-        save_rng(part, self.rank)
-        kill_here(self.cfg.fault, "checkpoint_write", self._version)   # a fault test's mid-save death
-        dist.barrier()
-        if self.rank == 0:
-            write_run_state(part, RunState(version=self._version,
-                                           data_position=self._version * self.cfg.groups_per_step,
-                                           world_size=self.world_size, zero_stage=self.zero_stage))
-            publish_dir(part, final)
-        dist.barrier()
+        update = self.weights()   # copies
+        ema = {k: v.clone() for k, v in self.ema.state_dict().items()} if self.ema is not None else None
+        rng, version = capture_rng(), self._version
+        state = RunState(version=version, data_position=version * self.cfg.groups_per_step,
+                         world_size=self.world_size, zero_stage=self.zero_stage)
+
+        def write_the_rest() -> None:
+            if self.rank == 0:
+                write_weights(part, self.engine.module, update, self.lora, self.model_dir)
+                if self.ema is not None and ema is not None:
+                    self.ema.save(part / EMA_DIR, self.model_dir, state=ema)
+            torch.save(rng, rng_file(part, self.rank))
+            kill_here(self.cfg.fault, "checkpoint_write", version)   # a fault test's mid-save death
+            finish_part(part, final, self.rank, self.world_size, state)
+
+        self._writer.submit(final.name, write_the_rest)
+        if not background or reached(self.cfg.fault, "checkpoint_write", version):
+            self._writer.wait()   # (a fault test dies inside this write, before the next step)
+            dist.barrier()
         return final
 
-    def _save_hf(self, out: Path, update: WeightUpdate) -> None:
-        dtype = next(self.engine.module.parameters()).dtype
-        state = {n: torch.from_numpy(a).to(dtype) for n, a in zip(update.names, update.arrays, strict=True)}
-        if self.lora is not None:   # PEFT's adapter files, naming the base model
-            save_adapter(out, state, self.lora, self.model_dir)
-        else:
-            self.engine.module.save_pretrained(str(out), state_dict=state)
-        copy_tokenizer_files(self.model_dir, out)
+    def wait_for_checkpoints(self, timeout_s: float | None = None) -> None:
+        """Return once this rank's background checkpoint writes are done; a failed one raises
+        :class:`CheckpointError` (one line)."""
+        self._writer.wait(timeout_s)
 
     def load_checkpoint(self, path: str | Path) -> RunState:
         """Restore weights, optimizer, scheduler, version and RNG from a checkpoint; returns its
@@ -428,8 +436,10 @@ class Trainer:
         self._version = state.version
         return state
 
-    def close(self) -> None:
-        """Release the engine (the process group stays: one per process)."""
+    def close(self, write_timeout_s: float = 60.0) -> None:
+        """Let checkpoint writes finish (up to ``write_timeout_s``), release the engine (the
+        process group stays: one per process)."""
+        self._writer.close(write_timeout_s)
         self.engine.destroy()
 
 

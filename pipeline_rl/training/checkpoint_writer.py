@@ -1,0 +1,180 @@
+"""Checkpoints written off the training thread: the trainer copies its state (DeepSpeed's
+files, the weights, the moving average, the RNG) and goes on training while one background
+thread per rank writes the copy into ``step_N.partial``; the folder takes its final name
+only when every rank has written its part, as a synchronous save does.
+
+How DeepSpeed's files get there. DeepSpeed writes every file of a checkpoint through the
+engine's checkpoint engine (``deepspeed.runtime.checkpoint_engine.CheckpointEngine``, the
+interface its own Nebula, fast and decoupled writers implement). :func:`background_engine`
+makes one: ``save`` copies the state it is handed (tensors cloned to host memory, so the
+next optimizer step cannot change what is written) and queues the write; ``load`` is what
+DeepSpeed's default torch engine does.
+
+Invariants:
+- one rank's writes run in order, one at a time, on one thread; a save first waits for the
+  previous one to be written, so at most one copy of the state is held besides the live one;
+- a checkpoint is complete (final name, ``run_state.json``) only when every rank has written
+  its files: rank 0 renames it after every other rank's marker file is there;
+- a failed write is raised, in one line, by the next save or by :meth:`CheckpointWriter.wait`;
+  its ``.partial`` folder stays for the next start to tidy;
+- a process killed during a write loses that checkpoint: a restart goes back to the one
+  before, so it loses one interval plus the steps trained while the write was going on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline_rl.lora_config import LoraConfig
+from pipeline_rl.training.checkpoint import (
+    CheckpointError, RunState, copy_tokenizer_files, publish_dir, write_run_state,
+)
+from pipeline_rl.weight_sync.message import WeightUpdate
+
+log = logging.getLogger(__name__)
+
+#: How long rank 0 waits for the other ranks' parts of a checkpoint before it gives up on it.
+PEERS_WRITTEN_TIMEOUT_S = 1800.0
+_POLL_S = 0.05
+
+
+class CheckpointWriter:
+    """One background thread that runs a rank's checkpoint writes in order (module docstring)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[str, Callable[[], None]] | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, what: str, job: Callable[[], None]) -> None:
+        """Queue ``job`` (``what``: the checkpoint it writes, for the error message)."""
+        with self._idle:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+            self._thread.start()
+        self._jobs.put((what, job))
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Return once every queued write is done; raise :class:`CheckpointError` (one line)
+        when one failed (reported once) or when ``timeout_s`` passes first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CheckpointError(f"checkpoint writes still going on after {timeout_s:.0f} s")
+                self._idle.wait(left)
+            error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(error)
+
+    @property
+    def busy(self) -> bool:
+        with self._idle:
+            return self._pending > 0
+
+    def close(self, timeout_s: float) -> None:
+        """Let the queued writes finish (up to ``timeout_s``), then stop the thread."""
+        try:
+            self.wait(timeout_s)
+        except CheckpointError as e:
+            log.error("trainer: %s", e)
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            what, job = item
+            try:
+                if self._error is None:   # after a failure the rest of that save is moot
+                    job()
+            except Exception as e:  # noqa: BLE001 - reported by the next wait()
+                first = str(e).splitlines()[0] if str(e) else ""
+                log.error("trainer: writing checkpoint %s failed: %s: %s", what, type(e).__name__, first)
+                self._error = f"writing checkpoint {what} failed: {type(e).__name__}: {first}"
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+
+def background_engine(writer: CheckpointWriter) -> Any:
+    """DeepSpeed's checkpoint-engine interface, writing through ``writer``: ``save`` copies the
+    state to host memory now and writes it on the writer's thread (DeepSpeed is imported here,
+    not when this module is)."""
+    import torch
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+    class BackgroundEngine(CheckpointEngine):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.name = "pipeline_rl.BackgroundEngine"
+
+        def create(self, info: CheckpointCommitInfo) -> None:
+            pass
+
+        def save(self, state_dict: Any, path: str) -> None:
+            copy = clone_tensors_for_torch_save(state_dict)
+            writer.submit(Path(path).name, lambda: torch.save(copy, path))
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return torch.load(path, map_location=map_location, weights_only=False)
+
+        def commit(self, info: CheckpointCommitInfo) -> bool:
+            return True
+
+        def preserves_storage_sharing(self) -> bool:
+            return False   # DeepSpeed need not clone what it hands over: save() copies it all
+
+    return BackgroundEngine()
+
+
+def write_weights(out: Path, module: Any, update: WeightUpdate, lora: LoraConfig | None, model_dir: Path) -> None:
+    """``update``'s weights into ``out`` as a Hugging Face folder of ``module`` (with LoRA,
+    PEFT's adapter files naming the base model), in the module's dtype, with the tokenizer."""
+    import torch
+
+    from pipeline_rl.training.lora import save_adapter
+
+    dtype = next(module.parameters()).dtype
+    state = {n: torch.from_numpy(a).to(dtype) for n, a in zip(update.names, update.arrays, strict=True)}
+    if lora is not None:
+        save_adapter(out, state, lora, model_dir)
+    else:
+        module.save_pretrained(str(out), state_dict=state)
+    copy_tokenizer_files(model_dir, out)
+
+
+def written_marker(part: Path, rank: int) -> Path:
+    """The empty file rank ``rank`` leaves in ``part`` once its files of it are written."""
+    return part / f".written-rank{rank}"
+
+
+def finish_part(part: Path, final: Path, rank: int, world_size: int, state: RunState,
+                timeout_s: float = PEERS_WRITTEN_TIMEOUT_S) -> None:
+    """This rank's files in ``part`` are written: mark it; rank 0 then waits for every other
+    rank's mark, writes the run state and renames ``part`` to ``final``."""
+    written_marker(part, rank).touch()
+    if rank != 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    for peer in range(1, world_size):
+        while not written_marker(part, peer).exists():
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"{final.name}: rank {peer} did not write its part within {timeout_s:.0f} s")
+            time.sleep(_POLL_S)
+    for r in range(world_size):
+        written_marker(part, r).unlink(missing_ok=True)
+    write_run_state(part, state)
+    publish_dir(part, final)

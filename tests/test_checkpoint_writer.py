@@ -1,0 +1,116 @@
+"""Checkpoints written off the training thread: what is written is the state at the save,
+whatever the trainer does meanwhile; failures come back in one line; a checkpoint is
+complete only when every rank has written its part."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmarks.synthetic import synthetic_groups
+from pipeline_rl.training.checkpoint import CheckpointError, RunState, latest_checkpoint, read_run_state
+from pipeline_rl.training.checkpoint_writer import CheckpointWriter, finish_part, written_marker
+from tests.test_checkpoint import make_cfg
+
+
+def _ds_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The model and optimizer tensors of DeepSpeed's file in ``ckpt``."""
+    state = torch.load(next((ckpt / "deepspeed").rglob("mp_rank_00_model_states.pt")), weights_only=False)
+    out = {f"module.{k}": v for k, v in state["module"].items()}
+    for pid, s in state["optimizer"]["state"].items():
+        out |= {f"opt.{pid}.{k}": v for k, v in s.items() if torch.is_tensor(v)}
+    return out
+
+
+def test_a_background_save_writes_the_state_at_the_save(tiny_model_dir: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline_rl.training.trainer import Trainer
+
+    groups = [synthetic_groups(4, 4, seed=10 + i, version=i) for i in range(4)]
+    ref, bg = Trainer(make_cfg(), tiny_model_dir), Trainer(make_cfg(), tiny_model_dir)
+    for trainer in (ref, bg):
+        trainer.step(groups[0])
+        trainer.step(groups[1])
+    sync_path = ref.save_checkpoint(tmp_path / "sync" / "step_000002")
+    gate, save = threading.Event(), torch.save
+
+    def held_save(*args: Any, **kwargs: Any) -> None:   # the writer writes nothing until the gate opens
+        assert gate.wait(60)
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", held_save)
+    path = bg.save_checkpoint(tmp_path / "bg" / "step_000002", background=True)
+    bg.step(groups[2])   # the next steps change every weight and moment before the copy is written
+    bg.step(groups[3])
+    assert not path.exists() and latest_checkpoint(tmp_path / "bg") is None
+    gate.set()
+    bg.wait_for_checkpoints()
+    assert latest_checkpoint(tmp_path / "bg") == path and read_run_state(path).version == 2
+    assert not list(path.glob(".written-rank*"))
+    for a, b in ((load_file(str(sync_path / "model.safetensors")), load_file(str(path / "model.safetensors"))),
+                 (_ds_tensors(sync_path), _ds_tensors(path))):
+        assert a.keys() == b.keys() and a
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-7, msg=name)
+    ref.close()
+    bg.close()
+
+
+def test_a_failed_write_is_one_line_at_the_next_wait_and_the_writer_goes_on() -> None:
+    writer = CheckpointWriter()
+    done: list[str] = []
+
+    def fail() -> None:
+        raise OSError("No space left on device\nsecond line")
+
+    writer.submit("step_000010", fail)
+    writer.submit("step_000010", lambda: done.append("skipped"))   # the rest of that save is moot
+    with pytest.raises(CheckpointError) as e:
+        writer.wait(timeout_s=10)
+    assert str(e.value) == "writing checkpoint step_000010 failed: OSError: No space left on device"
+    writer.wait(timeout_s=10)   # reported once
+    writer.submit("step_000020", lambda: done.append("written"))
+    writer.wait(timeout_s=10)
+    assert done == ["written"]
+    writer.close(timeout_s=5)
+
+
+def test_a_slow_write_makes_wait_say_so() -> None:
+    writer = CheckpointWriter()
+    gate = threading.Event()
+    writer.submit("step_000010", lambda: gate.wait(10))
+    with pytest.raises(CheckpointError, match="still going on after 0 s"):
+        writer.wait(timeout_s=0.2)
+    gate.set()
+    writer.close(timeout_s=5)
+
+
+def test_rank_0_publishes_only_when_every_rank_has_written_its_part(tmp_path: Path) -> None:
+    final = tmp_path / "step_000004"
+    part = tmp_path / "step_000004.partial"
+    part.mkdir()
+    state = RunState(version=4, data_position=16, world_size=2, zero_stage=2)
+    publisher = threading.Thread(target=finish_part, args=(part, final, 0, 2, state))
+    publisher.start()
+    time.sleep(0.3)
+    assert publisher.is_alive() and not final.exists()   # rank 1 has not written yet
+    finish_part(part, final, 1, 2, state)
+    publisher.join(timeout=5)
+    assert json.loads((final / "run_state.json").read_text())["version"] == 4 and not part.exists()
+    assert not written_marker(final, 0).exists() and not written_marker(final, 1).exists()
+
+
+def test_rank_0_gives_up_on_a_rank_that_never_writes(tmp_path: Path) -> None:
+    part = tmp_path / "step_000004.partial"
+    part.mkdir()
+    state = RunState(version=4, data_position=16, world_size=2, zero_stage=2)
+    with pytest.raises(CheckpointError, match="step_000004: rank 1 did not write its part within 0 s"):
+        finish_part(part, tmp_path / "step_000004", 0, 2, state, timeout_s=0.2)
+    assert part.exists() and not (tmp_path / "step_000004").exists()
