@@ -3,6 +3,9 @@ test_rollout_worker.py, the whole path through the launcher in test_e2e.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -102,3 +105,34 @@ def test_schedule_skips_while_one_is_in_flight() -> None:
     assert not any(r.stream for w in ws for r in w.asked)
     assert not ev.launch(5, 5, ws) and ev.skipped == 1
     assert not Evaluations(EvalConfig(every=0), clock=lambda: 0.0).due(0)
+
+
+def test_the_starting_evaluation_waits_for_the_workers_to_hold_the_resumed_weights() -> None:
+    # A resumed run's worker starts on the base weights (v0) and applies the checkpoint's
+    # (v40) in its first pass: asked before that, the evaluation would measure the base model.
+    polls: list[int] = []
+    asked: list[int] = []
+
+    class _Remote:
+        def __init__(self, fn: Any) -> None:
+            self.remote = fn
+
+    def stats() -> SimpleNamespace:
+        polls.append(1)
+        return SimpleNamespace(version=40 if len(polls) >= 3 else 0)
+
+    def evaluate(req: EvalRequest) -> object:
+        asked.append(len(polls))
+        return object()
+
+    class _Calls:
+        def pending(self, refs: Any, timeout_s: float) -> list[Any]:
+            return list(refs)
+
+        def get(self, ref: Any, timeout_s: float | None = None) -> Any:
+            return ref
+
+    worker = SimpleNamespace(stats=_Remote(stats), evaluate=_Remote(evaluate))
+    ev = Evaluations(EvalConfig(every=5, num_prompts=4, k=1), clock=lambda: 0.0, calls=_Calls())
+    ev.begin_start(40, [worker])
+    assert (len(polls), asked) == (3, [3]) and ev.in_flight_step == 40

@@ -81,7 +81,8 @@ class Orchestrator:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._shutdown()
+        # A failure the run's restart heals: what is left of this life is killed, not wound down.
+        self._shutdown(graceful=not (isinstance(ev, OrchestratorError) and ev.restartable))
 
     def _start(self) -> None:
         began = time.monotonic()
@@ -117,9 +118,9 @@ class Orchestrator:
                       workers: list[WorkerSlot]) -> None:
         self._started = (buffer, trainers, workers)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, graceful: bool = True) -> None:
         began = time.monotonic()
-        stop_actors(*self._started)
+        stop_actors(*self._started, graceful=graceful)
         self.stopped_in_s = time.monotonic() - began
         if self._recorder is not None:
             self._recorder.close()

@@ -23,7 +23,7 @@ from typing import Any
 from pipeline_rl.config import EvalConfig
 from pipeline_rl.metrics import EvalMetrics
 from pipeline_rl.rollout.eval_feed import EvalRequest, EvalResult
-from pipeline_rl.run.remote_calls import Calls, RayCalls, WorkerCall, WorkerLost
+from pipeline_rl.run.remote_calls import CallFailed, Calls, RayCalls, WorkerCall, WorkerLost
 
 #: How long a due evaluation waits for the starting one (:meth:`Evaluations.start_due`).
 START_WAIT_S = 60.0
@@ -141,7 +141,27 @@ class Evaluations:
         has answered and ``version_max == version`` (:attr:`EvalFeed.pinned`); training goes
         on meanwhile, and :meth:`collect` records it like any other."""
         if self.enabled:
+            self._await_weights(version, workers)
             self.launch(version, version, workers, stream=False)
+
+    def _await_weights(self, version: int, workers: Sequence[Any], timeout_s: float = START_WAIT_S) -> None:
+        """Until every worker holds weights ``version``. A resumed run's workers start from the
+        base model's weights and apply the checkpoint's, published at start-up, in the first
+        pass of their loop; the starting evaluation pins what a worker holds, so asked before
+        that it would measure the base model under the checkpoint's step."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                held = min(self._calls.get(w.stats.remote(), timeout_s).version for w in workers)
+            except CallFailed:
+                return   # a worker lost at the start: the supervisor reports it
+            if held >= version:
+                return
+            if time.monotonic() > deadline:
+                log.warning("starting evaluation: a worker still holds weights v%d, not v%d, after %.0f s",
+                            held, version, timeout_s)
+                return
+            time.sleep(0.02)
 
     def start_due(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None]) -> None:
         """After the step that made ``version``: launch the evaluation due now, if any. The

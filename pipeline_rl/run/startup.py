@@ -155,12 +155,19 @@ def _start_trainers(cfg: Config, trainers: list[TrainerHandle], setups: list[Any
     return int(versions[0])
 
 
-def stop_actors(buffer: BufferHandle | None, trainers: Sequence[TrainerHandle], workers: Sequence[WorkerSlot]) -> None:
+def stop_actors(buffer: BufferHandle | None, trainers: Sequence[TrainerHandle], workers: Sequence[WorkerSlot],
+                graceful: bool = True) -> None:
     """Stop every actor, each phase bounded by ``_SHUTDOWN_WAIT_S``: workers stop generating,
-    trainers close their publishers, the buffer closes; then all are killed."""
+    trainers close their publishers, the buffer closes; then all are killed. Not ``graceful``
+    (a life of the run that is about to restart: nothing of it is kept), all are killed at
+    once: a worker blocked sending to a dead buffer, or to a full one that a dead trainer no
+    longer drains, would hold its phase for the whole bound."""
     import ray
 
     if not ray.is_initialized():
+        return
+    if not graceful:
+        _kill_all(buffer, trainers, workers)
         return
     for w in workers:
         _quiet(lambda: w.handle.stop.remote())
@@ -172,6 +179,12 @@ def stop_actors(buffer: BufferHandle | None, trainers: Sequence[TrainerHandle], 
         _quiet(lambda: ray.wait(closing, num_returns=len(closing), timeout=_SHUTDOWN_WAIT_S))
     if buffer is not None:
         _quiet(lambda: ray.get(buffer.close.remote(), timeout=_SHUTDOWN_WAIT_S))
+    _kill_all(buffer, trainers, workers)
+
+
+def _kill_all(buffer: BufferHandle | None, trainers: Sequence[TrainerHandle], workers: Sequence[WorkerSlot]) -> None:
+    import ray
+
     handles: list[Any] = [w.handle for w in workers] + [w.standby for w in workers] + list(trainers) + [buffer]
     for handle in handles:
         if handle is not None:
