@@ -5,6 +5,7 @@ complete only when every rank has written its part."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -63,20 +64,22 @@ def test_a_background_save_writes_the_state_at_the_save(tiny_model_dir: str, tmp
     bg.close()
 
 
-def test_a_failed_write_is_one_line_at_the_next_wait_and_the_writer_goes_on() -> None:
+def test_a_failed_write_is_one_line_at_the_next_wait_and_the_writer_goes_on(tmp_path: Path) -> None:
     writer = CheckpointWriter()
     done: list[str] = []
 
     def fail() -> None:
         raise OSError("No space left on device\nsecond line")
 
-    writer.submit("step_000010", fail)
-    writer.submit("step_000010", lambda: done.append("skipped"))   # the rest of that save is moot
+    part = tmp_path / "step_000010.partial"
+    writer.submit(part / "deepspeed" / "state" / "mp_rank_00_model_states.pt", fail)
+    writer.submit(part, lambda: done.append("skipped"))   # the rest of that save is moot
     with pytest.raises(CheckpointError) as e:
         writer.wait(timeout_s=10)
-    assert str(e.value) == "writing checkpoint step_000010 failed: OSError: No space left on device"
+    assert re.fullmatch(r"writing checkpoint step_000010 failed: OSError: No space left on device "
+                        r"\([0-9,]+ MiB free on its disk\)", str(e.value)), str(e.value)
     writer.wait(timeout_s=10)   # reported once
-    writer.submit("step_000020", lambda: done.append("written"))
+    writer.submit(tmp_path / "step_000020.partial", lambda: done.append("written"))
     writer.wait(timeout_s=10)
     assert done == ["written"]
     writer.close(timeout_s=5)
@@ -85,7 +88,7 @@ def test_a_failed_write_is_one_line_at_the_next_wait_and_the_writer_goes_on() ->
 def test_a_slow_write_makes_wait_say_so() -> None:
     writer = CheckpointWriter()
     gate = threading.Event()
-    writer.submit("step_000010", lambda: gate.wait(10))
+    writer.submit(Path("step_000010.partial"), lambda: gate.wait(10))
     with pytest.raises(CheckpointError, match="still going on after 0 s"):
         writer.wait(timeout_s=0.2)
     gate.set()

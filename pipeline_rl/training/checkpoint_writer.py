@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -48,20 +49,20 @@ class CheckpointWriter:
     """One background thread that runs a rank's checkpoint writes in order (module docstring)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[str, Callable[[], None]] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Path, Callable[[], None]] | None] = queue.Queue()
         self._idle = threading.Condition()
         self._pending = 0
         self._error: str | None = None
         self._thread: threading.Thread | None = None
 
-    def submit(self, what: str, job: Callable[[], None]) -> None:
-        """Queue ``job`` (``what``: the checkpoint it writes, for the error message)."""
+    def submit(self, where: Path, job: Callable[[], None]) -> None:
+        """Queue ``job``, which writes into ``where`` (a checkpoint's folder or a file in it)."""
         with self._idle:
             self._pending += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
             self._thread.start()
-        self._jobs.put((what, job))
+        self._jobs.put((where, job))
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Return once every queued write is done; raise :class:`CheckpointError` (one line)
@@ -94,18 +95,31 @@ class CheckpointWriter:
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
-            what, job = item
+            where, job = item
             try:
                 if self._error is None:   # after a failure the rest of that save is moot
                     job()
             except Exception as e:  # noqa: BLE001 - reported by the next wait()
-                first = str(e).splitlines()[0] if str(e) else ""
-                log.error("trainer: writing checkpoint %s failed: %s: %s", what, type(e).__name__, first)
-                self._error = f"writing checkpoint {what} failed: {type(e).__name__}: {first}"
+                self._error = _failure(where, e)
+                log.error("trainer: %s", self._error)
             finally:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+
+def _failure(where: Path, e: Exception) -> str:
+    """One line: which checkpoint, what failed, and the space left on its disk (a full disk
+    shows up in torch's writer as ``unexpected pos``, not as an error of its own)."""
+    name = next((p.name.removesuffix(".partial") for p in (where, *where.parents) if p.name.endswith(".partial")),
+                where.name)
+    first = str(e).splitlines()[0] if str(e) else ""
+    try:
+        free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free
+        space = f" ({free / 2**20:,.0f} MiB free on its disk)"
+    except (OSError, StopIteration):
+        space = ""
+    return f"writing checkpoint {name} failed: {type(e).__name__}: {first}{space}"
 
 
 def background_engine(writer: CheckpointWriter) -> Any:
@@ -126,7 +140,7 @@ def background_engine(writer: CheckpointWriter) -> Any:
 
         def save(self, state_dict: Any, path: str) -> None:
             copy = clone_tensors_for_torch_save(state_dict)
-            writer.submit(Path(path).name, lambda: torch.save(copy, path))
+            writer.submit(Path(path), lambda: torch.save(copy, path))
 
         def load(self, path: str, map_location: Any = None) -> Any:
             return torch.load(path, map_location=map_location, weights_only=False)

@@ -400,7 +400,7 @@ class Trainer:
             kill_here(self.cfg.fault, "checkpoint_write", version)   # a fault test's mid-save death
             finish_part(part, final, self.rank, self.world_size, state)
 
-        self._writer.submit(final.name, write_the_rest)
+        self._writer.submit(part, write_the_rest)
         if not background or reached(self.cfg.fault, "checkpoint_write", version):
             self._writer.wait()   # (a fault test dies inside this write, before the next step)
             dist.barrier()
