@@ -62,8 +62,7 @@ class Orchestrator:
         self._checkpoints = CheckpointPolicy(self.cfg, self.out)
         # the actors as start-up creates them, to stop them if it fails half-way
         self._started: tuple[BufferHandle | None, list[TrainerHandle], list[WorkerSlot]] = (None, [], [])
-        #: Seconds the actors took to start (ready to train) and to stop (None: not yet).
-        self.started_in_s: float | None = None
+        #: Seconds the actors took to stop (None: not yet).
         self.stopped_in_s: float | None = None
         self._actors: Actors | None = None
         self._supervisor: Supervisor | None = None
@@ -99,10 +98,9 @@ class Orchestrator:
                                       self.stop, self._checkpoints, lambda: self.version,
                                       self._worker_lost)
         self._checkpoints.restart_clock()
-        self.started_in_s = time.monotonic() - began
         logs = "" if self.cfg.log_level == "debug" else f"; actor logs in {self.out / 'logs'}"
         say(f"training: {self.cfg.max_steps} steps at staleness {self.cfg.staleness} (actors started in "
-            f"{self.started_in_s:.1f} s){logs}")
+            f"{time.monotonic() - began:.1f} s){logs}")
 
     def _read_answers(self, calls: Sequence[WorkerCall]) -> list[Any] | None:
         """The workers' answers, read by the supervisor (it handles a dead worker)."""

@@ -78,11 +78,6 @@ class CheckpointWriter:
         if error is not None:
             raise CheckpointError(error)
 
-    @property
-    def busy(self) -> bool:
-        with self._idle:
-            return self._pending > 0
-
     def close(self, timeout_s: float) -> None:
         """Let the queued writes finish (up to ``timeout_s``), then stop the thread."""
         try:

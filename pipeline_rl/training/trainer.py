@@ -394,8 +394,8 @@ class Trainer:
         def write_the_rest() -> None:
             if self.rank == 0:
                 write_weights(part, self.engine.module, update, self.lora, self.model_dir)
-                if self.ema is not None and ema is not None:
-                    self.ema.save(part / EMA_DIR, self.model_dir, state=ema)
+                if self.ema is not None:
+                    self.ema.save(part / EMA_DIR, self.model_dir, state=ema)   # ema: its copy
             torch.save(rng, rng_file(part, self.rank))
             kill_here(self.cfg.fault, "checkpoint_write", version)   # a fault test's mid-save death
             finish_part(part, final, self.rank, self.world_size, state)
