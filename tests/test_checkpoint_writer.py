@@ -117,3 +117,51 @@ def test_rank_0_gives_up_on_a_rank_that_never_writes(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="step_000004: rank 1 did not write its part within 0 s"):
         finish_part(part, tmp_path / "step_000004", 0, 2, state, timeout_s=0.2)
     assert part.exists() and not (tmp_path / "step_000004").exists()
+
+
+def test_staging_copies_into_the_buffers_of_the_previous_save() -> None:
+    from pipeline_rl.training.checkpoint_writer import Staging
+
+    staging = Staging()
+    live = {"module": {"w": torch.ones(3, 2), "b": torch.zeros(4)}, "steps": [torch.tensor(1), 7], "pair": (torch.ones(2), "x")}
+    first = staging.copy(live, "model_states.pt")
+    assert first["steps"][1] == 7 and first["pair"][1] == "x" and isinstance(first["pair"], tuple)
+    live["module"]["w"].add_(1)   # the live state moves on; the copy does not
+    assert torch.equal(first["module"]["w"], torch.ones(3, 2))
+    second = staging.copy(live, "model_states.pt")
+    assert second["module"]["w"].data_ptr() == first["module"]["w"].data_ptr()   # the same memory, new contents
+    assert torch.equal(second["module"]["w"], torch.full((3, 2), 2.0))
+    live["module"]["w"] = torch.ones(5, dtype=torch.float64)   # a changed shape or dtype gets a buffer of its own
+    third = staging.copy(live, "model_states.pt")
+    assert third["module"]["w"].dtype == torch.float64 and third["module"]["w"].data_ptr() != second["module"]["w"].data_ptr()
+    other = staging.copy(live, "optim_states.pt")   # another file: other buffers
+    assert other["module"]["b"].data_ptr() != third["module"]["b"].data_ptr()
+    allocate = staging.array("weights")
+    assert allocate(16) is allocate(16) and allocate(8).nbytes == 8
+
+
+def test_two_background_saves_each_write_their_own_state(tiny_model_dir: str, tmp_path: Path) -> None:
+    """The second save reuses the first one's host buffers and still writes the state at its own step."""
+    from pipeline_rl.training.trainer import Trainer
+
+    groups = [synthetic_groups(4, 4, seed=20 + i, version=i) for i in range(4)]
+    ref, bg = Trainer(make_cfg(), tiny_model_dir), Trainer(make_cfg(), tiny_model_dir)
+    for trainer in (ref, bg):
+        trainer.step(groups[0])
+        trainer.step(groups[1])
+    bg.save_checkpoint(tmp_path / "bg" / "step_000002", background=True)
+    for trainer in (ref, bg):
+        trainer.step(groups[2])
+        trainer.step(groups[3])
+    sync_path = ref.save_checkpoint(tmp_path / "sync" / "step_000004")
+    path = bg.save_checkpoint(tmp_path / "bg" / "step_000004", background=True)
+    bg.step(groups[0])
+    bg.wait_for_checkpoints()
+    first = _ds_tensors(tmp_path / "bg" / "step_000002")
+    for a, b in ((load_file(str(sync_path / "model.safetensors")), load_file(str(path / "model.safetensors"))),
+                 (_ds_tensors(sync_path), _ds_tensors(path))):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-7, msg=name)
+    assert any(not torch.equal(first[n], v) for n, v in _ds_tensors(path).items())
+    ref.close()
+    bg.close()

@@ -50,7 +50,9 @@ from pipeline_rl.training.checkpoint import (
     DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, capture_rng,
     load_rng, partial_dir, read_run_state, rng_file,
 )
-from pipeline_rl.training.checkpoint_writer import CheckpointWriter, background_engine, finish_part, write_weights
+from pipeline_rl.training.checkpoint_writer import (
+    CheckpointWriter, Staging, background_engine, finish_part, write_weights,
+)
 from pipeline_rl.training.deepspeed_setup import (
     deepspeed_config, init_distributed, pick_device, prepare_cpu_deepspeed, prepare_cuda_deepspeed,
     prepare_trained_model,
@@ -123,7 +125,8 @@ class Trainer:
             config=deepspeed_config(cfg, world_size, self.device.type))
         self.zero_stage = cfg.trainer.zero_stage
         self._writer = CheckpointWriter()   # DeepSpeed's checkpoint files go through it
-        self.engine.checkpoint_engine = background_engine(self._writer)
+        self._staging = Staging()           # the host memory a save's copy goes into
+        self.engine.checkpoint_engine = background_engine(self._writer, self._staging)
         t = cfg.trainer   # the learning rate of each step, and the moving average (rank 0 keeps it)
         self.lr_schedule = LRSchedule(self.engine.optimizer, schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                                       total_steps=cfg.max_steps, base_lr=t.lr)
@@ -385,8 +388,8 @@ class Trainer:
         # DeepSpeed's files: copied now, written by the writer (checkpoint_writer.background_engine)
         self.engine.save_checkpoint(str(part / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False,
                                     exclude_frozen_parameters=self.lora is not None)
-        update = self.weights()   # copies
-        ema = {k: v.clone() for k, v in self.ema.state_dict().items()} if self.ema is not None else None
+        update = self.weights(allocate=self._staging.array("weights"))   # copies
+        ema = self._staging.copy(self.ema.state_dict(), "ema") if self.ema is not None else None
         rng, version = capture_rng(), self._version
         state = RunState(version=version, data_position=version * self.cfg.groups_per_step,
                          world_size=self.world_size, zero_stage=self.zero_stage)
