@@ -180,6 +180,12 @@ CATALOG: tuple[Entry, ...] = (
           "The default run with a checkpoint every 10 steps against none (the state copied on the training "
           "thread, written in the background): mean step, the copy's time, the extra time of the step after "
           "each save."),
+    Entry("checkpoint_cost_real_model", "What checkpoints cost on the real chat model",
+          "python -m benchmarks.checkpoint_cost --steps 40 --every 10 -- --model smollm2-135m-instruct "
+          "--task.name word_problems",
+          "SmolLM2-135M-Instruct (a 2.3 GB checkpoint: weights, AdamW's moments, the served weights) with a "
+          "checkpoint every 10 steps against none: the copy's time on the training thread, the extra time of "
+          "the step after each save."),
 )
 
 _INTRO = """\
