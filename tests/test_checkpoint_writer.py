@@ -5,6 +5,7 @@ complete only when every rank has written its part."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -165,3 +166,38 @@ def test_two_background_saves_each_write_their_own_state(tiny_model_dir: str, tm
     assert any(not torch.equal(first[n], v) for n, v in _ds_tensors(path).items())
     ref.close()
     bg.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux: a thread's own priority and CPUs")
+def test_an_idle_writer_runs_at_the_lowest_priority_on_every_cpu(tmp_path: Path) -> None:
+    """A large state's writes take only CPU time nobody else wants; a small state's keep the
+    trainer's core and normal priority (written within a step, as a restart expects)."""
+    seen: dict[str, Any] = {}
+
+    def record(name: str) -> Any:
+        return lambda: seen.update({name: (os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+                                           os.sched_getaffinity(0))})
+
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})   # this test's thread pinned, as a trainer's are
+        idle, normal = CheckpointWriter(idle=True), CheckpointWriter()
+        idle.submit(tmp_path, record("idle"))
+        normal.submit(tmp_path, record("normal"))
+        idle.wait(30)
+        normal.wait(30)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert seen["idle"][0] == 19 and seen["idle"][1] >= before
+    assert seen["normal"][0] == os.getpriority(os.PRIO_PROCESS, 0) and seen["normal"][1] == {min(before)}
+    idle.close(5)
+    normal.close(5)
+
+
+def test_the_built_in_model_is_written_at_normal_priority(tiny_model_dir: str) -> None:
+    from pipeline_rl.training.checkpoint_writer import IDLE_WRITE_MIN_BYTES
+    from pipeline_rl.training.trainer import Trainer
+
+    trainer = Trainer(make_cfg(), tiny_model_dir)
+    assert not trainer._writer.idle and sum(p.numel() * 4 for p in trainer.engine.module.parameters()) < IDLE_WRITE_MIN_BYTES
+    trainer.close()

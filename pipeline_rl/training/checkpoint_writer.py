@@ -25,9 +25,13 @@ Invariants:
   its files: rank 0 renames it after every other rank's marker file is there;
 - a failed write is raised, in one line, by the next save or by :meth:`CheckpointWriter.wait`;
   its ``.partial`` folder stays for the next start to tidy;
-- the writer thread runs at the lowest CPU priority: it writes in the time training leaves
-  its core (all of it on a GPU machine, where the training thread mostly waits for the GPU;
-  little on a CPU trainer whose core is busy, where the next save waits for what is left);
+- a large state (:data:`IDLE_WRITE_MIN_BYTES` of weights or more) is written by a thread at the
+  lowest CPU priority that may run on every CPU of the machine, the trainer's pinned core
+  included: it writes in whatever CPU time training and generation leave, anywhere (on a
+  GPU machine most of it; on the 2-core machine the rollout worker's core waits for
+  admission much of the time); a save that finds the previous one still being written waits
+  for the rest. A small state is written at normal priority on the trainer's core: its write
+  takes milliseconds, and its checkpoint is there within a step, as a restart expects;
 - a process killed during a write loses that checkpoint: a restart goes back to the one
   before, so it loses one interval plus the steps trained while the write was going on.
 
@@ -35,7 +39,7 @@ Why the lowest priority. On a CPU trainer a write at normal priority shares the 
 training and holds Python's lock for long stretches (torch's and safetensors' writers do not
 let go of it inside a file): on the 2-core machine a 1.6 GB ``torch.save`` beside a Python-heavy
 loop on the same core slowed the loop by twice the save's own time (5 s for a 2.4 s save); at
-nice 19 by 0.1 s, the save finishing once the loop had stopped.
+nice 19, by 0.1 s, the save finishing once the loop had stopped.
 """
 
 from __future__ import annotations
@@ -65,10 +69,17 @@ PEERS_WRITTEN_TIMEOUT_S = 1800.0
 _POLL_S = 0.05
 
 
-class CheckpointWriter:
-    """One background thread that runs a rank's checkpoint writes in order (module docstring)."""
+#: The weights' size from which a rank's writes run at idle priority on every CPU (module
+#: docstring): 64 MiB, 16 M float32 parameters (the built-in model has 0.4 M, SmolLM2-135M 135 M).
+IDLE_WRITE_MIN_BYTES = 64 * 2**20
 
-    def __init__(self) -> None:
+
+class CheckpointWriter:
+    """One background thread that runs a rank's checkpoint writes in order (module docstring);
+    ``idle``: at the lowest priority, on every CPU."""
+
+    def __init__(self, idle: bool = False) -> None:
+        self.idle = idle
         self._jobs: queue.Queue[tuple[Path, Callable[[], None]] | None] = queue.Queue()
         self._idle = threading.Condition()
         self._pending = 0
@@ -109,7 +120,8 @@ class CheckpointWriter:
             self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
-        lowest_priority()
+        if self.idle:
+            run_when_idle()
         while (item := self._jobs.get()) is not None:
             where, job = item
             try:
@@ -124,11 +136,16 @@ class CheckpointWriter:
                     self._idle.notify_all()
 
 
-def lowest_priority() -> None:
-    """The calling thread at the lowest CPU priority (nice 19; Linux: a thread's own), so a write
-    runs in the time training leaves its core; nothing where the OS cannot (module docstring)."""
+def run_when_idle() -> None:
+    """The calling thread at the lowest CPU priority (nice 19) and free to run on every CPU of
+    the machine, not only its process's pinned core (Linux: both are a thread's own); what
+    the OS cannot do is left as it is."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))   # the kernel keeps it within the cgroup's CPUs
     except (AttributeError, OSError):
         pass
 
