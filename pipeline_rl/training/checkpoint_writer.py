@@ -136,6 +136,13 @@ class CheckpointWriter:
                     self._idle.notify_all()
 
 
+def writer_for(module: Any) -> CheckpointWriter:
+    """A rank's writer for ``module``'s state: idle (module docstring) when its weights are
+    :data:`IDLE_WRITE_MIN_BYTES` or more (ZeRO-3: their full size, not this rank's shard)."""
+    size = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
+    return CheckpointWriter(idle=size >= IDLE_WRITE_MIN_BYTES)
+
+
 def run_when_idle() -> None:
     """The calling thread at the lowest CPU priority (nice 19) and free to run on every CPU of
     the machine, not only its process's pinned core (Linux: both are a thread's own); what

@@ -50,9 +50,7 @@ from pipeline_rl.training.checkpoint import (
     DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, capture_rng,
     load_rng, partial_dir, read_run_state, rng_file,
 )
-from pipeline_rl.training.checkpoint_writer import (
-    IDLE_WRITE_MIN_BYTES, CheckpointWriter, Staging, background_engine, finish_part, write_weights,
-)
+from pipeline_rl.training.checkpoint_writer import Staging, background_engine, finish_part, write_weights, writer_for
 from pipeline_rl.training.deepspeed_setup import (
     deepspeed_config, init_distributed, pick_device, prepare_cpu_deepspeed, prepare_cuda_deepspeed,
     prepare_trained_model,
@@ -124,8 +122,7 @@ class Trainer:
             model=self.model, model_parameters=trained, optimizer=make_optimizer(cfg, trained),
             config=deepspeed_config(cfg, world_size, self.device.type))
         self.zero_stage = cfg.trainer.zero_stage
-        weight_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in self.engine.module.parameters())
-        self._writer = CheckpointWriter(idle=weight_bytes >= IDLE_WRITE_MIN_BYTES)   # DeepSpeed's files go through it
+        self._writer = writer_for(self.engine.module)   # DeepSpeed's checkpoint files go through it
         self._staging = Staging()           # the host memory a save's copy goes into
         self.engine.checkpoint_engine = background_engine(self._writer, self._staging)
         t = cfg.trainer   # the learning rate of each step, and the moving average (rank 0 keeps it)
@@ -404,8 +401,7 @@ class Trainer:
             torch.save(rng, rng_file(part, self.rank))
             kill_here(self.cfg.fault, "checkpoint_write", version)   # a fault test's mid-save death
             finish_part(part, final, self.rank, self.world_size, state)
-            log.info("checkpoint %s: rank %d's part written %.1f s after the save", final.name, self.rank,
-                     time.perf_counter() - saved_at)
+            log.info("checkpoint %s: part written %.1f s after the save", final.name, time.perf_counter() - saved_at)
 
         self._writer.submit(part, write_the_rest)
         if not background or reached(self.cfg.fault, "checkpoint_write", version):
