@@ -71,9 +71,11 @@ def test_a_killed_process_restarts_the_run_and_it_finishes(point: str, role: str
     out = tmp_path / "run"
     t0 = time.monotonic()
     rc, lines = _run(tiny_model_dir, out, capsys, "--max-steps", "12", "--trainer.checkpoint_every", "4",
-                     "--fault", f"{point}@6")
+                     "--fault", f"{point}@6", "--run.spare_trainers", "true")
     assert rc == 0, lines
     assert len(lines) == 1 and lines[0].startswith(f"async_grpo.py: restart 1: {role} failed: "), lines
+    # carried into the next life, not started again
+    assert ", 1 rollout worker(s) kept, 1 spare trainer rank(s) kept)" in lines[0], lines
     assert lines[0].endswith("starting again from " + str((out / "checkpoints" / "step_000004").resolve())), lines
     assert _steps(out) == list(range(1, 13))                    # no step twice, none missing
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -88,6 +90,7 @@ def test_the_same_weight_update_failure_twice_ends_the_run(ray_local: None, tiny
     rc, lines = _run(tiny_model_dir, tmp_path / "run", capsys, "--max-steps", "12", "--fault", "weight_update@0")
     assert rc == 1 and len(lines) == 2, lines
     assert lines[0].startswith("async_grpo.py: restart 1: rollout worker 0 failed: WeightLoadFailed"), lines
+    assert "kept" not in lines[0], lines            # a worker's own failure: new workers
     assert lines[1].startswith("async_grpo.py: error: rollout worker 0 failed: WeightLoadFailed"), lines
     assert lines[1].endswith("(the same failure twice: not restarted again)"), lines
 

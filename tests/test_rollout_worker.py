@@ -20,7 +20,7 @@ import pytest
 
 from pipeline_rl.rollout.engines.engine import EngineConfig, GenerationEngine
 from pipeline_rl.rollout.worker import RolloutWorker
-from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, load_update
+from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, check_update, load_update
 from pipeline_rl.buffer.replay import ReplayBuffer
 from pipeline_rl.buffer.server import BufferServer
 from pipeline_rl.config import Config
@@ -281,3 +281,42 @@ def test_reward_errors_fail_ends_the_worker_with_one_line(engine: GenerationEngi
         finish_leftovers()
     assert "\n" not in str(err.value) and str(err.value).startswith("reward ") and "failed on prompt " in str(err.value)
     assert str(err.value).endswith("KeyError: 'score' (--task.reward_errors fail)")
+
+
+def test_a_worker_carried_into_the_run_s_next_life(engine: GenerationEngine, model_dirs: tuple) -> None:
+    """What ``RolloutActor.renew`` does when the trainer or the buffer died: the generation
+    loop is ended mid-run, the engine keeps no request, staged update or version of the old
+    life, takes the new life's first weights although their version is older than what it
+    served, and a new worker around it generates for the new buffer under those weights."""
+    old = _Rig(engine, model_dirs[0], reward_fn=_len_reward)
+    failures: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            old.worker.run()
+        except BaseException as e:  # noqa: BLE001 -- ended on request: the test checks it
+            failures.append(e)
+
+    loop = threading.Thread(target=generate)
+    loop.start()
+    try:
+        old.received(2)                              # generating, sequences in flight
+        assert old.worker.end_loop(10.0) and old.worker.ended_on_request
+        loop.join(10)
+        assert not loop.is_alive() and failures and "next life" in str(failures[0])
+    finally:
+        old.close()
+    assert engine.stage(check_update(load_update(model_dirs[1], engine.version + 5), engine.weight_spec,
+                                     current_version=engine.version))   # staged, never applied
+    engine.renew()
+    assert engine.num_unfinished() == 0 and engine.version == -1 and engine.apply_staged() is None
+    engine.load_update(load_update(model_dirs[1], 0))     # the new life's checkpoint: version 0
+    new = _Rig(engine, model_dirs[0], reward_fn=_len_reward)
+    try:
+        stats = new.worker.run(max_groups=3)
+        groups = new.received(3)
+    finally:
+        new.close()
+    assert stats.groups_sent == 3 and engine.version == 0
+    assert all((c.versions == 0).all() for g in groups for c in g.completions)
+    engine.load_update(load_update(model_dirs[0], 1))   # the module's engine holds model a again

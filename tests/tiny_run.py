@@ -9,12 +9,13 @@ from pipeline_rl.cli import parse_config
 from pipeline_rl.config import Config
 
 #: 2 groups of 4 completions per step, 24 new tokens, a generous batch timeout for 2 cores;
-#: held-out evaluation off (the tests that check it turn it on); no rollout-worker standby
-#: (a second vLLM start on 2 cores beside every short run: the tests of it turn it on).
+#: held-out evaluation off (the tests that check it turn it on); no rollout-worker standby and
+#: no spare trainer rank (a second vLLM start, a second trainer's imports, on 2 cores beside
+#: every short run: the tests of them turn them on).
 TINY_RUN_FLAGS: tuple[str, ...] = (
     "--rollout.n", "4", "--trainer.batch_size", "8", "--trainer.micro_batch_size", "8",
     "--rollout.max_new_tokens", "24", "--rollout.max_num_seqs", "16", "--trainer.batch_timeout_s", "120",
-    "--eval.every", "0", "--rollout.standby", "false")
+    "--eval.every", "0", "--rollout.standby", "false", "--run.spare_trainers", "false")
 
 
 def tiny_run_config(model_dir: str, out: Path, *extra: str) -> Config:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef
 
     from pipeline_rl.buffer.types import Admission, BufferStats
+    from pipeline_rl.config import Config
     from pipeline_rl.rollout.eval_feed import EvalRequest, EvalResult
     from pipeline_rl.reports import RankStepReport
     from pipeline_rl.resources import CoreSlot
@@ -52,6 +53,7 @@ class RolloutHandle(Protocol):
 
     ready: Remote[[], bool]
     take_over: Remote[["CoreSlot | None"], int]
+    renew: Remote[["Config"], int]
     run: Remote[[int], "WorkerStats"]
     init_weight_transfer_engine: Remote[[dict[str, Any]], None]
     start_weight_update: Remote[[], None]
@@ -68,6 +70,7 @@ class TrainerHandle(Protocol):
     """:class:`~pipeline_rl.actors.trainer_actor.TrainerActor` behind Ray."""
 
     node_ip: Remote[[], str]
+    adopt: Remote[["Config", "BufferHandle"], int]
     pid: Remote[[], int]
     setup: Remote[[str, int], int]
     set_workers: Remote[[list[RolloutHandle]], list[str]]

@@ -26,6 +26,7 @@ class ActorClasses:
     rollout: Any
     trainer: Any
     standby: Any
+    spare: Any
 
     def new_buffer(self, cfg: Config, bind_host: str, start_version: int,
                    avoid: tuple[CoreSlot, ...], key: RunKey) -> BufferHandle:
@@ -45,6 +46,13 @@ class ActorClasses:
                     core: CoreSlot | None, gpu_memory: float | None, key: RunKey) -> TrainerHandle:
         return cast(TrainerHandle, self.trainer.remote(cfg, model_dir, rank, world_size, buffer, core,
                                                        gpu_memory, key=key))
+
+    def new_spare(self, cfg: Config, model_dir: str, rank: int, world_size: int, buffer: BufferHandle,
+                  core: CoreSlot | None, key: RunKey) -> TrainerHandle:
+        """Trainer rank ``rank``'s spare (``--run.spare_trainers``): no CPU reserved, unpinned
+        until adopted."""
+        return cast(TrainerHandle, self.spare.remote(cfg, model_dir, rank, world_size, buffer, core, None,
+                                                     key=key, spare=True))
 
 
 def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str, *,
@@ -71,7 +79,9 @@ def remote_classes(cfg: Config, buffer_node_id: str, buffer_name: str, *,
             resources=needs(cfg.ray.rollout_resource)),
         trainer=_actor(TrainerActor).options(num_cpus=1, num_gpus=per_actor, max_concurrency=2,
                                              resources=needs(cfg.ray.trainer_resource)),
-        # A standby idles once built: no CPU of Ray's sizing is reserved for it (CPU runs only).
+        # A standby or a spare idles once built: no CPU of Ray's sizing is reserved for it (CPU runs only).
+        spare=_actor(TrainerActor).options(num_cpus=0, max_concurrency=2,
+                                           resources=needs(cfg.ray.trainer_resource)),
         standby=_actor(RolloutActor).options(
             num_cpus=0, max_concurrency=8, max_restarts=-1, max_task_retries=0,
             resources=needs(cfg.ray.rollout_resource)))

@@ -8,6 +8,7 @@ call runs on.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -19,11 +20,54 @@ from pipeline_rl.resources import CoreSlot
 from pipeline_rl.run_key import RunKey
 
 if TYPE_CHECKING:
+    from pipeline_rl.buffer.sender import GroupSender
+    from pipeline_rl.rollout.engines.engine import GenerationEngine
     from pipeline_rl.rollout.eval_feed import EvalRequest, EvalResult
-    from pipeline_rl.rollout.worker import WorkerStats
+    from pipeline_rl.rollout.worker import RolloutWorker, WorkerStats
+    from pipeline_rl.tasks.base import Task
     from pipeline_rl.weight_sync.paths import Placement
 
 T = TypeVar("T")
+
+_LOOP_END_WAIT_S = 10.0   # a generation loop asked to end does so within a step
+_CONNECT_SLICE_S = 2.0    # a buffer's socket is tried this long before its name is looked up again
+
+
+def _connected_worker(cfg: Config, worker_id: int, model_dir: str, buffer_name: str, task: Task,
+                      eval_task: Task | None, gpu_memory: float | None, key: RunKey | None,
+                      engine: GenerationEngine | None) -> RolloutWorker:
+    """A rollout worker joined to the buffer now registered as ``buffer_name`` (waiting for
+    it to bind), around ``engine`` (None: a new one)."""
+    from pipeline_rl.rollout.worker import RolloutWorker
+
+    admission, sender = _join_buffer(cfg, worker_id, buffer_name, key)
+    return RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir, buffer_address=sender.address,
+                         admission=admission, task=task, eval_task=eval_task, gpu_memory=gpu_memory, key=key,
+                         engine=engine, sender=sender)
+
+
+def _join_buffer(cfg: Config, worker_id: int, buffer_name: str, key: RunKey | None) -> tuple[RayAdmission, GroupSender]:
+    """The admission source and the sender of the buffer registered as ``buffer_name``. The
+    buffer of a life of the run that is ending may still hold the name when it is looked up
+    (a process Ray restarts while the run restarts itself): a buffer that does not answer
+    within ``_CONNECT_SLICE_S`` is looked up again by name, until one answers or
+    ``--buffer.send_timeout_s`` passed (then the last error is raised)."""
+    import ray
+
+    from pipeline_rl.buffer.sender import GroupSender
+    from pipeline_rl.buffer.types import BufferUnreachable
+
+    deadline = time.monotonic() + cfg.buffer.send_timeout_s
+    while True:
+        admission = RayAdmission(buffer_name)
+        try:
+            address = admission.buffer_address()
+            return admission, GroupSender(address, worker_id, cfg.buffer.send_timeout_s,
+                                          connect_timeout_s=_CONNECT_SLICE_S, key=key)
+        except (BufferUnreachable, ray.exceptions.RayActorError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 class WeightLoadFailed(RuntimeError):
@@ -56,7 +100,6 @@ class RolloutActor:
                             core=None if unpinned else core)
         if unpinned:
             raise_to_parent_priority()
-        from pipeline_rl.rollout.worker import RolloutWorker
         from pipeline_rl.tasks.build import build_task_for_model
         from pipeline_rl.tasks.chat import plugin_reward
         from pipeline_rl.tasks.tokenizer import task_tokenizer
@@ -68,15 +111,33 @@ class RolloutActor:
                                           evaluation=cfg.eval, tokenizer=tokenizer, reward_fn=plugin_reward(task))
                      if cfg.eval.every else None)   # the plug-in reward resolved (a remote one probed) once
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager")
-        admission = RayAdmission(buffer_name)
-        self._worker = RolloutWorker(cfg, worker_id=worker_id, model_dir=model_dir,
-                                     buffer_address=admission.buffer_address(), admission=admission,
-                                     task=task, eval_task=eval_task, gpu_memory=gpu_memory,
-                                     key=key)
+        self._new_worker: Callable[[Config, GenerationEngine | None], RolloutWorker] = lambda c, engine: (
+            _connected_worker(c, worker_id, model_dir, buffer_name, task, eval_task, gpu_memory, key, engine))
+        self._worker = self._new_worker(cfg, None)
         end_of_startup()
 
     def ready(self) -> bool:
         return True
+
+    def renew(self, cfg: Config) -> int:
+        """Carry this worker into the run's next life (``run/restarts.py``: the trainer or the
+        buffer died, and this worker did not), under that life's ``cfg``: its generation loop
+        ended, what it started dropped, and a new worker made around the same engine
+        (``GenerationEngine.renew``: nothing of the old life left in it), joined to the new
+        life's buffer (a new actor under the same Ray name, proving the same run key); the
+        new life publishes its weights to it and starts its loop as for a new actor. Runs on
+        the staging thread, after any weight call still in progress. Returns the pid; raises
+        when the engine cannot be carried (the driver then starts a new actor)."""
+        return self._stager.submit(self._renew, cfg).result()
+
+    def _renew(self, cfg: Config) -> int:
+        old = self._worker
+        if not old.end_loop(_LOOP_END_WAIT_S):
+            raise RuntimeError(f"its generation loop did not end within {_LOOP_END_WAIT_S:.0f} s")
+        old.close(close_engine=False, linger_s=0.0)
+        old.engine.renew()
+        self._worker = self._new_worker(cfg, old.engine)
+        return os.getpid()
 
     def take_over(self, core: CoreSlot | None) -> int:
         """A standby takes a dead worker's place: its core, when the run pins; returns its pid."""
@@ -87,8 +148,14 @@ class RolloutActor:
     def run(self, start_counter: int = 0) -> WorkerStats:
         """The generation loop (returns when stopped); group ids and prompts continue
         from ``start_counter``."""
-        self._worker.start_at(start_counter)
-        return self._worker.run()
+        worker = self._worker
+        worker.start_at(start_counter)
+        try:
+            return worker.run()
+        except Exception:
+            if worker.ended_on_request:   # renew ended it: the life it generated for is over
+                return worker.stats()
+            raise
 
     # vLLM's weight-transfer calls (the trainer's publisher drives them). All on the one
     # staging thread: Ray serves concurrent calls on a pool of threads, and every thread that

@@ -42,12 +42,13 @@ import time
 
 import numpy as np
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline_rl.rollout.agents.runner import AgentRunner
 from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.rollout.engines.engine_factory import build_engine
 from pipeline_rl.rollout.episodes import Episode, EpisodeDriver
+from pipeline_rl.rollout.admission_client import Grants
 from pipeline_rl.rollout.ports import AdmissionSource, SenderLike, connect_sender
 from pipeline_rl.run_key import RunKey, endpoint_token, rendezvous_secret
 from pipeline_rl.rollout.scoring import PendingGroup, Scorer, reward_source
@@ -63,9 +64,6 @@ from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task
 from pipeline_rl.tasks.env import resolve_env, task_env_factory
-
-if TYPE_CHECKING:
-    from pipeline_rl.buffer.types import Admission
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +93,7 @@ class RolloutWorker:
                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                         top_k=cfg.rollout.top_k)
         self._pending: dict[int, PendingGroup] = {}
-        self._granted, self._min_version = 0, 0  # admitted groups not started yet; the version they need
-        self._asking: Future[Admission] | None = None  # the admission request in flight (one at most)
+        self._grants = Grants(admission, worker_id, acquire_hold_s)
         self._local = 0
         self.poll_s, self.acquire_hold_s, self.idle_wait_s = poll_s, acquire_hold_s, idle_wait_s
         self._lock, self._wake, self._stop = threading.Lock(), threading.Event(), threading.Event()
@@ -108,6 +105,9 @@ class RolloutWorker:
         self._offers = OfferSegment()   # in-memory offers enter the weight calls through it
         self._eval_task, self._evals = eval_task, EvalFeed(int(cfg.rollout.max_num_seqs * STREAM_SHARE))
         self._loop_done = False                            # run() returned (until it runs again)
+        self._not_running = threading.Event()              # no generation loop runs now
+        self._not_running.set()
+        self.ended_on_request = False                      # end_loop() ended the loop (run() raised for it)
         self._greedy = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
         factory = None if cfg.task.agent else resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
         self._episodes: EpisodeDriver | AgentRunner | None = None if factory is None else EpisodeDriver(
@@ -212,6 +212,7 @@ class RolloutWorker:
         start = time.perf_counter()
         with self._lock:
             self._loop_done = False
+            self._not_running.clear()
         try:
             while not self._stop.is_set():
                 self._raise_background_error()
@@ -224,30 +225,28 @@ class RolloutWorker:
                 if self._engine.num_unfinished():
                     self._step()
                 elif (max_groups is not None and self._c.groups_started >= max_groups
-                      and not self._granted and self._asking is None and not self._waiting_envs()):
+                      and not self._grants.granted and not self._grants.asking and not self._waiting_envs()):
                     break
                 else:
                     self._idle()
             self._drain()
         finally:
             self._c.elapsed_s += time.perf_counter() - start
-            self._release_unstarted()
-            self._cancel_evals()
+            self._grants.release_unstarted(self.acquire_hold_s + _ANSWER_WAIT_S)
+            self._cancel_evals()   # and no loop runs from here on
         return self.stats()
 
-    def _release_unstarted(self) -> None:
-        """Grants not turned into groups go back to the global budget (else they
-        would count as in flight forever and could stall other workers), the answer
-        to a request still in flight included."""
-        if self._asking is not None:
-            try:
-                self._take_answer(self._asking.result(timeout=self.acquire_hold_s + _ANSWER_WAIT_S))
-            except Exception as e:  # noqa: BLE001 -- a lost answer's grants are refunded as lost
-                log.warning("worker %d: admission answer lost at stop: %s", self.worker_id, e)
-            self._asking = None
-        if self._granted:
-            self._admission.release(self.worker_id, self._granted)
-            self._granted = 0
+    def end_loop(self, timeout_s: float) -> bool:
+        """Stop the generation loop, if one runs, by failing it (what it started is dropped,
+        not drained: its buffer may be gone); whether no loop runs within ``timeout_s``."""
+        if not self._not_running.is_set():
+            self.ended_on_request = True
+            self.fail(RuntimeError(f"worker {self.worker_id}: stopped for the run's next life"))
+        return self._not_running.wait(timeout_s)
+
+    @property
+    def engine(self) -> GenerationEngine:
+        return self._engine
 
     def _step(self) -> None:
         inject(self.cfg.fault, "engine_step", self._engine.version)
@@ -294,43 +293,24 @@ class RolloutWorker:
         passed, and the answer is taken at a later pass while the engine keeps stepping.
         Only with nothing to step does the loop wait for the answer (``idle_wait_s`` at a
         time, counted as idle): no polling, no latency lost to it at any staleness."""
-        self._poll_answer(0.0)
+        grants = self._grants
+        grants.poll(0.0)
         # Up to env_concurrency episodes waiting for their environment hold no engine slot (a
         # hung one never empties the engine); more queue for it and count, never piling up.
         queued = max(0, self._waiting_envs() - self.cfg.task.env_concurrency)
         free = self.cfg.rollout.max_num_seqs - self._engine.num_unfinished() - queued
-        room = -(-free // self.n) - self._granted
+        room = -(-free // self.n) - grants.granted
         if max_groups is not None:
-            room = min(room, max_groups - self._c.groups_started - self._granted)
-        if room > 0 and self._asking is None:
-            self._asking = self._admission.request(self.worker_id, room, self.acquire_hold_s)
-        if self._asking is not None and not self._engine.num_unfinished() and not self._granted:
+            room = min(room, max_groups - self._c.groups_started - grants.granted)
+        grants.ask(room)
+        if grants.asking and not self._engine.num_unfinished() and not grants.granted:
             t = time.perf_counter()
-            self._poll_answer(self.idle_wait_s)
+            grants.poll(self.idle_wait_s)
             with self._lock:
                 self._c.idle_s += time.perf_counter() - t
-        while self._granted and self._engine.version >= self._min_version:
+        while grants.startable(self._engine.version):
             self._start_group()
-            self._granted -= 1
-
-    def _poll_answer(self, wait_s: float) -> None:
-        """Take the answer to the request in flight if it comes within ``wait_s``.
-        Raises the request's error (the buffer is gone)."""
-        if self._asking is None:
-            return
-        try:
-            adm = self._asking.result(timeout=wait_s)
-        except TimeoutError:
-            return
-        self._asking = None
-        self._take_answer(adm)
-
-    def _take_answer(self, adm: Admission) -> None:
-        # Grants still held keep their own (older, lower) bound satisfied by a
-        # higher one; a lower bound may only replace it once none is held.
-        self._min_version = (adm.min_version if not self._granted
-                             else max(self._min_version, adm.min_version))
-        self._granted += adm.granted
+            grants.start_one()
 
     def start_at(self, counter: int) -> None:
         """Continue group ids and prompts from ``counter`` (a restarted or resumed worker
@@ -383,6 +363,7 @@ class RolloutWorker:
         with self._lock:
             self._loop_done = True
             waiting = self._evals.close()
+        self._not_running.set()
         for pending in waiting:
             if not pending.future.done():
                 pending.future.set_exception(RuntimeError(f"worker {self.worker_id} stopped during an evaluation"))
@@ -432,17 +413,17 @@ class RolloutWorker:
         self._scorer.drain()
         self._raise_background_error()
 
-    def close(self, *, close_engine: bool = True) -> None:
-        """Stop, release the scorer, the sender and (unless told not to: a shared
-        engine) the engine."""
+    def close(self, *, close_engine: bool = True, linger_s: float = 5.0) -> None:
+        """Stop, release the scorer, the sender (its unsent groups kept up to ``linger_s``)
+        and (unless told not to: a shared engine, or one a new worker takes over) the engine."""
         self.stop()
         if self._pending:  # started, never to be sent
-            self._admission.release(self.worker_id, len(self._pending))
+            self._grants.give_back(len(self._pending))
             self._pending.clear()
         self._scorer.close()
         if self._episodes is not None:
             self._episodes.close()
-        self._sender.close()
+        self._sender.close(linger_s)
         self._offers.close()
         if close_engine:
             self._engine.close()

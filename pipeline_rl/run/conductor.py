@@ -26,7 +26,7 @@ from pipeline_rl.run.checkpoints import CheckpointPolicy
 from pipeline_rl.run.cluster import Cluster, say
 from pipeline_rl.run.recorder import StepRecorder
 from pipeline_rl.run.run_folder import RunFolder
-from pipeline_rl.run.startup import Actors, start_actors, stop_actors
+from pipeline_rl.run.startup import Actors, Carried, RunIdentity, Started, start_actors, stop_actors
 from pipeline_rl.run.remote_calls import CallFailed, RayCalls, WorkerCall, WorkerLost
 from pipeline_rl.run.supervisor import OrchestratorError, Supervisor, WorkerSlot
 
@@ -43,12 +43,21 @@ class Orchestrator:
     stops the actors (and the Ray it started) on exit."""
 
     def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder,
-                 restarts: int = 0, cluster: Cluster | None = None) -> None:
+                 restarts: int = 0, cluster: Cluster | None = None, *, identity: RunIdentity | None = None,
+                 carried: Carried | None = None, carry: bool = False) -> None:
         """``folder``: the run folder (:func:`~pipeline_rl.run.startup.open_run`), which
         also holds the version the run starts at; ``restarts``: the run's restarts before
         this start (``run/restarts.py``), recorded on every step; ``cluster``: a Ray that
-        outlives this orchestrator (its caller shuts it down); None: its own."""
+        outlives this orchestrator (its caller shuts it down); None: its own. A life of a
+        run that restarts itself: ``identity``, the run's (None: a new one); ``carried``, what
+        the last life handed on (``run/startup.py``); ``carry``: on a failure a restart heals,
+        this life's spare trainer ranks, and its rollout workers unless the failure was
+        theirs, are left running for the next life (:attr:`carried`) instead of killed."""
         self.restarts = restarts
+        self._identity = identity or RunIdentity.new()
+        self._from_last, self._carry = carried, carry
+        #: What this life leaves running for the next (empty unless ``carry``).
+        self.carried = Carried()
         self.folder = folder
         # Actors may run in another working directory: they get the run folder absolute.
         self.out = self.folder.path.resolve()   # trainers save checkpoints there
@@ -61,7 +70,7 @@ class Orchestrator:
         self._cluster = Cluster(self.cfg, model_dir) if cluster is None else cluster
         self._checkpoints = CheckpointPolicy(self.cfg, self.out)
         # the actors as start-up creates them, to stop them if it fails half-way
-        self._started: tuple[BufferHandle | None, list[TrainerHandle], list[WorkerSlot]] = (None, [], [])
+        self._started = Started()
         #: Seconds the actors took to stop (None: not yet).
         self.stopped_in_s: float | None = None
         self._actors: Actors | None = None
@@ -80,14 +89,19 @@ class Orchestrator:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
-        # A failure the run's restart heals: what is left of this life is killed, not wound down.
-        self._shutdown(graceful=not (isinstance(ev, OrchestratorError) and ev.restartable))
+        # A failure the run's restart heals: what is left of this life is killed, not wound down,
+        # but what may go on into the next life.
+        restart = isinstance(ev, OrchestratorError) and ev.restartable
+        keep = Carried()
+        if restart and self._carry and isinstance(ev, OrchestratorError):
+            keep = Carried(self._started.workers if ev.workers_sound else [], self._started.spares)
+        self._shutdown(graceful=not restart, keep=keep)
 
     def _start(self) -> None:
         began = time.monotonic()
         where = self._cluster.start()
-        actors = start_actors(self.cfg, self.model_dir, where, self.stop, self._note_started,
-                              self.folder.start_version)
+        actors = start_actors(self.cfg, self.model_dir, where, self.stop, self._started,
+                              self.folder.start_version, self._identity, self._from_last)
         self._actors, self.version = actors, actors.version
         # The starting evaluation goes out first: the workers hold their weights until it is
         # answered, and training does not wait for it.
@@ -112,13 +126,13 @@ class Orchestrator:
             self._parts()[0].worker_restarted(notice.index)
         self._evals.worker_lost(notice)
 
-    def _note_started(self, buffer: BufferHandle | None, trainers: list[TrainerHandle],
-                      workers: list[WorkerSlot]) -> None:
-        self._started = (buffer, trainers, workers)
-
-    def _shutdown(self, graceful: bool = True) -> None:
+    def _shutdown(self, graceful: bool = True, keep: Carried | None = None) -> None:
+        """Stop this life's actors but those kept for the next life (``keep``: all of a kind or none)."""
         began = time.monotonic()
-        stop_actors(*self._started, graceful=graceful)
+        self.carried = keep = keep or Carried()
+        s = self._started
+        stop_actors(s.buffer, s.trainers + ([] if keep.spares else s.spares), [] if keep.workers else s.workers,
+                    graceful=graceful)
         self.stopped_in_s = time.monotonic() - began
         if self._recorder is not None:
             self._recorder.close()

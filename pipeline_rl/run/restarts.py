@@ -1,7 +1,9 @@
 """A run that heals itself: when a trainer rank or the replay buffer dies (a killed process,
 an out-of-memory kill, a Ray actor death) or a weight update fails, the run stops what is
-left (every actor) and starts new actors in the same process, on the same Ray, from its
-newest complete checkpoint (``--run.max_restarts``, docs/failures.md).
+left and starts new actors in the same process, on the same Ray, from its newest complete
+checkpoint (``--run.max_restarts``, docs/failures.md). The rollout workers are kept and
+renewed for the new life (``run/startup.py``) unless the failure was theirs: a vLLM start
+is the longest part of a restart.
 
 Invariants: a restart continues the same folder as ``--resume`` would (records past the
 checkpoint dropped, the restart marked: no step twice in ``metrics.jsonl``), with the same
@@ -96,24 +98,33 @@ def _lives(cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder
     """The run's lives on ``cluster``: each a new set of actors, from the newest checkpoint."""
     from pipeline_rl.run.conductor import Orchestrator
 
+    from pipeline_rl.run.startup import Carried, RunIdentity, stop_actors
+
     policy = RestartPolicy(cfg.run.max_restarts, restarts=restarts_before(folder))
     fault = cfg.fault
+    identity, carried = RunIdentity.new(), Carried()
     while True:
-        orch = Orchestrator(cfg, model_dir, stop, folder, policy.restarts, cluster)
+        orch = Orchestrator(cfg, model_dir, stop, folder, policy.restarts, cluster, identity=identity,
+                            carried=carried, carry=cfg.run.max_restarts > 0)
         try:
             with orch:
                 orch.train()
             return
         except OrchestratorError as e:
-            if stop.is_set():
-                raise
-            why = policy.refusal(e, orch.steps_done > 0)
+            why = str(e) if stop.is_set() else policy.refusal(e, orch.steps_done > 0)
             if why is not None:
+                stop_actors(None, orch.carried.spares, orch.carried.workers, graceful=False)   # no next life
+                if stop.is_set():
+                    raise
                 raise OrchestratorError(why) from None
             cause = e.cause
+        carried = orch.carried
         folder, checkpoint = restart_in(folder.path)
         where = f"from {checkpoint}" if checkpoint else "from the start (no checkpoint was saved yet)"
-        stopped = f" (its actors stopped in {orch.stopped_in_s:.1f} s)" if orch.stopped_in_s is not None else ""
+        kept = "".join(f", {len(x)} {what} kept" for x, what in ((carried.workers, "rollout worker(s)"),
+                                                                  (carried.spares, "spare trainer rank(s)")) if x)
+        stopped = (f" (its actors stopped in {orch.stopped_in_s:.1f} s{kept})" if orch.stopped_in_s is not None
+                   else "")
         print(f"async_grpo.py: restart {policy.restarts}: {cause}{stopped}; starting again {where}",
               file=sys.stderr, flush=True)
         fault = fault if fault_left(fault, orch.version) else None

@@ -16,10 +16,14 @@ soon after the first), whichever of the two is up first takes the slot.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.run.remote_calls import CallFailed
+from pipeline_rl.run.remote_calls import ActorDied, CallFailed
+
+log = logging.getLogger("pipeline_rl.run.slots")
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import RolloutHandle
@@ -41,7 +45,16 @@ class WorkerSlot:
     core: CoreSlot | None = None
     standby: RolloutHandle | None = None
     standby_up: bool = False
-    _standby_ref: Any = None   # its pending ``ready`` call
+    _standby_ref: Any = None   # its pending ``ready`` (or ``renew``) call
+    _renew: Callable[[], Any] | None = None   # makes its ``renew`` call, until one succeeds
+
+    def renew_standby(self, renew: Callable[[], Any]) -> None:
+        """Renew the standby for the run's new life (``renew`` makes the call): it is up once
+        a renewal answers (:meth:`poll_standby`), not before; one refused because Ray is
+        restarting its process is made again (a process that started while the last life
+        was ending may have joined that life's buffer)."""
+        self._renew = renew
+        self.standby_up, self._standby_ref = False, renew()
 
     def start(self, version: int, groups_per_step: int) -> None:
         """Start (or restart) its generation loop: group ids continue past a resumed run's,
@@ -54,20 +67,30 @@ class WorkerSlot:
         if self.standby is None or self.standby_up:
             return self.standby_up
         if self._standby_ref is None:
-            self._standby_ref = self.standby.ready.remote()
+            self._standby_ref = self._renew() if self._renew is not None else self.standby.ready.remote()
         if calls.pending([self._standby_ref], 0):
             return False
         try:
             calls.get(self._standby_ref)
-            self.standby_up = True
-        except CallFailed:
-            pass
+            self.standby_up, self._renew = True, None
+        except ActorDied:
+            pass   # Ray is restarting its process: asked again at the next poll
+        except CallFailed as e:
+            if self._renew is not None:   # it could not be renewed: no standby for this life
+                log.warning("rollout worker %d: its standby could not be renewed for this life (%s)", self.index, e)
+                self.standby, self._renew = None, None
         self._standby_ref = None
         return self.standby_up
+
+    def wait_standby(self, calls: Calls, timeout_s: float) -> bool:
+        """Whether the standby is up, waiting up to ``timeout_s`` for its pending call."""
+        if self.standby is not None and not self.standby_up and self._standby_ref is not None:
+            calls.pending([self._standby_ref], timeout_s)
+        return self.poll_standby(calls)
 
     def swap(self) -> None:
         """The standby takes the slot; the old handle (Ray restarts its process) becomes the
         standby, not up until it answers again."""
         assert self.standby is not None, "swap() needs a standby"
         self.handle, self.standby = self.standby, self.handle
-        self.standby_up, self._standby_ref = False, None
+        self.standby_up, self._standby_ref, self._renew = False, None, None

@@ -139,13 +139,15 @@ class OrchestratorError(RuntimeError):
     message is the one line the user sees. ``cause``: that line without where to resume
     from; ``restartable``: a failure the run's restart heals (``run/restarts.py``: a process
     that died, a weight update that failed), not one that would only repeat;
-    ``repeat_key``: what makes the same failure twice not worth a third try (None: any)."""
+    ``repeat_key``: what makes the same failure twice not worth a third try (None: any);
+    ``workers_sound``: the rollout workers may go on into the restarted run (not when the
+    failure was one of theirs)."""
 
     def __init__(self, message: str, *, cause: str | None = None, restartable: bool = False,
-                 repeat_key: str | None = None) -> None:
+                 repeat_key: str | None = None, workers_sound: bool = True) -> None:
         super().__init__(message)
         self.cause = cause if cause is not None else message
-        self.restartable, self.repeat_key = restartable, repeat_key
+        self.restartable, self.repeat_key, self.workers_sound = restartable, repeat_key, workers_sound
 
 
 #: Innermost causes that mean a process died (Ray's names), not an exception in its code.
@@ -183,9 +185,10 @@ class Supervisor:
         self.abandoned_step = False   # a stop left a train step unfinished: no final checkpoint
         self._buffer_watch = buffer.watch.remote()   # answers only when the buffer fails or closes
 
-    def fail(self, message: str, *, restartable: bool = False, repeat_key: str | None = None) -> OrchestratorError:
+    def fail(self, message: str, *, restartable: bool = False, repeat_key: str | None = None,
+             workers_sound: bool = True) -> OrchestratorError:
         return OrchestratorError(self._checkpoints.resume_hint(message), cause=message, restartable=restartable,
-                                 repeat_key=repeat_key)
+                                 repeat_key=repeat_key, workers_sound=workers_sound)
 
     def await_step(self, refs: Sequence[Any]) -> list[RankStepReport] | None:
         """The step's reports (every rank's); None when a stop request abandoned the step.
@@ -325,7 +328,7 @@ class Supervisor:
                 cause = cause_of(e.error)   # a weight update that failed is tried again once
                 raise self.fail(f"rollout worker {w.index} failed: {cause} (at version {self._version()})",
                                 restartable=cause.startswith("WeightLoadFailed"),
-                                repeat_key=f"{cause} (at version {self._version()})") from None
+                                repeat_key=f"{cause} (at version {self._version()})", workers_sound=False) from None
             self._restart(w, why)
 
     def answers(self, calls: Sequence[WorkerCall]) -> list[Any] | None:

@@ -162,6 +162,10 @@ class AppliedUpdate:
     load_s: float = 0.0
 
 
+class EngineNotRenewable(RuntimeError):
+    """This engine cannot be carried into the run's next life (its worker is started afresh)."""
+
+
 class GenerationEngine(ABC):
     """A vLLM engine the rollout worker drives. One thread calls ``add``, ``step``
     and ``apply_staged`` (so updates land between steps by construction); ``stage``
@@ -227,6 +231,15 @@ class GenerationEngine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the engine."""
+
+    def renew(self) -> None:
+        """Ready this engine for the run's next life (``run/restarts.py``), the thread that
+        steps it stopped: every request aborted, nothing staged, no prefix-cache entry left,
+        and version -1 (the weights of no version of the new life: its first published
+        update is taken whatever its number, the checkpoint's being older than what this
+        engine served). The model stays loaded; the new life overwrites every weight before
+        anything is generated. An engine that cannot raises :class:`EngineNotRenewable`."""
+        raise EngineNotRenewable(f"{type(self).__name__} cannot be carried into the run's next life")
 
     # -- vLLM's weight-transfer calls (any thread but the stepping one) -----------------------
     @abstractmethod

@@ -273,6 +273,21 @@ class InprocessEngine(GenerationEngine):
         else:
             self._llm.set_weight_version(str(version))
 
+    def renew(self) -> None:
+        """See :meth:`GenerationEngine.renew`."""
+        with self._stage_lock:
+            self._staged = None
+            compat.abort_all(self._llm)
+            if self.cfg.kv_policy == "recompute":   # prefix caching is on only then
+                self._llm.reset_prefix_cache()
+            self._version = -1
+            if self._adapter is not None:
+                self._adapter.version = -1
+            if self._record is not None:
+                self._record = compat.VersionRecord(-1)
+            else:
+                self._llm.set_weight_version("-1")
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

@@ -233,6 +233,16 @@ def shutdown_inprocess(llm: Any) -> None:
     llm.engine_core.shutdown()
 
 
+def abort_all(llm: Any) -> int:
+    """Abort every unfinished request of an in-process ``LLMEngine``; how many. vLLM has no
+    call for "all": the output processor's table of request states is the one place that
+    lists them (by vLLM's internal ids, hence ``internal=True``)."""
+    ids = list(llm.output_processor.request_states)
+    if ids:
+        llm.abort_request(ids, internal=True)
+    return len(ids)
+
+
 @contextlib.contextmanager
 def hidden_from_vllm_kernel_scan(*module_names: str) -> Iterator[None]:
     """Hide modules from ``sys.modules`` while vLLM starts, then put them back.
