@@ -8,6 +8,7 @@ call runs on.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -134,7 +135,9 @@ class RolloutActor:
         old = self._worker
         if not old.end_loop(_LOOP_END_WAIT_S):
             raise RuntimeError(f"its generation loop did not end within {_LOOP_END_WAIT_S:.0f} s")
-        old.close(close_engine=False, linger_s=0.0)
+        # Closed beside: a send to the dead buffer may block its scorer up to --buffer.send_timeout_s.
+        threading.Thread(target=old.close, kwargs={"close_engine": False, "linger_s": 0.0},
+                         name="close-last-life", daemon=True).start()
         old.engine.renew()
         self._worker = self._new_worker(cfg, old.engine)
         return os.getpid()
