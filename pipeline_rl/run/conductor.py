@@ -91,11 +91,11 @@ class Orchestrator:
                  tb: TracebackType | None) -> None:
         # A failure the run's restart heals: what is left of this life is killed, not wound down,
         # but what may go on into the next life.
-        restart = isinstance(ev, OrchestratorError) and ev.restartable
+        err = ev if isinstance(ev, OrchestratorError) and ev.restartable else None
         keep = Carried()
-        if restart and self._carry and isinstance(ev, OrchestratorError):
-            keep = Carried(self._started.workers if ev.workers_sound else [], self._started.spares)
-        self._shutdown(graceful=not restart, keep=keep)
+        if err is not None and self._carry:
+            keep = Carried(self._started.workers if err.workers_sound else [], self._started.spares)
+        self._shutdown(graceful=err is None, keep=keep)
 
     def _start(self) -> None:
         began = time.monotonic()

@@ -1,9 +1,9 @@
 """A run that heals itself: when a trainer rank or the replay buffer dies (a killed process,
 an out-of-memory kill, a Ray actor death) or a weight update fails, the run stops what is
 left and starts new actors in the same process, on the same Ray, from its newest complete
-checkpoint (``--run.max_restarts``, docs/failures.md). The rollout workers are kept and
-renewed for the new life (``run/startup.py``) unless the failure was theirs: a vLLM start
-is the longest part of a restart.
+checkpoint (``--run.max_restarts``, docs/failures.md). What did not fail goes on into the
+new life (``run/startup.py``): the rollout workers, renewed, unless the failure was theirs
+(a vLLM start is the longest part of a restart), and the trainer ranks' spares, adopted.
 
 Invariants: a restart continues the same folder as ``--resume`` would (records past the
 checkpoint dropped, the restart marked: no step twice in ``metrics.jsonl``), with the same

@@ -303,10 +303,9 @@ def stop_actors(buffer: BufferHandle | None, trainers: Sequence[TrainerHandle], 
                 graceful: bool = True) -> None:
     """Stop every actor, each phase bounded by ``_SHUTDOWN_WAIT_S``: workers stop generating,
     trainers close their publishers, the buffer closes; then all are killed. Not ``graceful``
-    (a life of the run that is about to restart: nothing of it is kept but the ``workers``
-    given, if any), all are killed at once: a worker blocked sending to a dead buffer, or to
-    a full one that a dead trainer no longer drains, would hold its phase for the whole
-    bound."""
+    (a life of the run that is about to restart), all are killed at once: a worker blocked
+    sending to a dead buffer, or to a full one that a dead trainer no longer drains, would
+    hold its phase for the whole bound."""
     import ray
 
     if not ray.is_initialized():

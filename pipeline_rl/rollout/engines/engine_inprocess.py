@@ -278,7 +278,7 @@ class InprocessEngine(GenerationEngine):
         with self._stage_lock:
             self._staged = None
             compat.abort_all(self._llm)
-            if self.cfg.kv_policy == "recompute":   # prefix caching is on only then
+            if self.kv_policy == "recompute":   # prefix caching is on only then
                 self._llm.reset_prefix_cache()
             self._version = -1
             if self._adapter is not None:
