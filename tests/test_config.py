@@ -49,6 +49,7 @@ def test_flags_override_toml(tmp_path: Path) -> None:
     (["--run.max_restarts", "-1"], "--run.max_restarts"),
     (["--trainer.keep_checkpoints", "-2"], "--trainer.keep_checkpoints"),
     (["--rollout.standby", "maybe"], "--rollout.standby"),
+    (["--run.spare_trainers", "maybe"], "--run.spare_trainers"),
 ])
 def test_bad_values_give_one_line_naming_the_flag(argv: list[str], flag: str | None) -> None:
     if flag is None:  # a valid combination: seq_lo < seq_hi
