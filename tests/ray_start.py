@@ -52,6 +52,19 @@ class RayStartCluster:
     env: dict[str, str]
     nodes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _seen: set[int] = field(default_factory=set)
+    _taken: set[int] = field(default_factory=set)   # the ports handed to its nodes
+
+    def _free_ports(self, n: int) -> list[str]:
+        """``n`` free ports, distinct from each other and from every port this cluster took: a
+        probe frees its port again, so two probes can return the same one (ray start then
+        refused two components on one port)."""
+        ports: list[str] = []
+        while len(ports) < n:
+            port = free_port()
+            if port != self.port and port not in self._taken:
+                self._taken.add(port)
+                ports.append(str(port))
+        return ports
 
     @property
     def address(self) -> str:
@@ -60,10 +73,10 @@ class RayStartCluster:
     def _start(self, name: str, args: list[str]) -> None:
         log = Path(self.scratch) / f"{name}.out"
         ray_cli = str(Path(sys.executable).with_name("ray"))
-        ports = ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
-                 "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-                 "--runtime-env-agent-port", str(free_port()), "--min-worker-port", "10002",
-                 "--max-worker-port", "19999"]
+        node, objects, metrics, agent, runtime_env = self._free_ports(5)
+        ports = ["--node-manager-port", node, "--object-manager-port", objects, "--metrics-export-port", metrics,
+                 "--dashboard-agent-listen-port", agent, "--runtime-env-agent-port", runtime_env,
+                 "--min-worker-port", "10002", "--max-worker-port", "19999"]
         with log.open("wb") as out:
             proc = subprocess.Popen([ray_cli, "start", "--block", "--disable-usage-stats",
                                      "--node-ip-address", self.ip, *ports, *args],
@@ -78,9 +91,10 @@ class RayStartCluster:
         self._remember()
 
     def start_head(self, cpus: int, resources: dict[str, float]) -> None:
+        dashboard, client = self._free_ports(2)
         self._start("head", ["--head", "--port", str(self.port), "--num-cpus", str(cpus),
                              "--resources", json.dumps(resources), "--include-dashboard", "false",
-                             "--dashboard-port", str(free_port()), "--ray-client-server-port", str(free_port()),
+                             "--dashboard-port", dashboard, "--ray-client-server-port", client,
                              "--object-store-memory", str(100 * 2**20)])
 
     def add_node(self, cpus: int, resources: dict[str, float]) -> None:
