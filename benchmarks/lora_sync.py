@@ -6,9 +6,11 @@ default; ``B`` drawn non-zero, as after training), it reports:
 - **bytes per version**: the adapter's update against the full update, in the served dtype
   (float32 on CPU) and in bfloat16 (a GPU's);
 - **gather** (the trainer's copy-out, on the critical path): adapter against full, p50;
-- **merged serving**: the worker's fold ``W0 + alpha/r B A`` into a complete update
-  (``weight_sync.lora_update.Merger``), p50; its load into the engine is a full update's
-  load (``benchmarks.weight_sync`` measures that);
+- **merged serving**: the worker's fold ``W0 + alpha/r B A`` of the weights the adapter
+  targets (``weight_sync.lora_update.Merger``; with every other part of a fused layer), then
+  their load into a shadow of a vLLM engine's model, as the in-process engine stages it
+  (``weight_sync.loaders.Shadow``, the direct path), p50 each, against the load of a full
+  update into the same shadow;
 - **native serving**: the adapter replaced in place in a vLLM engine started with LoRA
   (``weight_sync.vllm_adapter.replace_lora``), p50.
 
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> Outcome:
     from pipeline_rl.rollout.engines import vllm_compat as compat
     from pipeline_rl.training.lora import adapter_parameters, wrap
     from pipeline_rl.weight_sync.gather import gather_weights
+    from pipeline_rl.weight_sync.loaders import make_shadow
     from pipeline_rl.weight_sync.lora_update import LORA_ID, LoraServing, Merger, peft_config_dict
     from pipeline_rl.weight_sync.message import as_checked
     from pipeline_rl.weight_sync.vllm_adapter import replace_lora
@@ -100,7 +103,17 @@ def run(args: argparse.Namespace) -> Outcome:
     gather_full = _p50(lambda: gather_weights(base, 1, zero_stage=0), args.reps)
     checked = as_checked(adapter)
     merger = Merger(model_dir, serving)
-    merge_s = _p50(lambda: merger.merge(1, checked.tensors), args.reps)
+    plain = _engine(model_dir, None)
+    shadow = make_shadow(compat.inprocess_model(plain))
+    assert shadow is not None
+    names = shadow.partial_names(merger.targeted)
+    merge_s = _p50(lambda: merger.merge(1, checked.tensors, names), args.reps)
+    merged = merger.merge(1, checked.tensors, names)
+    vllm_config = plain.vllm_config
+    merged_load = _p50(lambda: shadow.load(merged, vllm_config, partial=names is not None), args.reps)
+    full_checked = as_checked(full)
+    full_load = _p50(lambda: shadow.load(full_checked, vllm_config), args.reps)
+    compat.shutdown_inprocess(plain)
     with_lora = _engine(model_dir, args.rank)
     lora_model = compat.inprocess_model(with_lora)
     tensors, config = dict(checked.tensors), peft_config_dict(serving)
@@ -112,7 +125,8 @@ def run(args: argparse.Namespace) -> Outcome:
         "bytes_ratio": adapter.num_bytes / full.num_bytes,
         "bytes_full_bf16": bf16_full, "bytes_adapter_bf16": bf16_adapter,
         "gather_adapter_s": gather_adapter, "gather_full_s": gather_full,
-        "merged_merge_s": merge_s, "native_replace_s": native,
+        "merged_merge_s": merge_s, "merged_load_s": merged_load, "merged_bytes": merged.num_bytes,
+        "full_load_s": full_load, "native_replace_s": native,
     }
     md = "\n".join([
         f"LoRA weight sync, {result['model']}, rank {args.rank} on {','.join(targets)} "
@@ -126,7 +140,12 @@ def run(args: argparse.Namespace) -> Outcome:
         f"{bf16_adapter / bf16_full:.3f} |",
         f"| trainer's gather | {gather_adapter * 1e3:.1f} ms | {gather_full * 1e3:.1f} ms | "
         f"{gather_adapter / gather_full:.3f} |",
-        f"| merged: fold W0 + alpha/r B A | {merge_s * 1e3:.1f} ms | - | - |",
+        f"| merged: fold W0 + alpha/r B A (targeted weights, {merged.num_bytes / 1e6:.0f} MB) | "
+        f"{merge_s * 1e3:.1f} ms | - | - |",
+        f"| merged: load into the engine's shadow / a full update's | {merged_load * 1e3:.1f} ms | "
+        f"{full_load * 1e3:.1f} ms | {merged_load / full_load:.3f} |",
+        f"| merged: fold and load / a full update's load | {(merge_s + merged_load) * 1e3:.1f} ms | "
+        f"{full_load * 1e3:.1f} ms | {(merge_s + merged_load) / full_load:.3f} |",
         f"| native: adapter replaced in place | {native * 1e3:.1f} ms | - | - |",
     ])
     return Outcome(result, md)

@@ -152,11 +152,20 @@ def _markdown(r: dict[str, Any]) -> str:
                   f"bytes per version {sync['bytes_adapter'] / 1e6:.1f} MB against {sync['bytes_full'] / 1e6:.1f} MB "
                   f"({sync['bytes_ratio']:.3f}); the trainer's gather {sync['gather_adapter_s'] * 1e3:.1f} ms against "
                   f"{sync['gather_full_s'] * 1e3:.1f} ms; merged serving's fold {sync['merged_merge_s'] * 1e3:.0f} ms, "
-                  f"then a full update's load; native serving's in-place replace {sync['native_replace_s'] * 1e3:.1f} ms."]
+                  f"then {_merged_load(sync)}; native serving's in-place replace "
+                  f"{sync['native_replace_s'] * 1e3:.1f} ms."]
     lines += ["", "The trainer's step: forward, backward and optimizer (`train_step_s`, the publish not included). "
               "Medians leave out steps 1-3 (start-up). Weight sync: from a step's end until every worker "
               "generates with the new version.", ""]
     return "\n".join(lines)
+
+
+def _merged_load(sync: dict[str, Any]) -> str:
+    """Merged serving's load, as ``benchmarks.lora_sync`` measured it (older results: none)."""
+    if "merged_load_s" not in sync:
+        return "a full update's load"
+    return (f"its load into the engine's shadow {sync['merged_load_s'] * 1e3:.0f} ms against a full update's "
+            f"{sync['full_load_s'] * 1e3:.0f} ms (fold and load {(sync['merged_merge_s'] + sync['merged_load_s']) / sync['full_load_s']:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:

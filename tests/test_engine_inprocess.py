@@ -286,6 +286,23 @@ def test_packed_layers_keep_no_reference_to_the_update(engine: GenerationEngine,
             _restore(engine, model_dirs[0])
 
 
+def test_a_partial_update_is_whole_layers(engine: GenerationEngine, model_dirs: tuple) -> None:
+    """What a partial update (merged LoRA serving) must hold: with one part of a fused layer
+    every other part of it (``qkv_proj`` from q, k and v); the direct loader refuses a fused
+    layer given in part, touching nothing."""
+    from pipeline_rl.weight_sync.message import CheckedUpdate
+
+    shadow = getattr(engine, "_shadow")
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    needs = shadow.partial_names(frozenset({f"{attn}.q_proj.weight", f"{mlp}.down_proj.weight"}))
+    assert needs == {f"{attn}.{x}_proj.weight" for x in "qkv"} | {f"{mlp}.down_proj.weight"}
+    upd = load_update(model_dirs[1], 1)
+    q = torch.from_numpy(upd.arrays[upd.names.index(f"{attn}.q_proj.weight")])
+    cfg = getattr(engine, "_llm").vllm_config
+    assert not shadow._direct.load(CheckedUpdate(1, ((f"{attn}.q_proj.weight", q),), int(q.nbytes)), cfg,
+                                   partial=True)
+
+
 def test_recompute_update_mid_generation(model_dirs: tuple, hf_models: tuple, engine: GenerationEngine
                                          ) -> None:
     """``recompute``: tokens after the switch are scored by the new weights over the

@@ -42,9 +42,13 @@ def test_served_logprobs_are_the_trainers_peft_logprobs(mode: str, tiny_model_di
     try:
         adapter = engine._receiver().adapter
         assert adapter is not None and adapter.version == -1
+        first = engine.load_update(adapter_update(peft_model(tiny_model_dir, seed=5), 1))
         policy = peft_model(tiny_model_dir, seed=7)
-        applied = engine.load_update(adapter_update(policy, 1))       # checked against the adapter's spec
-        assert applied.version == engine.version == adapter.version == 1
+        applied = engine.load_update(adapter_update(policy, 2))       # checked against the adapter's spec
+        assert first.version == 1 and applied.version == engine.version == adapter.version == 2
+        if mode == "merged":   # only the targeted weights, merged, into the shadow (the direct path)
+            assert engine.last_staging_path == "direct"
+            assert applied.num_bytes < sum(int(t.nbytes) for t in adapter.merger._base.values())
         sampling = SamplingConfig(max_new_tokens=12, temperature=TEMPERATURE, ignore_eos=True)
         requests = [GenRequest(f"{mode}-{i}", tuple(engine.encode(p)), sampling) for i, p in enumerate(PROMPTS)]
         for r in requests:
@@ -59,16 +63,16 @@ def test_served_logprobs_are_the_trainers_peft_logprobs(mode: str, tiny_model_di
             for f in done.values():
                 prompt = next(r.prompt_ids for r in requests if f.request_id.startswith(r.request_id)
                               ) if "copy" not in f.request_id else requests[0].prompt_ids
-                assert (f.versions == 1).all()
+                assert (f.versions == 2).all()
                 np.testing.assert_allclose(f.logprobs, hf_logprobs(policy, prompt, f.token_ids), atol=1e-4)
                 with policy.disable_adapter():
                     gaps.append(np.abs(f.logprobs - hf_logprobs(policy, prompt, f.token_ids)).max())
         assert min(gaps) > 1e-2                                           # not the base model
-        bad = adapter_update(policy, 2)
+        bad = adapter_update(policy, 3)
         with pytest.raises(WeightUpdateError, match="lora_B.weight: shape"):
-            engine.load_update(WeightUpdate(2, bad.names, tuple(a[:, :2] if ".lora_B." in n else a
+            engine.load_update(WeightUpdate(3, bad.names, tuple(a[:, :2] if ".lora_B." in n else a
                                                                 for n, a in zip(bad.names, bad.arrays))))
-        assert engine.version == adapter.version == 1
+        assert engine.version == adapter.version == 2
     finally:
         engine.close()
 

@@ -100,3 +100,23 @@ def test_merged_serving_folds_the_adapter_as_peft_does(tiny_model_dir: str) -> N
         torch.testing.assert_close(got[name], w, atol=1e-6, rtol=1e-5, msg=name)
         changed += name.endswith("_proj.weight")
     assert changed == 7 * 2
+
+
+def test_a_partial_merge_holds_the_names_asked_for_in_buffers_the_next_merge_rewrites(tiny_model_dir: str) -> None:
+    """``names``: those weights only (targeted ones merged, others W0); a targeted weight's
+    tensor is the merger's own buffer, valid until the next merge."""
+    from pipeline_rl.weight_sync.message import as_checked
+
+    merger = Merger(tiny_model_dir, SERVING)
+    first = as_checked(adapter_update(peft_model(tiny_model_dir, seed=3), 1))
+    second = as_checked(adapter_update(peft_model(tiny_model_dir, seed=4), 2))
+    complete = {n: t.clone() for n, t in merger.merge(1, first.tensors).tensors}
+    untargeted = next(n for n in complete if n not in merger.targeted)
+    target = sorted(merger.targeted)[0]
+    names = frozenset({target, untargeted})
+    partial = merger.merge(1, first.tensors, names)
+    got = dict(partial.tensors)
+    assert sorted(got) == sorted(names) and partial.num_bytes == sum(int(t.nbytes) for t in got.values())
+    assert torch.equal(got[target], complete[target]) and torch.equal(got[untargeted], complete[untargeted])
+    merger.merge(2, second.tensors, names)
+    assert not torch.equal(got[target], complete[target])   # rewritten in place by version 2

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline_rl.weight_sync import vllm_adapter as adapter
-from pipeline_rl.weight_sync.message import CheckedUpdate
+from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdateError
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,24 @@ class Shadow:
         self._direct = DirectLoader.build(self.model)
         self.last_path: str | None = None  # "direct" or "layerwise": how the last load went
 
-    def load(self, update: CheckedUpdate, vllm_config: Any) -> None:
+    def partial_names(self, changed: frozenset[str]) -> frozenset[str] | None:
+        """The HF tensors a :meth:`load` with ``partial=True`` needs when only ``changed``
+        differ from what the shadow and the live model both hold (``DirectLoader.needs``);
+        None without the direct path (then every update must be complete)."""
+        return self._direct.needs(changed) if self._direct is not None else None
+
+    def load(self, update: CheckedUpdate, vllm_config: Any, *, partial: bool = False) -> None:
         """Load into the shadow -- the direct path when it covers the update, else
         vLLM's layerwise reload -- then list what :meth:`swap_into` exchanges (done
-        here, off the critical path, so the swap is a flat loop)."""
-        if self._direct is not None and self._direct.load(update, vllm_config):
+        here, off the critical path, so the swap is a flat loop). ``partial``: the update
+        holds :meth:`partial_names` only; every other weight is the same in the shadow and
+        the live model and stays (an update the direct path refuses then raises
+        ``WeightUpdateError``: the layerwise reload takes complete updates only)."""
+        if self._direct is not None and self._direct.load(update, vllm_config, partial=partial):
             self.last_path = "direct"
+        elif partial:
+            raise WeightUpdateError(f"v{update.version}: a partial update the direct loader refused "
+                                    f"({len(update.tensors)} tensors)")
         else:
             adapter.layerwise_reload(self.model, update.tensors, vllm_config)
             self._direct = DirectLoader.build(self.model)  # the reload may re-create parameters
@@ -140,8 +152,9 @@ class DirectLoader:
     place (the GEMM closures read the bias at call time). A tied LM head takes the
     embedding's tensor. Invariant: it accepts an update only when every tensor
     maps to exactly one target of the same shape (vocabulary rows may be padded)
-    and every target is covered; otherwise :meth:`load` returns False and nothing
-    was touched, so the caller falls back to the layerwise reload.
+    and every target is covered (a *partial* update: every layer it touches, whole);
+    otherwise :meth:`load` returns False and nothing was touched, so the caller falls
+    back to the layerwise reload.
     """
 
     def __init__(self, plain: dict[str, Any], linears: list[_Linear]) -> None:
@@ -181,17 +194,35 @@ class DirectLoader:
                     plain[name] = param
         return cls(plain, linears)
 
-    def load(self, update: CheckedUpdate, vllm_config: Any) -> bool:
+    def needs(self, changed: frozenset[str]) -> frozenset[str]:
+        """What a partial update (:meth:`load` with ``partial``) must hold when only the HF
+        tensors ``changed`` are new: each of them, and with any part of a fused layer
+        (``qkv_proj`` from ``q_proj``, ``k_proj``, ``v_proj``) every other part and bias of
+        it, since the layer is packed again from all of them."""
+        out = set(changed)
+        for linear in self._linears:
+            for stems in linear.sources:
+                names = {f"{x}.weight" for x in stems} | ({f"{x}.bias" for x in stems} if linear.has_bias else set())
+                if names & changed:
+                    out |= names
+                    break
+        return frozenset(out)
+
+    def load(self, update: CheckedUpdate, vllm_config: Any, *, partial: bool = False) -> bool:
+        """Load ``update``; False (nothing touched) when this path cannot. ``partial``: the
+        update may leave out plain tensors and whole layers, which keep their weights (a
+        fused layer is given all its parts or none: :meth:`needs`)."""
         import torch
 
         given = dict(update.tensors)
-        plan = self._plan(given)
+        plan = self._plan(given, partial)
         if plan is None:
             return False
         dtype = vllm_config.model_config.dtype
         with torch.no_grad():
             for name, t in self._plain.items():
-                _copy_rows(t, given[name])
+                if name in given:
+                    _copy_rows(t, given[name])
             # Tied layers last: they re-pack from their owner's tensor, copied first.
             for linear, weight, bias in sorted(plan, key=lambda item: item[0].tied is not None):
                 module = linear.module
@@ -227,18 +258,23 @@ class DirectLoader:
             module.weight = torch.nn.Parameter(source.clone(), requires_grad=False)
             adapter.repack_cpu_gemm(module, remove_weight=True, vllm_config=vllm_config)
 
-    def _plan(self, given: dict[str, Any]) -> list[tuple[_Linear, Any, Any]] | None:
-        """Per linear layer: (layer, the new weight's parts in row order, new bias or
-        None); None unless the update covers every target exactly once with fitting shapes."""
-        used = set(self._plain)
+    def _plan(self, given: dict[str, Any], partial: bool = False) -> list[tuple[_Linear, Any, Any]] | None:
+        """Per linear layer to load: (layer, the new weight's parts in row order, new bias or
+        None); None unless the update covers every target (``partial``: every target it
+        touches) exactly once with fitting shapes."""
+        used = set(self._plain) & set(given) if partial else set(self._plain)
         plan: list[tuple[_Linear, Any, Any]] = []
         for linear in self._linears:
             if linear.tied is not None:
                 if linear.tied not in given:
+                    if partial:
+                        continue
                     return None
                 plan.append((linear, None, None))
                 continue
             stems = next((s for s in linear.sources if all(f"{x}.weight" in given for x in s)), None)
+            if stems is None and partial and not any(f"{x}.weight" in given for s in linear.sources for x in s):
+                continue   # a layer the update leaves as it is
             if stems is None or (linear.has_bias and not all(f"{x}.bias" in given for x in stems)):
                 return None
             parts = [given[f"{x}.weight"] for x in stems]
@@ -254,7 +290,7 @@ class DirectLoader:
                 return None
             used.update(f"{x}.weight" for x in stems)
             plan.append((linear, weight, bias))
-        if used != set(given) or not all(_fits(t, given[n]) for n, t in self._plain.items()):
+        if used != set(given) or not all(_fits(t, given[n]) for n, t in self._plain.items() if n in given):
             return None
         return plan
 

@@ -134,6 +134,11 @@ class InprocessEngine(GenerationEngine):
         self._closed = False
         inject(cfg.fault, "engine_start", self._version)
         self._shadow = make_shadow(compat.inprocess_model(self._llm)) if staged else None
+        # Merged LoRA serving into the shadow: only the weights an adapter changes are merged
+        # and loaded (the others are the base's in the shadow and the live model alike).
+        merger = self._adapter.merger if self._adapter is not None else None
+        self._merged_names = (self._shadow.partial_names(merger.targeted)
+                              if merger is not None and self._shadow is not None else None)
         self._stage_lock = threading.Lock()  # guards the shadow and the staged version
         self._staged: CheckedUpdate | None = None
         self._transfer_s = self._staged_transfer_s = self._staged_load_s = 0.0
@@ -183,9 +188,10 @@ class InprocessEngine(GenerationEngine):
                 return False
             t0 = time.perf_counter()
             if self._adapter is not None and self._adapter.merger is not None:
-                update = self._adapter.full(update)   # merged serving: W0 + alpha/r B A, beside generation
+                # merged serving: W0 + alpha/r B A, beside generation
+                update = self._adapter.full(update, self._merged_names)
             if self._shadow is not None and self._lora is None:
-                self._shadow.load(update, self._llm.vllm_config)
+                self._shadow.load(update, self._llm.vllm_config, partial=self._merged_names is not None)
             else:   # kept until the next step: own the bytes (the receive buffer is reused)
                 update = CheckedUpdate(update.version, tuple((n, t.clone()) for n, t in update.tensors),
                                        update.num_bytes)
