@@ -194,6 +194,8 @@ def run(args: argparse.Namespace) -> Outcome:
         generation["merged"] = _generation_under_updates(model_dir, serving, checked, args)
     result = {
         "generation": generation,
+        "generation_settings": {"sequences": args.sequences, "tokens": args.tokens,
+                                "update_every_s": args.update_every_s, "generate_s": args.generate_s},
         "model": args.model if not args.quick else "tiny", "rank": args.rank, "alpha": lora.alpha,
         "targets": list(targets), "reps": args.reps, "hardware": hardware(),
         "bytes_full": full.num_bytes, "bytes_adapter": adapter.num_bytes,

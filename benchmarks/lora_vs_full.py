@@ -153,7 +153,7 @@ def _markdown(r: dict[str, Any]) -> str:
                   f"({sync['bytes_ratio']:.3f}); the trainer's gather {sync['gather_adapter_s'] * 1e3:.1f} ms against "
                   f"{sync['gather_full_s'] * 1e3:.1f} ms; merged serving's fold {sync['merged_merge_s'] * 1e3:.0f} ms, "
                   f"then {_merged_load(sync)}; native serving's in-place replace "
-                  f"{sync['native_replace_s'] * 1e3:.1f} ms."]
+                  f"{sync['native_replace_s'] * 1e3:.1f} ms.{_fixed_lengths(sync)}"]
     lines += ["", "The trainer's step: forward, backward and optimizer (`train_step_s`, the publish not included). "
               "Medians leave out steps 1-3 (start-up). Weight sync: from a step's end until every worker "
               "generates with the new version.", ""]
@@ -167,6 +167,17 @@ def _merged_load(sync: dict[str, Any]) -> str:
     both = (sync["merged_merge_s"] + sync["merged_load_s"]) / sync["full_load_s"]
     return (f"its load into the engine's shadow {sync['merged_load_s'] * 1e3:.0f} ms against a full update's "
             f"{sync['full_load_s'] * 1e3:.0f} ms (fold and load {both:.2f}x)")
+
+
+def _fixed_lengths(sync: dict[str, Any]) -> str:
+    """``benchmarks.lora_sync``'s generation under updates (older results: none)."""
+    gen, at = sync.get("generation") or {}, sync.get("generation_settings")
+    if "merged" not in gen or at is None:
+        return ""
+    ratio = gen["merged"]["tokens_per_s"] / gen["full"]["tokens_per_s"]
+    return (f" Generation under updates at fixed lengths (the worker's engine, {at['sequences']} sequences of "
+            f"{at['tokens']} tokens in flight, a version every {at['update_every_s']:g} s): merged serving "
+            f"{ratio:.3f}x full weights' tokens/s.")
 
 
 def main(argv: list[str] | None = None) -> int:

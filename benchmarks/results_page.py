@@ -74,7 +74,7 @@ CATALOG: tuple[Entry, ...] = (
           "SmolLM2-135M-Instruct on word problems, in one sitting: full fine-tuning (30 steps), a rank-16 "
           "adapter on all seven projections in the CPU's default serving mode, merged (30 steps), and the "
           "same adapter served natively by vLLM's LoRA (10 steps, for its weight sync). The LoRA runs "
-          "name `--trainer.lr 4e-4`, the pretrained profile's LoRA rate since these runs (2e-4 before)."),
+          "take the pretrained profile's LoRA rate, 4e-4."),
     Entry("peers_real_model", "Against TRL's GRPOTrainer on the real chat model",
           "python -m benchmarks.peers --model smollm2-135m-instruct --seeds 1 --systems trl,s2 --steps 40 "
           "--eval-every 10 --heldout-target 0.6 --lr 2e-5 --max-new-tokens 32 --max-model-len 512 "
@@ -108,8 +108,9 @@ CATALOG: tuple[Entry, ...] = (
           "generation stall, per engine, model size and path."),
     Entry("lora_sync", "A LoRA adapter's weight sync", "python -m benchmarks.lora_sync --reps 5",
           "Bytes per version of a rank-16 adapter on all seven projections against full weights, the "
-          "trainer's gather, merged serving's fold and native serving's in-place replace.",
-          machine="2 cores (AMD EPYC), shared with other runs (load average about 10)"),
+          "trainer's gather, merged serving's fold, load and swap against a full update's, native "
+          "serving's in-place replace, and generation at fixed lengths under each serving's updates.",
+          machine="2 cores (AMD EPYC), alone"),
     Entry("gpu_smoke", "The GPU check", "python -m benchmarks.gpu_smoke",
           "The GPU road end to end on one GPU: in-flight updates, the default run, a 0.5 B model."),
     Entry("gpu_weight_paths", "Weights at 0.5 B on one GPU", "python -m benchmarks.gpu_smoke --steps 0 "
