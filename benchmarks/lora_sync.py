@@ -38,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,17 @@ def _engine(model_dir: str, rank: int | None) -> Any:
             kv_cache_memory_bytes=1 << 26, disable_log_stats=True, **lora))
 
 
-def _generation_under_updates(model_dir: str, serving: Any, update: Any, args: argparse.Namespace) -> dict[str, float]:
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One serving's generation under updates: generated tokens/s, the versions applied while
+    generating, and the p50 of staging one version (beside generation, in another thread)."""
+
+    tokens_per_s: float
+    versions: int
+    stage_s_p50: float
+
+
+def _generation_under_updates(model_dir: str, serving: Any, update: Any, args: argparse.Namespace) -> Generation:
     """Tokens/s of the in-process engine generating fixed-length sequences for ``--generate-s``
     seconds while ``update`` (its tensors, under a new version each time) is staged every
     ``--update-every-s`` seconds from another thread; ``serving``: LoRA serving or None."""
@@ -129,8 +140,7 @@ def _generation_under_updates(model_dir: str, serving: Any, update: Any, args: a
         wall = time.perf_counter() - t0
         stop.set()
         stager.join()
-        return {"tokens_per_s": tokens / wall, "versions": float(applied),
-                "stage_s_p50": statistics.median(loads) if loads else 0.0}
+        return Generation(tokens / wall, applied, statistics.median(loads) if loads else 0.0)
     finally:
         engine.close()
 
@@ -188,12 +198,12 @@ def run(args: argparse.Namespace) -> Outcome:
     lora_model = compat.inprocess_model(with_lora)
     tensors, config = dict(checked.tensors), peft_config_dict(serving)
     native = _p50(lambda: replace_lora(lora_model, LORA_ID, tensors, config), args.reps)
-    generation: dict[str, Any] = {}
+    generation: dict[str, Generation] = {}
     if args.generate_s > 0:
         generation["full"] = _generation_under_updates(model_dir, None, full_checked, args)
         generation["merged"] = _generation_under_updates(model_dir, serving, checked, args)
     result = {
-        "generation": generation,
+        "generation": {mode: asdict(g) for mode, g in generation.items()},
         "generation_settings": {"sequences": args.sequences, "tokens": args.tokens,
                                 "update_every_s": args.update_every_s, "generate_s": args.generate_s},
         "model": args.model if not args.quick else "tiny", "rank": args.rank, "alpha": lora.alpha,
@@ -232,18 +242,18 @@ def run(args: argparse.Namespace) -> Outcome:
     return Outcome(result, md)
 
 
-def _generation_rows(generation: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def _generation_rows(generation: dict[str, Generation], args: argparse.Namespace) -> list[str]:
     if not generation:
         return []
     full, merged = generation["full"], generation["merged"]
     return [f"| generation under updates: tokens/s, merged serving / full weights ({args.sequences} sequences "
             f"of {args.tokens} tokens, a version every {args.update_every_s:g} s, {args.generate_s:g} s) | "
-            f"{merged['tokens_per_s']:.1f} ({merged['versions']:.0f} versions) | "
-            f"{full['tokens_per_s']:.1f} ({full['versions']:.0f} versions) | "
-            f"{merged['tokens_per_s'] / full['tokens_per_s']:.3f} |",
+            f"{merged.tokens_per_s:.1f} ({merged.versions} versions) | "
+            f"{full.tokens_per_s:.1f} ({full.versions} versions) | "
+            f"{merged.tokens_per_s / full.tokens_per_s:.3f} |",
             f"| generation under updates: staging one version beside generation, p50 | "
-            f"{merged['stage_s_p50'] * 1e3:.0f} ms | {full['stage_s_p50'] * 1e3:.0f} ms | "
-            f"{merged['stage_s_p50'] / max(1e-9, full['stage_s_p50']):.3f} |"]
+            f"{merged.stage_s_p50 * 1e3:.0f} ms | {full.stage_s_p50 * 1e3:.0f} ms | "
+            f"{merged.stage_s_p50 / max(1e-9, full.stage_s_p50):.3f} |"]
 
 
 def _flags(p: argparse.ArgumentParser) -> None:
