@@ -19,6 +19,9 @@ def test_chaos_flags_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit) as e:
         chaos.main(["--steps", "20", "--checkpoint-every", "20", "--out", str(tmp_path)])
     assert e.value.code == 2 and "leaves no room" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        chaos.main(["--eval-prompts", "0", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--eval-prompts must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -28,7 +31,7 @@ def test_a_worker_kill_a_trainer_kill_in_a_save_and_a_whole_run_kill(tiny_model_
     out = tmp_path / "chaos"
     # Three times the tiny run's batch: ~0.2 s steps, so that the kills from outside land near
     # their planned steps even when the machine is busy with the tests beside this one.
-    status = chaos.main(["--quick", "--stall-s", "240", "--out", str(out), "--",
+    status = chaos.main(["--quick", "--stall-s", "240", "--eval-prompts", "16", "--out", str(out), "--",
                          "--model.path", tiny_model_dir, *TINY_RUN_FLAGS, "--rollout.standby", "true",
                          "--trainer.batch_size", "24", "--trainer.micro_batch_size", "24"])
     res = json.loads((out / "chaos.json").read_text())
@@ -41,6 +44,8 @@ def test_a_worker_kill_a_trainer_kill_in_a_save_and_a_whole_run_kill(tiny_model_
     assert trainer["resumed_at"] % 10 == 0 and 0 < trainer["steps_lost"] <= 10   # the save before the killed one
     assert whole["resumed_at"] % 10 == 0 and 0 <= whole["steps_lost"] <= 10
     run = out / "chaos"
+    flags = res["flags"]   # --eval-prompts reaches both runs' launch (the tiny run evaluates never)
+    assert flags[flags.index("--eval.num_prompts") + 1] == "16"
     assert sorted(m.resumed_at for m in read_resumes(run)) == sorted([trainer["resumed_at"], whole["resumed_at"]])
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.endswith((".partial", ".old"))]
     logs = "".join(f.read_text() for f in sorted(out.glob("chaos_segment*.log")))
