@@ -121,9 +121,11 @@ def bare_vllm(cfg: Any, model_dir: str, groups: int, rounds: int) -> Bare:
 
 def busy_tokens_per_s(rows: list[dict[str, Any]]) -> float | None:
     """Median generated tokens/s over the rollout worker's busy time (idle on the admission
-    budget taken out) of ``rows``; None when no row says how idle it was."""
-    busy = [r["tokens_per_s"] / max(1e-9, 1.0 - r["generator_idle_frac"]) for r in rows
-            if "generator_idle_frac" in r and r["generator_idle_frac"] < 1.0]
+    budget taken out) of ``rows``; None when no row says how idle it was. The tokens are all
+    the engine generated: training samples' and, where a row gives them (``eval_tokens_per_s``),
+    held-out evaluations', since the engine is busy with both."""
+    busy = [(r["tokens_per_s"] + r.get("eval_tokens_per_s", 0.0)) / max(1e-9, 1.0 - r["generator_idle_frac"])
+            for r in rows if "generator_idle_frac" in r and r["generator_idle_frac"] < 1.0]
     return statistics.median(busy) if busy else None
 
 

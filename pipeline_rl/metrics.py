@@ -49,6 +49,10 @@ class StepMetrics:
     because their rewards were all equal (``--algorithm.skip_zero_variance``; cumulative).
     ``lr``: the learning rate the step trained with (``--trainer.lr`` times the schedule's
     factor at that step, ``--trainer.lr_schedule``).
+    ``extra`` also carries ``generator_idle_frac`` (the share of the last window the workers'
+    engines idled on the admission budget) and ``eval_tokens_per_s`` (tokens/s the workers
+    generated for held-out evaluations in it, not in ``tokens_per_s``: over the time the
+    engines were busy, they generated ``tokens_per_s + eval_tokens_per_s``).
     A multi-turn run
     adds its turn metrics to ``extra`` (``run/recorder.py``, ``turn_metrics``): ``turns_mean``
     / ``turns_max`` and ``env_s_mean`` / ``env_s_p90`` (seconds an episode spent in its

@@ -212,7 +212,10 @@ def test_evaluation_beside_generation(engine: GenerationEngine, model_dirs: tupl
         rig.worker.stop()
         loop.join(30)
         late = rig.worker.evaluate(EvalRequest(2, (0,), k=1))
+        stats = rig.worker.stats()
         rig.close()
+    # The evaluations' tokens are counted apart from the training samples' (greedy and sampled).
+    assert stats.eval_tokens >= a.greedy_tokens + b.greedy_tokens and stats.tokens_generated > 0
     assert (a.num_prompts, a.k, b.num_prompts) == (6, 3, 6)
     assert a.greedy_reward_sum == b.greedy_reward_sum and a.greedy_tokens == b.greedy_tokens > 0
     assert 0.0 < a.greedy_accuracy <= 0.13 and 0.0 < a.mean_at_k <= 0.13   # len(text)/100

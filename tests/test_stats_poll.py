@@ -64,8 +64,10 @@ class Worker:
     weight update applied at ``start`` (a 1,683.6 ms stall); ``delay(n)``: how long after it
     is asked its ``n``-th stats answer arrives (the snapshot is of that moment)."""
 
-    def __init__(self, clock: Clock, rate: float, delay: Callable[[int], float], warm: float = 0.0) -> None:
+    def __init__(self, clock: Clock, rate: float, delay: Callable[[int], float], warm: float = 0.0,
+                 eval_rate: float = 0.0) -> None:
         self.clock, self.rate, self.delay, self.warm, self.start = clock, rate, delay, warm, clock.t
+        self.eval_rate = eval_rate
         self.asked = 0
         self.fail_next = False
         self.handle = SimpleNamespace(stats=SimpleNamespace(remote=self._ask))
@@ -83,7 +85,8 @@ class Worker:
         return WorkerStats(worker_id=0, version=1, groups_started=0, groups_sent=0,
                            tokens_generated=int(self.rate * max(0.0, at - self.start - self.warm)), steps=0, step_s=0.0,
                            idle_s=0.0, elapsed_s=0.0, stall_ms=(1683.6,), updates_applied=1,
-                           updates_rejected=0, send_wait_s=0.0, in_flight_groups=0, at=at)
+                           updates_rejected=0, send_wait_s=0.0, in_flight_groups=0, at=at,
+                           eval_tokens=int(self.eval_rate * (at - self.start)))
 
 
 @pytest.fixture()
@@ -132,6 +135,16 @@ def test_late_workers_add_up_and_one_call_at_a_time_is_in_flight(clock: Clock) -
     assert rows[-1] == pytest.approx(1500.0, rel=0.01)
     assert late.asked == 3                      # asked again only once it answered (every 3 s)
     assert 20 <= prompt.asked <= 1 + 8.0 / recorder._STATS_EVERY_S
+
+
+def test_evaluation_tokens_are_a_rate_of_their_own(clock: Clock) -> None:
+    """A worker evaluating beside training: its evaluation tokens/s is reported apart
+    (``eval_tokens_per_s``), summed over the workers, and not in the training tokens/s."""
+    a, b = Worker(clock, 1000.0, lambda n: 0.0, eval_rate=300.0), Worker(clock, 500.0, lambda n: 0.0, eval_rate=100.0)
+    stats = poll(clock, [a, b])
+    rows = steps(clock, stats, 10, 1.0)
+    assert rows[-1] == pytest.approx(1500.0, rel=0.01)
+    assert stats.rates.eval_tokens_per_s == pytest.approx(400.0, rel=0.01)
 
 
 def test_a_failed_answer_is_skipped_and_a_restarted_worker_starts_afresh(clock: Clock) -> None:

@@ -386,12 +386,17 @@ class RolloutWorker:
             self._scorer.episodes_done(group)
 
     def _collect(self, seq: FinishedSequence) -> None:
-        if self._episodes is not None and "#" in seq.request_id:
+        evaluation = seq.request_id.startswith(EVAL_PREFIX)
+        if evaluation:
             with self._lock:
-                self._c.tokens += seq.token_ids.shape[0]
+                self._c.eval_tokens += seq.token_ids.shape[0]
+        if self._episodes is not None and "#" in seq.request_id:
+            if not evaluation:
+                with self._lock:
+                    self._c.tokens += seq.token_ids.shape[0]
             self._episodes.collect(seq)
             return
-        if seq.request_id.startswith(EVAL_PREFIX):
+        if evaluation:
             self._answered(seq.request_id, seq.text, seq.versions)
             return
         gid, idx = (int(x) for x in seq.request_id.split(":"))

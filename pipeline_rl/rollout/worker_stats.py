@@ -133,7 +133,9 @@ class WorkerStats:
     (``HeapTrimmer``, on the engine's thread between steps); ``applied``: when the most
     recent applied updates went live (at most ``STALL_WINDOW``, oldest first); ``rewards``:
     its reward calls (:class:`RewardTally`); ``episodes``: its multi-turn episodes
-    (:class:`EpisodeTally`); ``at``: the worker's clock (``time.monotonic()``) when the
+    (:class:`EpisodeTally`); ``tokens_generated``: the tokens of training samples,
+    ``eval_tokens``: those of held-out evaluations (the same engine's work, counted apart so
+    a training throughput is not an evaluation's); ``at``: the worker's clock (``time.monotonic()``) when the
     snapshot was taken, so a poller measures rates over the worker's own time between two
     snapshots, however late each answer reaches it."""
 
@@ -153,6 +155,7 @@ class WorkerStats:
     in_flight_groups: int
     stall_ms_total: float = 0.0
     heap_trim_s: float = 0.0
+    eval_tokens: int = 0
     applied: tuple[AppliedAt, ...] = ()
     rewards: RewardTally = RewardTally()
     episodes: EpisodeTally = EpisodeTally()
@@ -175,6 +178,7 @@ class Counters:
     groups_started: int = 0
     groups_sent: int = 0
     tokens: int = 0
+    eval_tokens: int = 0            # tokens of held-out evaluation answers (not in ``tokens``)
     steps: int = 0
     step_s: float = 0.0
     idle_s: float = 0.0
@@ -217,7 +221,7 @@ class Counters:
             groups_sent=c.groups_sent, tokens_generated=c.tokens, steps=c.steps, step_s=c.step_s,
             idle_s=c.idle_s, elapsed_s=c.elapsed_s, stall_ms=tuple(c.stall_ms),
             updates_applied=c.updates_applied, stall_ms_total=c.stall_ms_total,
-            updates_rejected=c.updates_rejected,
+            updates_rejected=c.updates_rejected, eval_tokens=c.eval_tokens,
             send_wait_s=send_wait_s, in_flight_groups=in_flight_groups, heap_trim_s=heap_trim_s,
             applied=tuple(c.applied), rewards=rewards, episodes=self._episode_tally(), at=time.monotonic())
 

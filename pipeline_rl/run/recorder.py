@@ -52,12 +52,13 @@ _HISTORY_STEPS = 1000      # steps of metrics the driver keeps in memory
 @dataclass(frozen=True, slots=True)
 class _WorkerRates:
     """One worker over the interval between its last two snapshots (its own clock): tokens
-    generated per second, and the shares of that time its engine idled and it had a reward
-    call in flight."""
+    generated per second (training samples'; ``eval_tokens_per_s``: held-out evaluations'),
+    and the shares of that time its engine idled and it had a reward call in flight."""
 
     tokens_per_s: float
     idle_frac: float
     reward_busy_frac: float
+    eval_tokens_per_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class _Seen:
 
     at: float | None = None
     tokens: int = 0
+    eval_tokens: int = 0
     idle_s: float = 0.0
     stalls: int = 0
     rewards: RewardTally = RewardTally()
@@ -88,13 +90,14 @@ class _Delta:
 
 @dataclass(frozen=True, slots=True)
 class _Rates:
-    """The workers' generation over each one's last interval: tokens per second (summed),
-    the share of time their engines idled (mean), the mean weight-update stall (ms) and
+    """The workers' generation over each one's last interval: tokens per second (summed;
+    training samples', and held-out evaluations' apart), the share of time their engines idled (mean), the mean weight-update stall (ms) and
     weight sync (ms, :class:`WeightSyncLatency`) of the updates last reported, the mean
     duration of a reward call (s) and the share of time the workers had a reward call in
     flight (mean)."""
 
     tokens_per_s: float = 0.0
+    eval_tokens_per_s: float = 0.0
     idle_frac: float = 0.0
     stall_ms: float = 0.0
     sync_ms: float = 0.0
@@ -198,6 +201,7 @@ class _StatsPoll:
         r = delta.rewards
         self.rates = _Rates(
             tokens_per_s=sum(k.tokens_per_s for k in known),
+            eval_tokens_per_s=sum(k.eval_tokens_per_s for k in known),
             idle_frac=statistics.fmean(k.idle_frac for k in known) if known else self.rates.idle_frac,
             stall_ms=statistics.fmean(delta.stalls_ms) if delta.stalls_ms else self.rates.stall_ms,
             sync_ms=statistics.fmean(synced) if synced else self.rates.sync_ms,
@@ -219,7 +223,8 @@ class _StatsPoll:
             busy = st.rewards.busy_s - seen.rewards.busy_s
             seen.rates = _WorkerRates(max(0, st.tokens_generated - seen.tokens) / span,
                                       min(1.0, max(0.0, st.idle_s - seen.idle_s) / span),
-                                      min(1.0, max(0.0, busy) / span))
+                                      min(1.0, max(0.0, busy) / span),
+                                      max(0, st.eval_tokens - seen.eval_tokens) / span)
         new = st.updates_applied - seen.stalls  # stall_ms holds the most recent ones only
         delta.stalls_ms += list(st.stall_ms[-new:]) if new > 0 else []
         rewards = st.rewards.minus(seen.rewards)
@@ -229,6 +234,7 @@ class _StatsPoll:
             log.warning("rollout worker %d: %s (scored 0; further reward failures are counted on the "
                         "step lines)", i, st.rewards.first_error)
         seen.at, seen.tokens, seen.idle_s, seen.stalls = st.at, st.tokens_generated, st.idle_s, st.updates_applied
+        seen.eval_tokens = st.eval_tokens
         seen.rewards = st.rewards
         episodes = st.episodes.minus(seen.episodes)
         delta.episodes = delta.episodes.plus(episodes)
@@ -307,7 +313,7 @@ class StepRecorder:
                    "train_step_s": float(res[0].step_time_s), "groups_lost": float(buf.admission.lost),
                    "worker_restarts": float(sum(w.restarts for w in self._workers)),
                    "restarts": float(self._restarts),
-                   "generator_idle_frac": rates.idle_frac,
+                   "generator_idle_frac": rates.idle_frac, "eval_tokens_per_s": rates.eval_tokens_per_s,
                    **turn_metrics(rates.turns, self._stats.episodes),
                    # Wall clock, so a caller can measure from its own start (start-up included).
                    "unix_time_s": time.time()},
