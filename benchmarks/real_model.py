@@ -120,10 +120,17 @@ def bare_vllm(cfg: Any, model_dir: str, groups: int, rounds: int) -> Bare:
 
 
 def busy_tokens_per_s(rows: list[dict[str, Any]]) -> float | None:
-    """Median generated tokens/s over the rollout worker's busy time (idle on the admission
-    budget taken out) of ``rows``; None when no row says how idle it was. The tokens are all
-    the engine generated: training samples' and, where a row gives them (``eval_tokens_per_s``),
-    held-out evaluations', since the engine is busy with both."""
+    """Generated tokens/s over the rollout workers' busy time (idle on the admission budget
+    taken out) across ``rows``, per worker; None when the rows do not say. The tokens are all
+    the engines generated: training samples' and held-out evaluations', since an engine is
+    busy with both. From the run's totals between the first and the last row where the rows
+    carry them (``generator_busy_s``), else (older runs) the median of the rows' own windows,
+    each a short, noisy interval."""
+    first, last = (rows[0], rows[-1]) if rows else ({}, {})
+    if "generator_busy_s" in first and "generator_busy_s" in last:
+        busy_s = last["generator_busy_s"] - first["generator_busy_s"]
+        tokens = sum(last[k] - first[k] for k in ("generated_tokens", "generated_eval_tokens"))
+        return tokens / busy_s if busy_s > 0 else None
     busy = [(r["tokens_per_s"] + r.get("eval_tokens_per_s", 0.0)) / max(1e-9, 1.0 - r["generator_idle_frac"])
             for r in rows if "generator_idle_frac" in r and r["generator_idle_frac"] < 1.0]
     return statistics.median(busy) if busy else None

@@ -52,7 +52,10 @@ class StepMetrics:
     ``extra`` also carries ``generator_idle_frac`` (the share of the last window the workers'
     engines idled on the admission budget) and ``eval_tokens_per_s`` (tokens/s the workers
     generated for held-out evaluations in it, not in ``tokens_per_s``: over the time the
-    engines were busy, they generated ``tokens_per_s + eval_tokens_per_s``).
+    engines were busy, they generated ``tokens_per_s + eval_tokens_per_s``), and the run's
+    totals so far, all workers: ``generated_tokens``, ``generated_eval_tokens`` and
+    ``generator_busy_s`` (seconds the engines were not idle on the budget); their differences
+    between two rows are the generation over those steps, whatever each window's length.
     A multi-turn run
     adds its turn metrics to ``extra`` (``run/recorder.py``, ``turn_metrics``): ``turns_mean``
     / ``turns_max`` and ``env_s_mean`` / ``env_s_p90`` (seconds an episode spent in its

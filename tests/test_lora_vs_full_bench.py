@@ -25,5 +25,9 @@ def test_the_busy_rate_counts_the_evaluations_tokens() -> None:
     rows = [{"tokens_per_s": 60.0, "generator_idle_frac": 0.25},
             {"tokens_per_s": 30.0, "eval_tokens_per_s": 30.0, "generator_idle_frac": 0.25},
             {"tokens_per_s": 90.0, "generator_idle_frac": 1.0}]        # all idle: no rate
-    assert busy_tokens_per_s(rows) == pytest.approx(80.0)
+    assert busy_tokens_per_s(rows) == pytest.approx(80.0)       # older rows: the median of their windows
     assert busy_tokens_per_s([{"tokens_per_s": 1.0}]) is None
+    # The run's totals, where the rows carry them: all tokens over all busy seconds between two rows.
+    totals = [{**rows[0], "generated_tokens": 100.0, "generated_eval_tokens": 0.0, "generator_busy_s": 10.0},
+              {**rows[2], "generated_tokens": 700.0, "generated_eval_tokens": 300.0, "generator_busy_s": 20.0}]
+    assert busy_tokens_per_s(totals) == pytest.approx(90.0)

@@ -145,6 +145,11 @@ def test_evaluation_tokens_are_a_rate_of_their_own(clock: Clock) -> None:
     rows = steps(clock, stats, 10, 1.0)
     assert rows[-1] == pytest.approx(1500.0, rel=0.01)
     assert stats.rates.eval_tokens_per_s == pytest.approx(400.0, rel=0.01)
+    # The run's totals: each worker's answered snapshots 1 s apart (the first is the start, the
+    # last one asked is not in yet), never idle here: 8 s busy each.
+    g = stats.generated
+    assert (g.tokens, g.eval_tokens, g.busy_s) == (pytest.approx(12_000, rel=0.01), pytest.approx(3_200, rel=0.01),
+                                                   pytest.approx(16.0))
 
 
 def test_a_failed_answer_is_skipped_and_a_restarted_worker_starts_afresh(clock: Clock) -> None:

@@ -32,7 +32,7 @@ from pipeline_rl.metrics import (
     read_history,
     summary_table,
 )
-from pipeline_rl.rollout.worker_stats import AgentMetric, EpisodeTally, RewardTally
+from pipeline_rl.rollout.worker_stats import AgentMetric, EpisodeTally, RewardTally, WorkerStats
 from pipeline_rl.run.remote_calls import CallFailed, Calls
 from pipeline_rl.run.run_folder import RunFolder
 from pipeline_rl.run.supervisor import WorkerSlot
@@ -59,6 +59,23 @@ class _WorkerRates:
     idle_frac: float
     reward_busy_frac: float
     eval_tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """What the workers generated over the run's snapshots so far (all workers; a restarted
+    worker's from its new life's second snapshot): training samples' tokens, held-out
+    evaluations' tokens, and the seconds their engines were busy (not idle on the admission
+    budget). Its difference between two steps gives tokens per busy second over them, which
+    no single step's window measures as well."""
+
+    tokens: int = 0
+    eval_tokens: int = 0
+    busy_s: float = 0.0
+
+    def plus(self, other: "Generated") -> "Generated":
+        return Generated(self.tokens + other.tokens, self.eval_tokens + other.eval_tokens,
+                         self.busy_s + other.busy_s)
 
 
 @dataclass(slots=True)
@@ -159,6 +176,7 @@ class _StatsPoll:
         self.sync = WeightSyncLatency(len(workers))
         self.rewards = RewardTally()   # the run's reward calls, all workers (first lives included)
         self.episodes = EpisodeTally()  # the run's episodes, all workers (``recent`` left empty)
+        self.generated = Generated()    # the run's generation, all workers
 
     def restarted(self, index: int) -> None:
         self._seen[index] = _Seen()    # its call in flight went to the process that died
@@ -219,12 +237,8 @@ class _StatsPoll:
         except CallFailed:
             return False
         if seen.at is not None and st.at > seen.at:
-            span = st.at - seen.at
-            busy = st.rewards.busy_s - seen.rewards.busy_s
-            seen.rates = _WorkerRates(max(0, st.tokens_generated - seen.tokens) / span,
-                                      min(1.0, max(0.0, st.idle_s - seen.idle_s) / span),
-                                      min(1.0, max(0.0, busy) / span),
-                                      max(0, st.eval_tokens - seen.eval_tokens) / span)
+            seen.rates, generated = _interval(seen, st)
+            self.generated = self.generated.plus(generated)
         new = st.updates_applied - seen.stalls  # stall_ms holds the most recent ones only
         delta.stalls_ms += list(st.stall_ms[-new:]) if new > 0 else []
         rewards = st.rewards.minus(seen.rewards)
@@ -243,6 +257,17 @@ class _StatsPoll:
         for applied in st.applied:
             self.sync.applied(i, applied.version, applied.at)
         return True
+
+
+def _interval(seen: _Seen, st: WorkerStats) -> tuple[_WorkerRates, Generated]:
+    """A worker between its snapshot ``seen`` and ``st`` (later, on its own clock): its rates,
+    and what it generated."""
+    span = st.at - (seen.at or 0.0)
+    tokens, evals = max(0, st.tokens_generated - seen.tokens), max(0, st.eval_tokens - seen.eval_tokens)
+    idle = min(span, max(0.0, st.idle_s - seen.idle_s))
+    reward_busy = min(span, max(0.0, st.rewards.busy_s - seen.rewards.busy_s))
+    return (_WorkerRates(tokens / span, idle / span, reward_busy / span, evals / span),
+            Generated(tokens, evals, span - idle))
 
 
 class StepRecorder:
@@ -287,7 +312,7 @@ class StepRecorder:
         return m
 
     def _metrics(self, reports: Sequence[RankStepReport], version: int, step_wall: float) -> StepMetrics:
-        rates, buf = self._stats.rates, self._stats.buffer
+        rates, buf, gen = self._stats.rates, self._stats.buffer, self._stats.generated
         assert buf is not None
         res = [r.result for r in reports]
         lm = res[0].metrics
@@ -314,6 +339,8 @@ class StepRecorder:
                    "worker_restarts": float(sum(w.restarts for w in self._workers)),
                    "restarts": float(self._restarts),
                    "generator_idle_frac": rates.idle_frac, "eval_tokens_per_s": rates.eval_tokens_per_s,
+                   "generated_tokens": float(gen.tokens), "generated_eval_tokens": float(gen.eval_tokens),
+                   "generator_busy_s": gen.busy_s,
                    **turn_metrics(rates.turns, self._stats.episodes),
                    # Wall clock, so a caller can measure from its own start (start-up included).
                    "unix_time_s": time.time()},
