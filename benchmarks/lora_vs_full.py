@@ -12,7 +12,9 @@ task and batch (their ``real_model.json`` and ``run/metrics.jsonl``):
 and reports, LoRA against full: held-out greedy accuracy and the training time to +0.3,
 the entropy's largest ratio to step 1's over the first 20 steps, the mismatch KL, the
 trainer's step (median ``train_step_s``: forward, backward and optimizer, the publish not
-included), the median pipeline step, generated tokens/s over the worker's busy time, stall
+included), the median pipeline step, generated tokens/s over the worker's busy time (every
+token its engine generated, held-out evaluations' included, over the seconds it was not idle
+on the admission budget, from the run's totals between step 4 and the last step), stall
 p50 and weight sync p50 (step end to every worker generating with the new version) in both
 serving modes; and the tokens/s over steps 4-10 with the completions' median length, since
 tokens/s follows the lengths the two policies learn. ``--lora-sync`` adds the bytes per version and the parts of a sync from
@@ -125,7 +127,7 @@ def _markdown(r: dict[str, Any]) -> str:
          _cell(q["train_step"], ".2f")),
         ("pipeline step, median (s)", _cell(full["step_s"], ".2f"), _cell(lora["step_s"], ".2f"),
          _cell(q["step"], ".2f")),
-        ("tokens/s over the worker's busy time", _cell(full["tokens_per_s_busy"], ".1f"),
+        ("tokens/s over the worker's busy time (evaluations' included)", _cell(full["tokens_per_s_busy"], ".1f"),
          _cell(lora["tokens_per_s_busy"], ".1f"), _cell(q["tokens_per_s_busy"], ".2f")),
         ("the same, steps 4-10", _cell(full["tokens_per_s_busy_early"], ".1f"),
          _cell(lora["tokens_per_s_busy_early"], ".1f"), _cell(q["tokens_per_s_busy_early"], ".2f")),
