@@ -135,9 +135,9 @@ class WorkerStats:
     its reward calls (:class:`RewardTally`); ``episodes``: its multi-turn episodes
     (:class:`EpisodeTally`); ``tokens_generated``: the tokens of training samples,
     ``eval_tokens``: those of held-out evaluations (the same engine's work, counted apart so
-    a training throughput is not an evaluation's); ``at``: the worker's clock (``time.monotonic()``) when the
-    snapshot was taken, so a poller measures rates over the worker's own time between two
-    snapshots, however late each answer reaches it."""
+    a training throughput is not an evaluation's); ``at``: the worker's clock
+    (``time.monotonic()``) when the snapshot was taken, so a poller measures rates over the
+    worker's own time between two snapshots, however late each answer reaches it."""
 
     worker_id: int
     version: int

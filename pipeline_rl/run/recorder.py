@@ -108,10 +108,10 @@ class _Delta:
 @dataclass(frozen=True, slots=True)
 class _Rates:
     """The workers' generation over each one's last interval: tokens per second (summed;
-    training samples', and held-out evaluations' apart), the share of time their engines idled (mean), the mean weight-update stall (ms) and
-    weight sync (ms, :class:`WeightSyncLatency`) of the updates last reported, the mean
-    duration of a reward call (s) and the share of time the workers had a reward call in
-    flight (mean)."""
+    training samples', and held-out evaluations' apart), the share of time their engines
+    idled (mean), the mean weight-update stall (ms) and weight sync (ms,
+    :class:`WeightSyncLatency`) of the updates last reported, the mean duration of a reward
+    call (s) and the share of time the workers had a reward call in flight (mean)."""
 
     tokens_per_s: float = 0.0
     eval_tokens_per_s: float = 0.0
