@@ -387,13 +387,12 @@ class RolloutWorker:
 
     def _collect(self, seq: FinishedSequence) -> None:
         evaluation = seq.request_id.startswith(EVAL_PREFIX)
-        if evaluation:
-            with self._lock:
+        with self._lock:
+            if evaluation:
                 self._c.eval_tokens += seq.token_ids.shape[0]
+            else:
+                self._c.tokens += seq.token_ids.shape[0]
         if self._episodes is not None and "#" in seq.request_id:
-            if not evaluation:
-                with self._lock:
-                    self._c.tokens += seq.token_ids.shape[0]
             self._episodes.collect(seq)
             return
         if evaluation:
@@ -403,8 +402,6 @@ class RolloutWorker:
         group = self._pending[gid]
         group.done[idx] = seq
         self._scorer.completion_done(group, idx)
-        with self._lock:
-            self._c.tokens += seq.token_ids.shape[0]
         if len(group.done) == self.n:
             del self._pending[gid]
             self._scorer.group_done(group)
