@@ -146,3 +146,34 @@ def test_a_pinned_actor_rises_to_its_parents_priority_where_allowed() -> None:
         assert got["now"] == parent + 3
     else:
         assert got["took"] == parent and got["now"] == parent
+
+
+_IDLE = """
+import json, os, threading
+from pipeline_rl.actors.process import IDLE_NICENESS, lower_to_idle_priority, restore_priority
+start = os.getpriority(os.PRIO_PROCESS, 0)
+before = lower_to_idle_priority()
+seen = []
+t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+t.start(); t.join()
+low = os.getpriority(os.PRIO_PROCESS, 0)
+restore_priority(before)
+print(json.dumps({"start": start, "before": before, "low": low, "thread": seen[0], "idle": IDLE_NICENESS,
+                  "back": os.getpriority(os.PRIO_PROCESS, 0)}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="needs process priorities")
+def test_a_standby_builds_at_idle_priority_and_comes_back() -> None:
+    """A process built beside the run (a standby, a spare) runs every thread, and those it
+    starts later, at niceness 19, and goes back to where it was when it takes its place;
+    a process that could not rise again (no privilege) is not lowered at all."""
+    out = subprocess.run([sys.executable, "-c", _IDLE], capture_output=True, text=True, timeout=120, check=True,
+                         preexec_fn=lambda: os.nice(3))
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if got["before"] is None:   # not allowed to rise again: never lowered
+        assert got["low"] == got["start"] == got["back"]
+    else:
+        assert got["before"] == got["start"]
+        assert got["low"] == got["thread"] == got["idle"]
+        assert got["back"] == got["start"]

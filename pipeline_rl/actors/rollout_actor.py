@@ -15,7 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipeline_rl.actors.buffer_actor import RayAdmission
-from pipeline_rl.actors.process import end_of_startup, pin_to_core, raise_to_parent_priority, setup_actor_process
+from pipeline_rl.actors.process import (
+    end_of_startup, lower_to_idle_priority, pin_to_core, raise_to_parent_priority, restore_priority,
+    setup_actor_process,
+)
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
 from pipeline_rl.run_key import RunKey
@@ -89,18 +92,18 @@ class RolloutActor:
         core slot this worker's process is pinned to (None: unpinned); ``gpu_memory``: the
         share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``);
         ``standby``: the worker's standby (``run/slots.py``): it logs to its own file and
-        stays unpinned until :meth:`take_over` (so does a process Ray restarted while the
-        run keeps standbys)."""
+        is built unpinned, at the lowest CPU priority, until :meth:`take_over` (so is a
+        process Ray restarted while the run keeps standbys)."""
         import ray
 
         # A process Ray restarts while the run keeps standbys becomes the slot's standby, or
-        # is handed the slot by take_over: unpinned until then, like a standby.
+        # is handed the slot by take_over: built like a standby until then.
         again = cfg.rollout.standby and ray.get_runtime_context().was_current_actor_reconstructed
         unpinned = standby or again
         setup_actor_process(cfg, f"rollout-{worker_id}" + ("-standby" if standby else ""),
                             core=None if unpinned else core)
-        if unpinned:
-            raise_to_parent_priority()
+        # built with only the CPU the pinned worker and trainer leave (process.lower_to_idle_priority)
+        self._priority = lower_to_idle_priority() if unpinned else None
         from pipeline_rl.tasks.build import build_task_for_model
         from pipeline_rl.tasks.chat import plugin_reward
         from pipeline_rl.tasks.tokenizer import task_tokenizer
@@ -143,9 +146,13 @@ class RolloutActor:
         return os.getpid()
 
     def take_over(self, core: CoreSlot | None) -> int:
-        """A standby takes a dead worker's place: its core, when the run pins; returns its pid."""
-        if core is not None:
-            pin_to_core(core)
+        """A standby takes a dead worker's place: its core, when the run pins, and the run's
+        priority; returns its pid."""
+        if core is not None and pin_to_core(core) is not None:
+            raise_to_parent_priority()   # as a pinned worker
+        else:
+            restore_priority(self._priority)   # as an unpinned one: where Ray started it
+        self._priority = None
         return os.getpid()
 
     def run(self, start_counter: int = 0) -> WorkerStats:

@@ -13,7 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 from pipeline_rl import runtime_env
-from pipeline_rl.actors.process import end_of_startup, pin_to_core, raise_to_parent_priority, setup_actor_process
+from pipeline_rl.actors.process import (
+    end_of_startup, lower_to_idle_priority, pin_to_core, raise_to_parent_priority, restore_priority,
+    setup_actor_process,
+)
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
 from pipeline_rl.run_key import RunKey
@@ -73,10 +76,11 @@ class TrainerActor:
         """``gpu_memory``: the share of its GPU's memory this rank may take when the GPU is
         shared with other actors (None: not capped); ``key``: the run key (rank 0's weight
         channels prove it to the workers); ``spare``: a spare of rank ``rank`` (``--run.
-        spare_trainers``): unpinned, at the low priority Ray starts processes at, it imports
-        and warms what a rank's start needs (:func:`_prepare`), then idles until a restarted
-        life of the run takes it (:meth:`adopt`)."""
+        spare_trainers``): unpinned, at the lowest CPU priority (``process.lower_to_idle_priority``),
+        it imports and warms what a rank's start needs (:func:`_prepare`), then idles until a
+        restarted life of the run takes it (:meth:`adopt`)."""
         setup_actor_process(cfg, f"trainer-{rank}" + ("-spare" if spare else ""), core=None if spare else core)
+        self._priority = lower_to_idle_priority() if spare else None
         self._core = core
         self._key = key
         self._gpu_memory = gpu_memory
@@ -100,9 +104,11 @@ class TrainerActor:
         configuration and buffer, the rank's core and priority; :meth:`setup` follows as for a
         new rank (after the spare's imports, on the same thread). Returns the pid."""
         self._cfg, self._buffer = cfg, buffer
-        if self._core is not None:
-            pin_to_core(self._core)
-            raise_to_parent_priority()
+        if self._core is not None and pin_to_core(self._core) is not None:
+            raise_to_parent_priority()   # as a pinned rank
+        else:
+            restore_priority(self._priority)   # as an unpinned one: where Ray started it
+        self._priority = None
         return os.getpid()
 
     @property
