@@ -43,7 +43,8 @@ most one checkpoint interval), the groups the buffer held (lost with it), the ti
 kill to the first new step and to being back at the killed step; the final held-out greedy
 accuracy against the unbroken run's; the wall time against the unbroken run's. The exit
 status is 1 when the run did not reach the target or a step is twice or missing in
-``metrics.jsonl``.
+``metrics.jsonl``. Both columns carry this invocation's stamp (``sources``:
+:func:`benchmarks.chaos_report.invocation`), so a column rerun apart shows on the page.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from typing import Any
 
 from benchmarks.common import ROOT, BadFlag, Outcome, at_least, hardware, main as bench_main
 from benchmarks.chaos_kills import ActorKill, actor_pid, busiest_worker, marks_of, resolve as resolve_kills
-from benchmarks.chaos_report import acceptance, markdown, records
+from benchmarks.chaos_report import acceptance, invocation, markdown, records
 
 _POLL_S = 0.1
 #: Held-out prompts per evaluation in both runs. The final greedy accuracy is compared with the
@@ -454,7 +455,7 @@ def run(args: argparse.Namespace) -> Outcome:
     out = args.out / "chaos"
     shutil.rmtree(out, ignore_errors=True)
     chaos = Chaos(args, out, [*shared, "--out-dir", str(out)])
-    t0 = time.perf_counter()
+    stamp, t0 = invocation(), time.perf_counter()
     chaos.run()
     chaos_wall = time.perf_counter() - t0
     chaos.resolve()
@@ -470,6 +471,7 @@ def run(args: argparse.Namespace) -> Outcome:
         t0 = time.perf_counter()
         res["unbroken"], res["failure"] = baseline(args, plain, [*shared, "--out-dir", str(plain)])
         res["unbroken_wall_s"] = time.perf_counter() - t0
+    res["sources"] = {col: stamp for col in ("chaos", "unbroken") if col in res}
     res["acceptance"] = acceptance(res)
     c = res["chaos"]
     ok = res["failure"] is None and c["reached"] >= args.steps and not c["twice"] and not c["missing"]

@@ -1,10 +1,21 @@
 """The chaos benchmark's report (``benchmarks.chaos``): what a run's records say once it
-ended, the Markdown tables and the acceptance lines."""
+ended, the Markdown tables and the acceptance lines.
+
+Provenance: a result's ``sources`` names, per column (``chaos``, ``unbroken``), the invocation
+that measured it (:func:`invocation`: how it was run, when it started, the commit). One
+invocation stamps both columns alike; a result put together from more than one (a column
+rerun apart) carries different stamps, and its table then shows a row saying which column
+came from where, so the page cannot present them as one sitting.
+"""
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import ROOT
 
 
 #: Held-out evaluations averaged beside the final one (32 prompts: one evaluation moves by
@@ -34,6 +45,39 @@ def records(folder: Path, steps: int) -> dict[str, Any]:
 
 
 
+def invocation(how: str = "benchmarks.chaos") -> dict[str, Any]:
+    """This invocation's stamp for ``sources``: ``how``, the UTC minute it started and the
+    repository's commit (None outside a git checkout; ``dirty`` when files differ from it)."""
+    def git(*argv: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    return {"how": how, "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None}
+
+
+def _source(s: dict[str, Any] | None) -> str:
+    if s is None:
+        return "not recorded"
+    commit = "commit not recorded" if not s.get("commit") else (
+        f"commit {s['commit']}" + (" with local changes" if s.get("dirty") else ""))
+    return f"{s['how']}, {s['started_utc']} UTC, {commit}"
+
+
+def sources_row(res: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The table's provenance row when its columns came from different invocations (or one
+    column's is recorded and the other's not); None when one invocation measured both."""
+    cols = ["chaos", *(["unbroken"] if res.get("unbroken") else [])]
+    stamps = [(res.get("sources") or {}).get(c) for c in cols]
+    if len(cols) < 2 or stamps[0] == stamps[1]:
+        return None
+    return ("measured by (invocation, start, commit)", _source(stamps[0]), _source(stamps[1]))
+
+
 def _num(x: float | None, fmt: str = "{:.1f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
@@ -51,7 +95,8 @@ def markdown(res: dict[str, Any]) -> str:
     if res["failure"]:
         lines += [f"**Failed:** {res['failure']}", ""]
     lines += ["| | chaos | unbroken |", "|---|---:|---:|"]
-    both: list[tuple[str, str, str]] = [
+    source = sources_row(res)
+    both: list[tuple[str, str, str]] = [*([source] if source else []),
         ("steps reached / target", f"{c['reached']:,} / {res['steps']:,}",
          f"{u['reached']:,} / {res['steps']:,}" if u else "-"),
         ("steps twice / missing in metrics.jsonl", f"{len(c['twice'])} / {len(c['missing'])}",
@@ -59,8 +104,9 @@ def markdown(res: dict[str, Any]) -> str:
         ("evaluations twice in eval.jsonl", f"{len(c['evals_twice'])}", f"{len(u['evals_twice'])}" if u else "-"),
         ("final held-out greedy accuracy", _num(c["final_greedy"], "{:.3f}"),
          _num(u["final_greedy"], "{:.3f}") if u else "-"),
-        (f"held-out greedy, mean of the last {LAST} evaluations", _num(c.get("last_greedy_mean"), "{:.3f}"),
-         _num(u.get("last_greedy_mean"), "{:.3f}") if u else "-"),
+        # Results from before ``last_greedy_mean`` was recorded have no such row.
+        *([(f"held-out greedy, mean of the last {LAST} evaluations", _num(c.get("last_greedy_mean"), "{:.3f}"),
+            _num(u.get("last_greedy_mean"), "{:.3f}") if u else "-")] if "last_greedy_mean" in c else []),
         ("wall time (start-ups included)", f"{res['chaos_wall_s']:,.0f} s",
          f"{res['unbroken_wall_s']:,.0f} s" if u else "-"),
         ("training time (the run's clock)", f"{c['train_s']:,.0f} s", f"{u['train_s']:,.0f} s" if u else "-"),

@@ -6,8 +6,9 @@ task and batch (their ``real_model.json`` and ``run/metrics.jsonl``):
 
 - ``--full``: full fine-tuning;
 - ``--lora``: ``--lora.rank R`` in the default serving mode of the device (CPU: merged);
-- ``--native``: the same adapter with ``--lora.serving native`` (may be shorter: only its
-  weight sync is read).
+- ``--native``: the same adapter with ``--lora.serving native`` (may be shorter: 10 steps; its
+  weight sync, stall p50 and tokens/s over busy time over steps 4-10 are read, each set against
+  full's, so that a shorter sync is never shown without the generation it costs).
 
 and reports, LoRA against full: held-out greedy accuracy and the training time to +0.3,
 the entropy's largest ratio to step 1's over the first 20 steps, the mismatch KL, the
@@ -19,7 +20,8 @@ p50 and weight sync p50 (step end to every worker generating with the new versio
 serving modes; and the tokens/s over steps 4-10 with the completions' median length, since
 tokens/s follows the lengths the two policies learn. ``--lora-sync`` adds the bytes per version and the parts of a sync from
 ``benchmarks.lora_sync``'s JSON. Steps 1-3 (start-up) are left out of every median, as
-``benchmarks.real_model`` does.
+``benchmarks.real_model`` does. ``--from-json`` renders an earlier ``--json`` again (the ratios
+recomputed from its figures), reading no run folder.
 
 Usage::
 
@@ -28,6 +30,7 @@ Usage::
     python -m benchmarks.real_model --steps 10 --out N -- --task.name word_problems --lora.rank 16 \\
         --lora.serving native
     python -m benchmarks.lora_vs_full --full F --lora L --native N [--lora-sync JSON] [--md PATH]
+    python -m benchmarks.lora_vs_full --from-json benchmarks/results/lora_vs_full.json [--json PATH] [--md PATH]
 """
 
 from __future__ import annotations
@@ -48,13 +51,15 @@ EARLY_STEPS = 10
 
 
 def _flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--full", type=Path, required=True, metavar="DIR", help="The full fine-tuning run's --out folder.")
-    p.add_argument("--lora", type=Path, required=True, metavar="DIR",
+    p.add_argument("--full", type=Path, default=None, metavar="DIR", help="The full fine-tuning run's --out folder.")
+    p.add_argument("--lora", type=Path, default=None, metavar="DIR",
                    help="The LoRA run's --out folder (the device's default serving mode).")
     p.add_argument("--native", type=Path, default=None, metavar="DIR",
                    help="The LoRA run's --out folder with --lora.serving native (optional).")
     p.add_argument("--lora-sync", type=Path, default=None, metavar="JSON",
                    help="benchmarks.lora_sync's JSON: bytes per version and a sync's parts (optional).")
+    p.add_argument("--from-json", type=Path, default=None, metavar="JSON",
+                   help="Render this earlier --json again (ratios recomputed) instead of reading run folders.")
 
 
 def _read(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -97,10 +102,24 @@ def _gain(side: dict[str, Any]) -> str:
 
 
 def _run(args: argparse.Namespace) -> Outcome:
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        result = {**saved, "ratios": _ratios(saved["full"], saved["lora"], saved["native"])}
+        return Outcome(result, _markdown(result))
+    if args.full is None or args.lora is None:
+        raise BadFlag("--full and --lora are both needed (or --from-json)")
     full, lora = _side(args.full), _side(args.lora)
     native = _side(args.native) if args.native is not None else None
     sync = json.loads(args.lora_sync.read_text()) if args.lora_sync is not None else None
-    result = {"full": full, "lora": lora, "native": native, "lora_sync": sync, "ratios": {
+    result = {"full": full, "lora": lora, "native": native, "lora_sync": sync, "ratios": _ratios(full, lora, native)}
+    return Outcome(result, _markdown(result))
+
+
+def _ratios(full: dict[str, Any], lora: dict[str, Any], native: dict[str, Any] | None) -> dict[str, float | None]:
+    """LoRA's figures over full's; native serving's sync, stall and tokens/s over steps 4-10
+    (the window both runs have) over full's (None without a native run)."""
+    nat = native or {}
+    return {
         "train_step": _ratio(lora["train_step_s"], full["train_step_s"]),
         "step": _ratio(lora["step_s"], full["step_s"]),
         "tokens_per_s_busy": _ratio(lora["tokens_per_s_busy"], full["tokens_per_s_busy"]),
@@ -108,8 +127,9 @@ def _run(args: argparse.Namespace) -> Outcome:
         "completion_len": _ratio(lora["completion_len"], full["completion_len"]),
         "stall_p50": _ratio(lora["stall_ms_p50"], full["stall_ms_p50"]),
         "sync_p50_default": _ratio(lora["sync_ms_p50"], full["sync_ms_p50"]),
-        "sync_p50_native": _ratio(native["sync_ms_p50"], full["sync_ms_p50"]) if native else None}}
-    return Outcome(result, _markdown(result))
+        "sync_p50_native": _ratio(nat.get("sync_ms_p50"), full["sync_ms_p50"]),
+        "stall_p50_native": _ratio(nat.get("stall_ms_p50"), full["stall_ms_p50"]),
+        "tokens_per_s_busy_early_native": _ratio(nat.get("tokens_per_s_busy_early"), full["tokens_per_s_busy_early"])}
 
 
 def _markdown(r: dict[str, Any]) -> str:
@@ -139,8 +159,13 @@ def _markdown(r: dict[str, Any]) -> str:
          _cell(q["sync_p50_default"], ".2f")),
     ]
     if native is not None:
-        rows.append(("weight sync p50 (ms), native serving", "-", _cell(native["sync_ms_p50"], ".0f"),
-                     _cell(q["sync_p50_native"], ".2f")))
+        rows += [("weight sync p50 (ms), native serving", _cell(full["sync_ms_p50"], ".0f"),
+                  _cell(native["sync_ms_p50"], ".0f"), _cell(q["sync_p50_native"], ".2f")),
+                 ("tokens/s over the worker's busy time, steps 4-10, native serving",
+                  _cell(full["tokens_per_s_busy_early"], ".1f"), _cell(native["tokens_per_s_busy_early"], ".1f"),
+                  _cell(q["tokens_per_s_busy_early_native"], ".2f")),
+                 ("stall p50 (ms), native serving", _cell(full["stall_ms_p50"], ".1f"),
+                  _cell(native["stall_ms_p50"], ".1f"), _cell(q["stall_p50_native"], ".2f"))]
     lines = [f"# LoRA beside full fine-tuning on {full['model']}", "",
              f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU. "
              f"Full: `{' '.join(full['flags'])}`, {full['steps']} steps. LoRA: `{' '.join(lora['flags'])}`, "

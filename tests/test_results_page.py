@@ -54,3 +54,41 @@ def test_the_reports_write_paths_relative_to_the_repository_or_the_cache() -> No
     assert portable(text) == ("model (.cache/pipeline_rl/smollm2-135m-instruct); python .venv/bin/python; "
                               "run .; out $TMPDIR/soak/run")
     assert not MACHINE_PATH.search(portable(text))
+
+
+def test_the_lora_page_shows_native_servings_generation_beside_its_sync(tmp_path: Path) -> None:
+    """Native serving's shorter weight sync is never shown without what it costs generation:
+    its tokens/s over busy time and stall p50 sit beside it in the table, and the committed
+    page's table is what ``benchmarks.lora_vs_full`` renders from the committed JSON."""
+    import json
+
+    from benchmarks import lora_vs_full
+
+    saved = results_page.RESULTS / "lora_vs_full.json"
+    assert lora_vs_full.main(["--from-json", str(saved), "--md", str(tmp_path / "page.md")]) == 0
+    rendered = (tmp_path / "page.md").read_text().rstrip("\n")
+    page = (results_page.RESULTS / "lora_vs_full.md").read_text()
+    assert page.startswith(rendered), "lora_vs_full.md: table differs from --from-json's rendering of its JSON"
+    full, native = (json.loads(saved.read_text())[k] for k in ("full", "native"))
+    rate = native["tokens_per_s_busy_early"] / full["tokens_per_s_busy_early"]
+    stall = native["stall_ms_p50"] / full["stall_ms_p50"]
+    assert (f"| tokens/s over the worker's busy time, steps 4-10, native serving | "
+            f"{full['tokens_per_s_busy_early']:.1f} | {native['tokens_per_s_busy_early']:.1f} | {rate:.2f} |") in page
+    assert (f"| stall p50 (ms), native serving | {full['stall_ms_p50']:.1f} | "
+            f"{native['stall_ms_p50']:.1f} | {stall:.2f} |") in page
+
+
+def test_a_chaos_report_from_two_invocations_says_which_column_came_from_which() -> None:
+    """The real-model chaos result was put together from two invocations: its table's first
+    row names each column's; a result one invocation measured has no such row."""
+    import json
+
+    from benchmarks.chaos_report import markdown
+
+    res = json.loads((results_page.RESULTS / "chaos_real_model.json").read_text())
+    rendered, page = markdown(res), (results_page.RESULTS / "chaos_real_model.md").read_text()
+    assert page.startswith(rendered) and "| measured by (invocation, start, commit) | benchmarks.chaos, " in page
+    one = {"how": "benchmarks.chaos", "started_utc": "2026-12-04 16:48", "commit": "710ca69"}
+    assert "measured by" not in markdown({**res, "sources": {"chaos": one, "unbroken": one}})
+    assert "| launch/async_grpo.py alone" not in markdown({**res, "sources": {"chaos": one}})
+    assert "| not recorded |" in markdown({**res, "sources": {"chaos": one}})
