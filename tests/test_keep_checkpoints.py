@@ -46,3 +46,25 @@ def test_a_resumed_run_reads_its_scores_back_and_0_keeps_all(tmp_path: Path) -> 
     assert CheckpointPolicy(Config(), tmp_path).tidy() == []
     CheckpointPolicy(Config.model_validate({"trainer": {"keep_checkpoints": 1}}), tmp_path).tidy()
     assert _left(tmp_path) == ["best", "step_000010", "step_000040"]
+
+
+def test_after_a_resume_from_an_older_checkpoint_only_its_timeline_is_kept_and_best(tmp_path: Path) -> None:
+    """Resumed at 20 from a run that reached 40 (best: 40): the new timeline's step_25 and
+    step_20 stay (K=2), the abandoned 30 and 40 are moved aside, never deleted, and ``best``
+    is the live timeline's best (its evaluation at 10), never an abandoned checkpoint."""
+    from pipeline_rl.run.run_folder import open_run_folder
+
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({
+        "step": v, "version": v, "time_s": 1.0, "greedy_accuracy": v / 100, "mean_at_k": 1.0, "pass_at_k": 1.0,
+        "k": 2, "num_prompts": 32, "version_min": v, "version_max": v, "eval_s": 0.1,
+        "greedy_len_mean": 4.0}) + "\n" for v in (10, 20, 30, 40)))
+    _saved(tmp_path, 10, 20, 30, 40)
+    (tmp_path / "checkpoints" / "best").symlink_to("step_000040")
+    open_run_folder(None, str(tmp_path / "checkpoints" / "step_000020"), 20)
+    assert not (tmp_path / "checkpoints" / "best").is_symlink()   # it named an abandoned checkpoint
+    policy = CheckpointPolicy(Config.model_validate({"trainer": {"keep_checkpoints": 2}}), tmp_path)
+    _saved(tmp_path, 25)
+    policy.tidy()
+    assert _left(tmp_path) == ["best", "step_000010", "step_000020", "step_000025"]
+    assert (tmp_path / "checkpoints" / "best").resolve().name == "step_000010"
+    assert sorted(p.name for p in (tmp_path / "abandoned" / "resume_1").iterdir()) == ["step_000030", "step_000040"]

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline_rl.config import Config
 from pipeline_rl.metrics import MetricsLogger, StepMetrics
-from pipeline_rl.run.run_folder import RunFolderError, open_run_folder, read_resumes, resolve_resume
+from pipeline_rl.run.run_folder import RunFolderError, open_run_folder, read_resumes, resolve_resume, restart_in
 from pipeline_rl.training.checkpoint import RunState, write_run_state
 from tiny_run import tiny_run_config
 
@@ -134,6 +134,34 @@ def test_resume_a_run_folder_takes_its_newest_complete_checkpoint_and_tidies_kil
     with pytest.raises(RunFolderError) as e:
         resolve_resume(Config.model_validate({"resume": str(empty)}))
     assert "without a complete checkpoint" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_resume_from_an_older_checkpoint_moves_the_later_ones_aside_and_restarts_stay_on_its_timeline(
+        tmp_path: Path) -> None:
+    """Checkpoints reached step 40 (and a save of 50 was killed); the run resumes at 20:
+    step_30, step_40 and step_50.partial are moved, not deleted, to abandoned/resume_1, the
+    ``best`` link (at 40) goes, and a restart (a trainer kill) goes back to step_20, then to
+    the new timeline's own step_30, never to the abandoned step_40."""
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    for v in (10, 20, 30, 40):
+        _checkpoint(ckpts / f"step_{v:06d}", v)
+    _checkpoint(ckpts / "step_000050.partial", 50, complete=False)
+    (ckpts / "best").symlink_to("step_000040")
+    _rows(run / "metrics.jsonl", list(range(1, 41)))
+    resume = resolve_resume(Config.model_validate({"resume": str(ckpts / "step_000020")})).resume
+    folder = open_run_folder(None, resume, 20)
+    moved = run / "abandoned" / "resume_1"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000010", "step_000020"]
+    assert sorted(p.name for p in moved.iterdir()) == ["step_000030", "step_000040", "step_000050.partial"]
+    assert folder.mark is not None and folder.mark.abandoned == ["step_000030", "step_000040", "step_000050.partial"]
+    assert f"3 later checkpoint(s) moved to {moved}" in folder.line()
+    assert read_resumes(run)[0].abandoned_to == "abandoned/resume_1"
+    assert restart_in(run)[1] == str(ckpts / "step_000020")
+    _checkpoint(ckpts / "step_000030", 30)                  # the new timeline's own step 30
+    assert restart_in(run)[1] == str(ckpts / "step_000030")
+    assert (moved / "step_000040" / "run_state.json").is_file() and not (ckpts / "step_000040").exists()
+    assert [m.abandoned for m in read_resumes(run)] == [folder.mark.abandoned, [], []]
 
 
 def test_resume_of_a_run_folder_without_a_checkpoint_is_one_line(tiny_model_dir: str, tmp_path: Path,

@@ -15,9 +15,18 @@ checkpoints) ever lands in another run's folder.
   :class:`ResumeMark` line in ``resumes.jsonl`` and, in TensorBoard, ``run/resumes`` (how
   many so far) and the text ``run/resume`` at step N. So a run resumed again and again
   keeps one row per step, one evaluation per evaluated step and one curve.
+- One timeline per run folder: a resume from an older checkpoint than the newest starts a
+  new timeline from it. Every checkpoint past it (complete or a killed save's ``.partial``
+  or ``.old``) is moved, never deleted, to ``abandoned/resume_<K>/`` (K: the resume's
+  number), outside ``checkpoints/``, and the run folder line says where; a ``best`` link
+  that named one of them is removed (the keep policy points it again). So what scans
+  ``checkpoints/step_*`` -- a restart, ``--resume DIR``, ``--trainer.keep_checkpoints``,
+  ``best`` -- sees the live timeline only, and its scores come from ``eval.jsonl``,
+  trimmed as above. The :class:`ResumeMark` lists what moved.
 - A save a kill interrupted (a ``step_N.partial`` or ``step_N.old`` left behind) is
   tidied before a resume (``training.checkpoint.recover_checkpoints``): it never resumes
-  unless it had finished, and the previous checkpoint stays the one to resume from.
+  unless it had finished, and the previous checkpoint stays the one to resume from (one
+  past the checkpoint resumed is moved aside as it is, with the abandoned timeline).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -41,8 +50,10 @@ log = logging.getLogger("pipeline_rl.run.run_folder")
 RUNS = Path("runs")
 MARKER = "run.json"
 RESUMES = "resumes.jsonl"
+#: Where a resume from an older checkpoint moves the later ones (``abandoned/resume_<K>``).
+ABANDONED = "abandoned"
 #: What a run writes into its folder (a new run into a used folder clears these first).
-RUN_ENTRIES = (MARKER, "metrics.jsonl", "eval.jsonl", RESUMES, "checkpoints", "tb")
+RUN_ENTRIES = (MARKER, "metrics.jsonl", "eval.jsonl", RESUMES, "checkpoints", "tb", ABANDONED)
 
 
 class RunFolderError(ValueError):
@@ -71,8 +82,10 @@ class RunFolder:
         m = self.mark
         redone = (f", dropped what it redoes: {m.dropped_steps} step rows, {m.dropped_evals} evaluation(s), "
                   f"{m.dropped_events} TensorBoard event(s)" if self.dropped else "")
+        moved = (f"; a new timeline: {len(m.abandoned)} later checkpoint(s) moved to {self.path / m.abandoned_to}"
+                 if m.abandoned else "")
         return (f"run folder: {self.path} (resume {m.number}, at step {m.resumed_at}: appending to its "
-                f"records{redone})")
+                f"records{redone}{moved})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +94,9 @@ class ResumeMark:
     ``resumed_at`` (the checkpoint's version), from ``checkpoint``; what it dropped because
     the resumed run redoes it (``metrics.jsonl`` rows, ``eval.jsonl`` evaluations,
     TensorBoard events); ``time_s``: the run's clock at that step (the resumed run goes on
-    from it); ``unix_time_s``: when the resume started."""
+    from it); ``unix_time_s``: when the resume started; ``abandoned``: the checkpoint
+    folders past ``resumed_at`` it moved aside, to ``abandoned_to`` (relative to the run
+    folder; none, and "", when it resumed the newest)."""
 
     number: int
     resumed_at: int
@@ -91,6 +106,8 @@ class ResumeMark:
     dropped_events: int
     time_s: float
     unix_time_s: float
+    abandoned: list[str] = field(default_factory=list)
+    abandoned_to: str = ""
 
 
 def read_resumes(path: Path) -> list[ResumeMark]:
@@ -102,17 +119,19 @@ def read_resumes(path: Path) -> list[ResumeMark]:
 def resolve_resume(cfg: Config) -> Config:
     """``cfg`` with ``--resume`` naming a checkpoint: a run folder (one with ``checkpoints/``)
     stands for its newest complete checkpoint. The leftovers of a save a kill interrupted
-    are tidied first (``training.checkpoint.recover_checkpoints``, one warning line each).
-    Raises :class:`RunFolderError` when a run folder holds no complete checkpoint."""
+    are tidied first (``training.checkpoint.recover_checkpoints``, one warning line each;
+    for a named ``step_N``, those up to N: later ones belong to the timeline a resume in
+    this folder abandons). Raises :class:`RunFolderError` when a run folder holds no
+    complete checkpoint."""
     if not cfg.resume:
         return cfg
-    from pipeline_rl.training.checkpoint import latest_checkpoint, recover_checkpoints
+    from pipeline_rl.training.checkpoint import latest_checkpoint, recover_checkpoints, step_of
 
     given = Path(cfg.resume)
     run_dir = (given / "checkpoints").is_dir()
     root = given / "checkpoints" if run_dir else given.parent
     if root.name == "checkpoints" and root.is_dir():
-        for done in recover_checkpoints(root):
+        for done in recover_checkpoints(root, None if run_dir else step_of(given.resolve().name)):
             log.warning("--resume: a checkpoint save was interrupted: %s", done)
     if not run_dir:
         return cfg
@@ -179,18 +198,45 @@ def _new_folder(runs: Path) -> Path:
 
 
 def _continue(path: Path, version: int, checkpoint: str) -> RunFolder:
-    """Resume in ``path`` at ``version``: keep the records of steps up to it, and mark the resume."""
+    """Resume in ``path`` at ``version``: move the checkpoints past it aside, keep the
+    records of steps up to it, and mark the resume."""
+    number = len(read_resumes(path)) + 1
+    abandoned_to, abandoned = _abandon(path, version, number)
     kept, dropped = _keep(path / "metrics.jsonl", lambda rec: rec["step"] <= version)
     _, dropped_evals = _keep(path / "eval.jsonl", lambda rec: rec["step"] < version)
     dropped_events = sum(_trim_events(f, version) for f in sorted((path / "tb").glob("*tfevents*")))
     elapsed = float(kept[-1].get("time_s", 0.0)) if kept else 0.0
-    mark = ResumeMark(number=len(read_resumes(path)) + 1, resumed_at=version, checkpoint=checkpoint,
+    mark = ResumeMark(number=number, resumed_at=version, checkpoint=checkpoint,
                       dropped_steps=dropped, dropped_evals=dropped_evals, dropped_events=dropped_events,
-                      time_s=elapsed, unix_time_s=time.time())
+                      time_s=elapsed, unix_time_s=time.time(), abandoned=abandoned, abandoned_to=abandoned_to)
     with (path / RESUMES).open("a", encoding="utf-8") as f:
         f.write(json.dumps(asdict(mark)) + "\n")
     return RunFolder(path, resumed_at=version, elapsed_s=elapsed, dropped=dropped + dropped_evals + dropped_events,
                      mark=mark)
+
+
+def _abandon(path: Path, version: int, number: int) -> tuple[str, list[str]]:
+    """Move every checkpoint folder of ``path`` past ``version`` (complete or not) to a new
+    ``abandoned/resume_<number>`` (``-2``, ... when taken), after removing a ``best`` link
+    that names one of them or nothing; returns that folder (relative to ``path``, "" when
+    nothing moved) and the names moved."""
+    from pipeline_rl.training.checkpoint import step_of
+
+    root = path / "checkpoints"
+    later = sorted(d for d in root.glob("step_*") if (step_of(d.name) or 0) > version) if root.is_dir() else []
+    if not later:
+        return "", []
+    best = root / "best"
+    if best.is_symlink() and (not best.exists() or Path(os.readlink(best)).name in {d.name for d in later}):
+        best.unlink()
+    dest, n = path / ABANDONED / f"resume_{number}", 1
+    while dest.exists():
+        n += 1
+        dest = path / ABANDONED / f"resume_{number}-{n}"
+    dest.mkdir(parents=True)
+    for d in later:
+        d.rename(dest / d.name)   # the same file system: nothing is copied, nothing lost
+    return str(dest.relative_to(path)), [d.name for d in later]
 
 
 def _trim_events(file: Path, version: int) -> int:
@@ -252,5 +298,8 @@ def restart_in(path: Path) -> tuple[RunFolder, str | None]:
     latest = latest_checkpoint(root) if root.is_dir() else None
     version = read_run_state(latest).version if latest is not None else 0
     folder = replace(_continue(path, version, str(latest or "(the start)")), start_version=version)
+    if folder.mark is not None and folder.mark.abandoned:   # none past the newest, unless unreadable
+        log.warning("restart: %d later checkpoint(s) moved to %s", len(folder.mark.abandoned),
+                    path / folder.mark.abandoned_to)
     _mark(folder)
     return folder, None if latest is None else str(latest)

@@ -237,8 +237,10 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return best[1] if best else None
 
 
-def recover_checkpoints(root: str | Path) -> list[str]:
-    """Tidy what a save killed part-way left under ``root`` (one line per folder touched).
+def recover_checkpoints(root: str | Path, upto: int | None = None) -> list[str]:
+    """Tidy what a save killed part-way left under ``root`` (one line per folder touched);
+    ``upto``: only the leftovers of steps up to it (a resume from an older checkpoint
+    leaves the later ones to be moved aside whole, ``run.run_folder``).
 
     A save writes ``step_N.partial`` and renames it; replacing an existing ``step_N`` first
     moves that one to ``step_N.old``. So, for each leftover: a ``.partial`` whose
@@ -248,6 +250,9 @@ def recover_checkpoints(root: str | Path) -> list[str]:
     the newest of them is the one :func:`latest_checkpoint` names."""
     done: list[str] = []
     for left in sorted(Path(root).glob("step_*")):
+        step = step_of(left.name)
+        if upto is not None and (step is None or step > upto):
+            continue
         for suffix in (".partial", ".old"):
             if not left.name.endswith(suffix):
                 continue
@@ -259,6 +264,13 @@ def recover_checkpoints(root: str | Path) -> list[str]:
                 shutil.rmtree(left, ignore_errors=True)
                 done.append(f"{left.name} removed")
     return done
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint folder's name gives (``step_N``, ``step_N.partial``,
+    ``step_N.old``); None for any other name."""
+    digits = name.removeprefix("step_").removesuffix(".partial").removesuffix(".old")
+    return int(digits) if name.startswith("step_") and digits.isdigit() else None
 
 
 def _complete(d: Path) -> bool:
