@@ -138,10 +138,17 @@ def save_adapter(out: Path, tensors: dict[str, "torch.Tensor"], lora: LoraConfig
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out`` (PEFT's files,
     loadable by ``peft.PeftModel.from_pretrained`` and by vLLM with LoRA enabled); ``tensors``
     by saved name."""
+    targets = sorted({base_weight_name(n).rsplit(".", 2)[-2] for n in tensors})
+    write_adapter(out, tensors, peft_config(lora, targets, base_dir))
+
+
+def write_adapter(out: Path, tensors: dict[str, "torch.Tensor"], config: Any) -> None:
+    """PEFT's two files in ``out``: ``config`` (a ``peft.LoraConfig``, only read) as
+    ``adapter_config.json``, ``tensors`` (by saved name, in their own dtype) as
+    ``adapter_model.safetensors``."""
     from safetensors.torch import save_file
 
-    targets = sorted({base_weight_name(n).rsplit(".", 2)[-2] for n in tensors})
-    peft_config(lora, targets, base_dir).save_pretrained(str(out))
+    config.save_pretrained(str(out))
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
