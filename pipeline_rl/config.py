@@ -177,10 +177,14 @@ class BufferConfig(Section):
 class AlgorithmConfig(Section):
     """Advantage estimator and policy objective (docs/design.md section 4)."""
 
-    advantage: AdvantageName = Field("grpo", description="grpo (group mean/std), dr_grpo (group mean), "
-                                     "rloo (leave-one-out), reinforce++ (the reward whitened over the "
-                                     "batch's tokens) or reinforce++-baseline (the group mean subtracted, "
-                                     "then whitened over the batch's tokens), as OpenRLHF defines them.")
+    advantage: AdvantageName = Field("grpo", description="grpo ((r - group mean) / (group std + 1e-6)), "
+                                     "dr_grpo (r - group mean), rloo (r - mean of the group's other "
+                                     "rewards), reinforce++ (r) or reinforce++-baseline (r - group mean), "
+                                     "the last two then whitened with the token-weighted mean and std of "
+                                     "the step's whole batch over all trainer ranks (OpenRLHF's reinforce "
+                                     "and reinforce_baseline, gamma 1). r is the completion's reward, with "
+                                     "no KL in it: the KL is a loss term (--algorithm.kl_coef), not a "
+                                     "per-token reward as in OpenRLHF's reinforce.")
     loss: LossName = Field("reinforce", description="reinforce (one step per batch) or ppo "
                            "(clipped ratio against the proximal policy).")
     normalization: NormName = Field("token", description="Loss normalisation: tokens in batch, "

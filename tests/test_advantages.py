@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,8 +86,6 @@ def test_reinforce_pp_whitens_over_the_batch_tokens(name: str) -> None:
 def test_reinforce_pp_on_groups_counts_the_model_tokens(name: str) -> None:
     """What the trainer calls: lengths are each completion's model tokens (an episode's
     environment tokens, mask 0, do not count)."""
-    import numpy as np
-
     from pipeline_rl.correction.advantages import group_advantages
     from pipeline_rl.samples import Completion, Group
 
@@ -109,3 +109,119 @@ def test_reinforce_pp_without_lengths_weighs_each_completion_once() -> None:
     assert out.tolist() == [pytest.approx([s3, -1 / s3], abs=1e-6), pytest.approx([-1 / s3, -1 / s3], abs=1e-6)]
     # every reward equal: no signal, and no division by a zero spread
     assert compute_advantages("reinforce++", torch.ones(2, 3)).abs().max().item() == 0.0
+
+
+# ---------------------------------------------------------------- REINFORCE++ over the global batch
+
+def _batch() -> list:  # type: ignore[type-arg]
+    """6 groups (4 of 4 completions, 2 of 3), random 0/1 rewards and lengths 1-16."""
+    from benchmarks.synthetic import synthetic_groups
+
+    return synthetic_groups(4, 4, seed=7) + synthetic_groups(2, 3, seed=8, first_group_id=4)
+
+
+class _ThreadAllReduce:
+    """An all-reduce (sum) among ``world`` threads, one per simulated trainer rank."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self._parts: list = [None] * world  # type: ignore[type-arg]
+        self._barrier = threading.Barrier(world, timeout=10)
+
+    def __call__(self, rank: int, local: np.ndarray) -> np.ndarray:
+        self._parts[rank] = np.array(local, dtype=np.float64)
+        self._barrier.wait()                                   # every rank's sums are in
+        total = np.sum(self._parts, axis=0)
+        self._barrier.wait()                                   # every rank read them
+        return total
+
+
+def _on_ranks(name: str, shares: list) -> list:  # type: ignore[type-arg]
+    """Each share's advantages computed in its own thread, whitened over all shares together."""
+    from concurrent.futures import ThreadPoolExecutor
+    from functools import partial
+
+    from pipeline_rl.correction.advantages import group_advantages
+
+    reduce = _ThreadAllReduce(len(shares))
+    with ThreadPoolExecutor(len(shares)) as pool:
+        outs = list(pool.map(lambda r: group_advantages(name, shares[r], partial(reduce, r)),  # type: ignore[arg-type]
+                             range(len(shares))))
+    return [a for out in outs for a in out]
+
+
+@pytest.mark.parametrize("name", sorted(HAND))
+def test_reinforce_pp_on_two_ranks_equals_one_rank(name: str) -> None:
+    """Two ranks, each with its share of the groups (unequal shares: 2 and 4), get the
+    advantages one rank gets on the whole batch: the whitening uses the global mean and std."""
+    from pipeline_rl.correction.advantages import group_advantages
+
+    groups = _batch()
+    one = group_advantages(name, groups)  # type: ignore[arg-type]
+    two = _on_ranks(name, [groups[:2], groups[2:]])
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    alone = group_advantages(name, groups[:2])  # type: ignore[arg-type]   # a share whitened by itself
+    assert not all(np.allclose(a, b, atol=1e-3) for a, b in zip(one[:2], alone, strict=True))
+
+
+def test_group_estimators_never_reduce() -> None:
+    """A group estimator's advantages are each group's own: no collective is called."""
+    from pipeline_rl.correction.advantages import group_advantages
+
+    def reduce(v: np.ndarray) -> np.ndarray:
+        raise AssertionError("group estimator called the rank sum")
+
+    for name in ("grpo", "dr_grpo", "rloo"):
+        assert len(group_advantages(name, _batch(), reduce)) == 6  # type: ignore[arg-type]
+
+
+def _gloo_rank(rank: int, port: int, out: str) -> None:
+    """Child process: one gloo rank; its share of the batch through the trainer's rank sum."""
+    import os
+    from functools import partial
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import numpy as np
+    import torch.distributed as dist
+
+    from pipeline_rl.correction.advantages import group_advantages
+    from pipeline_rl.training.batching import sum_over_ranks
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    share = _batch()[:3] if rank == 0 else _batch()[3:]
+    reduce = partial(sum_over_ranks, world_size=2, device=torch.device("cpu"))
+    got = {name: group_advantages(name, share, reduce) for name in sorted(HAND)}  # type: ignore[arg-type]
+    dist.destroy_process_group()
+    np.savez(f"{out}.{rank}", **{f"{n}/{i}": a for n, advs in got.items() for i, a in enumerate(advs)})
+
+
+def test_reinforce_pp_over_two_gloo_ranks_equals_one_rank(tmp_path: Path) -> None:
+    """The same through a real all-reduce: two spawned gloo ranks (3 groups each) and the
+    trainer's rank sum (``training.batching.sum_over_ranks``) give one rank's advantages."""
+    import multiprocessing as mp
+    import socket
+
+    from pipeline_rl.correction.advantages import group_advantages
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, str(tmp_path / "adv"))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    for name in sorted(HAND):
+        one = group_advantages(name, _batch())  # type: ignore[arg-type]
+        two = []
+        for rank, size in ((0, 3), (1, 3)):
+            with np.load(tmp_path / f"adv.{rank}.npz") as z:
+                two += [z[f"{name}/{i}"] for i in range(size)]
+        for a, b in zip(one, two, strict=True):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-6, err_msg=name)

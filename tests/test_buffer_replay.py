@@ -8,11 +8,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipeline_rl.buffer import ReplayBuffer
+from pipeline_rl.buffer.types import ProcessId
 from pipeline_rl.samples import Completion, Group
 
 
@@ -168,11 +170,56 @@ def test_a_request_a_dead_process_sent_that_arrives_late_grants_nothing() -> Non
     """A request the dead process (pid 100) sent before it died reaches the buffer only
     after the worker was declared lost: it grants nothing; its successor (pid 200) is served."""
     buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2)
-    assert buf.acquire(1, 1, requester=100).granted == 1
+    dead = ProcessId("node-a", 100, 5000.0)
+    assert buf.acquire(1, 1, requester=dead).granted == 1
     assert buf.worker_lost(1) == 1
-    assert buf.acquire(1, 2, requester=100).granted == 0
+    assert buf.acquire(1, 2, requester=ProcessId("node-a", 100, 5000.0)).granted == 0
     assert buf.stats().admission.outstanding == 0
-    assert buf.acquire(1, 2, requester=200).granted == 2
+    assert buf.acquire(1, 2, requester=ProcessId("node-a", 200, 7000.0)).granted == 2
+
+
+@pytest.mark.parametrize("successor", [ProcessId("node-a", 100, 9000.0),    # the pid reused later
+                                       ProcessId("node-b", 100, 5000.0)])   # the same pid on another node
+def test_a_new_process_with_a_lost_process_pid_is_served(successor: ProcessId) -> None:
+    """A process is its node, pid and start time: one declared lost keeps out neither a
+    later process that reuses its pid nor a process with its pid on another node."""
+    buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2)
+    assert buf.acquire(1, 1, requester=ProcessId("node-a", 100, 5000.0)).granted == 1
+    assert buf.worker_lost(1) == 1
+    assert buf.acquire(1, 2, requester=successor).granted == 2
+
+
+def test_the_ray_admission_names_its_process_by_node_pid_and_start() -> None:
+    """What a rollout worker's requests carry: this process's id (a pickled frozen value:
+    it crosses the Ray call), built once per process; another process (here the parent)
+    has its own start time."""
+    import os
+    import pickle
+
+    from pipeline_rl.actors.buffer_actor import RayAdmission
+    from pipeline_rl.buffer.types import _process_id
+
+    sent: list[object] = []
+
+    class Call:
+        def remote(self, *args: object) -> Call:
+            sent.append(args[3])
+            return self
+
+        def future(self) -> None:
+            return None
+
+    admission = RayAdmission.__new__(RayAdmission)
+    admission._buffer = type("Handle", (), {"acquire": Call()})()  # type: ignore[assignment]
+    admission.request(0, 1)
+    me = ProcessId.current()
+    stat = Path(f"/proc/{os.getpid()}/stat").read_text().rpartition(")")[2].split()
+    assert sent == [me] and me is ProcessId.current() and pickle.loads(pickle.dumps(me)) == me
+    assert (me.pid, me.started) == (os.getpid(), float(stat[19])) and me.node
+    parent = _process_id(os.getppid())
+    assert parent.pid == os.getppid() and parent.node == me.node and parent.started <= me.started
+    assert parent != me
+
 
 def test_evicted_groups_return_their_budget() -> None:
     buf = ReplayBuffer(capacity_groups=8, staleness=0, groups_per_step=2)

@@ -7,7 +7,6 @@ without Ray; this module only adds process set-up and the Ray-facing methods.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, cast
@@ -20,7 +19,7 @@ from pipeline_rl.resources import CoreSlot
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle
     from pipeline_rl.run_key import RunKey
-    from pipeline_rl.buffer.types import Admission, BufferStats
+    from pipeline_rl.buffer.types import Admission, BufferStats, ProcessId
     from pipeline_rl.samples import Group
 
 
@@ -47,7 +46,7 @@ class BufferActor:
         return self._server.address
 
     def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0,
-                requester: int | None = None) -> Admission:
+                requester: ProcessId | None = None) -> Admission:
         return self._buffer.acquire(worker_id, max_groups, timeout_s, requester)
 
     def set_version(self, version: int) -> None:
@@ -109,10 +108,12 @@ class RayAdmission:
 
     def request(self, worker_id: int, max_groups: int, timeout_s: float = 0.0) -> "Future[Admission]":
         """The buffer's answer, on a future: the caller goes on while the call is in flight."""
-        # Its pid goes with it: a request this process sent before it died, arriving after
-        # the driver declared it lost, grants nothing.
+        # This process's id goes with it: a request it sent before it died, arriving after the
+        # driver declared it lost, grants nothing (a new process with its pid is another id).
+        from pipeline_rl.buffer.types import ProcessId
+
         future: Future[Admission] = self._buffer.acquire.remote(worker_id, max_groups, timeout_s,
-                                                                os.getpid()).future()
+                                                                ProcessId.current()).future()
         return future
 
     def release(self, worker_id: int, count: int) -> int:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from pipeline_rl.buffer.types import Admission, BufferStats
+    from pipeline_rl.buffer.types import Admission, BufferStats, ProcessId
     from pipeline_rl.config import Config
     from pipeline_rl.rollout.eval_feed import EvalRequest, EvalResult
     from pipeline_rl.reports import RankStepReport
@@ -37,7 +37,7 @@ class BufferHandle(Protocol):
     """:class:`~pipeline_rl.actors.buffer_actor.BufferActor` behind Ray."""
 
     address: Remote[[], str]
-    acquire: Remote[[int, int, float, int], "Admission"]
+    acquire: Remote[[int, int, float, "ProcessId | None"], "Admission"]
     set_version: Remote[[int], None]
     get_batch: Remote[[int, int, float | None, int], "list[Group] | None"]
     watch: Remote[[], str | None]

@@ -6,6 +6,10 @@ thread-safe: the buffer calls it under its lock."""
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline_rl.buffer.types import ProcessId
 
 
 class Grants:
@@ -16,13 +20,15 @@ class Grants:
         # deadline: the last trainer version its group can be trained at).
         self.outstanding: dict[int, list[int]] = {}
         self.lives: dict[int, int] = {}   # per worker: how many times it was declared lost
-        # per worker: the processes (pids) that asked for grants since it was last declared
-        # lost; then theirs are dead, and a request of theirs that arrives late is refused.
-        self.requesters: dict[int, set[int]] = {}
-        self.dead: set[tuple[int, int]] = set()
+        # per worker: the processes that asked for grants since it was last declared lost; then
+        # theirs are dead, and a request of theirs that arrives late is refused. A process is
+        # its node, pid and start time (ProcessId), so a new process that reuses a dead one's
+        # pid, or has its pid on another node, is not kept out.
+        self.requesters: dict[int, set[ProcessId]] = {}
+        self.dead: set[tuple[int, ProcessId]] = set()
         self.granted = self.lost = self.unadmitted = 0
 
-    def asked_by(self, worker_id: int, requester: int) -> bool:
+    def asked_by(self, worker_id: int, requester: ProcessId) -> bool:
         """Note ``requester`` (a process) asking for ``worker_id``; False when that process
         was declared lost (its request must grant nothing: no one would use the grants)."""
         if (worker_id, requester) in self.dead:

@@ -66,7 +66,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pipeline_rl.buffer.grants import Grants
-from pipeline_rl.buffer.types import Admission, AdmissionStats, BufferStats, _Counters
+from pipeline_rl.buffer.types import Admission, AdmissionStats, BufferStats, ProcessId, _Counters
 from pipeline_rl.samples import Group
 from pipeline_rl.calls import in_daemon_thread
 
@@ -197,9 +197,9 @@ class ReplayBuffer:
 
     # ---------------------------------------------------------------- admission
     def acquire(self, worker_id: int, max_groups: int, timeout_s: float = 0.0,
-                requester: int | None = None) -> Admission:
+                requester: ProcessId | None = None) -> Admission:
         """Grant up to ``max_groups`` new groups to ``worker_id`` under the global budget; waits up to
-        ``timeout_s`` for a non-zero grant (default: answer now). ``requester``: the asking process's pid."""
+        ``timeout_s`` for a non-zero grant (default: answer now). ``requester``: the asking process."""
         if max_groups < 0:
             raise ValueError(f"max_groups must be >= 0, got {max_groups}")
         deadline = time.monotonic() + timeout_s

@@ -7,8 +7,14 @@ or tuples as interfaces.
 
 from __future__ import annotations
 
+import functools
+import os
 import re
+import socket
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # A tcp endpoint: ``tcp://HOST:PORT`` with HOST a name, an IPv4 address, ``*``
 # (bind only) or a bracketed IPv6 address; PORT 0-65535 or ``*`` (bind only).
@@ -70,6 +76,48 @@ class Admission:
     granted: int
     version: int
     min_version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessId:
+    """A process as the admission knows the one asking (``ReplayBuffer.acquire``'s
+    ``requester``). A pid alone is not one: the kernel reuses pids, and another node has the
+    same ones. So it is the ``node`` (Ray's node id inside Ray, else the host name), the
+    ``pid`` and ``started``, the process's start (clock ticks after boot, ``/proc/<pid>/stat``
+    field 22; without ``/proc``, the time it first named itself), compared only among ids of
+    one node. Two processes never share all three. :meth:`current` builds it once per process;
+    it pickles (it crosses Ray calls)."""
+
+    node: str
+    pid: int
+    started: float
+
+    @staticmethod
+    def current() -> ProcessId:
+        """This process's id (built at its first call in each process, a forked child included)."""
+        return _process_id(os.getpid())
+
+
+@functools.lru_cache(maxsize=4)
+def _process_id(pid: int) -> ProcessId:
+    return ProcessId(_node(), pid, _start_time(pid))
+
+
+def _start_time(pid: int) -> float:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return time.time()   # called once per process (cached), so still one value per process
+    # Field 2, the command, may hold spaces and parentheses: fields 3.. follow its last ")".
+    return float(stat[stat.rindex(")") + 1:].split()[22 - 3])
+
+
+def _node() -> str:
+    """Ray's node id in a process of a Ray job (Ray not imported here: not one), else the host name."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return str(ray.get_runtime_context().get_node_id())
+    return socket.gethostname()
 
 
 @dataclass(frozen=True, slots=True)

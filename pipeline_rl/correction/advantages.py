@@ -18,7 +18,10 @@ The two REINFORCE++ estimators whiten over the batch, weighting each completion 
 trained tokens, as OpenRLHF whitens its per-token advantages (a sequence's advantage is the
 same on each of its tokens: our KL penalty is a loss term, not a per-token reward):
 ``mu = Σ L_i a_i / Σ L_i``, ``sigma = sqrt(max(Σ L_i (a_i - mu)² / Σ L_i, 1e-8))``. The batch
-is one trainer rank's share of the step (all of it on one rank).
+is the whole step's, over every trainer rank: ``group_advantages``' ``reduce`` sums the
+statistics over the ranks (two all-reduces, of ``[Σ L_i, Σ L_i a_i, ...]`` then of
+``Σ L_i (a_i - mu)²``, as OpenRLHF's data-parallel whitening), so how the groups are split
+over ranks does not change an advantage (ZeRO-0 on one rank == ZeRO-2 on two).
 
 A group estimator (the first three) gives a group whose rewards are all equal exactly 0
 (never NaN, never an ``eps``-amplified rounding residue): it carries no signal. The batch
@@ -88,15 +91,34 @@ ADVANTAGES: dict[str, Estimator] = {
 }
 
 
-def whiten(a: Tensor, lengths: Tensor) -> Tensor:
+#: Sums a float64 vector elementwise over the trainer ranks (an all-reduce: every rank calls
+#: it, with the same shape); the identity on one rank.
+Reduce = Callable[[np.ndarray], np.ndarray]
+
+
+def whiten(a: Tensor, lengths: Tensor, reduce: Reduce | None = None) -> Tensor:
     """``(a - mu) / sigma`` with token-weighted ``mu`` and ``sigma`` (module docstring): any
-    shape, ``lengths`` the same shape (tokens per entry, >= 0). All lengths 0: weights 1."""
+    shape, ``lengths`` the same shape (tokens per entry, >= 0). ``mu`` and ``sigma`` are those
+    of the global batch, ``reduce`` summing each rank's sums (None: this is all of it); no
+    tokens in the whole batch: each entry weighs 1."""
     w = lengths.to(a.dtype)
-    if float(w.sum()) <= 0:
-        w = torch.ones_like(a)
-    mu = (a * w).sum() / w.sum()
-    var = ((a - mu) ** 2 * w).sum() / w.sum()
-    return (a - mu) * var.clamp(min=WHITEN_VAR_FLOOR).rsqrt()
+    s = _summed(reduce, [w.sum(), (a * w).sum(), a.numel(), a.sum()])  # [Σw, Σwa, count, Σa]
+    if s[0] <= 0:
+        w, s = torch.ones_like(a), s[2:]
+    mu = float(s[1] / s[0])
+    var = float(_summed(reduce, [((a - mu) ** 2 * w).sum()])[0] / s[0])
+    return (a - mu) * torch.tensor(var, dtype=a.dtype).clamp(min=WHITEN_VAR_FLOOR).rsqrt()
+
+
+def _summed(reduce: Reduce | None, parts: Sequence[Tensor | float]) -> np.ndarray:
+    """``parts`` as float64, summed over the ranks by ``reduce``."""
+    local = np.array([float(x) for x in parts], dtype=np.float64)
+    if reduce is None:
+        return local
+    out = np.asarray(reduce(local), dtype=np.float64)
+    if out.shape != local.shape or not np.isfinite(out).all():
+        raise ValueError(f"advantages: the rank sum gave {out!r} for {local!r} (shape or non-finite)")
+    return out
 
 
 def _estimator(name: str) -> Estimator:
@@ -138,9 +160,13 @@ def _model_tokens(group: Group) -> list[float]:
     return [float(len(c.model_versions)) for c in group.completions]
 
 
-def group_advantages(name: AdvantageName, groups: Sequence[Group]) -> list[np.ndarray]:
+def group_advantages(name: AdvantageName, groups: Sequence[Group],
+                     reduce: Reduce | None = None) -> list[np.ndarray]:
     """Per-group advantages of a batch: groups of equal size are computed together ([G, n]),
-    then a batch estimator whitens all of them together."""
+    then a batch estimator whitens all of them together, with the mean and std of the global
+    batch when ``groups`` is this rank's share (``reduce``: the sum over the ranks, see
+    :data:`Reduce`; None: one rank). A batch estimator calls ``reduce`` twice on every rank;
+    a group estimator never."""
     est = _estimator(name)
     out: list[Tensor | None] = [None] * len(groups)
     by_size: dict[int, list[int]] = {}
@@ -154,6 +180,6 @@ def group_advantages(name: AdvantageName, groups: Sequence[Group]) -> list[np.nd
     parts = [a for a in out if a is not None]
     if est.batch_whitened:
         flat = whiten(torch.cat(parts), torch.tensor([t for g in groups for t in _model_tokens(g)],
-                                                     dtype=torch.float64))
+                                                     dtype=torch.float64), reduce)
         parts = list(torch.split(flat, [len(g.completions) for g in groups]))
     return [a.to(torch.float32).cpu().numpy() for a in parts]

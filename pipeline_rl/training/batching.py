@@ -1,4 +1,5 @@
-"""Groups -> padded tensors for the trainer, and the batch's lag statistics.
+"""Groups -> padded tensors for the trainer, the batch's lag statistics, and the sum of its
+statistics over the data-parallel ranks (:func:`sum_over_ranks`).
 
 **Pad, not pack.** Each micro-batch is right-padded to its own longest sequence, after sorting
 the batch's sequences by length so sequences of similar length share a micro-batch, and a
@@ -307,3 +308,17 @@ def lag_stats(groups: Sequence[Group], trainer_version: int) -> LagStats:
     hist = np.bincount(np.asarray(lags, dtype=np.int64))
     return LagStats(mean=float(np.mean(lags)), max=int(max(lags)),
                     hist=tuple(int(x) for x in hist), mixed_version_frac=mixed / len(lags))
+
+
+def sum_over_ranks(values: np.ndarray, world_size: int, device: torch.device) -> np.ndarray:
+    """``values`` summed elementwise over the ``world_size`` data-parallel ranks, float64 (an
+    all-reduce: every rank calls it with the same shape; on CUDA through the GPU, as NCCL
+    needs). One rank: the values themselves, no collective."""
+    v = np.asarray(values, dtype=np.float64)
+    if world_size == 1:
+        return v
+    import torch.distributed as dist
+
+    t = torch.tensor(v, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return np.asarray(t.cpu().numpy(), dtype=np.float64)

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from pipeline_rl.training.batching import (
-    AnyMicroBatch, build_micro_batches, build_shared_prompt_batches, lag_stats,
+    AnyMicroBatch, build_micro_batches, build_shared_prompt_batches, lag_stats, sum_over_ranks,
 )
 from pipeline_rl.training.checkpoint import (
     DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, capture_rng,
@@ -199,7 +199,8 @@ class Trainer:
         t0 = time.perf_counter()
         algo = self.cfg.algorithm
         lag = lag_stats(groups, self._version)
-        advantages = group_advantages(algo.advantage, groups)
+        advantages = group_advantages(algo.advantage, groups,   # a batch estimator: over every rank's groups
+                                      partial(sum_over_ranks, world_size=self.world_size, device=self.device))
         mbs = [mb.to(self.device) for mb in self._micro_batches(groups, advantages)]
         norm = self._global_normalizer(mbs) / self.world_size
         ref = [self._ref_logp(mb) for mb in mbs] if self._kl else None
@@ -322,14 +323,7 @@ class Trainer:
         return self._all_reduce_sum(local)
 
     def _all_reduce_sum(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.float64,
-                         device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t.item())
+        return float(sum_over_ranks(np.array([value]), self.world_size, self.device)[0])
 
     # -- inspection ----------------------------------------------------------------------------
 
