@@ -1,6 +1,7 @@
 """Checkpoints written off the training thread: what is written is the state at the save,
 whatever the trainer does meanwhile; failures come back in one line; a checkpoint is
-complete only when every rank has written its part."""
+complete only when every rank has written its part (failures across ranks and stalls:
+``tests/test_checkpoint_failure.py``)."""
 
 from __future__ import annotations
 
@@ -73,12 +74,14 @@ def test_a_failed_write_is_one_line_at_the_next_wait_and_the_writer_goes_on(tmp_
         raise OSError("No space left on device\nsecond line")
 
     part = tmp_path / "step_000010.partial"
+    part.mkdir()
     writer.submit(part / "deepspeed" / "state" / "mp_rank_00_model_states.pt", fail)
     writer.submit(part, lambda: done.append("skipped"))   # the rest of that save is moot
     with pytest.raises(CheckpointError) as e:
         writer.wait(timeout_s=10)
-    assert re.fullmatch(r"writing checkpoint step_000010 failed: OSError: No space left on device "
-                        r"\([0-9,]+ MiB free on its disk\)", str(e.value)), str(e.value)
+    assert re.fullmatch(r"checkpoint step_000010: rank 0 failed to write its part: OSError: No space left on "
+                        r"device \([0-9,]+ MiB free on its disk\)", str(e.value)), str(e.value)
+    assert str(e.value).endswith((part / ".failed-rank0").read_text().strip())   # its marker: the cause
     writer.wait(timeout_s=10)   # reported once
     writer.submit(tmp_path / "step_000020.partial", lambda: done.append("written"))
     writer.wait(timeout_s=10)
@@ -115,8 +118,8 @@ def test_rank_0_gives_up_on_a_rank_that_never_writes(tmp_path: Path) -> None:
     part = tmp_path / "step_000004.partial"
     part.mkdir()
     state = RunState(version=4, data_position=16, world_size=2, zero_stage=2)
-    with pytest.raises(CheckpointError, match="step_000004: rank 1 did not write its part within 0 s"):
-        finish_part(part, tmp_path / "step_000004", 0, 2, state, timeout_s=0.2)
+    with pytest.raises(CheckpointError, match=r"step_000004: no progress writing it for 0 s \(rank\(s\) 1 not done\)"):
+        finish_part(part, tmp_path / "step_000004", 0, 2, state, stall_s=0.2)
     assert part.exists() and not (tmp_path / "step_000004").exists()
 
 
@@ -199,5 +202,5 @@ def test_the_built_in_model_is_written_at_normal_priority(tiny_model_dir: str) -
     from pipeline_rl.training.trainer import Trainer
 
     trainer = Trainer(make_cfg(), tiny_model_dir)
-    assert not trainer._writer.idle and sum(p.numel() * 4 for p in trainer.engine.module.parameters()) < IDLE_WRITE_MIN_BYTES
+    assert not trainer.writer.idle and sum(p.numel() * 4 for p in trainer.engine.module.parameters()) < IDLE_WRITE_MIN_BYTES
     trainer.close()

@@ -177,18 +177,22 @@ class TrainerActor:
 
     def train_step(self, timeout_s: float) -> RankStepReport | None:
         """This rank's pipeline step (:class:`RankStep`: wait for the batch share, step,
-        publish, open the admission budget); None when no batch came within ``timeout_s``."""
+        publish, open the admission budget); None when no batch came within ``timeout_s``.
+        A failed checkpoint write of any rank raises here within a second, even mid-step
+        (``rank_step.await_step``)."""
         from pipeline_rl.faults import kill_here
+        from pipeline_rl.training.rank_step import await_step
 
         kill_here(self._cfg.fault, "trainer_kill", self._trainer.version)
-        return self._on_torch_thread(lambda: self._step(timeout_s))
+        return await_step(self._torch.submit(lambda: self._step(timeout_s)), self._trainer.writer.check)
 
     def save_checkpoint(self, path: str) -> str:
         """Copy the state for checkpoint ``path`` and return; it is written in the background."""
         return self._on_torch_thread(lambda: str(self._trainer.save_checkpoint(path, background=True)))
 
     def wait_for_checkpoints(self) -> None:
-        """Return once this rank's checkpoint writes are done (raises a failed one's error)."""
+        """Return once this rank's checkpoint writes are done; raises a failed one's error (any
+        rank's), or a stall's after 30 s without progress (``training.checkpoint_progress``)."""
         self._trainer.wait_for_checkpoints()
 
     def load_checkpoint(self, path: str) -> int:

@@ -1,7 +1,9 @@
 """The checkpoint policy of a run: every rank saves under ``OUT_DIR/checkpoints/step_N`` (N =
 the version it holds) every ``--trainer.checkpoint_every`` steps, every
 ``--trainer.checkpoint_every_s`` seconds and at the end; every failure message names the
-newest complete one to ``--resume`` from, or says there is none yet.
+newest complete one to ``--resume`` from, or says there is none yet. Its waits for the ranks'
+answers are bounded: any rank's failure is raised as it comes, and a wait ends after
+:data:`_NO_PROGRESS_S` with neither an answer nor any checkpoint writing progressing.
 
 ``--trainer.keep_checkpoints K`` keeps the newest K complete checkpoints and the best one:
 the checkpoint at the step an evaluation was launched after with the highest held-out
@@ -27,8 +29,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pipeline_rl.run.checkpoints")
 
-#: How long the end of a run waits for the last checkpoint's background writes.
-_WRITTEN_TIMEOUT_S = 1800.0
+#: The bound on the driver's checkpoint calls (a save; the end of a run's wait for the writes):
+#: no answer from a trainer rank and no change under ``checkpoints/*.partial`` for so long. A
+#: rank raises its own failed or stalled write well before (30 s without progress,
+#: ``training.checkpoint_progress``); a slow write that progresses never reaches it.
+_NO_PROGRESS_S = 120.0
+_SAY_AFTER_S = 5.0   # a longer wait says what it waits for, in one console line
+_POLL_S = 0.5
 
 
 class CheckpointPolicy:
@@ -55,15 +62,13 @@ class CheckpointPolicy:
 
     def save(self, trainers: Sequence[TrainerHandle], version: int, calls: Calls) -> Path:
         """Every rank copies its part of ``step_<version>`` and writes it in the background
-        (``training.checkpoint_writer``); raises the failed call's error, a failed earlier
-        write's among them."""
+        (``training.checkpoint_writer``); raises the first failed call's error, whichever
+        rank's, a failed earlier write's among them (:meth:`_answers`: bounded)."""
         from pipeline_rl.training.checkpoint import checkpoint_name
 
         path = self.folder / checkpoint_name(version)
         start = time.monotonic()
-        refs = [t.save_checkpoint.remote(str(path)) for t in trainers]
-        for ref in refs:
-            calls.get(ref)
+        self._answers([t.save_checkpoint.remote(str(path)) for t in trainers], calls, f"checkpoint {path.name}")
         self.restart_clock()
         log.info("checkpoint %s: state copied in %.2f s, written in the background", path.name,
                  time.monotonic() - start)
@@ -71,12 +76,38 @@ class CheckpointPolicy:
         return path
 
     def written(self, trainers: Sequence[TrainerHandle], calls: Calls) -> None:
-        """Wait until every rank has written its checkpoints (the last one is then complete)."""
+        """Wait until every rank has written its checkpoints (the last one is then complete),
+        as long as the writing progresses (:meth:`_answers`)."""
         start = time.monotonic()
-        for ref in [t.wait_for_checkpoints.remote() for t in trainers]:
-            calls.get(ref, timeout_s=_WRITTEN_TIMEOUT_S)
+        self._answers([t.wait_for_checkpoints.remote() for t in trainers], calls, "the last checkpoint")
         log.info("checkpoints written (waited %.2f s)", time.monotonic() - start)
         self.tidy()
+
+    def _answers(self, refs: list[object], calls: Calls, what: str) -> None:
+        """Wait for every rank's answer to a checkpoint call (``refs``, by rank), all at once:
+        the first failure is raised as it comes, whichever rank's. Past :data:`_SAY_AFTER_S`
+        one console line says what it waits for; :class:`NoAnswer` after
+        :data:`_NO_PROGRESS_S` without an answer or a change under ``*.partial``."""
+        from pipeline_rl.run.remote_calls import NoAnswer
+        from pipeline_rl.training.checkpoint_progress import SAMPLE_S, Progress, fingerprint
+
+        progress = Progress(lambda: [(p.name, fingerprint(p)) for p in sorted(self.folder.glob("*.partial"))],
+                            min(SAMPLE_S, _NO_PROGRESS_S / 4))
+        start, said, pending = time.monotonic(), False, list(refs)
+        while pending:
+            late = calls.pending(pending, _POLL_S)
+            for ref in (r for r in pending if r not in late):
+                calls.get(ref)   # raises the rank's failure
+            pending = late
+            ranks = ", ".join(str(i) for i, r in enumerate(refs) if r in pending)
+            if pending and not said and time.monotonic() - start > _SAY_AFTER_S:
+                said = True
+                writing = ", ".join(p.name for p in sorted(self.folder.glob("*.partial"))) or "nothing"
+                log.info("%s: waiting for trainer rank(s) %s (being written: %s; the wait goes on "
+                         "while the writing progresses)", what, ranks, writing)
+            if pending and progress.idle_s() > _NO_PROGRESS_S:
+                raise NoAnswer(TimeoutError(f"{what}: no answer from trainer rank(s) {ranks} and no checkpoint "
+                                            f"writing progressed for {_NO_PROGRESS_S:.0f} s"))
 
     def evaluated(self, step: int, greedy_accuracy: float) -> None:
         """An evaluation launched after ``step`` scored ``greedy_accuracy``."""

@@ -23,8 +23,17 @@ Invariants:
   and a save may reuse the previous save's buffers;
 - a checkpoint is complete (final name, ``run_state.json``) only when every rank has written
   its files: rank 0 renames it after every other rank's marker file is there;
-- a failed write is raised, in one line, by the next save or by :meth:`CheckpointWriter.wait`;
-  its ``.partial`` folder stays for the next start to tidy;
+- a rank whose write fails leaves ``.failed-rank{R}`` in the ``.partial`` folder, holding its
+  one-line cause, and skips the rest of that save (its part is never marked written, so the
+  checkpoint never completes; the folder stays for the next start to tidy). Rank 0's wait for
+  the other ranks raises at once on seeing it, and every rank's :meth:`CheckpointWriter.check`
+  raises it too (once): ``checkpoint step_N: rank R failed to write its part: CAUSE``. The
+  trainer checks after every step and every second of one (``training.rank_step``), so a
+  failure of any rank reaches the driver within a second or two, not at the next save;
+- writes pending with no progress for ``WRITE_STALL_S`` (30 s: nothing under the ``.partial``
+  folder changed and no job ended, ``training.checkpoint_progress``) are a failure too (rank
+  0's wait for the others, :meth:`~CheckpointWriter.check`, :meth:`~CheckpointWriter.wait`),
+  naming the ranks not done; a slow write of a large state grows its files all along;
 - a large state (:data:`IDLE_WRITE_MIN_BYTES` of weights or more) is written by a thread at the
   lowest CPU priority that may run on every CPU of the machine, the trainer's pinned core
   included: it writes in whatever CPU time training and generation leave, anywhere (on a
@@ -60,14 +69,15 @@ from pipeline_rl.lora_config import LoraConfig
 from pipeline_rl.training.checkpoint import (
     CheckpointError, RunState, copy_tokenizer_files, publish_dir, write_run_state,
 )
+from pipeline_rl.training.checkpoint_progress import (
+    SAMPLE_S, WRITE_STALL_S, PeerFailed, Progress, failed_line, fingerprint, leave_failure, part_of, peer_failure,
+    stall_line, written_marker,
+)
 from pipeline_rl.weight_sync.message import WeightUpdate
 
 log = logging.getLogger(__name__)
 
-#: How long rank 0 waits for the other ranks' parts of a checkpoint before it gives up on it.
-PEERS_WRITTEN_TIMEOUT_S = 1800.0
 _POLL_S = 0.05
-
 
 #: The weights' size from which a rank's writes run at idle priority on every CPU (module
 #: docstring): 64 MiB, 16 M float32 parameters (the built-in model has 0.4 M, SmolLM2-135M 135 M).
@@ -76,38 +86,61 @@ IDLE_WRITE_MIN_BYTES = 64 * 2**20
 
 class CheckpointWriter:
     """One background thread that runs a rank's checkpoint writes in order (module docstring);
-    ``idle``: at the lowest priority, on every CPU."""
+    ``idle``: at the lowest priority, on every CPU; ``rank`` of ``world_size``: whose failure
+    markers it leaves and reads; ``stall_s``: how long pending writes may make no progress."""
 
-    def __init__(self, idle: bool = False) -> None:
-        self.idle = idle
+    def __init__(self, idle: bool = False, rank: int = 0, world_size: int = 1,
+                 stall_s: float = WRITE_STALL_S) -> None:
+        self.idle, self.rank, self.world_size, self.stall_s = idle, rank, world_size, stall_s
         self._jobs: queue.Queue[tuple[Path, Callable[[], None]] | None] = queue.Queue()
         self._idle = threading.Condition()
         self._pending = 0
-        self._error: str | None = None
+        self._done = 0                      # jobs finished: progress between two files
+        self._error: str | None = None      # this rank's failure, not reported yet
+        self._failed: Path | None = None    # the save that failed: its other jobs are skipped
+        self._part: Path | None = None      # the newest save's folder, watched for progress and markers
+        self._told = False                  # a failure seen in it was reported
+        self._progress: Progress | None = None
         self._thread: threading.Thread | None = None
 
     def submit(self, where: Path, job: Callable[[], None]) -> None:
         """Queue ``job``, which writes into ``where`` (a checkpoint's folder or a file in it)."""
+        part = part_of(where)
         with self._idle:
             self._pending += 1
+            if part != self._part:
+                self._part, self._told = part, False
+                self._progress = Progress(lambda: (self._done, fingerprint(part)), min(SAMPLE_S, self.stall_s / 4))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
             self._thread.start()
         self._jobs.put((where, job))
 
+    def check(self) -> None:
+        """Raise :class:`CheckpointError` (one line) now, never waiting, when a write of the
+        newest save failed on this rank or on another (its marker), or its writes pending here
+        made no progress for ``stall_s``. Each failure is raised once."""
+        with self._idle:
+            line = self._failure()
+        if line is not None:
+            raise CheckpointError(line)
+
     def wait(self, timeout_s: float | None = None) -> None:
         """Return once every queued write is done; raise :class:`CheckpointError` (one line)
-        when one failed (reported once) or when ``timeout_s`` passes first."""
+        as :meth:`check` does, also when they made no progress for ``stall_s``, or when
+        ``timeout_s`` passes first."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._idle:
             while self._pending:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise CheckpointError(f"checkpoint writes still going on after {timeout_s:.0f} s")
-                self._idle.wait(left)
-            error, self._error = self._error, None
-        if error is not None:
-            raise CheckpointError(error)
+                if self._error is None and (line := self._failure()) is not None:
+                    raise CheckpointError(line)
+                self._idle.wait(SAMPLE_S if left is None else min(left, SAMPLE_S))
+            line = self._failure()
+        if line is not None:
+            raise CheckpointError(line)
 
     def close(self, timeout_s: float) -> None:
         """Let the queued writes finish (up to ``timeout_s``), then stop the thread."""
@@ -119,28 +152,59 @@ class CheckpointWriter:
             self._jobs.put(None)
             self._thread.join(timeout=1.0)
 
+    def _failure(self) -> str | None:
+        """The failure to raise now, if any, marked as reported (under the lock): this rank's,
+        another's marker in the newest save, or a stall of the writes pending here."""
+        if self._error is not None:
+            error, self._error, self._told = self._error, None, True
+            return error
+        if self._part is None or self._told:
+            return None
+        peer = peer_failure(self._part, self.world_size)
+        if peer is not None:
+            self._told = True
+            return peer
+        if self._pending and self._progress is not None and self._progress.idle_s() > self.stall_s:
+            self._progress.restart()   # a stall is told again only after as long again
+            return stall_line(self._part, self.world_size, self.stall_s)
+        return None
+
     def _run(self) -> None:
         if self.idle:
             run_when_idle()
         while (item := self._jobs.get()) is not None:
             where, job = item
+            part = part_of(where)
             try:
-                if self._error is None:   # after a failure the rest of that save is moot
+                if part != self._failed:   # after a failure the rest of that save is moot
                     job()
-            except Exception as e:  # noqa: BLE001 - reported by the next wait()
-                self._error = _failure(where, e)
-                log.error("trainer: %s", self._error)
+            except PeerFailed as e:   # rank 0 saw another rank's failure: that rank's line, no marker
+                self._fail(part, str(e), None)
+            except Exception as e:  # noqa: BLE001 - reported by check() or wait()
+                cause = _cause(where, e)
+                self._fail(part, failed_line(part, self.rank, cause), cause)
             finally:
                 with self._idle:
                     self._pending -= 1
+                    self._done += 1
                     self._idle.notify_all()
 
+    def _fail(self, part: Path, line: str, cause: str | None) -> None:
+        """Record a failed write of ``part``; with ``cause``, this rank's own, also as its marker."""
+        with self._idle:
+            self._failed = part
+            if part != self._part or not self._told:   # else a failure of this save was raised already
+                self._error = line
+        log.error("trainer: %s", line)
+        if cause is not None:
+            leave_failure(part, self.rank, cause)
 
-def writer_for(module: Any) -> CheckpointWriter:
-    """A rank's writer for ``module``'s state: idle (module docstring) when its weights are
-    :data:`IDLE_WRITE_MIN_BYTES` or more (ZeRO-3: their full size, not this rank's shard)."""
+
+def writer_for(module: Any, rank: int = 0, world_size: int = 1) -> CheckpointWriter:
+    """Rank ``rank``'s writer for ``module``'s state: idle (module docstring) when its weights
+    are :data:`IDLE_WRITE_MIN_BYTES` or more (ZeRO-3: their full size, not this rank's shard)."""
     size = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
-    return CheckpointWriter(idle=size >= IDLE_WRITE_MIN_BYTES)
+    return CheckpointWriter(idle=size >= IDLE_WRITE_MIN_BYTES, rank=rank, world_size=world_size)
 
 
 def run_when_idle() -> None:
@@ -157,18 +221,16 @@ def run_when_idle() -> None:
         pass
 
 
-def _failure(where: Path, e: Exception) -> str:
-    """One line: which checkpoint, what failed, and the space left on its disk (a full disk
-    shows up in torch's writer as ``unexpected pos``, not as an error of its own)."""
-    name = next((p.name.removesuffix(".partial") for p in (where, *where.parents) if p.name.endswith(".partial")),
-                where.name)
+def _cause(where: Path, e: Exception) -> str:
+    """One line: what failed, and the space left on its disk (a full disk shows up in torch's
+    writer as ``unexpected pos``, not as an error of its own)."""
     first = str(e).splitlines()[0] if str(e) else ""
     try:
         free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free
         space = f" ({free / 2**20:,.0f} MiB free on its disk)"
     except (OSError, StopIteration):
         space = ""
-    return f"writing checkpoint {name} failed: {type(e).__name__}: {first}{space}"
+    return f"{type(e).__name__}: {first}{space}"
 
 
 class Staging:
@@ -265,24 +327,24 @@ def write_weights(out: Path, module: Any, update: WeightUpdate, lora: LoraConfig
     copy_tokenizer_files(model_dir, out)
 
 
-def written_marker(part: Path, rank: int) -> Path:
-    """The empty file rank ``rank`` leaves in ``part`` once its files of it are written."""
-    return part / f".written-rank{rank}"
-
-
 def finish_part(part: Path, final: Path, rank: int, world_size: int, state: RunState,
-                timeout_s: float = PEERS_WRITTEN_TIMEOUT_S) -> None:
+                stall_s: float = WRITE_STALL_S) -> None:
     """This rank's files in ``part`` are written: mark it; rank 0 then waits for every other
-    rank's mark, writes the run state and renames ``part`` to ``final``."""
+    rank's mark, writes the run state and renames ``part`` to ``final``. Rank 0 raises
+    :class:`PeerFailed` at once on another rank's failure marker, and after ``stall_s`` with
+    no progress in ``part``."""
     written_marker(part, rank).touch()
     if rank != 0:
         return
-    deadline = time.monotonic() + timeout_s
-    for peer in range(1, world_size):
-        while not written_marker(part, peer).exists():
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"{final.name}: rank {peer} did not write its part within {timeout_s:.0f} s")
-            time.sleep(_POLL_S)
+    progress = Progress(lambda: fingerprint(part), min(SAMPLE_S, stall_s / 4))
+    while True:
+        if (line := peer_failure(part, world_size)) is not None:
+            raise PeerFailed(line)
+        if all(written_marker(part, peer).exists() for peer in range(1, world_size)):
+            break
+        if progress.idle_s() > stall_s:
+            raise PeerFailed(stall_line(part, world_size, stall_s))
+        time.sleep(_POLL_S)
     for r in range(world_size):
         written_marker(part, r).unlink(missing_ok=True)
     write_run_state(part, state)

@@ -1,15 +1,25 @@
 """The step every trainer rank runs (:class:`RankStep`) and where its batches come from
-(:class:`BatchSource`): wait for the rank's share, train, publish, open the next version."""
+(:class:`BatchSource`): wait for the rank's share, train, publish, open the next version.
+
+Invariant: a failed (or stalled) background checkpoint write of any rank is raised by every
+rank's step, in one line (``training.checkpoint_writer``: ``CheckpointWriter.check``): after
+the step's collectives, so no rank is left waiting in one, and, through :func:`await_step`,
+every second while a step is under way (the trainer actor's wait), so it reaches the driver
+within a second or two of the failure, not at the next checkpoint."""
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Protocol, TypeVar
 
 from pipeline_rl.samples import Group
 from pipeline_rl.reports import RankStepReport
 from pipeline_rl.training.trainer import Trainer
 from pipeline_rl.weight_sync.publisher import WeightPublisher
+
+T = TypeVar("T")
 
 
 class BatchSource(Protocol):
@@ -55,6 +65,7 @@ class RankStep:
         publish_s = time.perf_counter() - t1
         if tr.rank == 0:   # opens the admission budget for the next version now
             self.source.set_version(tr.version)
+        tr.writer.check()   # a failed checkpoint write of any rank ends the run now (module docstring)
         return RankStepReport(result, wait_s, publish_s, time.perf_counter() - t0, step_end_at)
 
     def publish(self) -> None:
@@ -65,3 +76,15 @@ class RankStep:
         update = self.trainer.weights(allocate=pub.allocator() if pub else None, on_device=bool(pub and pub.on_device()))
         if self.publisher is not None:
             self.publisher.publish(update)
+
+
+def await_step(step: Future[T], check: Callable[[], None], every_s: float = 1.0) -> T:
+    """``step``'s result (a step running on another thread); meanwhile ``check()`` every
+    ``every_s`` (the writer's :meth:`~pipeline_rl.training.checkpoint_writer.CheckpointWriter.check`):
+    what it raises is raised at once, the step going on where it runs (its collectives end as
+    on every other rank)."""
+    while True:
+        try:
+            return step.result(timeout=every_s)
+        except TimeoutError:
+            check()

@@ -122,9 +122,9 @@ class Trainer:
             model=self.model, model_parameters=trained, optimizer=make_optimizer(cfg, trained),
             config=deepspeed_config(cfg, world_size, self.device.type))
         self.zero_stage = cfg.trainer.zero_stage
-        self._writer = writer_for(self.engine.module)   # DeepSpeed's checkpoint files go through it
+        self.writer = writer_for(self.engine.module, rank, world_size)   # DeepSpeed's checkpoint files go through it
         self._staging = Staging()           # the host memory a save's copy goes into
-        self.engine.checkpoint_engine = background_engine(self._writer, self._staging)
+        self.engine.checkpoint_engine = background_engine(self.writer, self._staging)
         t = cfg.trainer   # the learning rate of each step, and the moving average (rank 0 keeps it)
         self.lr_schedule = LRSchedule(self.engine.optimizer, schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                                       total_steps=cfg.max_steps, base_lr=t.lr)
@@ -370,7 +370,7 @@ class Trainer:
         every rank has written its part (:meth:`wait_for_checkpoints`)."""
         import torch.distributed as dist
 
-        self._writer.wait()   # the previous save is written (or its failure raised) first
+        self.writer.wait()   # the previous save is written (or its failure raised) first
         saved_at = time.perf_counter()
         final = Path(path)
         part = partial_dir(final)
@@ -397,16 +397,16 @@ class Trainer:
             finish_part(part, final, self.rank, self.world_size, state)
             log.info("checkpoint %s: part written %.1f s after the save", final.name, time.perf_counter() - saved_at)
 
-        self._writer.submit(part, write_the_rest)
+        self.writer.submit(part, write_the_rest)
         if not background or reached(self.cfg.fault, "checkpoint_write", version):
-            self._writer.wait()   # (a fault test dies inside this write, before the next step)
+            self.writer.wait()   # (a fault test dies inside this write, before the next step)
             dist.barrier()
         return final
 
     def wait_for_checkpoints(self, timeout_s: float | None = None) -> None:
         """Return once this rank's background checkpoint writes are done; a failed one raises
         :class:`CheckpointError` (one line)."""
-        self._writer.wait(timeout_s)
+        self.writer.wait(timeout_s)
 
     def load_checkpoint(self, path: str | Path) -> RunState:
         """Restore weights, optimizer, scheduler, version and RNG from a checkpoint; returns its
@@ -436,7 +436,7 @@ class Trainer:
     def close(self, write_timeout_s: float = 60.0) -> None:
         """Let checkpoint writes finish (up to ``write_timeout_s``), release the engine (the
         process group stays: one per process)."""
-        self._writer.close(write_timeout_s)
+        self.writer.close(write_timeout_s)
         self.engine.destroy()
 
 
