@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipeline_rl.config_section import Section
+from pipeline_rl.correction_config import CorrectionConfig as CorrectionConfig, CorrectionName as CorrectionName
 from pipeline_rl.lora_config import LoraConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
 from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
@@ -31,11 +32,11 @@ from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exporte
 #: Attention head sizes vLLM's CPU attention backend accepts (docs/design.md, platform notes).
 CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-CorrectionName = Literal["none", "tis", "icepop", "seq-mask-tis"]
+RatioReference = Literal["proximal", "behaviour"]
 AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce++", "reinforce++-baseline"]
 LRScheduleName = Literal["constant", "linear", "cosine"]
 OptimizerName = Literal["adamw", "muon"]
-LossName = Literal["reinforce", "ppo"]
+LossName = Literal["reinforce", "ppo", "gspo", "gspo-token", "cispo"]
 NormName = Literal["token", "sequence", "constant"]
 KLEstimator = Literal["k1", "k3"]
 KVPolicy = Literal["keep", "recompute"]
@@ -185,13 +186,23 @@ class AlgorithmConfig(Section):
                                      "and reinforce_baseline, gamma 1). r is the completion's reward, with "
                                      "no KL in it: the KL is a loss term (--algorithm.kl_coef), not a "
                                      "per-token reward as in OpenRLHF's reinforce.")
-    loss: LossName = Field("reinforce", description="reinforce (one step per batch) or ppo "
-                           "(clipped ratio against the proximal policy).")
+    loss: LossName = Field("reinforce", description="reinforce (w A logpi); ppo (token ratio, clipped); gspo (GSPO, "
+                           "arXiv 2507.18071: the geometric mean of the token ratios, clipped per sequence); gspo-token "
+                           "(its per-token gradient); cispo (CISPO, arXiv 2506.13585: a clipped stop-gradient ratio on "
+                           "every token's logpi). Ratios: --algorithm.ratio_reference (docs/objectives.md).")
     normalization: NormName = Field("token", description="Loss normalisation: tokens in batch, "
                                     "per-sequence mean, or a constant length (Dr. GRPO).")
     constant_length: int = Field(1024, ge=1, description="N for --algorithm.normalization constant.")
-    ppo_clip: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip epsilon.")
-    ppo_epochs: int = Field(1, ge=1, le=64, description="PPO passes over each batch.")
+    ppo_clip: float = Field(0.2, gt=0.0, lt=1.0, description="Clip epsilon of ppo, gspo(-token) and cispo's "
+                            "weight: [1 - eps, 1 + eps], unless --algorithm.ppo_clip_low/_high set a side.")
+    ppo_clip_low: float | None = Field(None, gt=0.0, le=1.0, description="Lower clip epsilon: the ratio is "
+                                       "clipped at 1 - this (1: no lower bound, as CISPO). Unset: --algorithm.ppo_clip.")
+    ppo_clip_high: float | None = Field(None, gt=0.0, le=1000.0, description="Upper clip epsilon: clipped at "
+                                        "1 + this (DAPO's clip-higher: 0.28). Unset: --algorithm.ppo_clip.")
+    ratio_reference: RatioReference = Field("proximal", description="The ratio objectives' denominator: proximal "
+                                            "(the trainer at the step's start, AReaL's decoupled PPO) or behaviour "
+                                            "(the generator; the correction then keeps its masks, not its weight).")
+    ppo_epochs: int = Field(1, ge=1, le=64, description="Passes over each batch (ppo, gspo, gspo-token, cispo).")
     kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the reference policy (0 = off).")
     skip_zero_variance: bool = Field(False, description="Drop every group whose rewards are all equal "
                                      "(zero advantage: a training pass that teaches nothing) at the buffer, "
@@ -212,26 +223,12 @@ class AlgorithmConfig(Section):
                              "whatever the reference is (it pulls towards nothing); use k3")
         return self
 
-
-class CorrectionConfig(Section):
-    """Off-policy correction weights (docs/design.md section 4)."""
-
-    type: CorrectionName = Field("tis", description="none, tis, icepop or seq-mask-tis.")
-    tis_cap: float = Field(2.0, gt=1.0, le=1e6, description="TIS: cap C on exp(r).")
-    icepop_alpha: float = Field(0.5, gt=0.0, lt=1.0, description="ICEPOP: lower ratio bound.")
-    icepop_beta: float = Field(5.0, gt=1.0, le=1e6, description="ICEPOP: upper ratio bound.")
-    seq_lo: float = Field(0.5, gt=0.0, lt=1.0, description="Seq-Mask-TIS: lower geometric-mean bound.")
-    seq_hi: float = Field(2.0, gt=1.0, le=1e6, description="Seq-Mask-TIS: upper geometric-mean bound.")
-    seq_cap: float = Field(2.0, gt=1.0, le=1e6, description="Seq-Mask-TIS: per-token cap C.")
-
     @model_validator(mode="after")
-    def _ordered(self) -> "CorrectionConfig":
-        if not self.icepop_alpha < self.icepop_beta:
-            raise ValueError(f"correction.icepop_alpha: must be < correction.icepop_beta "
-                             f"(got {self.icepop_alpha} >= {self.icepop_beta})")
-        if not self.seq_lo < self.seq_hi:
-            raise ValueError(f"correction.seq_lo: must be < correction.seq_hi "
-                             f"(got {self.seq_lo} >= {self.seq_hi})")
+    def _ratio_flags_need_a_ratio(self) -> "AlgorithmConfig":
+        given = [f for f in ("ppo_clip_low", "ppo_clip_high") if getattr(self, f) is not None]
+        if self.loss == "reinforce" and (given or self.ratio_reference != "proximal"):
+            raise ValueError(f"algorithm.{(given or ['ratio_reference'])[0]}: applies to a ratio objective "
+                             "(--algorithm.loss ppo, gspo, gspo-token or cispo); reinforce has no ratio")
         return self
 
 

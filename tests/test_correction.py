@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline_rl.config import CorrectionConfig, CorrectionName
-from pipeline_rl.correction import CORRECTIONS, LogRatio, correction_weights
+from pipeline_rl.correction import CORRECTIONS, PRESETS, LogRatio, correction_weights, fused
 from pipeline_rl.correction.weights import RATIO_LOG_CLAMP
 
 LN = math.log
@@ -29,7 +29,9 @@ def _weights(name: str, *args: torch.Tensor, **cfg: float) -> list[float]:
 
 
 def test_registry_matches_config_names() -> None:
-    assert set(CORRECTIONS) == set(typing.get_args(CorrectionName))
+    """The fused presets, the other presets and ``custom`` are exactly the flag's choices."""
+    assert set(CORRECTIONS) == set(fused.MODES)
+    assert set(PRESETS) | {"custom"} == set(typing.get_args(CorrectionName))
     with pytest.raises(ValueError, match="unknown correction 'bogus'"):
         correction_weights("bogus", *_row([1.0]), CorrectionConfig())
 

@@ -1,4 +1,4 @@
-"""The policy objective: corrected REINFORCE (default) or decoupled PPO, with diagnostics.
+"""The policy objective: corrected REINFORCE (default) or a ratio objective, with diagnostics.
 
 Shapes: ``B`` sequences (completions) padded to ``T`` tokens. Per token ``t`` of
 sequence ``b``: ``m`` mask (1 on completion tokens), ``w`` correction weight
@@ -7,10 +7,19 @@ scale of the normalisation, ``N`` the normaliser.
 
 - ``reinforce``: ``L = -Σ m·w·A·s·logπ / N``.
 - ``ppo`` (AReaL's decoupled objective): ``ρ = π_θ / π_prox``,
-  ``L = -Σ m·w·s·min(ρA, clip(ρ, 1-ε, 1+ε)A) / N``, where the correction weight
+  ``L = -Σ m·w·s·min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A) / N``, where the correction weight
   ``w`` is computed from ``π_prox / μ`` (the proximal policy against the
   behaviour policy), so it is constant across PPO epochs. ``prox_logp=None``
   means ``π_prox = π_θ`` detached (first epoch: ratio 1).
+- ``gspo``, ``gspo-token``, ``cispo``: the same, with the per-token terms of
+  ``objectives.py`` (GSPO's sequence ratio, GSPO-token, CISPO's clipped weight).
+- ``algorithm.ratio_reference behaviour``: the ratio is ``π_θ / μ`` instead; it is then the
+  importance weight itself, so the correction keeps its rejection, veto and mask (``w`` becomes
+  1 on its kept tokens, as verl's bypass mode), not its weight.
+- The correction (``compose.py``) runs on ``π_prox / μ`` (``π_θ / μ`` for ``reinforce``); M2PO's
+  trust region reads the advantages' signs. Its batch is the (micro-)batch of this call: split
+  into micro-batches, each meets M2PO's bound, so the whole batch does too (a weighted mean of
+  values ``<= τ``), at the price of a few more masked tokens than one pass would mask.
 - Normalisation (``algorithm.normalization``): ``token``: ``s = 1``, ``N`` = mask
   tokens in the *full* batch; ``sequence``: ``s_b = 1 / T_b`` (the sequence's
   mask tokens), ``N`` = non-empty sequences in the full batch; ``constant``
@@ -49,10 +58,9 @@ from torch import Tensor
 from pipeline_rl.reports import LossMetrics
 from pipeline_rl.config import AlgorithmConfig, CorrectionConfig
 from pipeline_rl.correction import fused
-from pipeline_rl.correction.weights import CORRECTIONS, RATIO_LOG_CLAMP, LogRatio, usable
-
-#: PPO / KL log-ratios are clamped to ±20 before exp (as verl) so nothing overflows.
-PPO_LOG_CLAMP = 20.0
+from pipeline_rl.correction.compose import KNOWN, correct
+from pipeline_rl.correction.objectives import OBJECTIVES, PPO_LOG_CLAMP, clip_range
+from pipeline_rl.correction.weights import RATIO_LOG_CLAMP, CorrectionWeights, LogRatio, usable
 
 
 @dataclass
@@ -91,7 +99,7 @@ def loss_normalizer(mask: Tensor, algo: AlgorithmConfig) -> float:
 def fusable(algo: AlgorithmConfig, corr: CorrectionConfig, device_type: str) -> bool:
     """Whether :func:`policy_loss` can take the fused CPU kernel (numba aside)."""
     return (algo.loss == "reinforce" and algo.kl_coef == 0.0 and corr.type in fused.MODES
-            and device_type == "cpu")
+            and corr.veto is None and not corr.m2po and device_type == "cpu")
 
 
 def warm_up(algo: AlgorithmConfig, corr: CorrectionConfig, device_type: str) -> None:
@@ -119,8 +127,8 @@ def policy_loss(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfi
     if use_fused is None:
         use_fused = can_fuse and fused.available()
     elif use_fused and not (can_fuse and fused.available()):
-        raise ValueError("policy_loss: the fused kernel needs numba, CPU tensors, "
-                         "algorithm.loss=reinforce and algorithm.kl_coef=0")
+        raise ValueError("policy_loss: the fused kernel needs numba, CPU tensors, algorithm.loss=reinforce, "
+                         "algorithm.kl_coef=0 and a correction preset other than m2po, with no veto or mask")
     loss, metrics = _fused_loss(batch, algo, corr, n) if use_fused else _reference_loss(batch, algo, corr, n)
     if algo.entropy_coef > 0:
         return _with_entropy_bonus(batch, algo, loss, metrics, n)
@@ -157,7 +165,7 @@ def _check(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionConfig) ->
                          f"got {tuple(batch.advantages.shape)}")
     if not bool(torch.isfinite(batch.advantages).all()):
         raise ValueError("policy_loss: advantages must be finite")
-    if corr.type not in CORRECTIONS:
+    if corr.type not in KNOWN:
         raise ValueError(f"correction.type: unknown correction {corr.type!r}")
     if algo.kl_coef > 0 and batch.ref_logp is None:
         raise ValueError("algorithm.kl_coef > 0 needs PolicyBatch.ref_logp")
@@ -269,23 +277,21 @@ def _reference_loss(batch: PolicyBatch, algo: AlgorithmConfig, corr: CorrectionC
     mask = batch.mask.bool()                                              # [B, T]
     logp = batch.logp.to(dt)                                              # [B, T], grad
     lp_d = logp.detach()
-    ppo = algo.loss == "ppo"
-    prox = batch.prox_logp.detach().to(dt) if ppo and batch.prox_logp is not None else lp_d
+    ratio = algo.loss != "reinforce"
+    prox = batch.prox_logp.detach().to(dt) if ratio and batch.prox_logp is not None else lp_d
     lr = LogRatio.build(prox, batch.behav_logp, mask, usable(lp_d))   # π_prox/μ or π/μ
-    cw = CORRECTIONS[corr.type](lr, corr)
+    cw = correct(lr, corr, batch.advantages)
+    ref = prox
+    if ratio and algo.ratio_reference == "behaviour":                     # ρ = π_θ/μ: masks only
+        cw = CorrectionWeights(weights=cw.kept.to(dt), kept=cw.kept, clipped=torch.zeros_like(cw.kept))
+        ref = batch.behav_logp.detach().to(dt)
     coef = cw.weights * _row_coef(batch, algo).to(dt)[:, None]            # [B, T] w·A·s
     lp = torch.where(lr.valid, logp, 0.0)                                 # [B, T] finite
     inv_n = 1.0 / (n if n > 0 else 1.0)
-    ppo_clip = 0.0
-    if ppo:
-        d = lp - torch.where(lr.valid, prox, 0.0)                         # [B, T] log π_θ/π_prox
-        rho = torch.exp(d.clamp(-PPO_LOG_CLAMP, PPO_LOG_CLAMP))          # [B, T]
-        rho_c = rho.clamp(1.0 - algo.ppo_clip, 1.0 + algo.ppo_clip)
-        surr = torch.minimum(rho * coef, rho_c * coef)                    # [B, T] w·s·min(ρA, ρ̄A)
-        pg = -surr.sum() * inv_n
-        ppo_clip = float((lr.valid & (rho_c * coef < rho * coef)).sum())
-    else:
-        pg = -(coef * lp).sum() * inv_n
+    lo, hi = clip_range(algo)
+    term, on_clip = OBJECTIVES[algo.loss](lp, torch.where(lr.valid, ref, 0.0), lr.valid, coef, lo, hi)
+    pg = -term.sum() * inv_n
+    ppo_clip = float(on_clip.sum()) if ratio else 0.0
     kl = torch.zeros((), dtype=dt)
     if algo.kl_coef > 0 and batch.ref_logp is not None:
         kl = _kl_penalty(batch, algo, lp, lr.valid) * inv_n

@@ -1,20 +1,13 @@
-"""Off-policy correction weights (docs/design.md section 4), one small function per method.
+"""What every off-policy correction shares (docs/design.md section 4): the log-ratio and the weights.
 
 Notation per completion token ``t``: ``logμ_t`` the behaviour log-prob from the
 generator, ``logπ_t`` the trainer's log-prob, ``r_t = logπ_t - logμ_t`` (always
-detached here: the weights are constants of the objective), mask ``m_t``.
-
-=================  ==========================================================
-``none``           ``w = 1``
-``tis``            ``w = min(exp(r), C)``
-``icepop``         ``w = exp(r)`` if ``α <= exp(r) <= β``, else 0
-``seq-mask-tis``   every token of a sequence whose geometric-mean ratio
-                   ``exp(Σ m r / Σ m)`` lies outside ``[lo, hi]`` gets 0; the
-                   kept sequences get ``min(exp(r), C)``
-=================  ==========================================================
+detached here: the weights are constants of the objective), mask ``m_t``. The
+corrections themselves (presets ``none`` / ``tis`` / ``icepop`` / ``seq-mask-tis`` / ``m2po``
+and any composition) are ``compose.py``.
 
 Numerical rules shared by every method (and by the fused CPU kernel in
-``fused.py``, which must agree with these functions):
+``fused.py``, which must agree with ``compose.py``):
 
 - A token is *valid* when it is in the mask and both log-probs are *usable*:
   ``|x| < LOGP_LIMIT`` (1e20; false for ``±inf`` and ``nan``; no real log-prob is
@@ -22,26 +15,18 @@ Numerical rules shared by every method (and by the fused CPU kernel in
   never reach a sum: a ``-inf`` / ``nan`` log-prob cannot poison the loss.
 - Ratios are formed as ``exp(clamp(r, -R, R))`` with ``R = RATIO_LOG_CLAMP``
   (50, ratio ≈ 5e21): a ratio of 1e30 saturates instead of overflowing. Every
-  cap and band in the table lies far inside that range, so the clamp never
+  cap and band of the presets lies far inside that range, so the clamp never
   changes a kept weight by more than ``e^-50``; comparisons against the bands
   use the unclamped ``r`` (in log space, so no overflow either).
-
-Adding a method: write ``fn(lr: LogRatio, cfg: CorrectionConfig) -> CorrectionWeights``
-and add one line to :data:`CORRECTIONS` (and its name to ``CorrectionName`` in
-``config.py``). It then runs on the reference path; the fused kernel covers
-the four built-in names only.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from pipeline_rl.config import CorrectionConfig
 
 #: Log-ratios are clamped to ``[-R, R]`` before ``exp`` (weights and statistics).
 RATIO_LOG_CLAMP = 50.0
@@ -101,67 +86,3 @@ class CorrectionWeights:
     weights: Tensor  # [B, T] float32 (float64 for float64 input)
     kept: Tensor     # [B, T] bool
     clipped: Tensor  # [B, T] bool
-
-
-CorrectionFn = Callable[[LogRatio, CorrectionConfig], CorrectionWeights]
-
-
-def _capped(lr: LogRatio, cap: float, keep: Tensor) -> CorrectionWeights:
-    """``min(exp(r), cap)`` on ``keep`` tokens, 0 elsewhere."""
-    log_cap = math.log(cap)
-    w = torch.exp(lr.r.clamp(-RATIO_LOG_CLAMP, log_cap))      # [B, T] = min(exp(r), C)
-    return CorrectionWeights(weights=torch.where(keep, w, 0.0), kept=keep,
-                             clipped=keep & (lr.r > log_cap))
-
-
-def no_correction(lr: LogRatio, cfg: CorrectionConfig) -> CorrectionWeights:
-    """``w = 1`` on every valid token (plain on-policy REINFORCE)."""
-    return CorrectionWeights(weights=lr.valid.to(lr.r.dtype), kept=lr.valid,
-                             clipped=torch.zeros_like(lr.valid))
-
-
-def tis(lr: LogRatio, cfg: CorrectionConfig) -> CorrectionWeights:
-    """Truncated importance sampling (Yao et al. 2025): ``w = min(exp(r), C)``, ``C = tis_cap``."""
-    return _capped(lr, cfg.tis_cap, lr.valid)
-
-
-def icepop(lr: LogRatio, cfg: CorrectionConfig) -> CorrectionWeights:
-    """IcePop (Ring-1T): ``w = exp(r)`` inside ``[α, β]``, 0 outside (token masking, no cap)."""
-    keep = lr.valid & (lr.r >= math.log(cfg.icepop_alpha)) & (lr.r <= math.log(cfg.icepop_beta))
-    return CorrectionWeights(weights=torch.where(keep, lr.ratio(), 0.0), kept=keep,
-                             clipped=torch.zeros_like(keep))
-
-
-def seq_log_ratio(lr: LogRatio) -> tuple[Tensor, Tensor]:
-    """Per sequence: mean log-ratio over valid tokens ``[B]`` and whether it has any ``[B]``."""
-    n = lr.valid.sum(dim=1)                                   # [B]
-    return lr.r.sum(dim=1) / n.clamp(min=1), n > 0
-
-
-def seq_mask_tis(lr: LogRatio, cfg: CorrectionConfig) -> CorrectionWeights:
-    """Sequence masking (Geo-RS) then per-token TIS: a sequence whose geometric-mean ratio
-    ``exp(mean_t r)`` lies outside ``[seq_lo, seq_hi]`` is dropped whole; the kept ones get
-    ``min(exp(r), seq_cap)``. The test is done in log space (no overflow)."""
-    mean_r, nonempty = seq_log_ratio(lr)                      # [B], [B]
-    # A row with a masked-in token whose log-prob is -inf/nan is rejected whole: such a
-    # catastrophic token is what this method exists to catch, not one to average past.
-    ok = nonempty & lr.complete & (mean_r >= math.log(cfg.seq_lo)) & (mean_r <= math.log(cfg.seq_hi))
-    return _capped(lr, cfg.seq_cap, lr.valid & ok[:, None])
-
-
-#: Name -> method. The names are ``CorrectionName`` in config.py.
-CORRECTIONS: dict[str, CorrectionFn] = {
-    "none": no_correction,
-    "tis": tis,
-    "icepop": icepop,
-    "seq-mask-tis": seq_mask_tis,
-}
-
-
-def correction_weights(name: str, logp_train: Tensor, logp_behav: Tensor, mask: Tensor,
-                       cfg: CorrectionConfig) -> CorrectionWeights:
-    """Weights of method ``name`` for ``[B, T]`` trainer/behaviour log-probs and mask."""
-    if name not in CORRECTIONS:
-        raise ValueError(f"correction.type: unknown correction {name!r} "
-                         f"(known: {', '.join(CORRECTIONS)})")
-    return CORRECTIONS[name](LogRatio.build(logp_train, logp_behav, mask), cfg)

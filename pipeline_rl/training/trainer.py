@@ -204,7 +204,7 @@ class Trainer:
         mbs = [mb.to(self.device) for mb in self._micro_batches(groups, advantages)]
         norm = self._global_normalizer(mbs) / self.world_size
         ref = [self._ref_logp(mb) for mb in mbs] if self._kl else None
-        epochs = algo.ppo_epochs if algo.loss == "ppo" else 1
+        epochs = algo.ppo_epochs if algo.loss != "reinforce" else 1   # every ratio objective
         # PPO's proximal policy is the trainer at the start of the batch: None in the first
         # epoch (the loss then uses logp detached), that epoch's log-probs afterwards.
         prox: list[torch.Tensor] | None = None
