@@ -43,8 +43,12 @@ The grid runs in a child process that the script restarts (``--max-restarts``,
 finished cells kept) if it dies: Ray ends its driver process when its node goes
 away, which no ``except`` can catch.
 
+``--corrections`` takes any ``--correction.type`` preset (``m2po`` too) and ``--losses`` any
+``--algorithm.loss`` (``gspo``, ``gspo-token``, ``cispo``, ...): the arms are their cross product,
+an arm of another loss than reinforce labelled ``loss+correction``.
+
 Usage: ``python -m benchmarks.ablation [--quick] [--seeds N] [--staleness 0,2]
-[--corrections tis,icepop] [--dtypes bfloat16] [--steps N] [--ray-address ADDR]
+[--corrections tis,icepop,m2po] [--losses reinforce,gspo] [--dtypes bfloat16] [--steps N] [--ray-address ADDR]
 [--json PATH] [-- extra pipeline flags]``.
 """
 
@@ -61,16 +65,21 @@ import traceback
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from benchmarks.ablation_cells import Arm, Cell, CellResult, CellStatus, GridSettings
 from benchmarks.ablation_plots import plot
 from benchmarks.ablation_report import build_result, markdown
 from benchmarks.common import (BadFlag, Outcome, at_least, config, main as bench_main, ray_session, repo_on_path,
                                run_pipeline)
+from pipeline_rl.config import CorrectionName, LossName   # torch-free
 
 STALENESS = (0, 1, 2, 4, 8)
 CORRECTIONS = ("none", "tis", "icepop", "seq-mask-tis")
+#: What --corrections and --losses accept: every --correction.type preset (custom needs flags of its
+#: own, which would reach every arm) and every --algorithm.loss.
+CORRECTION_CHOICES = tuple(c for c in get_args(CorrectionName) if c != "custom")
+LOSSES = get_args(LossName)
 DTYPES = ("float32", "bfloat16")
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
@@ -96,18 +105,19 @@ def parse_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> 
     return items
 
 
-def grid(staleness: str, corrections: str, dtypes: str, seeds: list[int]) -> list[Cell]:
-    """The cells, dtype-major, then staleness, correction, seed."""
+def grid(staleness: str, corrections: str, dtypes: str, seeds: list[int], losses: str = "reinforce") -> list[Cell]:
+    """The cells, dtype-major, then staleness, loss, correction, seed."""
     try:
         ks = [int(x) for x in parse_list("--staleness", staleness)]
     except ValueError:
         raise BadFlag(f"--staleness: give non-negative integers (got {staleness!r})") from None
     if any(k < 0 for k in ks):
         raise BadFlag(f"--staleness: give non-negative integers (got {staleness!r})")
-    corrs = parse_list("--corrections", corrections, CORRECTIONS)
+    corrs = parse_list("--corrections", corrections, CORRECTION_CHOICES)
+    objs = parse_list("--losses", losses, LOSSES)
     dts = [DTYPE_ALIASES[d] for d in parse_list("--dtypes", dtypes, tuple(DTYPE_ALIASES))]
-    return [Cell(Arm(d, k, c), s) for d in dict.fromkeys(dts) for k in dict.fromkeys(ks)
-            for c in dict.fromkeys(corrs) for s in seeds]
+    return [Cell(Arm(d, k, c, o), s) for d in dict.fromkeys(dts) for k in dict.fromkeys(ks)
+            for o in dict.fromkeys(objs) for c in dict.fromkeys(corrs) for s in seeds]
 
 
 def cell_dir(out: Path, cell: Cell) -> Path:
@@ -220,7 +230,11 @@ def run_cells(todo: list[Cell], settings: GridSettings, out: Path, keep_checkpoi
 
 def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness", default=None, help="Comma list (default 0,1,2,4,8).")
-    p.add_argument("--corrections", default=None, help=f"Comma list (default {','.join(CORRECTIONS)}).")
+    p.add_argument("--corrections", default=None, help=f"Comma list of --correction.type presets "
+                   f"({', '.join(CORRECTION_CHOICES)}; default {','.join(CORRECTIONS)}).")
+    p.add_argument("--losses", default="reinforce", help=f"Comma list of --algorithm.loss values ({', '.join(LOSSES)}; "
+                   "default reinforce), crossed with --corrections; an arm with another loss is labelled "
+                   "loss+correction and compared against reinforce with none.")
     p.add_argument("--dtypes", default=None, help="Comma list of generation dtypes: float32/fp32, "
                    "bfloat16/bf16 (default both).")
     p.add_argument("--steps", type=int, default=None, help=f"Optimizer steps per cell (default {FULL_STEPS}; "
@@ -265,7 +279,7 @@ def resolve(args: argparse.Namespace) -> Plan:
     cells = grid(args.staleness or ",".join(map(str, QUICK_STALENESS if quick else STALENESS)),
                  args.corrections or ",".join(CORRECTIONS),
                  args.dtypes or ",".join(QUICK_DTYPES if quick else DTYPES),
-                 list(range(args.seed, args.seed + args.seeds)))
+                 list(range(args.seed, args.seed + args.seeds)), args.losses)
     flags = (*(QUICK_FLAGS if quick else ()), *args.run_flags)
     # Validate the shared flags once, before anything starts (a bad flag fails in a second, not per cell).
     from pipeline_rl.driver import resolve_model_dir

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
@@ -17,15 +17,24 @@ CellStatus = Literal["done", "failed"]
 
 @dataclass(frozen=True, slots=True)
 class Arm:
-    """One treatment of the grid: every seed of it is a cell."""
+    """One treatment of the grid: every seed of it is a cell. ``loss`` is ``--algorithm.loss``
+    (named in the arm's name and label unless it is the default, reinforce)."""
 
     dtype: str
     staleness: int
     correction: str
+    loss: str = "reinforce"
 
     @property
     def name(self) -> str:
-        return f"{SHORT_DTYPE[self.dtype]}_s{self.staleness}_{self.correction}"
+        return f"{SHORT_DTYPE[self.dtype]}_s{self.staleness}_{treatment(asdict(self)).replace('+', '_')}"
+
+
+def treatment(arm: dict[str, Any]) -> str:
+    """An arm's label (its dict, as records store it): the correction, ``loss+correction`` when the
+    loss is not reinforce. Arms are compared against the label ``none`` (reinforce, no correction)."""
+    loss = arm.get("loss", "reinforce")
+    return arm["correction"] if loss == "reinforce" else f"{loss}+{arm['correction']}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +49,8 @@ class Cell:
         return f"{self.arm.name}_seed{self.seed}"
 
     def flags(self) -> tuple[str, ...]:
-        return ("--staleness", str(self.arm.staleness), "--correction.type", self.arm.correction,
+        loss = ("--algorithm.loss", self.arm.loss) if self.arm.loss != "reinforce" else ()
+        return ("--staleness", str(self.arm.staleness), "--correction.type", self.arm.correction, *loss,
                 "--rollout.dtype", self.arm.dtype, "--seed", str(self.seed))
 
     @staticmethod

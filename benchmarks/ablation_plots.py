@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ablation_cells import SHORT_DTYPE
+from benchmarks.ablation_cells import SHORT_DTYPE, treatment
 from benchmarks.ablation_report import _mark, smooth_window
 from benchmarks.common import pyplot
 from benchmarks.stats import Interval, mean_interval, trailing_mean
@@ -42,7 +42,7 @@ def _band(series: list[list[float]]) -> tuple[list[float], list[float], list[flo
 
 def _plot_curves(plt: Any, result: dict[str, Any], cells: list[dict[str, Any]], dtype: str, path: Path) -> None:
     arms = {n: a for n, a in result["arms"].items() if a["arm"]["dtype"] == dtype}
-    corrs = list(dict.fromkeys(a["arm"]["correction"] for a in arms.values()))
+    corrs = list(dict.fromkeys(treatment(a["arm"]) for a in arms.values()))
     ks = sorted(dict.fromkeys(a["arm"]["staleness"] for a in arms.values()))
     cmap = plt.get_cmap("viridis")
     colors = {k: cmap(i / max(1, len(ks) - 1)) for i, k in enumerate(ks)}
@@ -52,7 +52,7 @@ def _plot_curves(plt: Any, result: dict[str, Any], cells: list[dict[str, Any]], 
                              squeeze=False, sharey="row")
     for col, corr in enumerate(corrs):
         for name, a in arms.items():
-            if a["arm"]["correction"] != corr:
+            if treatment(a["arm"]) != corr:
                 continue
             mine = [c["curves"] for c in cells if c["arm"] == name]
             if not mine:
@@ -97,8 +97,8 @@ def _plot_heatmaps(plt: Any, result: dict[str, Any], dtypes: list[str], path: Pa
     for ax, dtype in zip(axes[0], dtypes):
         arms = [a for a in result["arms"].values() if a["arm"]["dtype"] == dtype]
         ks = sorted(dict.fromkeys(a["arm"]["staleness"] for a in arms))
-        corrs = list(dict.fromkeys(a["arm"]["correction"] for a in arms))
-        by = {(a["arm"]["staleness"], a["arm"]["correction"]): a for a in arms}
+        corrs = list(dict.fromkeys(treatment(a["arm"]) for a in arms))
+        by = {(a["arm"]["staleness"], treatment(a["arm"])): a for a in arms}
         grid_vals = [[_num(by[(k, c)]["final_reward"]["mean"]) if (k, c) in by else float("nan")
                       for c in corrs] for k in ks]
         top = max([v for row in grid_vals for v in row if not math.isnan(v)] + [0.05])

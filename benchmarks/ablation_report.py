@@ -37,7 +37,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.ablation_cells import Arm, CellResult, GridSettings
+from benchmarks.ablation_cells import Arm, CellResult, GridSettings, treatment
 from benchmarks.common import hardware
 from benchmarks.stats import holm, mean_interval, trailing_mean, welch_t_test
 
@@ -174,11 +174,11 @@ def compare(arms: dict[str, dict[str, Any]], per_arm: dict[str, list[CellSummary
     def base_key(arm: dict[str, Any]) -> tuple[str, int, str]:
         if against == "none":
             return arm["dtype"], arm["staleness"], "none"
-        return arm["dtype"], 0, arm["correction"]
+        return arm["dtype"], 0, treatment(arm)
 
-    by_key = {(a["arm"]["dtype"], a["arm"]["staleness"], a["arm"]["correction"]): n for n, a in arms.items()}
+    by_key = {(a["arm"]["dtype"], a["arm"]["staleness"], treatment(a["arm"])): n for n, a in arms.items()}
     pairs = [(name, by_key.get(base_key(a["arm"]))) for name, a in arms.items()
-             if (a["arm"]["correction"] != "none" if against == "none" else a["arm"]["staleness"] > 0)]
+             if (treatment(a["arm"]) != "none" if against == "none" else a["arm"]["staleness"] > 0)]
     out: dict[str, dict[str, dict[str, Any]]] = {name: {} for name, _ in pairs}
     for figure in TESTED:
         tests = []
@@ -281,10 +281,10 @@ def markdown(result: dict[str, Any]) -> str:
         for a in mine:
             arm = a["arm"]
             if not a["done"]:
-                lines.append(f"| {arm['staleness']} | {arm['correction']} | no seed finished |" + " |" * 8)
+                lines.append(f"| {arm['staleness']} | {treatment(arm)} | no seed finished |" + " |" * 8)
                 continue
             lines.append(
-                f"| {arm['staleness']} | {arm['correction']} | {_ci(a['final_reward'])}{_mark(a, 'final_reward')} | "
+                f"| {arm['staleness']} | {treatment(arm)} | {_ci(a['final_reward'])}{_mark(a, 'final_reward')} | "
                 f"{_ci(a['reward_auc'])}{_mark(a, 'reward_auc')} | "
                 f"{_ci(a['steps_to_threshold'], '.0f')} ({a['reached']}/{a['done']}) | "
                 f"{a['collapsed']}/{a['done']} | {_fmt(a['mismatch_kl_k3_mean']['mean'], '.2e')} | "
@@ -304,8 +304,8 @@ def _threshold_text(st: dict[str, Any]) -> str:
 def pivot(arms: list[dict[str, Any]]) -> list[str]:
     """Final reward (mean +- interval half-width), staleness (rows) x correction (columns)."""
     ks = list(dict.fromkeys(a["arm"]["staleness"] for a in arms))
-    corrs = list(dict.fromkeys(a["arm"]["correction"] for a in arms))
-    by = {(a["arm"]["staleness"], a["arm"]["correction"]): a for a in arms}
+    corrs = list(dict.fromkeys(treatment(a["arm"]) for a in arms))
+    by = {(a["arm"]["staleness"], treatment(a["arm"])): a for a in arms}
     lines = ["Final reward, mean ± 95% half-width over seeds (staleness x correction):", "",
              "| staleness | " + " | ".join(corrs) + " |", "|---" * (len(corrs) + 1) + "|"]
     for k in ks:
@@ -334,7 +334,7 @@ def comparison_table(arms: list[dict[str, Any]], key: str = "vs_none") -> list[s
              "|---|---|---|---|---|---|---|---|"]
     for a in rows:
         f, u = a[key]["final_reward"], a[key]["reward_auc"]
-        lines.append(f"| {a['arm']['staleness']} | {a['arm']['correction']} | {_fmt(f['diff'], '+.3f')} | "
+        lines.append(f"| {a['arm']['staleness']} | {treatment(a['arm'])} | {_fmt(f['diff'], '+.3f')} | "
                      f"{_fmt(f['p'])} | {_fmt(f['p_holm'])}{' *' if f['significant'] else ''} | "
                      f"{_fmt(u['diff'], '+.3f')} | {_fmt(u['p'])} | "
                      f"{_fmt(u['p_holm'])}{' *' if u['significant'] else ''} |")
