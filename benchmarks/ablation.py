@@ -45,7 +45,8 @@ away, which no ``except`` can catch.
 
 ``--corrections`` takes any ``--correction.type`` preset (``m2po`` too) and ``--losses`` any
 ``--algorithm.loss`` (``gspo``, ``gspo-token``, ``cispo``, ...): the arms are their cross product,
-an arm of another loss than reinforce labelled ``loss+correction``.
+an arm of another loss than reinforce labelled ``loss+correction``. ``--arms`` lists the arms instead
+(``none,tis,m2po,gspo+none,cispo+none``): a correction alone is reinforce's.
 
 Usage: ``python -m benchmarks.ablation [--quick] [--seeds N] [--staleness 0,2]
 [--corrections tis,icepop,m2po] [--losses reinforce,gspo] [--dtypes bfloat16] [--steps N] [--ray-address ADDR]
@@ -105,19 +106,38 @@ def parse_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> 
     return items
 
 
-def grid(staleness: str, corrections: str, dtypes: str, seeds: list[int], losses: str = "reinforce") -> list[Cell]:
-    """The cells, dtype-major, then staleness, loss, correction, seed."""
+def parse_arms(text: str) -> list[tuple[str, str]]:
+    """``--arms``: (loss, correction) pairs from ``correction`` (reinforce's) or ``loss+correction``."""
+    pairs = []
+    for item in parse_list("--arms", text):
+        loss, _, corr = item.rpartition("+")
+        loss = loss or "reinforce"
+        if loss not in LOSSES or corr not in CORRECTION_CHOICES:
+            raise BadFlag(f"--arms: unknown arm {item!r} (a correction of {', '.join(CORRECTION_CHOICES)}, "
+                          f"or loss+correction with a loss of {', '.join(LOSSES)})")
+        pairs.append((loss, corr))
+    return list(dict.fromkeys(pairs))
+
+
+def grid(staleness: str, corrections: str, dtypes: str, seeds: list[int], losses: str = "reinforce",
+         arms: str | None = None) -> list[Cell]:
+    """The cells, dtype-major, then staleness, loss, correction, seed; ``arms`` (``--arms``) lists
+    the (loss, correction) pairs instead of crossing ``losses`` with ``corrections``."""
     try:
         ks = [int(x) for x in parse_list("--staleness", staleness)]
     except ValueError:
         raise BadFlag(f"--staleness: give non-negative integers (got {staleness!r})") from None
     if any(k < 0 for k in ks):
         raise BadFlag(f"--staleness: give non-negative integers (got {staleness!r})")
-    corrs = parse_list("--corrections", corrections, CORRECTION_CHOICES)
-    objs = parse_list("--losses", losses, LOSSES)
+    if arms is not None:
+        pairs = parse_arms(arms)
+    else:
+        corrs = parse_list("--corrections", corrections, CORRECTION_CHOICES)
+        objs = parse_list("--losses", losses, LOSSES)
+        pairs = [(o, c) for o in dict.fromkeys(objs) for c in dict.fromkeys(corrs)]
     dts = [DTYPE_ALIASES[d] for d in parse_list("--dtypes", dtypes, tuple(DTYPE_ALIASES))]
     return [Cell(Arm(d, k, c, o), s) for d in dict.fromkeys(dts) for k in dict.fromkeys(ks)
-            for o in dict.fromkeys(objs) for c in dict.fromkeys(corrs) for s in seeds]
+            for o, c in pairs for s in seeds]
 
 
 def cell_dir(out: Path, cell: Cell) -> Path:
@@ -235,6 +255,9 @@ def flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--losses", default="reinforce", help=f"Comma list of --algorithm.loss values ({', '.join(LOSSES)}; "
                    "default reinforce), crossed with --corrections; an arm with another loss is labelled "
                    "loss+correction and compared against reinforce with none.")
+    p.add_argument("--arms", default=None, help="Comma list of arms instead of --losses x --corrections: "
+                   "a correction preset (with reinforce) or loss+correction, e.g. "
+                   "none,tis,m2po,gspo+none,cispo+none.")
     p.add_argument("--dtypes", default=None, help="Comma list of generation dtypes: float32/fp32, "
                    "bfloat16/bf16 (default both).")
     p.add_argument("--steps", type=int, default=None, help=f"Optimizer steps per cell (default {FULL_STEPS}; "
@@ -279,7 +302,9 @@ def resolve(args: argparse.Namespace) -> Plan:
     cells = grid(args.staleness or ",".join(map(str, QUICK_STALENESS if quick else STALENESS)),
                  args.corrections or ",".join(CORRECTIONS),
                  args.dtypes or ",".join(QUICK_DTYPES if quick else DTYPES),
-                 list(range(args.seed, args.seed + args.seeds)), args.losses)
+                 list(range(args.seed, args.seed + args.seeds)), args.losses, args.arms)
+    if args.arms is not None and (args.corrections is not None or args.losses != "reinforce"):
+        raise BadFlag("--arms: give either --arms or --losses/--corrections, not both")
     flags = (*(QUICK_FLAGS if quick else ()), *args.run_flags)
     # Validate the shared flags once, before anything starts (a bad flag fails in a second, not per cell).
     from pipeline_rl.driver import resolve_model_dir
