@@ -3,8 +3,8 @@
 One local Ray (2 CPUs) serves the module's runs. Checked: the metrics file and
 its keys, the lag bound, mixed-version samples under staleness >= 1, none
 under staleness 0, the worker and the trainer pinned to a core each, a killed
-rollout worker restarted mid-run, a resumable
-checkpoint, and a clean shutdown (no actor process left).
+rollout worker's standby taking its place mid-run (on its core) and a new standby built, a
+resumable checkpoint, and a clean shutdown (no actor process left).
 """
 
 from __future__ import annotations
@@ -55,22 +55,22 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
     # so the run can only finish by restarting the worker, which the last rows then count.
     steps = 16
     # The test's own Ray is not the run's: pinning there is asked for (the run pins nothing
-    # on a Ray it did not start unless told).
+    # on a Ray it did not start unless told). With a standby (run/slots.py): it, not Ray's
+    # restart of the killed process, takes the slot; a standby is built at the lowest CPU
+    # priority, so the bounds are wide for a machine busy with the tests beside this one.
     cfg = _config(tiny_model_dir, tmp_path / "run", "--staleness", "2", "--max-steps", str(steps),
-                  "--ray.pin_cores", "true")
+                  "--ray.pin_cores", "true", "--rollout.standby", "true", "--watchdog-s", "600",
+                  "--trainer.batch_timeout_s", "600")
     killed: list[int] = []
     cores: dict[str, list[int]] = {}
+    seen: dict[str, Any] = {}
 
     def kill_worker_after_step_3(orch: Any) -> None:
         metrics = Path(cfg.out_dir) / "metrics.jsonl"
         deadline = time.time() + 300
         while time.time() < deadline:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                pid = ray.get(orch.actors.workers[0].handle.pid.remote())
-                trainer = ray.get(orch.actors.trainers[0].pid.remote())
-                cores.update(worker=sorted(os.sched_getaffinity(pid)), trainer=sorted(os.sched_getaffinity(trainer)))
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                _take_over(orch, ray, killed, cores, seen)
                 return
             time.sleep(0.01)
 
@@ -80,15 +80,83 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
         assert REQUIRED_KEYS <= r.keys()
         assert 0 <= r["lag_max"] <= 2
     assert killed, "the worker was never killed"
+    # The standby's process (the pid it had when built) took the slot and generated for it,
+    # and the killed worker's handle (its process restarted by Ray) is the slot's new standby.
+    assert seen.get("slot_handle_is_standby"), seen
+    assert seen["generating_pid"] == seen["standby_pid"] != killed[0], seen
+    assert seen["groups_sent"] > 0 and seen["tokens_generated"] > 0, seen
+    assert seen["new_standby_pid"] not in (killed[0], seen["standby_pid"]), seen
     if len(os.sched_getaffinity(0)) >= 2:   # one worker and one rank: a core each (--ray.pin_cores true)
         assert len(cores["worker"]) == 1 and len(cores["trainer"]) == 1, cores
         assert cores["worker"] != cores["trainer"], cores
+        # built unpinned, pinned to the dead worker's core by take_over; the new standby unpinned
+        assert len(cores["standby"]) > 1 and cores["taken"] == cores["worker"], cores
+        assert len(cores["new_standby"]) > 1, cores
     assert rows[-1]["worker_restarts"] >= 1
     assert any(r["mixed_version_frac"] > 0 for r in rows), "no in-flight weight update seen"
     ckpt = Path(cfg.out_dir) / "checkpoints"
     assert any(ckpt.iterdir())
     with pytest.raises(ProcessLookupError):
         os.kill(killed[0], 0)
+
+
+def _take_over(orch: Any, ray: Any, killed: list[int], cores: dict[str, list[int]], seen: dict[str, Any]) -> None:
+    """Kill worker 0 once its standby is built, and record what took its place. Generation is
+    held (SIGSTOP) while the standby is built, and again while the killed worker's process is
+    built anew as the next standby, so that the run cannot end before either; SIGCONT always."""
+    slot = orch.actors.workers[0]
+    pid = ray.get(slot.handle.pid.remote())
+    trainer = ray.get(orch.actors.trainers[0].pid.remote())
+    cores.update(worker=sorted(os.sched_getaffinity(pid)), trainer=sorted(os.sched_getaffinity(trainer)))
+    standby = slot.standby
+    assert standby is not None, "the run built no standby"
+    with _held(pid):
+        seen["standby_pid"] = standby_pid = ray.get(standby.pid.remote(), timeout=300)   # once it is built
+        cores["standby"] = sorted(os.sched_getaffinity(standby_pid))
+        os.kill(pid, signal.SIGKILL)
+    killed.append(pid)
+    deadline = time.monotonic() + 120
+    while slot.handle is not standby and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen["slot_handle_is_standby"] = slot.handle is standby
+    seen["generating_pid"] = ray.get(slot.handle.pid.remote(), timeout=30)
+    cores["taken"] = sorted(os.sched_getaffinity(seen["generating_pid"]))
+    stats = ray.get(slot.handle.stats.remote(), timeout=30)
+    while stats.groups_sent == 0 and time.monotonic() < deadline:   # groups from it reach the buffer
+        time.sleep(0.05)
+        stats = ray.get(slot.handle.stats.remote(), timeout=30)
+    seen["groups_sent"], seen["tokens_generated"] = stats.groups_sent, stats.tokens_generated
+    with _held(seen["generating_pid"]):
+        seen["new_standby_pid"] = new = _answer(lambda: slot.standby.pid.remote(), ray, 300)
+        cores["new_standby"] = sorted(os.sched_getaffinity(new))
+
+
+class _held:
+    """A process stopped (SIGSTOP) for the ``with`` block, continued (SIGCONT) after it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __enter__(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _answer(call: Any, ray: Any, timeout_s: float) -> Any:
+    """The answer of ``call()`` from an actor Ray may still be restarting (asked again until then)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(call(), timeout=10)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def test_staleness_zero_is_synchronous_and_evaluates_held_out_prompts(

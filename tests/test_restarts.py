@@ -1,6 +1,8 @@
 """The run restarts itself (``run/restarts.py``): a killed trainer or buffer process restarts
-the run from its newest checkpoint and it finishes with every step once in ``metrics.jsonl``;
-a failure that would only repeat is not retried; the restart cap ends the run in one line.
+the run from its newest checkpoint and it finishes with every step once in ``metrics.jsonl``,
+its rollout worker renewed (the same process) or, when the renewal fails, a new actor in its
+place, as the console says; a failure that would only repeat is not retried; the restart cap
+ends the run in one line.
 The policy is checked alone first, then through the launcher's entry point on the real
 pipeline (one Ray shared by the module)."""
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,14 +52,49 @@ def test_what_would_repeat_is_not_retried() -> None:
     assert RestartPolicy(0).refusal(death(), stepped=True) == str(death())   # 0: today's behaviour
 
 
-def _run(model_dir: str, out: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, list[str]]:
+def _run(model_dir: str, out: Path, capsys: pytest.CaptureFixture[str], *flags: str,
+         console: list[str] | None = None) -> tuple[int, list[str]]:
+    """The run's exit status and its ``async_grpo.py:`` lines (every console line in ``console``)."""
     from pipeline_rl.driver import run
 
     cfg = tiny_run_config(model_dir, out, *flags)
     capsys.readouterr()
     rc = run(cfg)
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("async_grpo.py:")]
-    return rc, lines
+    err = capsys.readouterr().err.splitlines()
+    if console is not None:
+        console += err
+    return rc, [ln for ln in err if ln.startswith("async_grpo.py:")]
+
+
+def _workers_of_each_life(monkeypatch: pytest.MonkeyPatch, refuse_renewal: bool) -> list[list[int]]:
+    """The rollout workers' pids in each life of the run, as it starts them; with
+    ``refuse_renewal``, a carried worker's engine refuses its renewal (raises
+    ``EngineNotRenewable``, as an engine that cannot be carried does) inside its own process."""
+    import ray
+
+    from pipeline_rl.run import conductor
+
+    start_actors = conductor.start_actors
+    lives: list[list[int]] = []
+
+    def refuse(actor: Any) -> None:   # runs in the worker's process (Ray's __ray_call__)
+        import types
+
+        from pipeline_rl.rollout.engines.engine import GenerationEngine
+
+        engine = actor._worker.engine
+        engine.renew = types.MethodType(GenerationEngine.renew, engine)   # the base's: raises
+
+    def started(*args: Any, **kwargs: Any) -> Any:
+        carried = args[7] if len(args) > 7 else kwargs.get("carried")
+        for w in carried.workers if refuse_renewal and carried is not None else []:
+            ray.get(w.handle.__ray_call__.remote(refuse), timeout=30)
+        actors = start_actors(*args, **kwargs)
+        lives.append([ray.get(w.handle.pid.remote(), timeout=30) for w in actors.workers])
+        return actors
+
+    monkeypatch.setattr(conductor, "start_actors", started)
+    return lives
 
 
 def _steps(out: Path) -> list[int]:
@@ -64,20 +102,34 @@ def _steps(out: Path) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point,role,spares", [("trainer_kill", "trainer", "true"),
-                                               ("buffer_kill", "replay buffer", "false")])
-def test_a_killed_process_restarts_the_run_and_it_finishes(point: str, role: str, spares: str, ray_local: None,
-                                                           tiny_model_dir: str, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("point,role,spares,renewal", [("trainer_kill", "trainer", "true", "renewed"),
+                                                       ("buffer_kill", "replay buffer", "false", "refused")])
+def test_a_killed_process_restarts_the_run_and_it_finishes(point: str, role: str, spares: str, renewal: str,
+                                                           ray_local: None, tiny_model_dir: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
+    lives = _workers_of_each_life(monkeypatch, refuse_renewal=renewal == "refused")
+    console: list[str] = []
     t0 = time.monotonic()
     rc, lines = _run(tiny_model_dir, out, capsys, "--max-steps", "12", "--trainer.checkpoint_every", "4",
-                     "--fault", f"{point}@6", "--run.spare_trainers", spares)
+                     "--fault", f"{point}@6", "--run.spare_trainers", spares, console=console)
     assert rc == 0, lines
     assert len(lines) == 1 and lines[0].startswith(f"async_grpo.py: restart 1: {role} failed: "), lines
-    # carried into the next life, not started again; a spare trainer rank only when asked for
-    kept = ", 1 rollout worker(s) kept" + (", 1 spare trainer rank(s) kept" if spares == "true" else "")
-    assert kept + ")" in lines[0], lines
+    # offered to the next life, not started again; a spare trainer rank only when asked for
+    offered = ", 1 rollout worker(s) to renew" + (", 1 spare trainer rank(s) to adopt" if spares == "true" else "")
+    assert offered + ")" in lines[0], lines
+    assert len(lives) == 2, lives
+    told = [ln for ln in console if ln.startswith("rollout: ")]
+    if renewal == "renewed":   # the same process generates on; the new life says it carried it
+        assert lives[1] == lives[0], lives
+        assert not [ln for ln in told if "not renewed" in ln], told
+        assert [ln for ln in told if ln.endswith(", 1 carried from the run's last life")], told
+    else:   # the renewal failed: a new actor (a new process) in its place, and one line saying so and why
+        assert lives[1] != lives[0], lives
+        assert ("rollout: worker 0 not renewed (EngineNotRenewable: InprocessEngine cannot be carried into "
+                "the run's next life): a new actor starts in its place") in told, told
+        assert not [ln for ln in told if "carried from" in ln], told
     assert lines[0].endswith("starting again from " + str((out / "checkpoints" / "step_000004").resolve())), lines
     assert _steps(out) == list(range(1, 13))                    # no step twice, none missing
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -9,10 +9,12 @@ Invariants: a restart continues the same folder as ``--resume`` would (records p
 checkpoint dropped, the restart marked: no step twice in ``metrics.jsonl``), with the same
 configuration, seed and so data order; the steps since that checkpoint are trained again,
 so at most one checkpoint interval is lost. Each restart is one console line naming the
-cause. A failure that would only repeat is not retried (an exception inside an actor, a
-configuration or start-up error, a reward failing everywhere, the watchdog), nor the same
-weight-update failure twice at the same version; ``max_restarts`` restarts in a row without a
-step in between end the run.
+cause and what is offered to the new life (the rollout workers to renew, the spare ranks to
+adopt: whether they could be is the new life's to say, ``run/startup.py``). A failure that
+would only repeat is not retried (an exception inside an actor, a configuration or start-up
+error, a reward failing everywhere, the watchdog), nor the same weight-update failure twice
+at the same version; ``max_restarts`` restarts in a row without a step in between end the
+run.
 """
 
 from __future__ import annotations
@@ -121,9 +123,10 @@ def _lives(cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder
         carried = orch.carried
         folder, checkpoint = restart_in(folder.path)
         where = f"from {checkpoint}" if checkpoint else "from the start (no checkpoint was saved yet)"
-        kept = "".join(f", {len(x)} {what} kept" for x, what in ((carried.workers, "rollout worker(s)"),
-                                                                  (carried.spares, "spare trainer rank(s)")) if x)
-        stopped = (f" (its actors stopped in {orch.stopped_in_s:.1f} s{kept})" if orch.stopped_in_s is not None
+        offered = "".join(f", {len(x)} {what}" for x, what in ((carried.workers, "rollout worker(s) to renew"),
+                                                                (carried.spares, "spare trainer rank(s) to adopt"))
+                          if x)
+        stopped = (f" (its actors stopped in {orch.stopped_in_s:.1f} s{offered})" if orch.stopped_in_s is not None
                    else "")
         print(f"async_grpo.py: restart {policy.restarts}: {cause}{stopped}; starting again {where}",
               file=sys.stderr, flush=True)

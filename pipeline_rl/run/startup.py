@@ -8,9 +8,10 @@ for; a failure or ``_TIMEOUT_S`` ends the run in one line.
 
 A life of the run that restarts (``run/restarts.py``) may hand its rollout workers to the
 next: those are renewed (``RolloutActor.renew``: a second or less) instead of started (a
-vLLM start: 11 s of a core on CPU, minutes on a GPU); one that cannot be is replaced by a
-new actor. Every life shares the :class:`RunIdentity`, so a carried worker, and a process
-Ray restarts with its first constructor arguments, find the current life's buffer.
+vLLM start: 11 s of a core on CPU, minutes on a GPU); one that cannot be is replaced by its
+standby or a new actor, and one console line says which and why. Every life shares the
+:class:`RunIdentity`, so a carried worker, and a process Ray restarts with its first
+constructor arguments, find the current life's buffer.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pipeline_rl.run.ahead import TRAINING, import_ahead
 from pipeline_rl.run.cluster import Placement, say
 from pipeline_rl.run.run_folder import RunFolder, open_run_folder
 from pipeline_rl.run_key import RunKey
-from pipeline_rl.run.supervisor import OrchestratorError, WorkerSlot, describe_failure
+from pipeline_rl.run.supervisor import OrchestratorError, WorkerSlot, cause_of, describe_failure
 
 log = logging.getLogger("pipeline_rl.run.startup")
 
@@ -173,7 +174,7 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
 def _adopted(cfg: Config, spares: Sequence[TrainerHandle], buffer: BufferHandle) -> list[TrainerHandle]:
     """The last life's spare ranks, adopted for this life (``TrainerActor.adopt``); none when
     there are none or one fails to answer within ``_RENEW_TIMEOUT_S`` (every spare is then
-    killed: the ranks start as new actors)."""
+    killed: the ranks start as new actors, which one console line says with why)."""
     import ray
 
     if not spares:
@@ -183,8 +184,8 @@ def _adopted(cfg: Config, spares: Sequence[TrainerHandle], buffer: BufferHandle)
     failures = [f for f in map(_failure, refs) if f is not None]
     if len(spares) == cfg.trainer.num_ranks and not failures:
         return list(spares)
-    log.info("spare trainer ranks not taken (%d of %d ranks): %s", len(spares), cfg.trainer.num_ranks,
-             first_line(failures[0]) if failures else "a spare per rank is needed")
+    say(f"trainer: spare ranks not adopted ({len(spares)} of {cfg.trainer.num_ranks} ranks: "
+        f"{cause_of(failures[0]) if failures else 'a spare per rank is needed'}): new ranks start in their place")
     for t in spares:
         _kill(t)
     return []
@@ -209,28 +210,33 @@ def _renewed(slots: Sequence[WorkerSlot], refs: dict[int, Any], new_rollout: Cal
     """Wait up to ``_RENEW_TIMEOUT_S`` for the workers' renewals. A worker that failed to
     renew (its process died, or an engine that cannot be carried) gives its place to its
     standby when that is renewed (the worker, if its process died, becomes the standby Ray
-    restarts), else to a new actor. The indices given a new actor."""
+    restarts), else to a new actor; one console line names each such worker, why and what
+    took its place. The indices given a new actor."""
     import ray
 
     from pipeline_rl.run.remote_calls import RayCalls
 
     if refs:
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=_RENEW_TIMEOUT_S)
-    replaced = set()
+    replaced, told = set(), []
     for w in slots:
         failure = _failure(refs[w.index]) if w.index in refs else None
         if failure is None:
             continue
-        log.info("rollout worker %d could not be carried into this life: %s", w.index, first_line(failure))
+        why = f"worker {w.index} not renewed ({cause_of(failure)})"
         died = isinstance(failure, ray.exceptions.RayActorError)
         if w.wait_standby(RayCalls(), _RENEW_TIMEOUT_S) and _took_over(w):
             if not died:   # alive but unusable: no standby for this life
                 _kill(w.standby)
                 w.standby = None
+            told.append(f"{why}: its standby takes its place")
             continue
         _kill(w.handle)
         w.handle = new_rollout(w.index)
         replaced.add(w.index)
+        told.append(f"{why}: a new actor starts in its place")
+    if told:
+        say("rollout: " + "; ".join(told))
     return replaced
 
 
