@@ -24,6 +24,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import BadFlag, Outcome, at_least, hardware, main as bench_main
 
@@ -106,17 +107,22 @@ def _run(args: argparse.Namespace) -> Outcome:
         results.append(_one(name, i, args))
         r = results[-1]
         print(f"arms_rise: {name}: {r.first:.3f} -> {r.last:.3f} ({r.wall_s:.0f} s)", file=sys.stderr, flush=True)
-    md = _report(results, args)
     result = {"steps": args.steps, "seed": args.seed, "flags": list(args.run_flags), "hardware": hardware(),
               "arms": [asdict(r) | {"rise": r.rise} for r in results]}
-    return Outcome(result, md, status=0 if all(r.rise > 0 for r in results) else 1)
+    return Outcome(result, markdown(result), status=0 if all(r.rise > 0 for r in results) else 1)
 
 
-def _report(results: list[ArmResult], args: argparse.Namespace) -> str:
-    rows = ["| arm | flags | reward, first 10 steps | last 10 steps | rise | wall (s) |", "|---|---|---:|---:|---:|---:|"]
-    rows += [f"| {r.arm} | `{' '.join(r.flags) or '(none)'}` | {r.first:.3f} | {r.last:.3f} | {r.rise:+.3f} | "
-             f"{r.wall_s:.1f} |" for r in results]
-    return (f"# Each objective and correction learns: {args.steps} steps of the default run, seed {args.seed}\n\n"
+def markdown(result: dict[str, Any]) -> str:
+    """The report of a result (``arms_rise.json``): one row per arm."""
+    hw = result["hardware"]
+    flags = " ".join(result["flags"])
+    rows = [f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU. Each arm: "
+            f"`launch/async_grpo.py --staleness 2 --max-steps {result['steps']} --seed {result['seed']}"
+            f"{' ' + flags if flags else ''}` plus its flags, one run.", "",
+            "| arm | flags | reward, first 10 steps | last 10 steps | rise | wall (s) |", "|---|---|---:|---:|---:|---:|"]
+    rows += [f"| {a['arm']} | `{' '.join(a['flags']) or '(none)'}` | {a['first']:.3f} | {a['last']:.3f} | "
+             f"{a['rise']:+.3f} | {a['wall_s']:.1f} |" for a in result["arms"]]
+    return (f"# Each objective and correction learns: {result['steps']} steps of the default run\n\n"
             + "\n".join(rows) + "\n")
 
 

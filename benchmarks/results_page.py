@@ -178,6 +178,10 @@ CATALOG: tuple[Entry, ...] = (
           "The README's real-model command (SmolLM2-135M-Instruct, 60 steps) with 2 trainer SIGKILLs, one of "
           "them during a checkpoint write, each healed by the run restarting itself from its newest "
           "checkpoint; then the same run unbroken: steps lost, kill to the next step, held-out greedy."),
+    Entry("standby_cost", "What the standby costs a healthy run", "python -m benchmarks.standby_cost --rounds 3",
+          "The default run with its insurance (a standby per rollout worker and a spare per trainer rank, "
+          "built at the lowest CPU priority) against the same run without: wall time and weight sync, "
+          "alternated rounds."),
     Entry("checkpoint_cost", "What checkpoints cost", "python -m benchmarks.checkpoint_cost --steps 300 --every 10",
           "The default run with a checkpoint every 10 steps against none (the state copied on the training "
           "thread, written in the background): mean step, the copy's time, the extra time of the step after "

@@ -29,6 +29,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import BadFlag, Outcome, at_least, hardware, main as bench_main
 
@@ -98,18 +99,26 @@ def _run(args: argparse.Namespace) -> Outcome:
     ratios = {f: med["insured"][f] / med["uninsured"][f] for f in ("wall_s", "sync_p50_ms", "process_s")}
     result = {"flags": list(args.run_flags), "rounds": args.rounds, "runs": [asdict(r) for r in runs],
               "median": med, "ratio": ratios, "hardware": hardware()}
-    return Outcome(result, _report(runs, med, ratios))
+    return Outcome(result, markdown(result))
 
 
-def _report(runs: list[Run], med: dict[str, dict[str, float]], ratios: dict[str, float]) -> str:
-    rows = ["| round | arm | wall (s) | sync p50 (ms) | sync p90 (ms) | process (s) |", "|---:|---|---:|---:|---:|---:|"]
-    rows += [f"| {r.round} | {'standby + spares' if r.insured else 'neither'} | {r.wall_s:.1f} | {r.sync_p50_ms:.1f} | "
-             f"{r.sync_p90_ms:.1f} | {r.process_s:.1f} |" for r in runs]
-    i, u = med["insured"], med["uninsured"]
+def markdown(result: dict[str, Any]) -> str:
+    """The report of a result (``standby_cost.json``): every run, then the medians and ratios."""
+    hw = result["hardware"]
+    flags = " ".join(result["flags"])
+    rows = [f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['memory_gib']} GiB, no GPU. "
+            f"`launch/async_grpo.py --staleness 2{' ' + flags if flags else ''}`, {result['rounds']} rounds, "
+            "each one run with the standby and spare trainer ranks (the default) and one with "
+            "`--rollout.standby false --run.spare_trainers false`, alternating which goes first.", "",
+            "| round | arm | wall (s) | sync p50 (ms) | sync p90 (ms) | process (s) |", "|---:|---|---:|---:|---:|---:|"]
+    rows += [f"| {r['round']} | {'standby + spares' if r['insured'] else 'neither'} | {r['wall_s']:.1f} | "
+             f"{r['sync_p50_ms']:.1f} | {r['sync_p90_ms']:.1f} | {r['process_s']:.1f} |" for r in result["runs"]]
+    i, u, ratio = result["median"]["insured"], result["median"]["uninsured"], result["ratio"]
     rows += ["", "| median | standby + spares | neither | ratio |", "|---|---:|---:|---:|",
-             f"| wall (s) | {i['wall_s']:.1f} | {u['wall_s']:.1f} | {ratios['wall_s']:.3f}x |",
-             f"| sync p50 (ms) | {i['sync_p50_ms']:.1f} | {u['sync_p50_ms']:.1f} | {ratios['sync_p50_ms']:.3f}x |",
-             f"| process, start to exit (s) | {i['process_s']:.1f} | {u['process_s']:.1f} | {ratios['process_s']:.3f}x |"]
+             f"| wall (s) | {i['wall_s']:.1f} | {u['wall_s']:.1f} | {ratio['wall_s']:.3f}x |",
+             f"| sync p50 (ms) | {i['sync_p50_ms']:.1f} | {u['sync_p50_ms']:.1f} | {ratio['sync_p50_ms']:.3f}x |",
+             f"| process, start to exit (s) | {i['process_s']:.1f} | {u['process_s']:.1f} | "
+             f"{ratio['process_s']:.3f}x |"]
     return "# The insurance's cost to a healthy run\n\n" + "\n".join(rows) + "\n"
 
 

@@ -28,3 +28,11 @@ def test_reads_the_runs_summary() -> None:
     assert standby_cost.summary_figures(_SUMMARY) == (18.4, 14.2, 31.0)
     with pytest.raises(ValueError, match="no weight sync row"):
         standby_cost.summary_figures(_SUMMARY.splitlines()[2])
+
+
+def test_the_committed_page_is_its_json_rendered() -> None:
+    import json
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    result = json.loads((results / "standby_cost.json").read_text())
+    assert (results / "standby_cost.md").read_text() == standby_cost.markdown(result)
