@@ -99,14 +99,12 @@ def _refused_keeps_the_served(engine: Any, policy: Any) -> None:
     assert engine.version == 2
 
 
-@pytest.mark.parametrize("mode", ["native"])
+@pytest.mark.parametrize("mode", ["native", "merged"])
 def test_the_async_engine_serves_the_trainers_peft_logprobs(mode: str, tiny_model_dir: str) -> None:
     """The ``AsyncLLM`` engine, the adapter loaded in its engine core: two adapter versions
     pushed from memory, the second served with PEFT's log-probs; a bad one refused. Merged
-    serving through this engine is not checked here: on the tiny model its second update fails
-    (``vllm_backend.load_into`` builds a new ``DirectLoader`` per update, which takes the small
-    layers the first update left computing on their weights for layers that keep them, and
-    falls back to vLLM's layerwise reload, which fails on the layers the first one changed)."""
+    serving loads through one ``DirectLoader`` for the model's life (``vllm_backend.ModelLoads``):
+    with a new one per update, the second update failed on the tiny model."""
     from pipeline_rl.rollout.engines.engine_async import AsyncEngine
 
     lora = LoraServing(rank=4, alpha=32.0, targets=DEFAULT_TARGETS, mode=mode)  # type: ignore[arg-type]

@@ -48,9 +48,10 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         lora = LoraServing.from_additional(getattr(vllm_config, "additional_config", None))
+        self._loads = ModelLoads(model, vllm_config)
         #: A LoRA run's serving (None: full weights): updates are the adapter, checked against its spec.
         self.adapter = AdapterServer(vllm_config.model_config.model, lora, model,
-                                     lambda full: load_into(model, full, vllm_config)) if lora is not None else None
+                                     self._loads.load) if lora is not None else None
         spec = self.adapter.spec if self.adapter is not None else read_weight_spec(vllm_config.model_config.model)
         self._rx = Receiver(spec, device=device)
         self._received: Received | None = None
@@ -122,18 +123,37 @@ class WeightReceiver(WeightTransferEngine[Any, Any]):
         if self.adapter is not None:
             self.adapter.serve(as_checked(received.host))
             return
-        load_into(self.model, as_checked(received.host), self.vllm_config)
+        self._loads.load(as_checked(received.host))
 
     def shutdown(self) -> None:
         self._rx.close()
 
 
-def load_into(model: Any, checked: CheckedUpdate, vllm_config: Any) -> None:
-    """Load a checked update into a vLLM model that no step is running on: the
-    direct CPU path when it covers the model, else vLLM's layerwise reload."""
-    from pipeline_rl.weight_sync.loaders import DirectLoader
+class ModelLoads:
+    """Loads checked updates into one vLLM model that no step is running on: the direct CPU
+    path when it covers the model, else vLLM's layerwise reload.
 
-    on_cpu = str(vllm_config.device_config.device_type) == "cpu"
-    direct = DirectLoader.build(model) if on_cpu else None
-    if direct is None or not direct.load(checked, vllm_config):
-        load_served_weights(model, checked.tensors, vllm_config)
+    Invariant: one :class:`~pipeline_rl.weight_sync.loaders.DirectLoader` for the model's
+    life, built at its first load and again only after a layerwise reload (which may
+    re-create parameters), as the in-process engine's shadow keeps one. With a loader built
+    anew for each update, the second merged LoRA update on the ``AsyncLLM`` engine (tiny
+    model, CPU) left the direct path for vLLM's layerwise reload, which failed (a tensor of
+    size 0 where 128 were expected)."""
+
+    def __init__(self, model: Any, vllm_config: Any) -> None:
+        self.model, self.vllm_config = model, vllm_config
+        self._on_cpu = str(vllm_config.device_config.device_type) == "cpu"
+        self._direct: Any = None   # DirectLoader | None, once built
+        self._built = False
+
+    def load(self, checked: CheckedUpdate) -> None:
+        """Load ``checked`` (a complete update) into the model."""
+        from pipeline_rl.weight_sync.loaders import DirectLoader
+
+        if self._on_cpu and not self._built:
+            self._direct, self._built = DirectLoader.build(self.model), True
+        if self._direct is not None and self._direct.load(checked, self.vllm_config):
+            return
+        load_served_weights(self.model, checked.tensors, self.vllm_config)
+        if self._on_cpu:
+            self._direct = DirectLoader.build(self.model)
