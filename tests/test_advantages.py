@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,53 +174,3 @@ def test_group_estimators_never_reduce() -> None:
 
     for name in ("grpo", "dr_grpo", "rloo"):
         assert len(group_advantages(name, _batch(), reduce)) == 6  # type: ignore[arg-type]
-
-
-def _gloo_rank(rank: int, port: int, out: str) -> None:
-    """Child process: one gloo rank; its share of the batch through the trainer's rank sum."""
-    import os
-    from functools import partial
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import numpy as np
-    import torch.distributed as dist
-
-    from pipeline_rl.correction.advantages import group_advantages
-    from pipeline_rl.training.batching import sum_over_ranks
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    share = _batch()[:3] if rank == 0 else _batch()[3:]
-    reduce = partial(sum_over_ranks, world_size=2, device=torch.device("cpu"))
-    got = {name: group_advantages(name, share, reduce) for name in sorted(HAND)}  # type: ignore[arg-type]
-    dist.destroy_process_group()
-    np.savez(f"{out}.{rank}", **{f"{n}/{i}": a for n, advs in got.items() for i, a in enumerate(advs)})
-
-
-def test_reinforce_pp_over_two_gloo_ranks_equals_one_rank(tmp_path: Path) -> None:
-    """The same through a real all-reduce: two spawned gloo ranks (3 groups each) and the
-    trainer's rank sum (``training.batching.sum_over_ranks``) give one rank's advantages."""
-    import multiprocessing as mp
-    import socket
-
-    from pipeline_rl.correction.advantages import group_advantages
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_gloo_rank, args=(r, port, str(tmp_path / "adv"))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
-    for name in sorted(HAND):
-        one = group_advantages(name, _batch())  # type: ignore[arg-type]
-        two = []
-        for rank, size in ((0, 3), (1, 3)):
-            with np.load(tmp_path / f"adv.{rank}.npz") as z:
-                two += [z[f"{name}/{i}"] for i in range(size)]
-        for a, b in zip(one, two, strict=True):
-            np.testing.assert_allclose(b, a, rtol=0, atol=1e-6, err_msg=name)
