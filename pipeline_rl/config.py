@@ -146,6 +146,8 @@ class RolloutConfig(Section):
 
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")
+    prefix_caching: bool = Field(True, description="vLLM prefix caching, salted per weight version "
+                                 "(no KV is shared across versions).")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")
     kv_cache_gib: float | None = Field(None, gt=0, le=1024, description="vLLM KV-cache space per "
                                        "worker in GiB (given to vLLM in bytes: on CUDA a trainer "

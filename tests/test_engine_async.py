@@ -183,3 +183,19 @@ def test_not_newer_update_keeps_the_version(engine: AsyncEngine, model_dirs: tup
     v = engine.version
     assert not engine.stage(as_checked(load_update(model_dirs[0], v)))
     assert engine.version == v
+
+
+def test_prefix_cache_is_shared_within_a_version_only(engine: AsyncEngine, model_dirs: tuple) -> None:
+    """Prefix caching is on by default, salted with the version a request was added under
+    (``tests/test_prefix_cache.py`` has the in-process engine's): a group's copies share a
+    prompt's 128-token block, and the same prompt under the next version starts cold."""
+    prompt = tuple(engine.encode("salted 31+4=35; " * 10)[:148])
+    short = SamplingConfig(max_new_tokens=2)
+
+    def cached(tag: str) -> list[int]:
+        engine.add_copies([f"{tag}-{i}" for i in range(4)], prompt, short)
+        return sorted(f.cached_tokens for f in _collect(engine).values())
+
+    assert cached("salt-a") == [0, 128, 128, 128]
+    engine.load_update(load_update(model_dirs[0], engine.version + 1))
+    assert cached("salt-b") == [0, 128, 128, 128]

@@ -31,12 +31,18 @@ What every engine guarantees (docs/design.md):
   sequences in flight keep the KV computed by the old weights. ``recompute``:
   they are preempted and re-prefilled (prompt + tokens so far) under the new
   weights before their next token, with their outputs kept.
-- Prefix caching never serves KV computed by other weights: with ``keep`` it is
-  off (KV written by the old weights stays attached to running sequences, so no
-  cache reset can succeed while they run, and a salt per admission version would
-  still let a sibling admitted before the switch reuse blocks whose tail was
-  written after it); with ``recompute`` it is on and reset at every update,
-  which vLLM only allows together with the preemption that ``recompute`` does.
+- Prefix caching (on unless ``--rollout.prefix_caching false``) is salted: every request
+  carries :meth:`GenerationEngine.cache_salt` as vLLM's ``cache_salt`` (the life of the
+  engine and the version served when it was added), and vLLM only matches blocks whose
+  chain of hashes starts with the same salt. So a request never reads KV that a request
+  of another version or another life wrote: those admitted after an update never read
+  the old weights' KV, and a group's copies, an evaluation's samples and an episode's
+  later turns share prefills within a version. Under ``keep`` the blocks a request of
+  version v writes after an in-flight update (its later tokens, a re-prefill after a
+  preemption) are by newer weights and keep its salt, so a request of v still waiting
+  when the update came can read them: the KV a request reads is by weights no older than
+  its salt's version and no newer than those sampling it. ``recompute`` resets the cache
+  at every update as well, with the preemption vLLM requires for it.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ class EngineConfig:
     #: receiver proves it when it joins a trainer's group; empty outside a run.
     rendezvous_secret: bytes = field(default=b"", repr=False)
     lora: LoraServing | None = None   # a LoRA run: how the adapter is served (``weight_sync.lora_update``)
+    prefix_caching: bool = True     # vLLM's prefix caching, salted per version (module docstring)
 
     def update_spec(self) -> WeightSpec:
         """What every update is checked against: the model's weights, or a LoRA run's adapter."""
@@ -142,6 +149,7 @@ class FinishedSequence:
     versions: I32
     text: str
     finish_reason: FinishReason
+    cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +180,9 @@ class GenerationEngine(ABC):
     may be called from any other thread."""
 
     kv_policy: KVPolicy
+    prefix_caching: bool = False
     _version: int  # set by each concrete engine
+    _life: int = 0  # lives this engine has served (:meth:`renew` counts them)
     _spec: WeightSpec
     _tokenizer: Any
 
@@ -180,6 +190,14 @@ class GenerationEngine(ABC):
     def version(self) -> int:
         """Policy version of the weights now loaded."""
         return self._version
+
+    def cache_salt(self, version: int | None = None) -> str | None:
+        """vLLM's ``cache_salt`` for a request added now: this engine's life and the version it
+        serves (or ``version``), so cached KV is shared within one version of one life only
+        (versions repeat after :meth:`renew`); None without prefix caching."""
+        if not self.prefix_caching:
+            return None
+        return f"life{self._life}-v{self._version if version is None else version}"
 
     @property
     def weight_spec(self) -> WeightSpec:
@@ -298,7 +316,8 @@ def engine_config(rollout: object, model_dir: str, *, seed: int = 0, initial_ver
                         kv_cache_gib=rollout.kv_cache_gib or kv_cache_gib_needed(model_dir, rollout, dtype),
                         gpu_memory_fraction=gpu_memory if gpu_memory is not None else VLLM_DEFAULT_GPU_MEMORY,
                         seed=seed, initial_version=initial_version, fault=fault,
-                        rendezvous_secret=rendezvous_secret, lora=lora)
+                        rendezvous_secret=rendezvous_secret, lora=lora,
+                        prefix_caching=rollout.prefix_caching)
 
 
 #: Smallest KV cache the automatic size gives (1/64 GiB).

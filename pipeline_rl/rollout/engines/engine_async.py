@@ -114,9 +114,11 @@ class AsyncEngine(GenerationEngine):
         register()
         self.cfg = cfg
         self.kv_policy = cfg.kv_policy
+        self.prefix_caching = cfg.prefix_caching
         self.backend = transfer_backend(cfg.device)
         self._spec = cfg.update_spec()   # a LoRA run's: the adapter's
         self._version = cfg.initial_version
+        self._labelled = cfg.initial_version   # the version later requests are salted with (loop)
         self._done: queue.Queue[FinishedSequence | BaseException] = queue.Queue()
         self._unfinished = 0
         self._update_lock = threading.Lock()     # one update at a time
@@ -153,7 +155,7 @@ class AsyncEngine(GenerationEngine):
         args = AsyncEngineArgs(
             model=cfg.model_dir, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs, logprobs_mode="processed_logprobs",
-            enable_prefix_caching=cfg.kv_policy == "recompute", disable_log_stats=True,
+            enable_prefix_caching=cfg.prefix_caching, disable_log_stats=True,
             # Bytes, not a share of the GPU: a trainer on the same GPU keeps the rest.
             kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
             gpu_memory_utilization=cfg.gpu_memory_fraction,
@@ -203,7 +205,8 @@ class AsyncEngine(GenerationEngine):
     async def _generate(self, request: GenRequest) -> None:
         try:
             final = await compat.generate_final(self._llm, request.request_id, request.prompt_ids,
-                                                sampling_params(request.sampling), self._record, self._lora)
+                                                sampling_params(request.sampling), self._record, self._lora,
+                                                self.cache_salt(self._labelled))
             self._done.put(to_finished(final, self._version, self._tokenizer, self._record))
         except BaseException as e:  # surfaced to the caller by step()
             self._done.put(e)
@@ -379,6 +382,7 @@ class AsyncEngine(GenerationEngine):
             # Paused: every token so far came from the old weights once its output is processed.
             await compat.drain_async_outputs(self._llm)
             self._record.switch(version, compat.output_token_counts(self._llm.output_processor))
+        self._labelled = version   # requests added from here on (this loop) carry its salt
         if self.kv_policy == "recompute":
             await self._llm.reset_prefix_cache(reset_running_requests=True)
         await self._llm.resume_generation()

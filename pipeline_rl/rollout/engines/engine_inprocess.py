@@ -97,11 +97,12 @@ class InprocessEngine(GenerationEngine):
         register()
         self.cfg = cfg
         self.kv_policy = cfg.kv_policy
+        self.prefix_caching = cfg.prefix_caching
         args = EngineArgs(
             model=cfg.model_dir, dtype=cfg.dtype, seed=cfg.seed,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=cfg.kv_policy == "recompute",
+            enable_prefix_caching=cfg.prefix_caching,
             enforce_eager=enforce_eager, disable_log_stats=True,
             kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30),
             weight_transfer_config=WeightTransferConfig(backend=BACKEND),
@@ -146,7 +147,7 @@ class InprocessEngine(GenerationEngine):
 
     # -- GenerationEngine -------------------------------------------------------------
     def add(self, request: GenRequest) -> None:
-        prompt: Any = {"prompt_token_ids": list(request.prompt_ids)}
+        prompt: Any = compat.token_prompt(request.prompt_ids, self.cache_salt())
         self._llm.add_request(request.request_id, prompt, sampling_params(request.sampling),
                               lora_request=self._lora)
         if self._record is not None:
@@ -162,7 +163,7 @@ class InprocessEngine(GenerationEngine):
             super().add_copies(request_ids, prompt_ids, sampling)
             return
         compat.add_processed_copies(self._llm, request_ids, prompt_ids, sampling_params(sampling), self._tasks,
-                                    self._lora)
+                                    self._lora, self.cache_salt())
         if self._record is not None:
             for request_id in request_ids:
                 self._record.add(request_id, registered=True)
@@ -268,7 +269,9 @@ class InprocessEngine(GenerationEngine):
     def _after_load(self, version: int) -> None:
         """For ``recompute``, preempt every running sequence and clear the prefix
         cache so each is re-prefilled under the new weights; then label later tokens
-        with the new version. Nothing is aborted: requests keep their outputs."""
+        with the new version (and salt later requests with it: ``keep`` leaves the cache,
+        whose blocks no request of the new version can match). Nothing is aborted:
+        requests keep their outputs."""
         if self.kv_policy == "recompute":
             self._llm.reset_prefix_cache(reset_running_requests=True)
         self._version = version
@@ -284,8 +287,8 @@ class InprocessEngine(GenerationEngine):
         with self._stage_lock:
             self._staged = None
             compat.abort_all(self._llm)
-            if self.kv_policy == "recompute":   # prefix caching is on only then
-                self._llm.reset_prefix_cache()
+            self._llm.reset_prefix_cache()   # nothing runs; the new life's salt differs anyway
+            self._life += 1
             self._version = -1
             if self._adapter is not None:
                 self._adapter.version = -1
@@ -332,6 +335,7 @@ def to_finished(out: Any, version: int, tokenizer: Any,
         versions=(record.take(out.request_id, len(token_ids)) if record is not None else
                   compat.versions_from_spans(getattr(comp, "weight_versions", None), len(token_ids), version)),
         text=tokenizer.decode(comp.token_ids, skip_special_tokens=False), finish_reason=finish,
+        cached_tokens=int(getattr(out, "num_cached_tokens", 0) or 0),
     )
 
 

@@ -158,12 +158,12 @@ def lora_request(lora_id: int, name: str) -> Any:
 
 
 async def generate_final(llm: Any, request_id: str, prompt_ids: Sequence[int], params: Any,
-                         record: VersionRecord | None, lora: Any = None) -> Any:
+                         record: VersionRecord | None, lora: Any = None, cache_salt: str | None = None) -> Any:
     """One request through ``AsyncLLM`` (as its ``generate`` does), returning the final
     ``RequestOutput``; ``record`` (if any) learns when vLLM holds the request."""
     if record is not None:
         record.add(request_id)
-    collector = await llm.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params,
+    collector = await llm.add_request(request_id, token_prompt(prompt_ids, cache_salt), params,
                                       lora_request=lora)
     if record is not None:
         record.registered(request_id)
@@ -212,14 +212,22 @@ def transfer_receiver(llm: Any) -> Any:
     return receiver
 
 
+def token_prompt(prompt_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, Any]:
+    """vLLM's prompt of token ids, with its prefix-cache salt where there is one."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
+
+
 def add_processed_copies(llm: Any, request_ids: Sequence[str], prompt_ids: Sequence[int],
-                         params: Any, tasks: Any, lora: Any = None) -> None:
+                         params: Any, tasks: Any, lora: Any = None, cache_salt: str | None = None) -> None:
     """Process a prompt once and add one request per id (vLLM's own ``n > 1`` fan-out,
-    each copy a request of its own)."""
+    each copy a request of its own, the salt of each the same)."""
     import copy
 
     base = llm.input_processor.process_inputs(
-        request_ids[0], {"prompt_token_ids": list(prompt_ids)}, params, supported_tasks=tasks,
+        request_ids[0], token_prompt(prompt_ids, cache_salt), params, supported_tasks=tasks,
         lora_request=lora)
     for request_id in request_ids:
         request = copy.copy(base)
