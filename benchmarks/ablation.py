@@ -46,7 +46,8 @@ away, which no ``except`` can catch.
 ``--corrections`` takes any ``--correction.type`` preset (``m2po`` too) and ``--losses`` any
 ``--algorithm.loss`` (``gspo``, ``gspo-token``, ``cispo``, ...): the arms are their cross product,
 an arm of another loss than reinforce labelled ``loss+correction``. ``--arms`` lists the arms instead
-(``none,tis,m2po,gspo+none,cispo+none``): a correction alone is reinforce's.
+(``none,tis,m2po,gspo@behaviour+none``): a correction alone is reinforce's; ``@behaviour`` sets
+``--algorithm.ratio_reference``.
 
 Usage: ``python -m benchmarks.ablation [--quick] [--seeds N] [--staleness 0,2]
 [--corrections tis,icepop,m2po] [--losses reinforce,gspo] [--dtypes bfloat16] [--steps N] [--ray-address ADDR]
@@ -73,7 +74,7 @@ from benchmarks.ablation_plots import plot
 from benchmarks.ablation_report import build_result, markdown
 from benchmarks.common import (BadFlag, Outcome, at_least, config, main as bench_main, ray_session, repo_on_path,
                                run_pipeline)
-from pipeline_rl.config import CorrectionName, LossName   # torch-free
+from pipeline_rl.config import CorrectionName, LossName, RatioReference   # torch-free
 
 STALENESS = (0, 1, 2, 4, 8)
 CORRECTIONS = ("none", "tis", "icepop", "seq-mask-tis")
@@ -81,6 +82,7 @@ CORRECTIONS = ("none", "tis", "icepop", "seq-mask-tis")
 #: own, which would reach every arm) and every --algorithm.loss.
 CORRECTION_CHOICES = tuple(c for c in get_args(CorrectionName) if c != "custom")
 LOSSES = get_args(LossName)
+REFERENCES = get_args(RatioReference)
 DTYPES = ("float32", "bfloat16")
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
@@ -106,17 +108,22 @@ def parse_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> 
     return items
 
 
-def parse_arms(text: str) -> list[tuple[str, str]]:
-    """``--arms``: (loss, correction) pairs from ``correction`` (reinforce's) or ``loss+correction``."""
-    pairs = []
+def parse_arms(text: str) -> list[tuple[str, str, str]]:
+    """``--arms``: (loss, reference, correction) from ``correction`` (reinforce's),
+    ``loss+correction`` or ``loss@reference+correction`` (``--algorithm.ratio_reference``)."""
+    arms = []
     for item in parse_list("--arms", text):
-        loss, _, corr = item.rpartition("+")
-        loss = loss or "reinforce"
-        if loss not in LOSSES or corr not in CORRECTION_CHOICES:
+        spec, _, corr = item.rpartition("+")
+        loss, _, ref = (spec or "reinforce").partition("@")
+        ref = ref or "proximal"
+        if (loss not in LOSSES or corr not in CORRECTION_CHOICES or ref not in REFERENCES
+                or (loss == "reinforce" and ref != "proximal")):
             raise BadFlag(f"--arms: unknown arm {item!r} (a correction of {', '.join(CORRECTION_CHOICES)}, "
-                          f"or loss+correction with a loss of {', '.join(LOSSES)})")
-        pairs.append((loss, corr))
-    return list(dict.fromkeys(pairs))
+                          f"or loss+correction or loss@reference+correction with a loss of "
+                          f"{', '.join(x for x in LOSSES if x != 'reinforce')} and a reference of "
+                          f"{', '.join(REFERENCES)})")
+        arms.append((loss, ref, corr))
+    return list(dict.fromkeys(arms))
 
 
 def grid(staleness: str, corrections: str, dtypes: str, seeds: list[int], losses: str = "reinforce",
@@ -130,14 +137,14 @@ def grid(staleness: str, corrections: str, dtypes: str, seeds: list[int], losses
     if any(k < 0 for k in ks):
         raise BadFlag(f"--staleness: give non-negative integers (got {staleness!r})")
     if arms is not None:
-        pairs = parse_arms(arms)
+        triples = parse_arms(arms)
     else:
         corrs = parse_list("--corrections", corrections, CORRECTION_CHOICES)
         objs = parse_list("--losses", losses, LOSSES)
-        pairs = [(o, c) for o in dict.fromkeys(objs) for c in dict.fromkeys(corrs)]
+        triples = [(o, "proximal", c) for o in dict.fromkeys(objs) for c in dict.fromkeys(corrs)]
     dts = [DTYPE_ALIASES[d] for d in parse_list("--dtypes", dtypes, tuple(DTYPE_ALIASES))]
-    return [Cell(Arm(d, k, c, o), s) for d in dict.fromkeys(dts) for k in dict.fromkeys(ks)
-            for o, c in pairs for s in seeds]
+    return [Cell(Arm(d, k, c, o, r), s) for d in dict.fromkeys(dts) for k in dict.fromkeys(ks)
+            for o, r, c in triples for s in seeds]
 
 
 def cell_dir(out: Path, cell: Cell) -> Path:
@@ -256,8 +263,8 @@ def flags(p: argparse.ArgumentParser) -> None:
                    "default reinforce), crossed with --corrections; an arm with another loss is labelled "
                    "loss+correction and compared against reinforce with none.")
     p.add_argument("--arms", default=None, help="Comma list of arms instead of --losses x --corrections: "
-                   "a correction preset (with reinforce) or loss+correction, e.g. "
-                   "none,tis,m2po,gspo+none,cispo+none.")
+                   "a correction preset (with reinforce), loss+correction, or loss@reference+correction "
+                   "(--algorithm.ratio_reference), e.g. none,tis,m2po,gspo@behaviour+none.")
     p.add_argument("--dtypes", default=None, help="Comma list of generation dtypes: float32/fp32, "
                    "bfloat16/bf16 (default both).")
     p.add_argument("--steps", type=int, default=None, help=f"Optimizer steps per cell (default {FULL_STEPS}; "

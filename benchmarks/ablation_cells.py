@@ -18,22 +18,28 @@ CellStatus = Literal["done", "failed"]
 @dataclass(frozen=True, slots=True)
 class Arm:
     """One treatment of the grid: every seed of it is a cell. ``loss`` is ``--algorithm.loss``
-    (named in the arm's name and label unless it is the default, reinforce)."""
+    (named in the arm's name and label unless it is the default, reinforce); ``reference`` its
+    ``--algorithm.ratio_reference`` (named, as ``loss@reference``, unless it is the default,
+    proximal)."""
 
     dtype: str
     staleness: int
     correction: str
     loss: str = "reinforce"
+    reference: str = "proximal"
 
     @property
     def name(self) -> str:
-        return f"{SHORT_DTYPE[self.dtype]}_s{self.staleness}_{treatment(asdict(self)).replace('+', '_')}"
+        label = treatment(asdict(self)).replace("+", "_").replace("@", "_")
+        return f"{SHORT_DTYPE[self.dtype]}_s{self.staleness}_{label}"
 
 
 def treatment(arm: dict[str, Any]) -> str:
     """An arm's label (its dict, as records store it): the correction, ``loss+correction`` when the
     loss is not reinforce. Arms are compared against the label ``none`` (reinforce, no correction)."""
     loss = arm.get("loss", "reinforce")
+    ref = arm.get("reference", "proximal")
+    loss = loss if ref == "proximal" else f"{loss}@{ref}"
     return arm["correction"] if loss == "reinforce" else f"{loss}+{arm['correction']}"
 
 
@@ -49,7 +55,9 @@ class Cell:
         return f"{self.arm.name}_seed{self.seed}"
 
     def flags(self) -> tuple[str, ...]:
-        loss = ("--algorithm.loss", self.arm.loss) if self.arm.loss != "reinforce" else ()
+        loss: tuple[str, ...] = ("--algorithm.loss", self.arm.loss) if self.arm.loss != "reinforce" else ()
+        if self.arm.reference != "proximal":
+            loss += ("--algorithm.ratio_reference", self.arm.reference)
         return ("--staleness", str(self.arm.staleness), "--correction.type", self.arm.correction, *loss,
                 "--rollout.dtype", self.arm.dtype, "--seed", str(self.seed))
 

@@ -7,8 +7,9 @@ Usage::
                                    [--json PATH] [--md PATH] [-- PIPELINE FLAGS]
 
 An arm is a named set of pipeline flags (:data:`ARMS`: every ``--algorithm.loss`` beside
-reinforce with the default correction, every correction preset and composition beside the
-default loss). Each runs as a user runs it, ``launch/async_grpo.py --staleness 2`` with the
+reinforce with the default correction, against the generator's log-probs (``--algorithm.ratio_reference
+behaviour``) or in 2 passes against the trainer's own (proximal: in one pass its ratio is 1 and its
+gradient REINFORCE's); every correction preset and two compositions beside the default loss). Each runs as a user runs it, ``launch/async_grpo.py --staleness 2`` with the
 arm's flags (and those after ``--``), a process each, one after another. Reported per arm:
 the mean reward of its first 10 and last 10 steps (``metrics.jsonl``), the rise, and the
 run's wall time; the exit status is 1 when an arm failed or did not rise.
@@ -33,23 +34,23 @@ _WINDOW = 10
 
 #: name -> the flags it adds to the default run.
 ARMS: dict[str, tuple[str, ...]] = {
-    "reinforce+tis (default)": (),
-    "ppo": ("--algorithm.loss", "ppo"),
-    "gspo": ("--algorithm.loss", "gspo"),
-    "gspo-token": ("--algorithm.loss", "gspo-token"),
-    "cispo": ("--algorithm.loss", "cispo"),
-    "cispo, clip-higher, behaviour ref.": ("--algorithm.loss", "cispo", "--algorithm.ppo_clip_low", "0.2",
-                                           "--algorithm.ppo_clip_high", "0.28", "--algorithm.ratio_reference",
-                                           "behaviour"),
+    "reinforce+tis": (),
+    "ppo-2-epochs": ("--algorithm.loss", "ppo", "--algorithm.ppo_epochs", "2"),
+    "gspo@behaviour": ("--algorithm.loss", "gspo", "--algorithm.ratio_reference", "behaviour"),
+    "gspo-token@behaviour": ("--algorithm.loss", "gspo-token", "--algorithm.ratio_reference", "behaviour"),
+    "cispo@behaviour": ("--algorithm.loss", "cispo", "--algorithm.ratio_reference", "behaviour"),
+    "cispo-clip-higher-2-epochs": ("--algorithm.loss", "cispo", "--algorithm.ppo_clip_low", "0.2",
+                                   "--algorithm.ppo_clip_high", "0.28", "--algorithm.ppo_epochs", "2"),
+    "gspo-2-epochs": ("--algorithm.loss", "gspo", "--algorithm.ppo_epochs", "2"),
     "none": ("--correction.type", "none"),
     "icepop": ("--correction.type", "icepop"),
     "seq-mask-tis": ("--correction.type", "seq-mask-tis"),
     "m2po": ("--correction.type", "m2po"),
-    "sequence weight, sequence rejection": ("--correction.type", "custom", "--correction.weight", "sequence",
-                                            "--correction.reject", "sequence", "--correction.reject_hi", "2"),
-    "token weight, geometric rejection, veto": ("--correction.type", "custom", "--correction.weight", "token",
-                                                "--correction.reject", "geometric", "--correction.reject_hi", "1.5",
-                                                "--correction.veto", "1e-4"),
+    "sequence-weight+sequence-rejection": ("--correction.type", "custom", "--correction.weight", "sequence",
+                                           "--correction.reject", "sequence", "--correction.reject_hi", "2"),
+    "token-weight+geometric-rejection+veto": ("--correction.type", "custom", "--correction.weight", "token",
+                                              "--correction.reject", "geometric", "--correction.reject_hi", "1.5",
+                                              "--correction.veto", "1e-4"),
 }
 
 

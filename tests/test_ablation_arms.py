@@ -26,16 +26,22 @@ def test_losses_cross_corrections_and_each_cell_carries_its_loss() -> None:
 
 
 def test_arms_lists_the_pairs_instead_of_the_cross_product() -> None:
-    cells = ablation.grid("0,8", "", "bf16", [0], arms="none,m2po,gspo+none,cispo+none")
+    cells = ablation.grid("0,8", "", "bf16", [0], arms="none,m2po,gspo+none,cispo@behaviour+none")
     assert [c.name for c in cells] == ["bf16_s0_none_seed0", "bf16_s0_m2po_seed0", "bf16_s0_gspo_none_seed0",
-                                       "bf16_s0_cispo_none_seed0", "bf16_s8_none_seed0", "bf16_s8_m2po_seed0",
-                                       "bf16_s8_gspo_none_seed0", "bf16_s8_cispo_none_seed0"]
+                                       "bf16_s0_cispo_behaviour_none_seed0", "bf16_s8_none_seed0",
+                                       "bf16_s8_m2po_seed0", "bf16_s8_gspo_none_seed0",
+                                       "bf16_s8_cispo_behaviour_none_seed0"]
+    flags = cells[3].flags()
+    assert flags[flags.index("--algorithm.ratio_reference") + 1] == "behaviour"
+    assert "--algorithm.ratio_reference" not in cells[2].flags()
+    assert treatment({"correction": "none", "loss": "cispo", "reference": "behaviour"}) == "cispo@behaviour+none"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--losses", "gspo,bogus"], "--losses: unknown value(s) bogus"),
     (["--corrections", "m2po,custom"], "--corrections: unknown value(s) custom"),
     (["--arms", "none,gspo+bogus"], "--arms: unknown arm 'gspo+bogus'"),
+    (["--arms", "reinforce@behaviour+none"], "--arms: unknown arm 'reinforce@behaviour+none'"),
     (["--arms", "none", "--corrections", "tis"], "--arms: give either --arms or --losses/--corrections"),
 ])
 def test_bad_names_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
