@@ -126,6 +126,17 @@ CATALOG: tuple[Entry, ...] = (
           "SmolLM2-135M-Instruct with bf16 generation against the fp32 trainer: reward, mismatch KL, "
           "ESS and masked shares per staleness and correction, 3 seeds, intervals and Holm-corrected tests.",
           figure="ablation_real_model_bf16.png"),
+    Entry("ablation_arms", "Staleness x every objective and correction",
+          "python -m benchmarks.ablation --quick --staleness 0,8 --arms "
+          "none,tis,icepop,seq-mask-tis,m2po,gspo@behaviour+none,cispo@behaviour+none --seeds 3",
+          "The built-in task with bf16 generation: the design's corrections, M2PO, and the GSPO and CISPO "
+          "objectives against the generator's log-probs, at staleness 0 and 8, 3 seeds, intervals and "
+          "Holm-corrected tests against none.",
+          figure="ablation_arms_bf16.png"),
+    Entry("arms_rise", "Each objective and correction learns", "python -m benchmarks.arms_rise",
+          "The default run, 60 steps per objective (every --algorithm.loss, against the generator's "
+          "log-probs or in 2 passes) and correction (every preset and two compositions): the reward of its "
+          "first 10 steps against its last 10."),
     Entry("ablation_full", "Staleness x correction, the full grid (one seed)", "python -m benchmarks.ablation",
           "Staleness {0,1,2,4,8} x 4 corrections x fp32/bf16 generation, 200 steps (an earlier default model)."),
     Entry("multiturn", "A multi-turn tool task learns", "python -m benchmarks.multiturn --seeds 3 --steps 200",

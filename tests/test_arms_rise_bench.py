@@ -18,7 +18,7 @@ def test_every_arm_is_a_valid_configuration() -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--steps", "10"], "--steps must be >= 20, got 10"),
-    (["--arms", "gspo,bogus"], "--arms: unknown arm(s) bogus"),
+    (["--arms", "m2po,bogus"], "--arms: unknown arm(s) bogus"),
     (["--", "--max-steps", "5"], "may not set --out-dir or --max-steps"),
 ])
 def test_bad_flags_are_one_line(argv: list[str], message: str, tmp_path: Path,
@@ -33,3 +33,11 @@ def test_reward_windows() -> None:
     assert arms_rise.reward_window(rows) == (0.0, 1.0)
     with pytest.raises(ValueError, match="19 step rows, 20 needed"):
         arms_rise.reward_window(rows[:19])
+
+
+def test_the_committed_page_is_its_json_rendered() -> None:
+    import json
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    result = json.loads((results / "arms_rise.json").read_text())
+    assert (results / "arms_rise.md").read_text().rstrip("\n") == arms_rise.markdown(result).rstrip("\n")

@@ -35,4 +35,4 @@ def test_the_committed_page_is_its_json_rendered() -> None:
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     result = json.loads((results / "standby_cost.json").read_text())
-    assert (results / "standby_cost.md").read_text() == standby_cost.markdown(result)
+    assert (results / "standby_cost.md").read_text().rstrip("\n") == standby_cost.markdown(result).rstrip("\n")
