@@ -82,7 +82,8 @@ def resolve_model_dir(cfg: Config) -> str:
 def startup_line(cfg: Config) -> str:
     """The model and the profile of defaults in force, with the values the run uses:
     ``model: NAME | profile: pretrained (lr 1e-05, kl 0, ...)``, and a LoRA run's adapter and
-    serving mode (``| lora: rank 16, ..., serving merged (auto on cpu)``)."""
+    serving mode (``| lora: rank 16, ..., serving merged (auto on cpu)``); a ratio objective whose
+    one pass against the proximal policy makes it REINFORCE says so (``| loss: ...``)."""
     from pipeline_rl.profiles import PROFILE_KEYS, profile_line
 
     values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for _, key in PROFILE_KEYS}
@@ -92,6 +93,10 @@ def startup_line(cfg: Config) -> str:
 
         device = cfg.model.device if cfg.model.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
         line += f" | {cfg.lora.startup_text(device)}"
+    algo = cfg.algorithm
+    if algo.loss != "reinforce" and algo.ratio_reference == "proximal" and algo.ppo_epochs == 1:
+        line += (f" | loss: {algo.loss} in one pass against the trainer's own log-probs: its ratio is 1, its "
+                 f"gradient REINFORCE's (--algorithm.ppo_epochs 2, or --algorithm.ratio_reference behaviour)")
     return line
 
 

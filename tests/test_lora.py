@@ -253,3 +253,16 @@ def test_the_startup_line_names_the_serving_mode() -> None:
     forced, _ = parse_config(["--lora.rank", "8", "--lora.serving", "native"], check_cpu=False)
     assert "serving native (forced)" in startup_line(forced)
     assert "lora" not in startup_line(Config())
+
+
+def test_the_startup_line_says_when_a_ratio_objective_is_reinforce() -> None:
+    """One pass against the proximal policy: ratio 1, REINFORCE's gradient; said on the start-up
+    line with the two ways out, and not said when either is taken or for reinforce itself."""
+    from pipeline_rl.driver import startup_line
+
+    said = "its ratio is 1, its gradient REINFORCE's"
+    assert said in startup_line(Config.model_validate({"algorithm": {"loss": "cispo"}}))
+    assert said not in startup_line(Config.model_validate({"algorithm": {"loss": "cispo", "ppo_epochs": 2}}))
+    assert said not in startup_line(Config.model_validate(
+        {"algorithm": {"loss": "gspo", "ratio_reference": "behaviour"}}))
+    assert "loss:" not in startup_line(Config())
