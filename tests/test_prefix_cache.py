@@ -145,3 +145,20 @@ def test_a_renewed_engine_serves_nothing_of_its_last_life(engine: GenerationEngi
     engine.load_update(load_update(tiny_model_dir, version))           # the same version number again
     assert _one(engine, "after", prompt).cached_tokens == 0
     assert _one(engine, "again", prompt).cached_tokens == BLOCK
+
+
+def test_the_flag_reaches_the_engine_and_a_bad_value_is_one_line(tiny_model_dir: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rollout.prefix_caching false`` reaches the engine's configuration (vLLM's
+    ``enable_prefix_caching`` and the salt follow it); a value that is no boolean is one line, exit 2."""
+    from pipeline_rl.cli import main_config
+    from pipeline_rl.rollout.engines.engine import engine_config
+
+    off = main_config(["--rollout.prefix_caching", "false"])
+    assert off is not None and not engine_config(off.rollout, tiny_model_dir).prefix_caching
+    on = main_config([])
+    assert on is not None and engine_config(on.rollout, tiny_model_dir).prefix_caching
+    with pytest.raises(SystemExit) as e:
+        main_config(["--rollout.prefix_caching", "sometimes"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "prefix_caching" in err and len(err.strip().splitlines()) == 1
