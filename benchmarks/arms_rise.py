@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BadFlag, Outcome, at_least, hardware, main as bench_main
+from benchmarks.common import BadFlag, Outcome, at_least, hardware, launch_run, main as bench_main
 
-_ROOT = Path(__file__).resolve().parent.parent
 _WINDOW = 10
 
 #: name -> the flags it adds to the default run.
@@ -81,14 +77,8 @@ def reward_window(rows: list[dict[str, float]]) -> tuple[float, float]:
 def _one(name: str, index: int, args: argparse.Namespace) -> ArmResult:
     folder = args.out / f"arm{index}"
     flags = [*ARMS[name], *args.run_flags]
-    cmd = [sys.executable, str(_ROOT / "launch" / "async_grpo.py"), "--staleness", "2", "--max-steps",
-           str(args.steps), "--seed", str(args.seed), "--out-dir", str(folder), *flags]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=_ROOT, env=env, timeout=1800)
-    (args.out / f"arm{index}.log").write_text(done.stdout + done.stderr)
-    if done.returncode:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"arm {name!r} failed (exit {done.returncode}): {tail}")
+    launch_run(folder, ["--staleness", "2", "--max-steps", str(args.steps), "--seed", str(args.seed), *flags],
+               args.out / f"arm{index}.log")
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     first, last = reward_window(rows)
     return ArmResult(name, flags, len(rows), first, last, float(rows[-1].get("time_s", 0.0)))

@@ -93,6 +93,24 @@ def main(name: str, doc: str | None, argv: list[str] | None, run: Callable[[argp
     return outcome.status
 
 
+def launch_run(folder: Path, flags: list[str], log: Path, timeout_s: float = 1800) -> str:
+    """The README's main job as a user runs it, a process of its own: ``launch/async_grpo.py
+    --out-dir folder`` plus ``flags``, one thread per process; its output kept in ``log``
+    and returned. A run that fails raises RuntimeError with its last line."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "launch" / "async_grpo.py"), "--out-dir", str(folder), *flags]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=timeout_s)
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"{folder.name}: the run failed (exit {done.returncode}): {tail}")
+    return done.stdout + done.stderr
+
+
 def at_least(args: argparse.Namespace, **lows: float) -> None:
     """Raise :class:`BadFlag` for the first flag ``--NAME`` (attribute ``NAME``) below its bound."""
     for attr, low in lows.items():

@@ -22,18 +22,15 @@ trainer run on (``pipeline_rl.actors.process.lower_to_idle_priority``).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BadFlag, Outcome, at_least, hardware, main as bench_main
+from benchmarks.common import BadFlag, Outcome, at_least, hardware, launch_run, main as bench_main
 
-_ROOT = Path(__file__).resolve().parent.parent
 _OFF = ("--rollout.standby", "false", "--run.spare_trainers", "false")
 _WALL = re.compile(r"^\|\s*wall time\s*\|\s*([0-9.]+) s", re.M)
 _SYNC = re.compile(r"^\|\s*weight sync, step end -> every worker on it \(p50 / p90\)\s*\|\s*([0-9.]+) / ([0-9.]+) ms",
@@ -65,18 +62,10 @@ def _one(insured: bool, rnd: int, out: Path, flags: list[str]) -> Run:
     import time
 
     folder = out / f"round{rnd}-{'insured' if insured else 'uninsured'}"
-    cmd = [sys.executable, str(_ROOT / "launch" / "async_grpo.py"), "--staleness", "2", "--out-dir", str(folder),
-           *flags, *(() if insured else _OFF)]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
     t0 = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=_ROOT, env=env, timeout=1800)
-    took = time.monotonic() - t0
-    (out / f"{folder.name}.log").write_text(done.stdout + done.stderr)
-    if done.returncode:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"{folder.name}: the run failed (exit {done.returncode}): {tail}")
-    wall, p50, p90 = summary_figures(done.stdout + done.stderr)
-    return Run(insured, rnd, wall, p50, p90, took)
+    console = launch_run(folder, ["--staleness", "2", *flags, *(() if insured else _OFF)], out / f"{folder.name}.log")
+    wall, p50, p90 = summary_figures(console)
+    return Run(insured, rnd, wall, p50, p90, time.monotonic() - t0)
 
 
 def _median(runs: list[Run], insured: bool, field: str) -> float:
