@@ -10,7 +10,6 @@ import logging
 import multiprocessing as mp
 import os
 import re
-import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -23,6 +22,7 @@ import pytest
 from benchmarks.synthetic import synthetic_groups
 from pipeline_rl.config import Config
 from pipeline_rl.training.checkpoint import CheckpointError, RunState
+from pipeline_rl.net import rendezvous_port
 from tests.test_checkpoint import make_cfg
 
 _LINE = (r"checkpoint step_000000: rank 1 failed to write its part: OSError: No space left on device "
@@ -259,12 +259,6 @@ def _answers(ends: list[Connection], command: str | None, timeout_s: float) -> l
     return [str(end.recv()) for end in ends]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(240)
 def test_a_failed_write_on_rank_1_of_2_ends_the_steps_within_30_s(tiny_model_dir: str, tmp_path: Path) -> None:
     """Two real ranks save in the background; rank 1's write fails (a full disk). The next
@@ -272,7 +266,7 @@ def test_a_failed_write_on_rank_1_of_2_ends_the_steps_within_30_s(tiny_model_dir
     (before: the steps went on, rank 0 waited 1800 s for rank 1's part, and the failure was
     raised only by rank 1's next save)."""
     ctx = mp.get_context("spawn")
-    port, pipes = _free_port(), [ctx.Pipe() for _ in range(2)]
+    port, pipes = rendezvous_port(), [ctx.Pipe() for _ in range(2)]
     procs = [ctx.Process(target=_rank_main, args=(r, port, tiny_model_dir, str(tmp_path), pipes[r][1]), daemon=True)
              for r in range(2)]
     for p in procs:

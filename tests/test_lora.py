@@ -6,7 +6,6 @@ the trainer's log-probs; resume; the merged model; ZeRO-3 over two ranks."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from benchmarks.synthetic import synthetic_groups
 from pipeline_rl.cli import UsageError, parse_config
 from pipeline_rl.config import Config
+from pipeline_rl.net import rendezvous_port
 
 
 def lora_cfg(**over: Any) -> Config:
@@ -192,12 +192,6 @@ def test_checkpoint_is_peft_format_resumes_and_merges(make_trainer: Any, tiny_mo
 
 # ------------------------------------------------------------------------------ ZeRO-3, two ranks
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
     import os
 
@@ -224,7 +218,7 @@ def test_zero3_two_ranks_trains_the_same_adapter(make_trainer: Any, tiny_model_d
     steps(t, 3)
     ref = adapter_of(t)
     ctx = mp.get_context("spawn")
-    port, out = _free_port(), tmp_path / "z3.npz"
+    port, out = rendezvous_port(), tmp_path / "z3.npz"
     procs = [ctx.Process(target=_rank_main, args=(r, port, tiny_model_dir, str(out))) for r in range(2)]
     for p in procs:
         p.start()

@@ -5,7 +5,6 @@ temperature, micro-batching == full batch, the loss going down, ZeRO-0 (1 rank) 
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from benchmarks.synthetic import synthetic_groups
 from pipeline_rl.training.batching import build_micro_batches, build_shared_prompt_batches, lag_stats
 from pipeline_rl.config import Config
+from pipeline_rl.net import rendezvous_port
 
 
 def make_cfg(**trainer: Any) -> Config:
@@ -235,12 +235,6 @@ def test_prompt_sharing_falls_back_to_padded_rows(trainer_factory: Any, monkeypa
 
 # ------------------------------------------------------------------------------ two ranks
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _three_steps(trainer: Any, rank: int, world: int) -> dict[str, np.ndarray]:
     """3 steps, each rank on its share of the same groups; losses, grad norms, final params."""
     losses, norms = [], []
@@ -280,7 +274,7 @@ def _rank_main(rank: int, world: int, port: int, stage: int, model_dir: str, out
 
 def _run_ranks(world: int, stage: int, model_dir: str, out: Path) -> dict[str, np.ndarray]:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = rendezvous_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, stage, model_dir, str(out)))
              for r in range(world)]
     for p in procs:

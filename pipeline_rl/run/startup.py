@@ -28,7 +28,7 @@ from typing import Any
 from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
 from pipeline_rl.calls import first_line
 from pipeline_rl.config import Config
-from pipeline_rl.net import free_port
+from pipeline_rl.net import rendezvous_port
 from pipeline_rl.run.ahead import TRAINING, import_ahead
 from pipeline_rl.run.cluster import Placement, say
 from pipeline_rl.run.run_folder import RunFolder, open_run_folder
@@ -288,7 +288,7 @@ def _setup_trainers(trainers: list[TrainerHandle], where: Placement, wait: Start
     """Ask every rank to join the rendezvous and build its DeepSpeed engine (not waited for)."""
     master = (wait([trainers[0].node_ip.remote()], "the trainer to start", "trainer")[0]
               if where.multi_node else "127.0.0.1")
-    port = free_port()
+    port = rendezvous_port()
     return [t.setup.remote(master, port) for t in trainers]
 
 

@@ -16,7 +16,7 @@ import torch
 
 from pipeline_rl import runtime_env
 from pipeline_rl.config import Config, Device
-from pipeline_rl.net import free_port
+from pipeline_rl.net import rendezvous_port
 from pipeline_rl.training.optimizers import muon_config
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str | None, master
     if master_port is None:
         if world_size > 1:
             raise ValueError("trainer: master_port (or MASTER_PORT) is required with world_size > 1")
-        master_port = free_port()
+        master_port = rendezvous_port()
     runtime_env.for_rendezvous(master_addr, master_port, rank, world_size)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                rank=rank, world_size=world_size)

@@ -22,7 +22,6 @@ refused in one line where it cannot run (:func:`nccl_refusal`).
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
@@ -42,6 +41,7 @@ from pipeline_rl.weight_sync.protocol import (
     tagged,
 )
 from pipeline_rl.calls import in_daemon_thread
+from pipeline_rl.net import rendezvous_port
 
 if TYPE_CHECKING:
     import torch
@@ -180,13 +180,6 @@ def join(info: NcclInitInfo, rank: int, secret: bytes, device: Any = None) -> Br
     return nccl_broadcaster(info.master_address, info.master_port, rank, device, info.timeout_s, secret)
 
 
-def free_port(address: str) -> int:
-    """A port free on ``address`` now (the rendezvous binds it right after)."""
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
-
-
 class NcclTrainerChannel:
     """The nccl path's ``TrainerChannel`` for one worker: open joins the group (rank 0)
     while the worker's engine joins it; send drives the worker's one call on a helper
@@ -209,7 +202,7 @@ class NcclTrainerChannel:
             why = nccl_refusal()
             if why is not None:
                 raise WeightUpdateError(why)
-        info = NcclInitInfo(context.address, free_port(context.address), context.bucket_bytes,
+        info = NcclInitInfo(context.address, rendezvous_port(context.address), context.bucket_bytes,
                             context.timeout_s, backend)
         joined = in_daemon_thread(join, info, 0, context.secret, _current_device(backend))
         worker = in_daemon_thread(client.init_weight_transfer_engine, tagged(info))
