@@ -14,7 +14,8 @@ Two measurements, back to back in one process:
    template exactly as the workers render them, ``--bare-groups`` prompts submitted at once
    with the run's own sampling (``n`` = ``--rollout.n``, temperature, top-p 1, top-k off,
    ``--rollout.max_new_tokens``, one log-prob per token, the run's engine dtype, context
-   length and concurrency). Generated tokens per second over the call, best of
+   length and concurrency), and vLLM's default prefix caching (as it ships). Generated
+   tokens per second over the call (wall time and busy time are one there), best of
    ``--bare-rounds``.
 2. **The pipeline** (``launch/async_grpo.py`` through the real orchestrator on a local Ray,
    the run's defaults for the model plus ``FLAGS``): ``--steps`` steps with held-out
@@ -94,7 +95,7 @@ def bare_vllm(cfg: Any, model_dir: str, groups: int, rounds: int) -> Bare:
         with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):
             llm = LLM(model=model_dir, dtype=ecfg.dtype, max_model_len=ecfg.max_model_len,
                       max_num_seqs=ecfg.max_num_seqs, seed=cfg.seed, logprobs_mode="processed_logprobs",
-                      enable_prefix_caching=False, enforce_eager=True, disable_log_stats=True,
+                      enforce_eager=True, disable_log_stats=True,   # prefix caching: vLLM's default
                       kv_cache_memory_bytes=int(ecfg.kv_cache_gib * 2**30))
         tok = llm.get_tokenizer()
         prompts = [TokensPrompt(prompt_token_ids=tok.encode(p.text, add_special_tokens=not p.templated))

