@@ -16,6 +16,7 @@ import pytest
 from test_rollout_worker import MAX_SEQS, _Rig, engine, model_dirs  # noqa: F401 - shared fixtures
 
 from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine
+from pipeline_rl.rollout.request_key import RequestKey
 from pipeline_rl.rollout.scoring import REWARD_FAILURES_FATAL, RewardFailed
 from pipeline_rl.tasks.base import Prompt
 from pipeline_rl.tasks.env import EnvReply
@@ -85,7 +86,7 @@ def test_episode_tokens_are_the_engines_and_the_environments(engine: GenerationE
         rig.close()
     for g in groups:
         for i, c in enumerate(g.completions):
-            turns = [recorded[f"{g.group_id}:{i}#{t}"] for t in range(3)]
+            turns = [recorded[RequestKey(g.group_id, i, turn=t).to_id()] for t in range(3)]
             replies = [list(REPLY_IDS), engine.encode("=5;", add_special_tokens=False), []]
             want = np.concatenate([np.concatenate([t.token_ids, np.array(r, np.int32)]) for t, r in zip(turns, replies)])
             np.testing.assert_array_equal(c.token_ids, want)              # byte for byte, nothing re-encoded

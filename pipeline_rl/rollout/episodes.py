@@ -38,6 +38,7 @@ from pipeline_rl.config import TaskConfig
 from pipeline_rl.rollout.bounded_calls import BoundedCalls, Outcome
 from pipeline_rl.rollout.chat_turns import ChatTurns
 from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
+from pipeline_rl.rollout.request_key import RequestKey
 from pipeline_rl.samples import Completion, FinishReason
 from pipeline_rl.tasks.base import Prompt
 from pipeline_rl.tasks.chat import has_chat_template
@@ -53,13 +54,13 @@ EndKind = Literal["done", "turns", "length", "env_error", "timeout"]
 
 @dataclass(slots=True)
 class Episode:
-    """One episode in flight (engine loop only). ``key`` is the request id of its turns
-    without the turn number. Invariants: ``tokens``, ``logprobs``, ``versions`` and ``mask``
-    have one entry per token after the prompt; the model's tokens (mask 1) keep the
-    engine's log-probs and versions, non-decreasing; the environment's (mask 0) hold 0
-    and the version before them."""
+    """One episode in flight (engine loop only). ``key``: its turns' key without the turn
+    (``key.at_turn(t)`` is turn ``t``'s request). Invariants: ``tokens``, ``logprobs``,
+    ``versions`` and ``mask`` have one entry per token after the prompt; the model's tokens
+    (mask 1) keep the engine's log-probs and versions, non-decreasing; the environment's
+    (mask 0) hold 0 and the version before them."""
 
-    key: str
+    key: RequestKey
     prompt: Prompt
     prompt_ids: tuple[int, ...]
     env: Environment
@@ -158,7 +159,7 @@ class EpisodeDriver:
         self._chat_turns: ChatTurns | None = None
         self._ready: deque[Ready] = deque()
         self._lock = threading.Lock()
-        self._live: dict[str, Episode] = {}
+        self._live: dict[RequestKey, Episode] = {}
         self.waiting = 0   # episodes whose environment has not answered yet
 
     @property
@@ -182,7 +183,7 @@ class EpisodeDriver:
             messages = (*first, Message("user", prompt.raw_prompt if prompt.raw_prompt is not None else prompt.text))
         return tuple(self._engine.encode(chat.prompt_text(messages), add_special_tokens=False))
 
-    def start(self, key: str, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
+    def start(self, key: RequestKey, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
         """A new episode: its environment is made (and given the tokenizer, when it takes
         one: ``attach``) and reset off the loop, then its first turn."""
         env = self.factory()
@@ -193,9 +194,9 @@ class EpisodeDriver:
         self._live[key] = episode
         self._ask(episode, episode.env.reset, prompt, reset=True)
 
-    def collect(self, seq: FinishedSequence) -> None:
-        """A finished turn (request id ``KEY#TURN``): to the environment, off the loop."""
-        episode = self._live[seq.request_id.rpartition("#")[0]]
+    def collect(self, seq: FinishedSequence, key: RequestKey) -> None:
+        """A finished turn (``key``: its request's, with its turn): to the environment, off the loop."""
+        episode = self._live[key.episode]
         episode.add_turn(seq)
         self._ask(episode, episode.env.step, seq.text, reset=False)
 
@@ -236,8 +237,8 @@ class EpisodeDriver:
             self._end(episode)
             return
         sampling = replace(episode.sampling, max_new_tokens=min(episode.sampling.max_new_tokens, room))
-        self._engine.add(GenRequest(f"{episode.key}#{episode.turns}", episode.prompt_ids + tuple(episode.tokens),
-                                    sampling))
+        self._engine.add(GenRequest(episode.key.at_turn(episode.turns).to_id(),
+                                    episode.prompt_ids + tuple(episode.tokens), sampling))
 
     def _end(self, episode: Episode) -> None:
         del self._live[episode.key]

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 SOLVED = 1.0 - 1e-6
 #: Scores one answer: ``(prompt, completion text) -> reward``.
 RewardOf = Callable[[Prompt, str], float]
-#: Request ids of evaluation sequences start with this (training ids are ``GROUP:INDEX``).
-EVAL_PREFIX = "eval:"
 #: Share of a worker's engine sequences (``--rollout.max_num_seqs``) a side-stream
 #: evaluation holds at most at a time; training generation keeps the rest.
 STREAM_SHARE = 0.25
@@ -96,17 +94,6 @@ class EvalResult:
             sampled_reward_sum=sum(p.sampled_reward_sum for p in parts),
             passed=sum(p.passed for p in parts), greedy_tokens=sum(p.greedy_tokens for p in parts),
             version_min=min(p.version_min for p in parts), version_max=max(p.version_max for p in parts))
-
-
-def request_id(eval_id: int, prompt_index: int, sample: int) -> str:
-    """Engine request id of one evaluation sequence (``sample`` 0 is the greedy one)."""
-    return f"{EVAL_PREFIX}{eval_id}:{prompt_index}:{sample}"
-
-
-def parse_request_id(rid: str) -> tuple[int, int, int]:
-    """``(eval_id, prompt_index, sample)`` of an id made by :func:`request_id`."""
-    eval_id, prompt_index, sample = rid[len(EVAL_PREFIX):].split(":")
-    return int(eval_id), int(prompt_index), int(sample)
 
 
 @dataclass(slots=True, eq=False)

@@ -53,8 +53,8 @@ from pipeline_rl.rollout.ports import AdmissionSource, SenderLike, connect_sende
 from pipeline_rl.run_key import RunKey, endpoint_token, rendezvous_secret
 from pipeline_rl.rollout.scoring import PendingGroup, Scorer, reward_source
 from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
-from pipeline_rl.rollout.eval_feed import EVAL_PREFIX, STREAM_SHARE, EvalFeed, EvalRequest, EvalResult, PendingEval
-from pipeline_rl.rollout.eval_feed import parse_request_id as parse_eval_request_id, request_id as eval_request_id
+from pipeline_rl.rollout.eval_feed import STREAM_SHARE, EvalFeed, EvalRequest, EvalResult, PendingEval
+from pipeline_rl.rollout.request_key import RequestKey
 from pipeline_rl.heap import HeapTrimmer
 from pipeline_rl.weight_sync.protocol import receive_in_one_call
 from pipeline_rl.weight_sync.layout import UpdateLayout
@@ -326,11 +326,11 @@ class RolloutWorker:
         prompt = self._task.prompt(local * self.cfg.rollout.num_workers + self.worker_id)
         prompt_ids = self._prompt_ids(prompt)
         self._pending[group_id] = PendingGroup(group_id, prompt, prompt_ids)
-        ids = [f"{group_id}:{i}" for i in range(self.n)]
+        keys = [RequestKey(group_id, i) for i in range(self.n)]
         if self._episodes is None:
-            self._engine.add_copies(ids, prompt_ids, self._sampling)
+            self._engine.add_copies([k.to_id() for k in keys], prompt_ids, self._sampling)
         else:
-            for key in ids:
+            for key in keys:
                 self._episodes.start(key, prompt, prompt_ids, self._sampling)
         with self._lock:
             self._c.groups_started += 1
@@ -348,14 +348,15 @@ class RolloutWorker:
             ids = pending.encoded.get(i)
             if ids is None:
                 ids = pending.encoded[i] = self._prompt_ids(prompt)
-            rid, sampling = eval_request_id(pending.request.eval_id, i, j), self._greedy if j == 0 else self._sampling
-            (self._episodes.start(rid, prompt, ids, sampling) if self._episodes is not None
-             else self._engine.add(GenRequest(rid, ids, sampling)))
+            key, sampling = RequestKey.of_eval(pending.request.eval_id, i, j), self._greedy if j == 0 else self._sampling
+            (self._episodes.start(key, prompt, ids, sampling) if self._episodes is not None
+             else self._engine.add(GenRequest(key.to_id(), ids, sampling)))
 
-    def _answered(self, key: str, text: str, versions: np.ndarray, reward: float | None = None) -> None:
-        """An evaluation answer is in (``versions``: its model tokens'); the last one hands
+    def _answered(self, key: RequestKey, text: str, versions: np.ndarray, reward: float | None = None) -> None:
+        """Evaluation answer ``key`` is in (``versions``: its model tokens'); the last one hands
         the evaluation to the scorer."""
-        done = self._evals.answered(*parse_eval_request_id(key), text, int(versions.shape[0]), versions, reward)
+        assert key.prompt is not None, f"{key} is no evaluation's"
+        done = self._evals.answered(key.group, key.prompt, key.index, text, int(versions.shape[0]), versions, reward)
         if done is not None:
             self._scorer.eval_done(done, self._engine.version)
 
@@ -375,35 +376,35 @@ class RolloutWorker:
         """A finished episode: counted, into its evaluation or its group (complete: to the scorer)."""
         with self._lock:
             self._c.episode_ended(ep.ended, ep.turns, ep.env_s, ep.tool_calls, ep.tool_errors)
-        if ep.key.startswith(EVAL_PREFIX):
+        if ep.key.evaluation:
             self._answered(ep.key, ep.text, ep.completion(0.0).model_versions, ep.reward)
             return
-        gid, idx = (int(x) for x in ep.key.split(":"))
-        group = self._pending[gid]
-        group.episodes[idx] = ep
+        group = self._pending[ep.key.group]
+        group.episodes[ep.key.index] = ep
         if len(group.episodes) == self.n:
-            del self._pending[gid]
+            del self._pending[ep.key.group]
             self._scorer.episodes_done(group)
 
     def _collect(self, seq: FinishedSequence) -> None:
-        evaluation = seq.request_id.startswith(EVAL_PREFIX)
+        """A finished sequence, read at the engine's boundary (its id into a ``RequestKey``):
+        an episode's turn to the episodes, an evaluation's answer, or a group's completion."""
+        key = RequestKey.parse(seq.request_id)
         with self._lock:
-            if evaluation:
+            if key.evaluation:
                 self._c.eval_tokens += seq.token_ids.shape[0]
             else:
                 self._c.tokens += seq.token_ids.shape[0]
-        if self._episodes is not None and "#" in seq.request_id:
-            self._episodes.collect(seq)
+        if self._episodes is not None and key.turn is not None:
+            self._episodes.collect(seq, key)
             return
-        if evaluation:
-            self._answered(seq.request_id, seq.text, seq.versions)
+        if key.evaluation:
+            self._answered(key, seq.text, seq.versions)
             return
-        gid, idx = (int(x) for x in seq.request_id.split(":"))
-        group = self._pending[gid]
-        group.done[idx] = seq
-        self._scorer.completion_done(group, idx)
+        group = self._pending[key.group]
+        group.done[key.index] = seq
+        self._scorer.completion_done(group, key.index)
         if len(group.done) == self.n:
-            del self._pending[gid]
+            del self._pending[key.group]
             self._scorer.group_done(group)
 
     def _raise_background_error(self) -> None:

@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 
 from pipeline_rl.calls import LoopThread, first_line
-from pipeline_rl.rollout.eval_feed import EVAL_PREFIX
 from pipeline_rl.config import Config
 from pipeline_rl.rollout.agents.agent_tokens import (Answer, Call, Sample, episode_samples, group_completions, render_ids,
                                               text_prompt_ids)
@@ -52,6 +51,7 @@ from pipeline_rl.rollout.agents.agent_host import AgentHost, EpisodeEnded, HostS
 from pipeline_rl.rollout.chat_turns import ChatTurns
 from pipeline_rl.rollout.agents.endpoint import Endpoint, UnknownEpisode
 from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
+from pipeline_rl.rollout.request_key import RequestKey
 from pipeline_rl.rollout.scoring import PendingGroup, Scorer
 from pipeline_rl.rollout.agents.vllm_tools import ChatCall, Choice, RequestError, TextCall, chat_response, text_response
 from pipeline_rl.tasks.tool_calls import ToolCallParser
@@ -69,10 +69,11 @@ HOST_GRACE_S = 5.0
 
 @dataclass(slots=True, eq=False)
 class AgentEpisode:
-    """One agent call in flight. ``calls`` and ``answers`` grow on the endpoint's thread
+    """One agent call in flight (``key``: its episode's; ``key.to_id()`` names it to the
+    endpoint and the agents' process). ``calls`` and ``answers`` grow on the endpoint's thread
     under the runner's lock, until ``closed`` (then nothing more is recorded)."""
 
-    key: str
+    key: RequestKey
     prompt: Prompt
     sampling: SamplingConfig | None = None   # an evaluation's: it wins over the requests'
     calls: list[Call] = field(default_factory=list)
@@ -97,14 +98,14 @@ class AgentRunner:
     the endpoint calls :meth:`chat` and :meth:`complete` on its own thread. A group is the
     worker's ``pending`` entry until sent (then removed); ``release(k)``: give ``k`` admitted
     groups back (a group none of whose agents made a request has nothing to send). An
-    evaluation's episode (its key ``EVAL_PREFIX...``) runs the agent too, under the
+    evaluation's episode (``RequestKey.evaluation``) runs the agent too, under the
     evaluation's sampling; ``answered(key, text, versions, reward)`` takes its end. ``agent``:
     the ``MODULE:FUNCTION`` spec, imported in the agents' process only."""
 
     def __init__(self, cfg: Config, agent: str, engine: GenerationEngine, name: str, key: str,
                  wake: Callable[[], None], scorer: Scorer, counters: Counters, lock: threading.Lock,
                  pending: dict[int, PendingGroup], release: Callable[[int], object],
-                 answered: Callable[[str, str, np.ndarray, float | None], None],
+                 answered: Callable[[RequestKey, str, np.ndarray, float | None], None],
                  fail: Callable[[BaseException], None]) -> None:
         self.served_name, self.max_model_len = SERVED_NAME, cfg.rollout.max_model_len
         self._cfg, self._agent, self._engine, self._wake = cfg, agent, engine, wake
@@ -112,7 +113,7 @@ class AgentRunner:
         self._pending, self.n, self._answered = pending, cfg.rollout.n, answered
         self._key = key   # the run's endpoint token (run_key.endpoint_token)
         self._lock = threading.Lock()
-        self._live: dict[str, AgentEpisode] = {}
+        self._live: dict[str, AgentEpisode] = {}   # by the episode's id (RequestKey.to_id)
         self._groups: dict[int, AgentGroup] = {}
         self._inbox: deque[GenRequest] = deque()
         self._ended: deque[EpisodeEnded] = deque()
@@ -149,18 +150,16 @@ class AgentRunner:
         """An agent renders its own prompts: the group's prompt ids come from its samples."""
         return None
 
-    def start(self, key: str, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
-        """Start an agent call: episode ``key`` (``GROUP:INDEX``, or an evaluation's) of ``prompt``
+    def start(self, key: RequestKey, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
+        """Start an agent call: episode ``key`` (a group's completion, or an evaluation's) of ``prompt``
         (the agent renders its own prompts: ``prompt_ids`` unused; ``sampling`` is an evaluation's only)."""
-        evaluation = key.startswith(EVAL_PREFIX)
-        gid = -1 if evaluation else int(key.split(":")[0])
-        if not evaluation and gid not in self._groups:
-            self._groups[gid] = AgentGroup(prompt, self.n)
-        episode = AgentEpisode(key, prompt, sampling if evaluation else None)
+        if not key.evaluation and key.group not in self._groups:
+            self._groups[key.group] = AgentGroup(prompt, self.n)
+        episode, name = AgentEpisode(key, prompt, sampling if key.evaluation else None), key.to_id()
         with self._lock:
-            self._live[key] = episode
-        self._deadlines.append((time.monotonic() + self._timeout_s + HOST_GRACE_S, key))
-        self._host.start(key, prompt, self.endpoint.base_url(key))
+            self._live[name] = episode
+        self._deadlines.append((time.monotonic() + self._timeout_s + HOST_GRACE_S, name))
+        self._host.start(name, prompt, self.endpoint.base_url(name))
 
     def pump(self) -> None:
         """Add the answers the endpoint asked for; end the episodes whose agent returned."""
@@ -193,8 +192,9 @@ class AgentRunner:
             loop, fut = waiter
             loop.call_soon_threadsafe(_reject, fut, error)
 
-    def collect(self, seq: FinishedSequence) -> None:
-        """A finished answer: back to the request waiting for it (dropped when none is)."""
+    def collect(self, seq: FinishedSequence, key: RequestKey) -> None:
+        """A finished answer (``key``: its request's): back to the request waiting for it
+        (dropped when none is)."""
         with self._lock:
             self.in_engine -= 1
             waiter = self._waiters.pop(seq.request_id, None)
@@ -205,7 +205,7 @@ class AgentRunner:
     def _end(self, episode: AgentEpisode, out: EpisodeEnded) -> None:
         with self._lock:
             episode.closed = True
-            del self._live[episode.key]
+            del self._live[episode.key.to_id()]
             calls = list(episode.calls)
         ended, reward, metrics = "done", out.reward, out.metrics
         for k, v in metrics.items():
@@ -226,9 +226,9 @@ class AgentRunner:
         samples = episode_samples(calls)
         for s in samples:
             s.finish = "abort" if ended != "done" else s.finish
-        gid, idx = (int(x) for x in episode.key.split(":"))
+        gid = episode.key.group
         group = self._groups[gid]
-        group.ended[idx] = (samples, reward)
+        group.ended[episode.key.index] = (samples, reward)
         if len(group.ended) == group.n:
             del self._groups[gid]
             self._send(gid, group)
@@ -322,10 +322,10 @@ class AgentRunner:
         futures: dict[str, asyncio.Future[FinishedSequence]] = {}
         with self._lock:
             if episode.closed:
-                raise UnknownEpisode(f"episode {episode.key!r} has ended")
+                raise UnknownEpisode(f"episode {episode.key.to_id()!r} has ended")
             k, episode.requests = episode.requests, episode.requests + 1
             for i in range(n):
-                rid = f"{episode.key}#a{k}.{i}"
+                rid = episode.key.agent_answer(k, i).to_id()
                 futures[rid] = loop.create_future()
                 self._waiters[rid] = (loop, futures[rid])
                 self._inbox.append(GenRequest(rid, prompt_ids, sampling))
