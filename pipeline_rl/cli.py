@@ -1,8 +1,14 @@
-"""Command line for :class:`pipeline_rl.config.Config`, generated from the model.
+"""Command line for :class:`pipeline_rl.config.Config`, generated from the model, and the
+``pipeline-rl`` command (:func:`main`).
 
 Each section becomes an argparse group (``--rollout.n``); each field's
 description is its help. A usage error prints exactly one line,
 ``error: --FLAG: what is wrong``, and exits with status 2.
+
+``pipeline-rl run ARGS`` is ``python launch/async_grpo.py ARGS``: both call
+:func:`train_main`. ``pipeline-rl ablate ARGS`` is ``python -m benchmarks.ablation ARGS``
+(from the repository root). ``python -m pipeline_rl.cli`` is the same command without the
+installed script.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import json
 import sys
 import tomllib
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
@@ -20,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from pipeline_rl.config import Config
 from pipeline_rl.models.pretrained import PRETRAINED
 from pipeline_rl.profiles import PRETRAINED_DEFAULTS, PRETRAINED_LORA_DEFAULTS
+
 
 class UsageError(ValueError):
     """A bad command line or configuration; the message is one line naming the flag."""
@@ -224,3 +233,97 @@ def load_toml(path: str | Path) -> dict[str, object]:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"--config: {p} is not valid TOML: {e}") from None
+
+
+# --- the `pipeline-rl` command ----------------------------------------------------------------
+
+#: The installed command's name (``[project.scripts]`` in pyproject.toml).
+PROG = "pipeline-rl"
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """The main job, ``python launch/async_grpo.py`` and ``pipeline-rl run`` alike: parse the
+    flags (a usage error is one line, exit 2), print the configuration on ``--dry-run``, else run
+    it; returns the exit status."""
+    cfg = main_config(argv)
+    if cfg is None:
+        return 0
+    from pipeline_rl.driver import run
+
+    return run(cfg)
+
+
+def _ablate_main(argv: list[str]) -> int:
+    """``benchmarks.ablation``'s main; the benchmarks are a folder of the checkout, not of the
+    installed package, so they are found from the repository root (the working directory)."""
+    import importlib
+
+    here = Path.cwd()
+    if (here / "benchmarks" / "ablation.py").is_file() and str(here) not in sys.path:
+        sys.path.insert(0, str(here))
+    try:
+        ablation = importlib.import_module("benchmarks.ablation")
+    except ModuleNotFoundError as e:
+        if e.name not in ("benchmarks", "benchmarks.ablation"):
+            raise
+        print(f"{PROG}: error: ablate: benchmarks.ablation is not importable from {here}; run "
+              f"{PROG} ablate from the repository root", file=sys.stderr)
+        return 2
+    return int(ablation.main(argv))
+
+
+@dataclass(frozen=True, slots=True)
+class Subcommand:
+    """One subcommand of ``pipeline-rl``: its one line of help, and its main, which takes the
+    arguments after the subcommand's name and returns the exit status."""
+
+    summary: str
+    main: Callable[[list[str]], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "run": Subcommand("the main job, as python launch/async_grpo.py (pipeline-rl run --help: its flags)",
+                      lambda argv: train_main(argv)),   # looked up when called
+    "ablate": Subcommand("the staleness x correction grid, as python -m benchmarks.ablation "
+                         "(from the repository root)", _ablate_main),
+}
+
+#: Names asked for that are no subcommand (yet), with what to use instead.
+NOT_SUBCOMMANDS: dict[str, str] = {
+    "eval": "there is no evaluation of a checkpoint on its own; a run evaluates held-out prompts "
+            "as it trains (pipeline-rl run --eval.every N; the results are in its folder's eval.jsonl)",
+}
+
+
+def command_help() -> str:
+    """``pipeline-rl --help``: the usage line and one line per subcommand."""
+    width = max(map(len, SUBCOMMANDS))
+    rows = [f"  {name:<{width}}  {sub.summary}" for name, sub in SUBCOMMANDS.items()]
+    return "\n".join([f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} [ARGS ...]", "",
+                      "Fully asynchronous pipeline RL for language models.", "", "subcommands:", *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``pipeline-rl SUBCOMMAND ARGS``: the subcommand's main gets ARGS and its exit status is
+    returned. ``--help`` lists the subcommands; none, or an unknown one, is one line, status 2."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(command_help())
+        return 0
+    choices = ", ".join(SUBCOMMANDS)
+    if not args:
+        print(f"{PROG}: error: name a subcommand: {choices} (see {PROG} --help)", file=sys.stderr)
+        return 2
+    name, rest = args[0], args[1:]
+    sub = SUBCOMMANDS.get(name)
+    if sub is None:
+        why = NOT_SUBCOMMANDS.get(name, f"unknown subcommand (choose from {choices}; see {PROG} --help)")
+        print(f"{PROG}: error: {name}: {why}", file=sys.stderr)
+        return 2
+    return sub.main(rest)
+
+
+if __name__ == "__main__":   # python -m pipeline_rl.cli: the package's module, not a copy as __main__
+    from pipeline_rl.cli import main as _main
+
+    raise SystemExit(_main())
