@@ -165,6 +165,11 @@ class _Row:
     def length(self) -> int:
         return int(self.prompt.shape[0] + self.tokens.shape[0])
 
+    @property
+    def width(self) -> int:
+        """The row's width in the shared-prompt layout's completion pass."""
+        return int(self.tokens.shape[0])
+
 
 def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray], *,
                         micro_batch_size: int, max_tokens: int = 0, pass_tokens: int = 0,
@@ -185,15 +190,20 @@ def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray
 def build_shared_prompt_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray], *,
                                 micro_batch_size: int, max_tokens: int = 0, pass_tokens: int = 0,
                                 pad_id: int = 0) -> list[SharedPromptBatch]:
-    """The same micro-batches as :func:`build_micro_batches` (same rows, same order), each
-    in the shared-prompt layout. Raises ValueError on mismatched lengths."""
-    rows = _sorted_rows(groups, advantages, micro_batch_size, max_tokens, pass_tokens)
-    return [_pad_shared(chunk, pad_id) for chunk in _chunks(rows, micro_batch_size, max_tokens, pass_tokens)]
+    """The batch's rows in the shared-prompt layout, cut as :func:`build_micro_batches` cuts
+    but by what this layout runs: rows sorted by completion length (longest first), and a
+    run's token slots are its distinct prompts once (``G x P``) plus ``rows x T``. A run that
+    is cut in two pays its prompts twice, so a step whose prompts are long next to its
+    completions stays in one pass. Raises ValueError on mismatched lengths."""
+    rows = _sorted_rows(groups, advantages, micro_batch_size, max_tokens, pass_tokens, shared=True)
+    return [_pad_shared(chunk, pad_id)
+            for chunk in _chunks(rows, micro_batch_size, max_tokens, pass_tokens, shared=True)]
 
 
 def _sorted_rows(groups: Sequence[Group], advantages: Sequence[np.ndarray], micro_batch_size: int,
-                 max_tokens: int, pass_tokens: int) -> list[_Row]:
-    """The batch's sequences, longest first (stable), after checking the arguments."""
+                 max_tokens: int, pass_tokens: int, shared: bool = False) -> list[_Row]:
+    """The batch's sequences, longest first (stable; ``shared``: by completion length),
+    after checking the arguments."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 (got {micro_batch_size})")
     if max_tokens < 0:
@@ -210,11 +220,12 @@ def _sorted_rows(groups: Sequence[Group], advantages: Sequence[np.ndarray], micr
             raise ValueError(f"group {g.group_id}: empty prompt")
         for c, a in zip(g.completions, adv, strict=True):
             rows.append(_Row(g.prompt_ids, c.token_ids, c.logprobs, float(a), len(rows), k, c.mask))
-    rows.sort(key=lambda r: -r.length)  # stable: ties keep their flat order
+    rows.sort(key=(lambda r: -r.width) if shared else (lambda r: -r.length))  # stable: ties keep their order
     return rows
 
 
-def _chunks(rows: Sequence[_Row], max_rows: int, max_tokens: int, pass_tokens: int = 0) -> list[Sequence[_Row]]:
+def _chunks(rows: Sequence[_Row], max_rows: int, max_tokens: int, pass_tokens: int = 0,
+            shared: bool = False) -> list[Sequence[_Row]]:
     """Consecutive runs of ``rows`` (sorted longest first, so a run's first row is its
     longest) of at most ``max_rows`` rows and ``max_tokens`` padded tokens (0: no limit; a
     row wider than that alone).
@@ -225,19 +236,23 @@ def _chunks(rows: Sequence[_Row], max_rows: int, max_tokens: int, pass_tokens: i
     narrow pass of their own when that saves more padding than the pass costs (one 16-token
     completion among 31 of 5 tokens: 14.5 ms per step split, 22.5 ms padded, on the
     built-in model), and similar lengths stay together. Exact (dynamic programming over
-    the cut points: O(len(rows) x max_rows))."""
-    n = len(rows)
+    the cut points: O(len(rows) x max_rows)).
 
-    def fit(start: int) -> int:   # rows a run starting at ``start`` may take
-        width = rows[start].length
-        return max_rows if max_tokens == 0 else max(1, min(max_rows, max_tokens // width))
+    ``shared`` (rows sorted by completion length): a run's slots are ``G x P`` for its
+    distinct prompts, padded to its longest, plus ``rows x T``; the same rule then also
+    counts the prompts a cut makes run twice."""
+    n = len(rows)
+    slots = [_shared_slots(rows, i, min(n, i + max_rows)) if shared
+             else [(k + 1) * rows[i].length for k in range(min(n, i + max_rows) - i)] for i in range(n)]
+
+    def fit(start: int) -> int:   # rows a run starting at ``start`` may take (at least one)
+        return len(slots[start]) if max_tokens == 0 else max(1, sum(1 for c in slots[start] if c <= max_tokens))
 
     end = [min(n, i + fit(i)) for i in range(n)]   # where the run starting at row i ends
     if pass_tokens > 0:
         best = [0] * (n + 1)    # best[i]: the least cost of rows[i:]
         for i in range(n - 1, -1, -1):
-            width = rows[i].length
-            best[i], end[i] = min((pass_tokens + (j - i) * width + best[j], j)
+            best[i], end[i] = min((pass_tokens + slots[i][j - i - 1] + best[j], j)
                                   for j in range(i + 1, end[i] + 1))
     runs: list[Sequence[_Row]] = []
     start = 0
@@ -245,6 +260,18 @@ def _chunks(rows: Sequence[_Row], max_rows: int, max_tokens: int, pass_tokens: i
         runs.append(rows[start:end[start]])
         start = end[start]
     return runs
+
+
+def _shared_slots(rows: Sequence[_Row], start: int, stop: int) -> list[int]:
+    """Token slots of the shared-prompt runs ``rows[start:j]`` for ``j`` in ``start+1..stop``
+    (rows sorted by completion length, so ``rows[start]`` is the widest)."""
+    seen: set[int] = set()
+    longest_prompt, out = 0, []
+    for j in range(start, stop):
+        seen.add(rows[j].group)
+        longest_prompt = max(longest_prompt, int(rows[j].prompt.shape[0]))
+        out.append(len(seen) * longest_prompt + (j - start + 1) * rows[start].width)
+    return out
 
 
 def _pad(rows: Sequence[_Row], pad_id: int) -> MicroBatch:

@@ -265,8 +265,9 @@ class Trainer:
         temperature = self.cfg.rollout.temperature
         try:
             with torch.no_grad():
-                a = padded_logp(self.model, padded, temperature)[padded.mask > 0]
-                b = shared_prompt_logp(self.model, shared, temperature)[shared.mask > 0]
+                a = padded_logp(self.model, padded, temperature)[padded.index.argsort()]   # rows in flat order
+                b = shared_prompt_logp(self.model, shared, temperature)[shared.index.argsort()]
+                a, b = a[padded.mask[padded.index.argsort()] > 0], b[shared.mask[shared.index.argsort()] > 0]
         except Exception as e:  # an architecture the continuation does not fit
             log.warning("trainer: prompts not shared (padded rows instead): %s: %s",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
