@@ -215,6 +215,8 @@ re-running a benchmark and rebuilding the page is how a figure changes. Each rep
 machine it was measured on. The CPU machines are shared and their speed drifts by tens of
 percent within an hour: comparisons are ratios measured within one run, not absolute times
 from different runs.
+
+An index of every module under `benchmarks/` (what it measures, its command, its result files): [benchmarks.md](benchmarks.md).
 """
 
 
