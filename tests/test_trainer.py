@@ -219,6 +219,47 @@ def test_shared_prompts_equal_padded_rows(trainer_factory: Any) -> None:
         np.testing.assert_allclose(p_s[name], a, atol=1e-4, err_msg=name)
 
 
+def _one_long_per_group() -> list[Any]:
+    """4 groups x 4 completions: one of 15 tokens and three of 2 in each, prompts of 6-12."""
+    from pipeline_rl.samples import Completion, Group
+
+    rng = np.random.default_rng(7)
+    groups = []
+    for g, p in enumerate((6, 9, 12, 7)):
+        comps = []
+        for c in range(4):
+            t = 15 if c == 0 else 2
+            comps.append(Completion(rng.integers(3, 120, t, dtype=np.int32), -rng.uniform(0.1, 3, t).astype(np.float32),
+                                    np.zeros(t, np.int32), float(c % 2), "stop"))
+        groups.append(Group(g, g, 0, rng.integers(3, 120, p, dtype=np.int32), tuple(comps)))
+    return groups
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_a_blocks_prompts_run_once_for_its_micro_batches(trainer_factory: Any, entropy_coef: float) -> None:
+    """A block whose completions are cut in two (4 long rows, 12 short; a pass costs 8 slots)
+    runs its prompts once: both micro-batches continue from one prompt pass, and the step
+    (loss, gradient norm, weights) equals the padded layout's, where each row runs alone."""
+    groups = _one_long_per_group()
+    adv = [np.arange(4, dtype=np.float32) - 1.5 for _ in groups]
+    mbs = build_shared_prompt_batches(groups, adv, micro_batch_size=16, pass_tokens=8)
+    assert [(mb.block, mb.runs_prompts, mb.num_seqs) for mb in mbs] == [(0, True, 4), (0, False, 12)]
+    assert torch.equal(mbs[0].prompt_ids, mbs[1].prompt_ids)
+    assert sum(mb.num_real_tokens for mb in mbs) == 6 + 9 + 12 + 7 + 4 * 15 + 12 * 2
+    out = []
+    for share in (True, False):
+        cfg = make_cfg(share_prompts=share, pass_cost_tokens=8)
+        cfg.algorithm.entropy_coef = entropy_coef
+        t = trainer_factory(cfg)
+        out.append((t.step(groups), params_of(t)))
+    (r_s, p_s), (r_p, p_p) = out
+    assert r_s.num_micro_batches == 2
+    assert r_s.loss == pytest.approx(r_p.loss, abs=1e-6)
+    assert r_s.grad_norm == pytest.approx(r_p.grad_norm, rel=1e-5)
+    for name, a in p_p.items():
+        np.testing.assert_allclose(p_s[name], a, atol=1e-4, err_msg=name)
+
+
 def test_prompt_sharing_falls_back_to_padded_rows(trainer_factory: Any, monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """A model the shared-prompt continuation does not fit trains on padded rows, said in one

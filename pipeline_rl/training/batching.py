@@ -23,11 +23,14 @@ Length-sorting changes only the order of the terms of the (token-summed) loss.
 ``n`` completions continue one prompt, so the padded layout runs that prompt through the model
 ``n`` times. The shared layout holds each of a micro-batch's prompts once (``prompt_ids``,
 right-padded) and its completions apart (``completion_ids``); the trainer runs the prompts,
-then the completions on top of the prompts' KV cache (``pipeline_rl.training.trainer``). Rows
-are chosen exactly as in the padded layout (sorted, chunked by the same budget), so a group
-split over two micro-batches has its prompt in both. Its per-token tensors are
-completion-aligned: ``mask``/``behav_logp``/the trainer's log-probs are ``[B, T]`` with
-completion token ``t`` at column ``t``.
+then the completions on top of the prompts' KV cache (``pipeline_rl.training.accumulate``).
+Rows are sorted by completion length and taken in *blocks* as large as the budget allows;
+a block's prompts run once, and its completions are cut into micro-batches by their own
+widths, each continuing from that one prompt pass (on the real chat model, a step's
+32 completions of 7-32 tokens: one prompt pass instead of two, and a quarter fewer
+padded completion slots). Its per-token tensors are completion-aligned:
+``mask``/``behav_logp``/the trainer's log-probs are ``[B, T]`` with completion token ``t``
+at column ``t``.
 
 Alignment (the one place off-by-ones hide): a sequence is ``prompt_ids + token_ids`` of length
 ``L = P + T``. The model's logits at position ``i`` predict token ``i + 1``, so the trainer's
@@ -41,6 +44,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -112,7 +116,10 @@ class SharedPromptBatch(_Counts):
     ``completion_ids`` [B, T] int64, right-padded; ``mask``, ``behav_logp`` [B, T] float32
     (completion-aligned: column ``t`` is completion token ``t``; 0 off the mask);
     ``advantages`` [B] float32; ``index`` [B] int64 as in :class:`MicroBatch`.
-    ``num_real_tokens``: the distinct prompts' tokens plus the completion tokens.
+    ``block``: micro-batches of one block hold the same prompts (all of the block's) and
+    are consecutive; the trainer runs them once for the block (``runs_prompts`` on its
+    first micro-batch, which alone counts them in ``num_real_tokens`` and ``num_slots``).
+    ``num_real_tokens``: the distinct prompts' tokens (where counted) plus the completion tokens.
     """
 
     prompt_ids: torch.Tensor
@@ -124,17 +131,20 @@ class SharedPromptBatch(_Counts):
     advantages: torch.Tensor
     index: torch.Tensor
     num_real_tokens: int
+    block: int = 0
+    runs_prompts: bool = True
 
     @property
     def num_slots(self) -> int:
-        """Token slots the forward passes run (prompts once, completions; real and padding)."""
-        return int(self.prompt_ids.numel() + self.completion_ids.numel())
+        """Token slots the forward passes run (prompts once per block, completions; real and padding)."""
+        return int(self.prompt_ids.numel() * self.runs_prompts + self.completion_ids.numel())
 
     def to(self, device: torch.device) -> "SharedPromptBatch":
         return SharedPromptBatch(self.prompt_ids.to(device), self.prompt_lens.to(device),
                                  self.row_prompt.to(device), self.completion_ids.to(device),
                                  self.mask.to(device), self.behav_logp.to(device),
-                                 self.advantages.to(device), self.index, self.num_real_tokens)
+                                 self.advantages.to(device), self.index, self.num_real_tokens,
+                                 self.block, self.runs_prompts)
 
 
 #: What the trainer trains on: either layout.
@@ -190,14 +200,20 @@ def build_micro_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray
 def build_shared_prompt_batches(groups: Sequence[Group], advantages: Sequence[np.ndarray], *,
                                 micro_batch_size: int, max_tokens: int = 0, pass_tokens: int = 0,
                                 pad_id: int = 0) -> list[SharedPromptBatch]:
-    """The batch's rows in the shared-prompt layout, cut as :func:`build_micro_batches` cuts
-    but by what this layout runs: rows sorted by completion length (longest first), and a
-    run's token slots are its distinct prompts once (``G x P``) plus ``rows x T``. A run that
-    is cut in two pays its prompts twice, so a step whose prompts are long next to its
-    completions stays in one pass. Raises ValueError on mismatched lengths."""
+    """The batch's rows in the shared-prompt layout, in blocks of micro-batches.
+
+    Rows are sorted by completion length (longest first). A block takes as many of them as
+    fit in ``micro_batch_size`` rows and ``max_tokens`` slots (its distinct prompts once,
+    ``G x P``, plus ``rows x T``): the trainer runs a block's prompts once, so a block is
+    never cut to save padding. Within a block the completions are cut by their own widths
+    with :func:`build_micro_batches`' rule (``pass_tokens``; the prompts already ran): a few
+    long completions no longer pad every row. Raises ValueError on mismatched lengths."""
     rows = _sorted_rows(groups, advantages, micro_batch_size, max_tokens, pass_tokens, shared=True)
-    return [_pad_shared(chunk, pad_id)
-            for chunk in _chunks(rows, micro_batch_size, max_tokens, pass_tokens, shared=True)]
+    out: list[SharedPromptBatch] = []
+    for k, block in enumerate(_chunks(rows, micro_batch_size, max_tokens, 0, mode="shared")):
+        subs = _chunks(block, micro_batch_size, max_tokens, pass_tokens, mode="completions")
+        out += [_pad_shared(sub, pad_id, block, k, j == 0) for j, sub in enumerate(subs)]
+    return out
 
 
 def _sorted_rows(groups: Sequence[Group], advantages: Sequence[np.ndarray], micro_batch_size: int,
@@ -225,7 +241,7 @@ def _sorted_rows(groups: Sequence[Group], advantages: Sequence[np.ndarray], micr
 
 
 def _chunks(rows: Sequence[_Row], max_rows: int, max_tokens: int, pass_tokens: int = 0,
-            shared: bool = False) -> list[Sequence[_Row]]:
+            mode: Literal["padded", "shared", "completions"] = "padded") -> list[Sequence[_Row]]:
     """Consecutive runs of ``rows`` (sorted longest first, so a run's first row is its
     longest) of at most ``max_rows`` rows and ``max_tokens`` padded tokens (0: no limit; a
     row wider than that alone).
@@ -238,12 +254,20 @@ def _chunks(rows: Sequence[_Row], max_rows: int, max_tokens: int, pass_tokens: i
     built-in model), and similar lengths stay together. Exact (dynamic programming over
     the cut points: O(len(rows) x max_rows)).
 
-    ``shared`` (rows sorted by completion length): a run's slots are ``G x P`` for its
-    distinct prompts, padded to its longest, plus ``rows x T``; the same rule then also
-    counts the prompts a cut makes run twice."""
+    ``mode``: what a run's slots are. ``padded``: ``rows x (P + T)``. ``shared`` (rows sorted
+    by completion length): ``G x P`` for its distinct prompts, padded to its longest, plus
+    ``rows x T``, so the rule also counts the prompts a cut makes run twice.
+    ``completions``: ``rows x T`` (the prompts already ran)."""
     n = len(rows)
-    slots = [_shared_slots(rows, i, min(n, i + max_rows)) if shared
-             else [(k + 1) * rows[i].length for k in range(min(n, i + max_rows) - i)] for i in range(n)]
+
+    def widths(i: int) -> list[int]:   # slots of the runs rows[i:j], j = i+1 .. i+max_rows
+        stop = min(n, i + max_rows)
+        if mode == "shared":
+            return _shared_slots(rows, i, stop)
+        width = rows[i].length if mode == "padded" else rows[i].width
+        return [(k + 1) * width for k in range(stop - i)]
+
+    slots = [widths(i) for i in range(n)]
 
     def fit(start: int) -> int:   # rows a run starting at ``start`` may take (at least one)
         return len(slots[start]) if max_tokens == 0 else max(1, sum(1 for c in slots[start] if c <= max_tokens))
@@ -293,10 +317,13 @@ def _pad(rows: Sequence[_Row], pad_id: int) -> MicroBatch:
         num_real_tokens=sum(r.length for r in rows))
 
 
-def _pad_shared(rows: Sequence[_Row], pad_id: int) -> SharedPromptBatch:
-    groups = list(dict.fromkeys(r.group for r in rows))              # first-seen order
+def _pad_shared(rows: Sequence[_Row], pad_id: int, block: Sequence[_Row] | None = None, block_id: int = 0,
+                runs_prompts: bool = True) -> SharedPromptBatch:
+    """``rows`` in the shared layout, holding the prompts of all of ``block``'s rows (default: their own)."""
+    holder = rows if block is None else block
+    groups = list(dict.fromkeys(r.group for r in holder))            # first-seen order
     slot = {g: i for i, g in enumerate(groups)}
-    prompts = {r.group: r.prompt for r in rows}
+    prompts = {r.group: r.prompt for r in holder}
     p_len = max(prompts[g].shape[0] for g in groups)
     t_len = max(r.tokens.shape[0] for r in rows)
     b = len(rows)
@@ -318,7 +345,8 @@ def _pad_shared(rows: Sequence[_Row], pad_id: int) -> SharedPromptBatch:
         completion_ids=torch.from_numpy(ids), mask=torch.from_numpy(mask), behav_logp=torch.from_numpy(behav),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         index=torch.tensor([r.index for r in rows], dtype=torch.int64),
-        num_real_tokens=sum(prompts[g].shape[0] for g in groups) + sum(r.tokens.shape[0] for r in rows))
+        num_real_tokens=sum(prompts[g].shape[0] for g in groups) * runs_prompts + sum(r.tokens.shape[0] for r in rows),
+        block=block_id, runs_prompts=runs_prompts)
 
 
 def lag_stats(groups: Sequence[Group], trainer_version: int) -> LagStats:

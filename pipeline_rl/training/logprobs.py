@@ -5,7 +5,9 @@ step. Used by ``pipeline_rl.training.trainer``."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,20 +27,24 @@ def sampled_entropy(logps: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]
     return total / count if count else 0.0
 
 
-def micro_batch_logp(model: Any, mb: AnyMicroBatch, temperature: float) -> torch.Tensor:
+def micro_batch_logp(model: Any, mb: AnyMicroBatch, temperature: float,
+                     prompts: PromptPass | None = None) -> torch.Tensor:
     """log π of ``mb``'s tokens under ``model`` (a causal LM, or the DeepSpeed engine around
-    one) at ``temperature``, laid out like ``mb.mask``."""
+    one) at ``temperature``, laid out like ``mb.mask``; ``prompts``: its block's prompts, run
+    once (:func:`run_prompts`), else a shared-prompt ``mb`` runs them itself."""
     if isinstance(mb, SharedPromptBatch):
-        return shared_prompt_logp(model, mb, temperature)
+        logits, ids = _shared_prompt_logits(model, mb, prompts)                       # [B, T, V], [B, T]
+        return _target_logp(logits, ids, temperature)                                 # [B, T]
     return padded_logp(model, mb, temperature)
 
 
-def micro_batch_logp_entropy(model: Any, mb: AnyMicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch_logp_entropy(model: Any, mb: AnyMicroBatch, temperature: float,
+                             prompts: PromptPass | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`micro_batch_logp` and the policy's entropy at each of those positions
     (``H = -Σ_v p_v log p_v`` of the whole distribution at ``temperature``, differentiable),
     both laid out like ``mb.mask``: the entropy bonus's input."""
     if isinstance(mb, SharedPromptBatch):
-        logits, targets = _shared_prompt_logits(model, mb)                           # [B, T, V], [B, T]
+        logits, targets = _shared_prompt_logits(model, mb, prompts)                  # [B, T, V], [B, T]
     else:
         logits, targets = model(input_ids=mb.input_ids).logits[:, :-1], mb.input_ids[:, 1:]
     scaled = logits.float() / temperature                                            # [B, N, V]
@@ -75,24 +81,78 @@ def shared_prompt_logp(model: Any, mb: SharedPromptBatch, temperature: float) ->
     return _target_logp(logits, ids, temperature)                                     # [B, T]
 
 
-def _shared_prompt_logits(model: Any, mb: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits predicting each completion token [B, T, V] and those tokens [B, T]
-    (:func:`shared_prompt_logp`'s two passes)."""
-    ids = mb.completion_ids                                                          # [B, T]
-    b, t = ids.shape
-    g = mb.prompt_ids.shape[0]
+@dataclass(frozen=True, slots=True)
+class PromptPass:
+    """A block's prompts ``[G, P]`` run once, with gradient, for all the block's completion
+    passes (the shared-prompt layout's micro-batches of one ``block``).
+
+    Each completion pass continues from *leaves*: detached copies of the prompt pass's
+    keys and values ``[G, H, P, D]`` per layer and of its last-position logits ``[G, V]``,
+    so its backward stops there and only accumulates their gradients. :meth:`surrogate`
+    then carries those gradients through the prompt pass once: the gradient of every
+    parameter equals running the prompts with each completion pass (chain rule; tested),
+    at the cost of one prompt pass per block instead of one per micro-batch."""
+
+    cache: Any                           # the prompt pass's cache, its tensors in the graph
+    last: torch.Tensor                   # [G, V] logits at each prompt's last position (graph)
+    keys: tuple[torch.Tensor, ...]       # leaves, one [G, H, P, D] per layer
+    values: tuple[torch.Tensor, ...]
+    last_leaf: torch.Tensor              # [G, V] leaf
+
+    def continuation(self) -> Any:
+        """A fresh cache over the leaves (a completion pass appends to its own)."""
+        cache = copy.copy(self.cache)
+        cache.layers = [copy.copy(layer) for layer in self.cache.layers]
+        for layer, k, v in zip(cache.layers, self.keys, self.values, strict=True):
+            layer.keys, layer.values = k, v
+        return cache
+
+    def surrogate(self) -> torch.Tensor | None:
+        """``Σ <prompt-pass tensor, its leaf's gradient>``: its backward is the prompt pass's
+        backward under every completion pass run on the leaves. None when none ran."""
+        graph = [*(layer.keys for layer in self.cache.layers), *(layer.values for layer in self.cache.layers),
+                 self.last]
+        leaves = [*self.keys, *self.values, self.last_leaf]
+        terms = [(t * leaf.grad).sum() for t, leaf in zip(graph, leaves, strict=True) if leaf.grad is not None]
+        return torch.stack(terms).sum() if terms else None
+
+
+def run_prompts(model: Any, mb: SharedPromptBatch) -> PromptPass:
+    """``mb``'s prompts (its block's: every micro-batch of a block holds them) run once."""
+    cache, last = _prompt_pass(model, mb)
+    leaf = lambda t: t.detach().requires_grad_(t.requires_grad)   # noqa: E731
+    return PromptPass(cache, last, tuple(leaf(layer.keys) for layer in cache.layers),
+                      tuple(leaf(layer.values) for layer in cache.layers), leaf(last))
+
+
+def _prompt_pass(model: Any, mb: SharedPromptBatch) -> tuple[Any, torch.Tensor]:
+    """The prompts' forward: their cache and the logits at each prompt's last position [G, V]."""
     # Only the positions some prompt ends at go through the LM head (``logits_to_keep``, a
     # sorted index over P): the other prompt positions' logits are never used.
+    g = mb.prompt_ids.shape[0]
     ends = mb.prompt_lens - 1                                                        # [G]
     keep = torch.unique(ends)                                                        # [U], U <= G
     out = model(input_ids=mb.prompt_ids, use_cache=True, logits_to_keep=keep)        # logits [G, U, V]
-    last = out.logits[torch.arange(g, device=ids.device), torch.searchsorted(keep, ends)]   # [G, V]
+    last = out.logits[torch.arange(g, device=ends.device), torch.searchsorted(keep, ends)]   # [G, V]
+    cache = out.past_key_values
+    kinds = {type(layer).__name__ for layer in getattr(cache, "layers", [None])}
+    if kinds != {"DynamicLayer"}:
+        raise TypeError(f"cache layers {sorted(kinds)} are not plain key/value layers")
+    return cache, last
+
+
+def _shared_prompt_logits(model: Any, mb: SharedPromptBatch,
+                          prompts: PromptPass | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits predicting each completion token [B, T, V] and those tokens [B, T]
+    (:func:`shared_prompt_logp`'s two passes; the first from ``prompts`` when given)."""
+    ids = mb.completion_ids                                                          # [B, T]
+    b, t = ids.shape
+    if prompts is None:
+        cache, last = _prompt_pass(model, mb)
+    else:
+        cache, last = prompts.continuation(), prompts.last_leaf
     logits = last[mb.row_prompt].unsqueeze(1)                                        # [B, 1, V]
     if t > 1:
-        cache = out.past_key_values
-        kinds = {type(layer).__name__ for layer in getattr(cache, "layers", [None])}
-        if kinds != {"DynamicLayer"}:
-            raise TypeError(f"cache layers {sorted(kinds)} are not plain key/value layers")
         cache.batch_select_indices(mb.row_prompt)                                    # [G, ...] -> [B, ...]
         p = mb.prompt_ids.shape[1]
         valid = torch.arange(p, device=ids.device) < mb.prompt_lens.unsqueeze(1)       # [G, P]

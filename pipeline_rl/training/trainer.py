@@ -4,8 +4,9 @@ One :class:`Trainer` per data-parallel rank. A step (docs/design.md):
 
 1. advantages per group (``pipeline_rl.correction.advantages``),
 2. sequences padded into micro-batches (``pipeline_rl.training.batching``; pad, not pack), each
-   group's prompt held once per micro-batch (``trainer.share_prompts``, the default: the
-   prompts run first, the completions on top of their KV cache; see :func:`shared_prompt_logp`),
+   group's prompt held once per block of micro-batches (``trainer.share_prompts``, the
+   default: the prompts run once, the completions on top of their KV cache; see
+   :func:`shared_prompt_logp` and ``pipeline_rl.training.accumulate``),
 3. per micro-batch: the trainer's log-probs of the completion tokens at the sampling
    temperature (vLLM's behaviour log-probs are ``processed_logprobs``, i.e. after temperature,
    so ``logits / rollout.temperature`` is the only consistent choice), the corrected loss
@@ -43,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline_rl.training.accumulate import accumulate
 from pipeline_rl.training.batching import (
     AnyMicroBatch, build_micro_batches, build_shared_prompt_batches, lag_stats, sum_over_ranks,
 )
@@ -58,7 +60,7 @@ from pipeline_rl.training.deepspeed_setup import (
 from pipeline_rl.training.ema import EMA_DIR, EmaWeights
 from pipeline_rl.training.lora import adapter_disabled, adapter_parameters, wrap
 from pipeline_rl.training.logprobs import (
-    micro_batch_logp, micro_batch_logp_entropy, padded_logp, sampled_entropy, shared_prompt_logp,
+    micro_batch_logp, padded_logp, sampled_entropy, shared_prompt_logp,
     sharing_check_groups,
 )
 from pipeline_rl.training.optimizers import make_optimizer, step_context
@@ -70,7 +72,7 @@ from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config
 from pipeline_rl.faults import kill_here, reached
 from pipeline_rl.correction.advantages import group_advantages
-from pipeline_rl.correction.loss import PolicyBatch, loss_normalizer, policy_loss, warm_up
+from pipeline_rl.correction.loss import loss_normalizer, warm_up
 from pipeline_rl.samples import Group
 
 log = logging.getLogger(__name__)
@@ -282,23 +284,11 @@ class Trainer:
 
     def _accumulate(self, mbs: Sequence[AnyMicroBatch], norm: float, prox: Sequence[torch.Tensor] | None,
                     ref: Sequence[torch.Tensor] | None) -> tuple[float, list[torch.Tensor], list[LossMetrics]]:
-        """Forward + loss + backward over every micro-batch (gradients accumulate; no step).
-        Returns the summed loss, the detached log-probs and the per-micro-batch metrics."""
-        loss_sum, logps, parts = 0.0, [], []
-        for i, mb in enumerate(mbs):
-            ent = None
-            if self.cfg.algorithm.entropy_coef > 0:   # the entropy bonus needs the whole distribution
-                logp, ent = micro_batch_logp_entropy(self.engine, mb, self.cfg.rollout.temperature)
-            else:
-                logp = self._token_logp(mb, grad=True)                                # [B, L-1]
-            batch = self._policy_batch(mb, logp, prox[i] if prox else None, ref[i] if ref else None)
-            batch.entropy = ent
-            loss, metrics = policy_loss(batch, self.cfg.algorithm, self.cfg.correction, normalizer=norm)
-            self.engine.backward(loss, scale_wrt_gas=False)
-            loss_sum += float(loss.detach())
-            logps.append(logp.detach())
-            parts.append(metrics)
-        return loss_sum, logps, parts
+        """Forward + loss + backward over every micro-batch (gradients accumulate; no step;
+        ``pipeline_rl.training.accumulate``). Returns the summed loss, the detached log-probs
+        and the per-micro-batch metrics."""
+        done = accumulate(self.engine, self.cfg, mbs, norm, prox, ref)
+        return done.loss_sum, done.logps, done.parts
 
     def _token_logp(self, mb: AnyMicroBatch, *, grad: bool) -> torch.Tensor:
         """log π(token) at the sampling temperature, laid out like ``mb.mask``."""
@@ -311,12 +301,6 @@ class Trainer:
             with adapter_disabled(self.engine.module):
                 return micro_batch_logp(self.engine, mb, self.cfg.rollout.temperature)
         return micro_batch_logp(self.ref_model, mb, self.cfg.rollout.temperature)
-
-    @staticmethod
-    def _policy_batch(mb: AnyMicroBatch, logp: torch.Tensor, prox: torch.Tensor | None,
-                      ref: torch.Tensor | None) -> PolicyBatch:
-        return PolicyBatch(logp=logp, behav_logp=mb.behav_logp, mask=mb.mask, advantages=mb.advantages,
-                           prox_logp=prox, ref_logp=ref)
 
     def _global_normalizer(self, mbs: Sequence[AnyMicroBatch]) -> float:
         """Loss normaliser N of the whole batch: summed over micro-batches and ranks."""
