@@ -219,7 +219,7 @@ class Tail:
         self._resumes = 0   # resumes the tail has seen (a resume rewrites the file)
 
     def new_rows(self) -> list[Row]:
-        from pipeline_rl.run.run_folder import read_resumes
+        from pipeline_rl.run.life.run_folder import read_resumes
 
         marks = read_resumes(self.path.parent)   # written after the rewrite: from then on, read anew
         if len(marks) > self._resumes:

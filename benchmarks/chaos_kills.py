@@ -100,6 +100,6 @@ def _fill(k: ActorKill, mark: Any, rows: list[tuple[int, Any]]) -> None:
 
 
 def marks_of(folder: Path) -> list[Any]:
-    from pipeline_rl.run.run_folder import read_resumes
+    from pipeline_rl.run.life.run_folder import read_resumes
 
     return read_resumes(folder)

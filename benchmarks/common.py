@@ -242,9 +242,9 @@ def run_pipeline(cfg: Config, watch: Callable[[Any], contextlib.AbstractContextM
     before (a re-run cell, a repeat) is cleared first, unless this one resumes it."""
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.metrics import read_metrics
-    from pipeline_rl.run.conductor import Orchestrator
-    from pipeline_rl.run.startup import open_run
-    from pipeline_rl.run.run_folder import RUN_ENTRIES
+    from pipeline_rl.run.life.one_life import Orchestrator
+    from pipeline_rl.run.life.start import open_run
+    from pipeline_rl.run.life.run_folder import RUN_ENTRIES
 
     if cfg.ray.pin_cores is None and _OWN_RAY.get():
         cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"pin_cores": True})})

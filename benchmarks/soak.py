@@ -7,7 +7,7 @@ Usage::
                               [--in-process] [-- PIPELINE FLAGS]
 
 What is measured. The default mode runs the real pipeline -- the same
-:class:`~pipeline_rl.run.conductor.Orchestrator` that ``launch/async_grpo.py``
+:class:`~pipeline_rl.run.life.one_life.Orchestrator` that ``launch/async_grpo.py``
 drives, with its defaults and ``--staleness 2`` unless flags after ``--`` say
 otherwise -- on a local Ray started here. A sampler thread in the driver reads
 the trainer version (one per optimizer step) and, every ``--sample-every``

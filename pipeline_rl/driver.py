@@ -17,7 +17,7 @@ weights to every worker in the background. The driver logs one
   groups are lost and counted), hands the new worker the newest weights and
   restarts its generation loop; the run goes on;
 - a trainer rank or the buffer that dies restarts the run in this process from its
-  newest checkpoint (``run/restarts.py``, ``--run.max_restarts``); a failure a restart
+  newest checkpoint (``run/life/``, ``--run.max_restarts``); a failure a restart
   would not heal stops the run with one clear message, naming the checkpoint to resume;
 - Ctrl-C (SIGINT) or SIGTERM stops everything: the loop ends, workers stop,
   sockets close, and a local Ray started here is shut down.
@@ -160,10 +160,10 @@ def _configure_logging(cfg: Config) -> None:
 def run(cfg: Config) -> int:
     """Run a whole training job; returns the process exit status."""
     _configure_logging(cfg)
-    from pipeline_rl.run.restarts import conduct
-    from pipeline_rl.run.run_folder import resolve_resume
-    from pipeline_rl.run.startup import open_run
-    from pipeline_rl.run.supervisor import OrchestratorError
+    from pipeline_rl.run.life import run_life
+    from pipeline_rl.run.life.run_folder import resolve_resume
+    from pipeline_rl.run.life.start import open_run
+    from pipeline_rl.run.life.supervise import OrchestratorError
     from pipeline_rl.tasks.base import TaskError
 
     for warning in cfg.warnings():
@@ -183,7 +183,7 @@ def run(cfg: Config) -> int:
     stop = _StopFlag()
     stop.install()
     try:
-        conduct(cfg, model_dir, stop.event, folder)   # restarts itself (--run.max_restarts)
+        run_life(cfg, model_dir, stop.event, folder)   # restarts itself (--run.max_restarts)
     except OrchestratorError as e:
         print(f"async_grpo.py: error: {e}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from benchmarks import chaos
-from pipeline_rl.run.run_folder import read_resumes
+from pipeline_rl.run.life.run_folder import read_resumes
 from tiny_run import TINY_RUN_FLAGS
 
 

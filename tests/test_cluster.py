@@ -104,9 +104,9 @@ def test_two_nodes_over_tcp_trainer_death_and_resume(two_nodes: Any, tiny_model_
     import ray
 
     from pipeline_rl.training.checkpoint import latest_checkpoint, read_run_state
-    from pipeline_rl.run.conductor import Orchestrator
-    from pipeline_rl.run.startup import open_run
-    from pipeline_rl.run.supervisor import OrchestratorError
+    from pipeline_rl.run.life.one_life import Orchestrator
+    from pipeline_rl.run.life.start import open_run
+    from pipeline_rl.run.life.supervise import OrchestratorError
 
     placement = ("--ray.rollout_resource", "rollout_node", "--ray.trainer_resource", "trainer_node")
     cfg = _config(tiny_model_dir, tmp_path / "dies", "--max-steps", "50",

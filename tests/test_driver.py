@@ -101,7 +101,7 @@ def test_resources_checked_against_the_cluster() -> None:
 
 def test_supervision_names_the_innermost_actor() -> None:
     """The failure text of a Ray error raised through two actors names the innermost one."""
-    from pipeline_rl.run.supervisor import Watchdog, describe_failure
+    from pipeline_rl.run.life.supervise import Watchdog, describe_failure
 
     class Chained(RuntimeError):
         pass
@@ -122,7 +122,7 @@ def test_watchdog_extends_a_few_times_while_only_equal_reward_groups_arrive() ->
     clock at most max_extensions times in a row; a completed step resets the count."""
     assert parse_config(["--algorithm.skip_zero_variance", "true"])[0].algorithm.skip_zero_variance
     assert not parse_config([])[0].algorithm.skip_zero_variance    # off by default
-    from pipeline_rl.run.supervisor import Watchdog
+    from pipeline_rl.run.life.supervise import Watchdog
 
     dog = Watchdog(floor_s=30.0, max_extensions=2)
     assert dog.extend() and dog.extend() and not dog.extend()

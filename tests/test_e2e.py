@@ -35,8 +35,8 @@ def _config(tiny_model_dir: str, out: Path, *extra: str) -> Config:
 
 def _run(cfg: Config, during: Any = None) -> list[dict[str, Any]]:
     from pipeline_rl.driver import resolve_model_dir
-    from pipeline_rl.run.conductor import Orchestrator
-    from pipeline_rl.run.startup import open_run
+    from pipeline_rl.run.life.one_life import Orchestrator
+    from pipeline_rl.run.life.start import open_run
 
     stop = threading.Event()
     with Orchestrator(cfg, resolve_model_dir(cfg), stop, open_run(cfg)) as orch:
@@ -55,7 +55,7 @@ def test_async_run_metrics_lag_bound_and_worker_restart(ray_local: None, tiny_mo
     # so the run can only finish by restarting the worker, which the last rows then count.
     steps = 16
     # The test's own Ray is not the run's: pinning there is asked for (the run pins nothing
-    # on a Ray it did not start unless told). With a standby (run/slots.py): it, not Ray's
+    # on a Ray it did not start unless told). With a standby (run/life/slots.py): it, not Ray's
     # restart of the killed process, takes the slot; a standby is built at the lowest CPU
     # priority, so the bounds are wide for a machine busy with the tests beside this one.
     cfg = _config(tiny_model_dir, tmp_path / "run", "--staleness", "2", "--max-steps", str(steps),

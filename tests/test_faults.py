@@ -94,9 +94,9 @@ def test_killed_buffer_is_named(ray_local: None, tiny_model_dir: str, tmp_path: 
     that was waiting on it fails too, but it is not the cause)."""
     import ray
 
-    from pipeline_rl.run.conductor import Orchestrator
-    from pipeline_rl.run.startup import open_run
-    from pipeline_rl.run.supervisor import OrchestratorError
+    from pipeline_rl.run.life.one_life import Orchestrator
+    from pipeline_rl.run.life.start import open_run
+    from pipeline_rl.run.life.supervise import OrchestratorError
 
     cfg = tiny_run_config(tiny_model_dir, tmp_path / "run", "--max-steps", "200")
     killed: list[float] = []

@@ -146,7 +146,7 @@ def test_the_driver_never_imports_torch() -> None:
     code = (
         "import pickle, sys\n"
         "from pipeline_rl.reports import LagStats, LossMetrics, RankStepReport, StepResult\n"
-        "import importlib, pipeline_rl.cli, pipeline_rl.driver, pipeline_rl.metrics, pipeline_rl.run.conductor\n"
+        "import importlib, pipeline_rl.cli, pipeline_rl.driver, pipeline_rl.metrics, pipeline_rl.run.life.one_life\n"
         "from pipeline_rl.run.ahead import TRAINING\n"
         "for name in TRAINING: importlib.import_module(name)\n"
         "m = LossMetrics(*([0.0] * 23), all_masked=False)\n"

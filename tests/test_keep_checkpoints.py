@@ -52,7 +52,7 @@ def test_after_a_resume_from_an_older_checkpoint_only_its_timeline_is_kept_and_b
     """Resumed at 20 from a run that reached 40 (best: 40): the new timeline's step_25 and
     step_20 stay (K=2), the abandoned 30 and 40 are moved aside, never deleted, and ``best``
     is the live timeline's best (its evaluation at 10), never an abandoned checkpoint."""
-    from pipeline_rl.run.run_folder import open_run_folder
+    from pipeline_rl.run.life.run_folder import open_run_folder
 
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps({
         "step": v, "version": v, "time_s": 1.0, "greedy_accuracy": v / 100, "mean_at_k": 1.0, "pass_at_k": 1.0,

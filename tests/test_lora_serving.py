@@ -169,8 +169,8 @@ def test_a_lora_run_end_to_end_resumes_and_merges(ray_local: None, tiny_model_di
 
     from pipeline_rl.driver import resolve_model_dir
     from pipeline_rl.metrics import read_metrics
-    from pipeline_rl.run.conductor import Orchestrator
-    from pipeline_rl.run.startup import open_run
+    from pipeline_rl.run.life.one_life import Orchestrator
+    from pipeline_rl.run.life.start import open_run
     from tiny_run import tiny_run_config
 
     def run(out: Path, *extra: str) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
-"""The run restarts itself (``run/restarts.py``): a killed trainer or buffer process restarts
-the run from its newest checkpoint and it finishes with every step once in ``metrics.jsonl``,
+"""The run restarts itself (``run/life/``: ``heal.py``, ``carry.py``): a killed trainer or buffer
+process restarts the run from its newest checkpoint and it finishes with every step once in ``metrics.jsonl``,
 its rollout worker renewed (the same process) or, when the renewal fails, a new actor in its
 place, as the console says; a failure that would only repeat is not retried; the restart cap
 ends the run in one line.
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from pipeline_rl.run.restarts import RestartPolicy
-from pipeline_rl.run.supervisor import OrchestratorError
+from pipeline_rl.run.life.heal import RestartPolicy
+from pipeline_rl.run.life.supervise import OrchestratorError
 from tiny_run import tiny_run_config
 
 
@@ -72,9 +72,9 @@ def _workers_of_each_life(monkeypatch: pytest.MonkeyPatch, refuse_renewal: bool)
     ``EngineNotRenewable``, as an engine that cannot be carried does) inside its own process."""
     import ray
 
-    from pipeline_rl.run import conductor
+    from pipeline_rl.run.life import one_life
 
-    start_actors = conductor.start_actors
+    start_actors = one_life.start_actors
     lives: list[list[int]] = []
 
     def refuse(actor: Any) -> None:   # runs in the worker's process (Ray's __ray_call__)
@@ -93,7 +93,7 @@ def _workers_of_each_life(monkeypatch: pytest.MonkeyPatch, refuse_renewal: bool)
         lives.append([ray.get(w.handle.pid.remote(), timeout=30) for w in actors.workers])
         return actors
 
-    monkeypatch.setattr(conductor, "start_actors", started)
+    monkeypatch.setattr(one_life, "start_actors", started)
     return lives
 
 
@@ -161,7 +161,7 @@ def test_the_restart_cap_ends_the_run_in_one_line(ray_local: None, tiny_model_di
 
 
 def test_an_injected_fault_goes_on_into_the_next_life_until_a_life_reached_its_version() -> None:
-    from pipeline_rl.run.restarts import fault_left
+    from pipeline_rl.run.life.heal import fault_left
 
     assert fault_left("checkpoint_write@50", 20)       # a restart at 20 (another failure): still ahead
     assert not fault_left("checkpoint_write@50", 50)   # that life reached 50: it fired

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline_rl.config import Config
 from pipeline_rl.metrics import MetricsLogger, StepMetrics
-from pipeline_rl.run.run_folder import RunFolderError, open_run_folder, read_resumes, resolve_resume, restart_in
+from pipeline_rl.run.life.run_folder import RunFolderError, open_run_folder, read_resumes, resolve_resume, restart_in
 from pipeline_rl.training.checkpoint import RunState, write_run_state
 from tiny_run import tiny_run_config
 

@@ -16,7 +16,7 @@ import pytest
 from pipeline_rl.config import Config
 from pipeline_rl.run.checkpoints import CheckpointPolicy
 from pipeline_rl.run.remote_calls import ActorDied, ActorRaised, ActorUnavailable, CallFailed, NoAnswer, WorkerLost
-from pipeline_rl.run.supervisor import OrchestratorError, Supervisor, WorkerSlot
+from pipeline_rl.run.life.supervise import OrchestratorError, Supervisor, WorkerSlot
 
 
 class Ref:
@@ -266,3 +266,17 @@ def test_a_share_that_raised_is_raised(tmp_path: Path) -> None:
     assert ev.launch(10, 10, workers)
     with pytest.raises(ActorRaised, match="no evaluation task"):
         ev.poll()
+
+
+def test_a_standby_takes_over_on_the_slots_core_or_is_swapped_back() -> None:
+    """``WorkerSlot.standby_take_over``, the one takeover both the supervisor and a life's
+    start use: the standby takes the slot on its core; a failed ``take_over`` swaps it back,
+    not up, with its one line."""
+    dead, standby = Worker(Ref()), Worker(Ref())
+    slot = WorkerSlot(0, dead, core="core-0", standby=standby, standby_up=True)   # type: ignore[arg-type]
+    assert slot.standby_take_over(FakeCalls(), 10.0) is None
+    assert slot.handle is standby and slot.standby is dead and standby.take_over.calls == [("core-0",)]
+    dead.take_over.answer = lambda *args: Ref(error=died("The actor died unexpectedly"))
+    slot.standby_up = True
+    assert slot.standby_take_over(FakeCalls(), 10.0) == "RuntimeError: The actor died unexpectedly"
+    assert slot.handle is standby and slot.standby is dead and not slot.standby_up

@@ -38,7 +38,7 @@ class ActorClasses:
                                                        key=key))
 
     def new_standby(self, cfg: Config, worker_id: int, model_dir: str, buffer_name: str, key: RunKey) -> RolloutHandle:
-        """Rollout worker ``worker_id``'s standby (``run/slots.py``): no CPU reserved, unpinned."""
+        """Rollout worker ``worker_id``'s standby (``run/life/slots.py``): no CPU reserved, unpinned."""
         return cast(RolloutHandle, self.standby.remote(cfg, worker_id, model_dir, buffer_name, None, None,
                                                        key=key, standby=True))
 

@@ -91,7 +91,7 @@ class RolloutActor:
         so the driver starts this actor while the buffer is still starting. ``core``: the
         core slot this worker's process is pinned to (None: unpinned); ``gpu_memory``: the
         share of its GPU's memory vLLM may take when the GPU is shared (``GpuPlan.memory``);
-        ``standby``: the worker's standby (``run/slots.py``): it logs to its own file and
+        ``standby``: the worker's standby (``run/life/slots.py``): it logs to its own file and
         is built unpinned, at the lowest CPU priority, until :meth:`take_over` (so is a
         process Ray restarted while the run keeps standbys)."""
         import ray
@@ -124,7 +124,7 @@ class RolloutActor:
         return True
 
     def renew(self, cfg: Config) -> int:
-        """Carry this worker into the run's next life (``run/restarts.py``: the trainer or the
+        """Carry this worker into the run's next life (``run/life/carry.py``: the trainer or the
         buffer died, and this worker did not), under that life's ``cfg``: its generation loop
         ended, what it started dropped, and a new worker made around the same engine
         (``GenerationEngine.renew``: nothing of the old life left in it), joined to the new

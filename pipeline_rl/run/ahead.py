@@ -13,7 +13,7 @@ first step 7.68 s with the thread against 7.67 s without).
 
 Invariants: nothing here imports torch, vLLM or DeepSpeed (tested); an import that fails
 is left to fail again, with its own error, where it is really used; the driver joins the
-thread before it uses these modules (``run.startup.start_actors`` ends with the join).
+thread before it uses these modules (``run.life.start.start_actors`` ends with the join).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any
 from pipeline_rl import runtime_env
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CorePlan, GpuPlan, plan_cores
-from pipeline_rl.run.supervisor import OrchestratorError
+from pipeline_rl.run.life.supervise import OrchestratorError
 
 log = logging.getLogger("pipeline_rl.run.cluster")
 

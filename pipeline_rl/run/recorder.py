@@ -34,8 +34,8 @@ from pipeline_rl.metrics import (
 )
 from pipeline_rl.rollout.worker_stats import AgentMetric, EpisodeTally, RewardTally, WorkerStats
 from pipeline_rl.run.remote_calls import CallFailed, Calls
-from pipeline_rl.run.run_folder import RunFolder
-from pipeline_rl.run.supervisor import WorkerSlot
+from pipeline_rl.run.life.run_folder import RunFolder
+from pipeline_rl.run.life.slots import WorkerSlot
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle
@@ -278,7 +278,7 @@ class StepRecorder:
     def __init__(self, folder: RunFolder, calls: Calls, workers: Sequence[WorkerSlot], buffer: BufferHandle,
                  restarts: int = 0) -> None:
         """``folder``: the run's; a resumed run's clock goes on from the time it had reached;
-        ``restarts``: the run's restarts so far (``run/restarts.py``), on every row."""
+        ``restarts``: the run's restarts so far (``run/life/heal.py``), on every row."""
         self._restarts = restarts
         self.out = out = folder.path
         self._elapsed_before = folder.elapsed_s

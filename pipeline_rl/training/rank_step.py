@@ -38,7 +38,7 @@ class RankStep:
     publish the new weights, open the buffer's admission budget for the next version.
 
     The loop around it (how many steps, checkpoints, supervision) is the driver's
-    (:class:`pipeline_rl.run.conductor.Orchestrator`). The version is the trainer's
+    (:class:`pipeline_rl.run.life.one_life.Orchestrator`). The version is the trainer's
     (:attr:`Trainer.version`, one per batch): the driver reads it from the reports.
     ``publisher`` is given on the rank that publishes (rank 0) and None elsewhere; under
     ZeRO-3 every rank still joins the gather.

@@ -251,7 +251,7 @@ class GenerationEngine(ABC):
         """Release the engine."""
 
     def renew(self) -> None:
-        """Ready this engine for the run's next life (``run/restarts.py``), the thread that
+        """Ready this engine for the run's next life (``run/life/carry.py``), the thread that
         steps it stopped: every request aborted, nothing staged, no prefix-cache entry left,
         and version -1 (the weights of no version of the new life: its first published
         update is taken whatever its number, the checkpoint's being older than what this

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.run.remote_calls import ActorDied, CallFailed
 
-log = logging.getLogger("pipeline_rl.run.slots")
+log = logging.getLogger("pipeline_rl.run.life.slots")
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import RolloutHandle
@@ -87,6 +87,21 @@ class WorkerSlot:
         if self.standby is not None and not self.standby_up and self._standby_ref is not None:
             calls.pending([self._standby_ref], timeout_s)
         return self.poll_standby(calls)
+
+    def standby_take_over(self, calls: Calls, timeout_s: float) -> str | None:
+        """The standby takes the slot (:meth:`swap`) and is asked to take over on the slot's
+        core (``take_over``), answering within ``timeout_s``. None when it did; else why not
+        (one line), swapped back, its standby not up. The one place a standby takes over: the
+        supervisor's (a worker died mid-life) and the start of a life's (a carried worker not
+        renewed) both come here."""
+        self.swap()
+        try:
+            calls.get(self.handle.take_over.remote(self.core), timeout_s=timeout_s)
+            return None
+        except CallFailed as e:
+            self.swap()
+            self.standby_up = False
+            return str(e)
 
     def swap(self) -> None:
         """The standby takes the slot; the old handle (Ray restarts its process) becomes the

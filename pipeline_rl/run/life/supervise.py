@@ -32,7 +32,7 @@ from pipeline_rl.run.remote_calls import (
     WorkerCall,
     WorkerLost,
 )
-from pipeline_rl.run.slots import WorkerSlot
+from pipeline_rl.run.life.slots import WorkerSlot
 
 __all__ = ["OrchestratorError", "Supervisor", "Watchdog", "WorkerSlot", "cause_of", "describe_failure", "role_of"]
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from pipeline_rl.reports import RankStepReport
     from pipeline_rl.run.checkpoints import CheckpointPolicy
 
-log = logging.getLogger("pipeline_rl.run.supervisor")
+log = logging.getLogger("pipeline_rl.run.life.supervise")
 
 _RAY_CALL = re.compile(r"ray::(\w+\.\w+)")
 
@@ -137,7 +137,7 @@ class Watchdog:
 class OrchestratorError(RuntimeError):
     """The run cannot go on (a trainer died, no batch came in time, start-up failed); the
     message is the one line the user sees. ``cause``: that line without where to resume
-    from; ``restartable``: a failure the run's restart heals (``run/restarts.py``: a process
+    from; ``restartable``: a failure the run's restart heals (``run/life/heal.py``: a process
     that died, a weight update that failed), not one that would only repeat;
     ``repeat_key``: what makes the same failure twice not worth a third try (None: any);
     ``workers_sound``: the rollout workers may go on into the restarted run (not when the
@@ -376,7 +376,7 @@ class Supervisor:
 
     def _bring_back(self, w: WorkerSlot) -> str | None:
         """Whichever is up first takes the slot, with the newest weights: its standby
-        (``run/slots.py``), or the process Ray restarts (calls to an actor still restarting
+        (``run/life/slots.py``), or the process Ray restarts (calls to an actor still restarting
         fail as unavailable). Says which; None on a stop request."""
         deadline = time.monotonic() + _RESTART_TIMEOUT_S
         while not self._stop.is_set():
@@ -407,13 +407,9 @@ class Supervisor:
         """Swap ``w``'s standby in: it takes the slot's core and the trainer's publisher
         the new worker list (a worker new to it gets the newest weights at once). False,
         swapped back, when the standby fails meanwhile."""
-        w.swap()
-        try:
-            self._calls.get(w.handle.take_over.remote(w.core), timeout_s=_POLL_S * 20)
-        except CallFailed as e:
-            log.info("rollout worker %d: its standby failed to take over (%s)", w.index, e)
-            w.swap()
-            w.standby_up = False
+        failed = w.standby_take_over(self._calls, _POLL_S * 20)
+        if failed is not None:
+            log.info("rollout worker %d: its standby failed to take over (%s)", w.index, failed)
             return False
         try:
             self._calls.get(self._trainers[0].set_workers.remote([s.handle for s in self._workers]))

@@ -45,7 +45,7 @@ from typing import Any
 from pipeline_rl.config import Config
 from pipeline_rl.metrics import read_metrics
 
-log = logging.getLogger("pipeline_rl.run.run_folder")
+log = logging.getLogger("pipeline_rl.run.life.run_folder")
 
 RUNS = Path("runs")
 MARKER = "run.json"
@@ -285,8 +285,8 @@ def _mark(folder: RunFolder) -> None:
 
 
 def restart_in(path: Path) -> tuple[RunFolder, str | None]:
-    """The run in ``path`` started again in the same process (``run/restarts.py``): what a
-    killed save left is tidied, the newest complete checkpoint (None: none yet, the run
+    """The run in ``path`` started again in the same process (``run_life``, its next life):
+    what a killed save left is tidied, the newest complete checkpoint (None: none yet, the run
     starts over) resumes as ``--resume`` would, with its records trimmed and the restart
     marked. Returns the folder and the checkpoint."""
     from pipeline_rl.training.checkpoint import latest_checkpoint, read_run_state, recover_checkpoints

@@ -1,7 +1,9 @@
-"""One run, conducted: the step loop. Its duties live beside it in ``run/``: the Ray
-cluster (``cluster``), starting the actors (``startup``), supervision (``supervisor``),
-the step records (``recorder``), checkpoints (``checkpoints``); held-out evaluation in
-``pipeline_rl.rollout.eval_feed``.
+"""One life of the run (:class:`Orchestrator`): its actors started (``start.py``), the step
+loop, supervised (``supervise.py``), its actors stopped (``stop.py``) or, after a failure a
+restart heals, handed on (``carry.py``). The run's lives in turn: ``run/life/__init__.py``.
+Its duties outside the life's room: the Ray cluster (``run/cluster.py``), the step records
+(``run/recorder.py``), checkpoints (``run/checkpoints.py``), held-out evaluation
+(``run/evaluations.py``, the worker's half in ``pipeline_rl.rollout.eval_feed``).
 
 Invariants the loop keeps: the trainer version only grows, one per step (the trainer
 owns it, the driver follows); every step's metrics are logged before the next step's
@@ -25,15 +27,17 @@ from pipeline_rl.metrics import EvalMetrics, StepMetrics
 from pipeline_rl.run.checkpoints import CheckpointPolicy
 from pipeline_rl.run.cluster import Cluster, say
 from pipeline_rl.run.recorder import StepRecorder
-from pipeline_rl.run.run_folder import RunFolder
-from pipeline_rl.run.startup import Actors, Carried, RunIdentity, Started, start_actors, stop_actors
+from pipeline_rl.run.life.carry import Carried, RunIdentity
+from pipeline_rl.run.life.run_folder import RunFolder
+from pipeline_rl.run.life.start import Actors, Started, start_actors
+from pipeline_rl.run.life.stop import stop_actors
+from pipeline_rl.run.life.supervise import OrchestratorError, Supervisor
 from pipeline_rl.run.remote_calls import CallFailed, RayCalls, WorkerCall, WorkerLost
-from pipeline_rl.run.supervisor import OrchestratorError, Supervisor, WorkerSlot
 
 if TYPE_CHECKING:
     from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
 
-log = logging.getLogger("pipeline_rl.run.conductor")
+log = logging.getLogger("pipeline_rl.run.life.one_life")
 
 _EVAL_FINAL_TIMEOUT_S = 300.0  # the end-of-run evaluation must finish by then
 
@@ -45,12 +49,12 @@ class Orchestrator:
     def __init__(self, cfg: Config, model_dir: str, stop: threading.Event, folder: RunFolder,
                  restarts: int = 0, cluster: Cluster | None = None, *, identity: RunIdentity | None = None,
                  carried: Carried | None = None, carry: bool = False) -> None:
-        """``folder``: the run folder (:func:`~pipeline_rl.run.startup.open_run`), which
+        """``folder``: the run folder (:func:`~pipeline_rl.run.life.start.open_run`), which
         also holds the version the run starts at; ``restarts``: the run's restarts before
-        this start (``run/restarts.py``), recorded on every step; ``cluster``: a Ray that
+        this start (``run/life/heal.py``), recorded on every step; ``cluster``: a Ray that
         outlives this orchestrator (its caller shuts it down); None: its own. A life of a
         run that restarts itself: ``identity``, the run's (None: a new one); ``carried``, what
-        the last life handed on (``run/startup.py``); ``carry``: on a failure a restart heals,
+        the last life handed on (``run/life/carry.py``); ``carry``: on a failure a restart heals,
         this life's spare trainer ranks, and its rollout workers unless the failure was
         theirs, are left running for the next life (:attr:`carried`) instead of killed."""
         self.restarts = restarts
