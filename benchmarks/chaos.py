@@ -9,7 +9,7 @@ Usage::
                                [--json PATH] [--md PATH] [--quick] [-- PIPELINE FLAGS]
 
 What happens. ``launch/async_grpo.py`` (the default run, ``--max-steps --steps``,
-``--trainer.checkpoint_every``, ``--rollout.max_restarts`` above the number of worker kills,
+``--trainer.checkpoint_every``, ``--run.max_worker_restarts`` above the number of worker kills,
 ``--eval.num_prompts --eval-prompts``: see :data:`EVAL_PROMPTS`)
 runs as a child process in a process group of its own, writing to ``OUT/chaos``. This
 process follows its ``metrics.jsonl`` and, as the steps pass points fixed in advance:
@@ -451,7 +451,7 @@ def run(args: argparse.Namespace) -> Outcome:
     shared = ["--eval.num_prompts", str(args.eval_prompts), *args.run_flags,
               "--max-steps", str(args.steps), "--seed", str(args.seed),
               "--trainer.checkpoint_every", str(args.checkpoint_every),
-              "--rollout.max_restarts", str(max(3, args.worker_kills + 1))]
+              "--run.max_worker_restarts", str(max(3, args.worker_kills + 1))]
     out = args.out / "chaos"
     shutil.rmtree(out, ignore_errors=True)
     chaos = Chaos(args, out, [*shared, "--out-dir", str(out)])

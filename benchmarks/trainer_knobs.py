@@ -8,7 +8,7 @@ held-out evaluation every ``--eval-every`` steps (the run's own: greedy accuracy
 otherwise: lr 2e-5, 32 new tokens, 4 prompts x 8 per step):
 
 - ``adamw``: today's default, AdamW at a constant rate;
-- ``muon``: ``--trainer.optimizer muon --trainer.muon_lr M`` (``--muon-lr``, default 1.6e-4:
+- ``muon``: ``--trainer.optimizer muon --trainer.optimizer.lr M`` (``--muon-lr``, default 1.6e-4:
   Moonlight's rule for matching Muon's update size to AdamW's, ``0.2 sqrt(max(A, B)) lr``
   with the model's widest matrix, 1536, and lr 2e-5; not tuned further);
 - ``cosine``: ``--trainer.lr_schedule cosine --trainer.warmup_steps 3``.
@@ -47,7 +47,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="Seeds (default 0 1).")
     p.add_argument("--steps", type=int, default=30, help="Steps per run (default 30).")
     p.add_argument("--eval-every", type=int, default=10, help="Held-out evaluation every N steps (default 10).")
-    p.add_argument("--muon-lr", type=float, default=1.6e-4, help="--trainer.muon_lr of the muon variant (default 1.6e-4).")
+    p.add_argument("--muon-lr", type=float, default=1.6e-4, help="--trainer.optimizer.lr of the muon variant (default 1.6e-4).")
     p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
                    help="Variants to run (default all, in the order adamw, muon, cosine).")
     p.add_argument("--not-after", default=None, metavar="HH:MM", help="Start no run after this UTC time.")
@@ -66,7 +66,7 @@ def _too_late(not_after: str | None) -> bool:
 def _one(args: argparse.Namespace, variant: str, seed: int) -> dict[str, Any]:
     from pipeline_rl.metrics import read_evals
 
-    extra = list(VARIANTS[variant]) + (["--trainer.muon_lr", str(args.muon_lr)] if variant == "muon" else [])
+    extra = list(VARIANTS[variant]) + (["--trainer.optimizer.lr", str(args.muon_lr)] if variant == "muon" else [])
     out = args.out / f"{variant}-seed{seed}"
     cfg = config(["--model", args.model, "--task.name", "word_problems", "--max-steps", str(args.steps),
                   "--eval.every", str(args.eval_every), "--seed", str(seed), "--out-dir", str(out), *extra],

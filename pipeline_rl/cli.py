@@ -26,6 +26,7 @@ from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from pipeline_rl.config import Config
+from pipeline_rl.config_renames import renamed_line
 from pipeline_rl.models.pretrained import PRETRAINED
 from pipeline_rl.profiles import PRETRAINED_DEFAULTS, PRETRAINED_LORA_DEFAULTS
 
@@ -45,8 +46,9 @@ def _rephrase_argparse(message: str) -> str:
         flag, _, rest = message.removeprefix("argument ").partition(": ")
         return f"{flag.split('/')[0]}: {rest}"
     if message.startswith("unrecognized arguments: "):
-        flags = message.removeprefix("unrecognized arguments: ")
-        return f"{flags.split()[0]}: unknown flag (see --help)"
+        flag = message.removeprefix("unrecognized arguments: ").split()[0].partition("=")[0]
+        moved = renamed_line(flag.removeprefix("--"))
+        return f"--{moved}" if moved else f"{flag}: unknown flag (see --help)"
     return message
 
 
@@ -75,7 +77,37 @@ def _nullable(conv: Any) -> Any:
     return parse
 
 
-def _add_field(group: Any, dest: str, name: str, info: Any) -> None:
+def _choices_of(info: Any) -> dict[str, type[BaseModel]] | None:
+    """A field that is a choice of sections told by a discriminator (``trainer.optimizer``):
+    each choice's tag -> its model; None for any other field."""
+    if not isinstance(info.discriminator, str) or get_origin(info.annotation) not in (Union, types.UnionType):
+        return None
+    models = [m for m in get_args(info.annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
+    return {get_args(m.model_fields[info.discriminator].annotation)[0]: m for m in models}
+
+
+def _add_choice(group: Any, dest: str, info: Any, choices: dict[str, type[BaseModel]]) -> None:
+    """``--DEST TAG`` picks the choice (its discriminator); ``--DEST.PARAM`` sets a parameter of
+    the choice that has it (the help names which)."""
+    tags = list(choices)
+    default = info.get_default(call_default_factory=True)
+    group.add_argument(f"--{dest}", dest=f"{dest}.{info.discriminator}", default=argparse.SUPPRESS,
+                       choices=tags, metavar="{" + ",".join(tags) + "}",
+                       help=(info.description or "").replace("%", "%%")
+                       + f" (default: {getattr(default, info.discriminator)})")
+    seen = {info.discriminator}
+    for tag, model in choices.items():
+        for name, finfo in model.model_fields.items():
+            if name not in seen:
+                seen.add(name)
+                _add_field(group, f"{dest}.{name}", f"{dest}.{name}", finfo, f"With --{dest} {tag}: ")
+
+
+def _add_field(group: Any, dest: str, name: str, info: Any, prefix: str = "") -> None:
+    union = _choices_of(info)
+    if union is not None:
+        _add_choice(group, dest, info, union)
+        return
     tp, optional = _unwrap_optional(info.annotation)
     kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
     default = info.get_default(call_default_factory=True)
@@ -83,7 +115,7 @@ def _add_field(group: Any, dest: str, name: str, info: Any) -> None:
     shown = f"{default}" if pretrained is None else f"{default}; --profile pretrained: {pretrained}"
     if dest in PRETRAINED_LORA_DEFAULTS:
         shown += f", with --lora.rank > 0: {PRETRAINED_LORA_DEFAULTS[dest]}"
-    help_text = (info.description or "").replace("%", "%%") + f" (default: {shown})"
+    help_text = prefix + (info.description or "").replace("%", "%%") + f" (default: {shown})"
     if get_origin(tp) is Literal:
         choices = list(get_args(tp))
         kwargs.update(choices=choices, metavar="{" + ",".join(map(str, choices)) + "}")
@@ -147,8 +179,36 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _choice_tables(data: dict[str, Any]) -> dict[str, Any]:
+    """A TOML file's bare choice (``optimizer = "muon"``) as its table, so that flags of the
+    choice's parameters merge into it."""
+    out = dict(data)
+    for sec, info in Config.model_fields.items():
+        model = info.annotation
+        if not (isinstance(out.get(sec), dict) and isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        for name, finfo in model.model_fields.items():
+            choices = _choices_of(finfo)
+            if choices is not None and isinstance(out[sec].get(name), str):
+                out[sec] = {**out[sec], name: {finfo.discriminator: out[sec][name]}}
+    return out
+
+
 def _flag_of(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if not str(p).startswith("function-")]
+    """The flag of pydantic's location; a choice's tag (``trainer.optimizer.muon.momentum``) is
+    no part of it (``--trainer.optimizer.momentum``)."""
+    parts: list[str] = []
+    model: type[BaseModel] | None = Config
+    tags: dict[str, type[BaseModel]] = {}   # the choices of the field just passed, if a choice
+    for p in (str(p) for p in loc if not str(p).startswith("function-")):
+        if p in tags:
+            model, tags = tags[p], {}
+            continue
+        parts.append(p)
+        info = model.model_fields.get(p) if model is not None else None
+        tags = (_choices_of(info) or {}) if info is not None else {}
+        ann = info.annotation if info is not None else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
     return "--" + ".".join(parts) if parts else "config"
 
 
@@ -180,7 +240,7 @@ def parse_config(argv: list[str] | None = None, *, check_cpu: bool | None = None
     data: dict[str, Any] = {}
     try:
         if config_file:
-            data = load_toml(config_file)
+            data = _choice_tables(load_toml(config_file))
         data = _merge(data, _nest(ns))
         cfg = Config.model_validate(data)
         cpu_only = check_cpu if check_cpu is not None else not _cuda_visible()

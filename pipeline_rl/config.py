@@ -23,9 +23,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from pipeline_rl.config_renames import check_renamed
 from pipeline_rl.config_section import Section
 from pipeline_rl.correction_config import CorrectionConfig as CorrectionConfig, CorrectionName as CorrectionName
 from pipeline_rl.lora_config import LoraConfig
+from pipeline_rl.optimizer_config import OptimizerConfig, optimizer_table
+from pipeline_rl.optimizer_config import AdamWConfig as AdamWConfig, MuonConfig as MuonConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
 from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
 
@@ -35,33 +38,12 @@ CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 
 RatioReference = Literal["proximal", "behaviour"]
 AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce++", "reinforce++-baseline"]
 LRScheduleName = Literal["constant", "linear", "cosine"]
-OptimizerName = Literal["adamw", "muon"]
 LossName = Literal["reinforce", "ppo", "gspo", "gspo-token", "cispo"]
 NormName = Literal["token", "sequence", "constant"]
 KLEstimator = Literal["k1", "k3"]
 KVPolicy = Literal["keep", "recompute"]
 DType = Literal["float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
-
-
-#: The first DeepSpeed release whose Muon every ZeRO stage takes (``training/optimizers.py``).
-MUON_MIN_DEEPSPEED = (0, 18, 2)
-
-
-def muon_refusal() -> str | None:
-    """Why this installation cannot run ``--trainer.optimizer muon`` (one line), or None: the
-    installed DeepSpeed's version, read from its metadata (nothing imported)."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("deepspeed")
-    except metadata.PackageNotFoundError:
-        return "muon is DeepSpeed's optimizer and DeepSpeed is not installed"
-    parts = tuple(int(p) if p.isdigit() else 0 for p in version.split("+")[0].split(".")[:3])
-    if parts < MUON_MIN_DEEPSPEED:
-        need = ".".join(map(str, MUON_MIN_DEEPSPEED))
-        return f"muon needs DeepSpeed >= {need} (installed: {version}); scripts/setup.sh installs one"
-    return None
 
 
 class ModelConfig(Section):
@@ -156,9 +138,6 @@ class RolloutConfig(Section):
                                        "tokens of the model need, at least 1/64 GiB (vLLM zeroes "
                                        "the whole cache at start, about 1 s per GiB on a CPU core).")
     max_model_len: int = Field(256, ge=16, le=1_048_576, description="Context length given to vLLM.")
-    max_restarts: int = Field(3, ge=0, le=1000, description="Times a rollout worker whose process "
-                              "died is restarted before the run ends (an exception inside a worker "
-                              "ends the run at once).")
     standby: bool = Field(True, description="Keep a standby of each rollout worker, built at low "
                           "priority beside the run, that takes its place at once when its process "
                           "dies (instead of a new process's cold start, 13-30 s on 2 cores). CPU "
@@ -265,13 +244,15 @@ class TrainerConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up to the full rate (step s of "
                               "the first N uses (s+1)/N of it), before the schedule (0 = none).")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Decoupled weight decay (AdamW's and Muon's).")
-    optimizer: OptimizerName = Field("adamw", description="adamw (torch's fused AdamW), or muon "
-                                     "(DeepSpeed's Muon for the 2-D hidden matrices, AdamW for the "
-                                     "embeddings, head, norms and biases, as DeepSpeed splits them).")
-    muon_lr: float | None = Field(None, gt=0.0, le=1.0, description="Muon's learning rate for the hidden "
-                                  "matrices (its update is orthogonalised: about 1/sqrt(width) per entry, "
-                                  "so it is usually set well above AdamW's). Unset: --trainer.lr.")
-    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="Muon's momentum (Nesterov).")
+    optimizer: OptimizerConfig = Field(default_factory=lambda: AdamWConfig(), description="adamw "
+                                       "(torch's fused AdamW), or muon (DeepSpeed's Muon for the 2-D hidden "
+                                       "matrices, AdamW for the embeddings, head, norms and biases, as "
+                                       "DeepSpeed splits them), with its own --trainer.optimizer.lr and .momentum.")
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _optimizer_table(cls, v: object) -> object:   # "muon" is {type = "muon"} (optimizer_config.py)
+        return optimizer_table(v)
     gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations "
                                          "in the backward pass instead of keeping them (Hugging Face "
                                          "models; any ZeRO stage): less memory for long completions, "
@@ -294,7 +275,8 @@ class TrainerConfig(Section):
 
 
 class RunConfig(Section):
-    """How the run heals itself (docs/failures.md)."""
+    """How the run heals itself (docs/failures.md): both restart limits, the whole run's and a
+    rollout worker's."""
 
     max_restarts: int = Field(3, ge=0, le=1000, description="When a trainer rank or the replay buffer dies "
                               "(its process killed, out of memory, a Ray actor death) or a weight update "
@@ -306,6 +288,10 @@ class RunConfig(Section):
                                  "new process (whose imports took 7 s of a restart's 8 s on 2 cores; the "
                                  "rollout workers are kept across a restart as they are). CPU runs with "
                                  "--run.max_restarts above 0 only: on GPUs a spare would need its own GPU.")
+    max_worker_restarts: int = Field(3, ge=0, le=1000, description="Times a rollout worker whose process "
+                                 "died is replaced (by its standby, or the process Ray restarts) before "
+                                 "the run ends; the run itself is not restarted for it (an exception "
+                                 "inside a worker ends the run at once).")
 
 
 class RayConfig(Section):
@@ -386,6 +372,8 @@ class Config(Section):
     @model_validator(mode="before")
     @classmethod
     def _profile_defaults(cls, data: object) -> object:   # before the fields: a flag wins (profiles.py)
+        if isinstance(data, dict):
+            check_renamed(data)   # an old key is one line naming the new one (config_renames.py)
         return apply_profile(data) if isinstance(data, dict) else data
 
     @field_validator("fault")
@@ -414,10 +402,6 @@ class Config(Section):
         if self.trainer.ema_decay > 0 and self.trainer.zero_stage == 3:
             raise ValueError("trainer.ema_decay: the moving average is kept of whole parameters, which "
                              "ZeRO-3 partitions over ranks; use --trainer.zero_stage 0-2 with it")
-        if self.trainer.optimizer == "muon":
-            why = muon_refusal()
-            if why is not None:
-                raise ValueError(f"trainer.optimizer: {why}")
         if self.task.name == "word_problems" and self.model.path is None:
             raise ValueError("task.name: word_problems is English for a pretrained chat model; give one "
                              "with --model (e.g. --model smollm2-135m-instruct)")

@@ -12,7 +12,8 @@ call) as soon as the buffer can give one, steps, and rank 0 publishes the new
 weights to every worker in the background. The driver logs one
 :class:`~pipeline_rl.metrics.StepMetrics` per step and supervises:
 
-- a rollout worker that dies is restarted by Ray (``max_restarts``); the driver
+- a rollout worker that dies is replaced by its standby or restarted by Ray, up to
+  ``--run.max_worker_restarts`` times; the driver
   tells the buffer to refund the dead worker's admission grants (its in-flight
   groups are lost and counted), hands the new worker the newest weights and
   restarts its generation loop; the run goes on;

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from pipeline_rl.cli import UsageError, build_parser, parse_config
-from pipeline_rl.config import Config
+from pipeline_rl.config import AdamWConfig, Config, MuonConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch" / "async_grpo.py"
@@ -181,3 +182,37 @@ def test_trainer_dtype_auto_is_bf16_on_a_gpu_only() -> None:
     assert "bf16" not in deepspeed_config(cfg, 1, "cpu")
     cfg.model.dtype = "float32"
     assert cfg.model.trainer_dtype("cuda") == "float32"
+
+
+@pytest.mark.parametrize("argv, toml, new", [
+    (["--rollout.max_restarts", "3"], "[rollout]\nmax_restarts = 3\n", "--run.max_worker_restarts"),
+    (["--trainer.muon_lr=0.02"], "[trainer]\nmuon_lr = 0.02\n", "--trainer.optimizer.lr"),
+    (["--trainer.muon_momentum", "0.9"], "[trainer]\nmuon_momentum = 0.9\n", "--trainer.optimizer.momentum"),
+])
+def test_a_renamed_key_is_one_line_naming_the_new_one(tmp_path: Path, argv: list[str], toml: str,
+                                                      new: str) -> None:
+    file = tmp_path / "old.toml"
+    file.write_text(toml)
+    for args in (argv, ["--config", str(file)]):
+        with pytest.raises(UsageError) as e:
+            parse_config(args, check_cpu=False)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(argv[0].split("=")[0] + ": renamed; use " + new), msg
+    with pytest.raises(ValueError, match=f"renamed; use {new}"):   # a dict from Python, too
+        Config.model_validate(tomllib.loads(toml))
+
+
+def test_the_restart_limits_and_the_optimizer_choice_parse(tmp_path: Path) -> None:
+    cfg, _ = parse_config(["--run.max_restarts", "1", "--run.max_worker_restarts", "5"], check_cpu=False)
+    assert (cfg.run.max_restarts, cfg.run.max_worker_restarts) == (1, 5)
+    cfg, _ = parse_config(["--trainer.optimizer", "muon", "--trainer.optimizer.lr", "0.02",
+                           "--trainer.optimizer.momentum", "0.9"], check_cpu=False)
+    assert cfg.trainer.optimizer == MuonConfig(lr=0.02, momentum=0.9)
+    file = tmp_path / "muon.toml"
+    file.write_text("[trainer]\noptimizer = 'muon'\n")   # a bare choice is its table; a flag adds to it
+    cfg, _ = parse_config(["--config", str(file), "--trainer.optimizer.momentum", "0.5"], check_cpu=False)
+    assert cfg.trainer.optimizer == MuonConfig(momentum=0.5)
+    assert Config.model_validate({"trainer": {"optimizer": "adamw"}}).trainer.optimizer == AdamWConfig()
+    text = build_parser().format_help()
+    assert "--trainer.optimizer {adamw,muon}" in text and "--trainer.optimizer.type" not in text
+    assert "--trainer.optimizer.lr FLOAT" in text and "--trainer.optimizer.momentum FLOAT" in text

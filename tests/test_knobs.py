@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.synthetic import synthetic_groups
 from pipeline_rl.cli import UsageError, parse_config
-from pipeline_rl.config import AlgorithmConfig, Config, CorrectionConfig
+from pipeline_rl.config import AlgorithmConfig, Config, CorrectionConfig, MuonConfig
 from pipeline_rl.samples import Completion, Group
 from pipeline_rl.training.schedule import lr_factor
 
@@ -43,8 +43,9 @@ def params_of(trainer: Any) -> dict[str, np.ndarray]:
     (["--trainer.warmup_steps", "10", "--max-steps", "10"], "--trainer.warmup_steps"),
     (["--trainer.warmup_steps", "-1"], "--trainer.warmup_steps"),
     (["--trainer.optimizer", "sgd"], "--trainer.optimizer"),
-    (["--trainer.muon_momentum", "1"], "--trainer.muon_momentum"),
-    (["--trainer.muon_lr", "0"], "--trainer.muon_lr"),
+    (["--trainer.optimizer", "muon", "--trainer.optimizer.momentum", "1"], "--trainer.optimizer.momentum"),
+    (["--trainer.optimizer", "muon", "--trainer.optimizer.lr", "0"], "--trainer.optimizer.lr"),
+    (["--trainer.optimizer.lr", "0.02"], "--trainer.optimizer.lr: not a parameter of --trainer.optimizer adamw"),
     (["--trainer.ema_decay", "1"], "--trainer.ema_decay"),
     (["--trainer.ema_decay", "0.99", "--trainer.zero_stage", "3"], "--trainer.ema_decay"),
     (["--trainer.gradient_checkpointing", "maybe"], "--trainer.gradient_checkpointing"),
@@ -75,23 +76,23 @@ def test_a_deepspeed_without_muon_is_refused_before_anything_starts(monkeypatch:
     assert str(e.value) == ("--trainer.optimizer: muon needs DeepSpeed >= 0.18.2 (installed: 0.17.1); "
                             "scripts/setup.sh installs one")
     monkeypatch.setattr(metadata, "version", real)
-    assert parse_config(["--trainer.optimizer", "muon"], check_cpu=False)[0].trainer.optimizer == "muon"
+    assert parse_config(["--trainer.optimizer", "muon"], check_cpu=False)[0].trainer.optimizer.type == "muon"
 
 
 def test_knobs_in_toml_and_off_by_default(tmp_path: Path) -> None:
     cfg, _ = parse_config([], check_cpu=False)
     t = cfg.trainer
-    assert (t.lr_schedule, t.warmup_steps, t.optimizer, t.ema_decay, t.gradient_checkpointing) == \
+    assert (t.lr_schedule, t.warmup_steps, t.optimizer.type, t.ema_decay, t.gradient_checkpointing) == \
         ("constant", 0, "adamw", 0.0, False)
     assert cfg.algorithm.entropy_coef == 0.0 and cfg.algorithm.advantage == "grpo"
     toml = tmp_path / "run.toml"
-    toml.write_text("[trainer]\nlr_schedule = 'cosine'\nwarmup_steps = 5\noptimizer = 'muon'\nmuon_lr = 0.02\n"
-                    "ema_decay = 0.99\ngradient_checkpointing = true\n"
+    toml.write_text("[trainer]\nlr_schedule = 'cosine'\nwarmup_steps = 5\nema_decay = 0.99\n"
+                    "gradient_checkpointing = true\n[trainer.optimizer]\ntype = 'muon'\nlr = 0.02\n"
                     "[algorithm]\nadvantage = 'reinforce++-baseline'\nentropy_coef = 0.001\n")
     cfg, _ = parse_config(["--config", str(toml)], check_cpu=False)
     t = cfg.trainer
-    assert (t.lr_schedule, t.warmup_steps, t.optimizer, t.muon_lr, t.ema_decay, t.gradient_checkpointing) == \
-        ("cosine", 5, "muon", 0.02, 0.99, True)
+    assert (t.lr_schedule, t.warmup_steps, t.optimizer, t.ema_decay, t.gradient_checkpointing) == \
+        ("cosine", 5, MuonConfig(lr=0.02), 0.99, True)
     assert cfg.algorithm.advantage == "reinforce++-baseline" and cfg.algorithm.entropy_coef == 0.001
 
 
@@ -113,7 +114,7 @@ def muon_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> d
     from pipeline_rl.training.optimizers import optimizer_kind
     from pipeline_rl.training.trainer import Trainer
 
-    cfg = make_cfg(max_steps=6, optimizer="muon", muon_lr=0.02, lr_schedule="cosine", warmup_steps=2)
+    cfg = make_cfg(max_steps=6, optimizer={"type": "muon", "lr": 0.02}, lr_schedule="cosine", warmup_steps=2)
     batches = [synthetic_groups(4, 4, seed=s) for s in range(6)]
     trainer = Trainer(cfg, tiny_model_dir)
     kind = optimizer_kind(trainer.engine.optimizer)
@@ -141,7 +142,7 @@ def _momenta(trainer: Any) -> dict[int, torch.Tensor]:
 def test_lr_at_each_step_follows_the_schedule(muon_run: dict[str, Any]) -> None:
     want = [0.01 * lr_factor(s, schedule="cosine", warmup_steps=2, total_steps=6) for s in range(6)]
     assert [r.lr for r in muon_run["results"]] == pytest.approx(want)
-    # the groups the optimizer stepped with: AdamW's at --trainer.lr, Muon's at --trainer.muon_lr
+    # the groups the optimizer stepped with: AdamW's at --trainer.lr, Muon's at --trainer.optimizer.lr
     for s, lrs in enumerate(muon_run["group_lrs"]):
         f = want[s] / 0.01
         assert lrs == pytest.approx([0.01 * f, 0.02 * f])

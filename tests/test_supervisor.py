@@ -122,10 +122,10 @@ def test_a_dead_worker_is_restarted(tmp_path: Path) -> None:
 
 def test_a_worker_that_dies_once_too_often_ends_the_run(tmp_path: Path) -> None:
     sup, _, _ = supervisor(tmp_path, Buffer(), [Worker(Ref(error=died("The actor died unexpectedly")))],
-                           rollout={"max_restarts": 0})
+                           run={"max_worker_restarts": 0})
     with pytest.raises(OrchestratorError) as e:
         sup.check()
-    assert str(e.value) == ("rollout worker 0 stopped 1 times, more than --rollout.max_restarts=0 allows: "
+    assert str(e.value) == ("rollout worker 0 stopped 1 times, more than --run.max_worker_restarts=0 allows: "
                             "its process died (RuntimeError: The actor died unexpectedly); "
                             "no checkpoint was saved yet")
 

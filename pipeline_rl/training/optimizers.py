@@ -7,7 +7,7 @@
 - ``muon``: named in the DeepSpeed config (``"optimizer": {"type": "Muon"}``), so DeepSpeed
   builds it (``MuonWithAuxAdam``) and splits the parameters itself: every parameter whose layer
   shape is 2-D or more and whose name holds neither ``embed`` nor ``lm_head`` gets Muon
-  (momentum, Newton-Schulz orthogonalisation, ``--trainer.muon_lr``); the rest (embeddings,
+  (momentum, Newton-Schulz orthogonalisation, ``--trainer.optimizer.lr``); the rest (embeddings,
   head, norms, biases) get AdamW at ``--trainer.lr``. Its state (Muon's momentum buffers,
   AdamW's moments) is part of DeepSpeed's checkpoint like AdamW's. Under ZeRO 1-2 DeepSpeed
   orthogonalises the gathered full gradient of each matrix; under ZeRO-3 it needs
@@ -21,13 +21,15 @@ CPU trainer runs the optimizer step under ``torch.compiler.set_stance("force_eag
 (:func:`step_context`, torch's public switch, scoped to the step): the same arithmetic, eagerly.
 
 A DeepSpeed without Muon (before 0.18.2) is refused while the command line is validated
-(``config.muon_refusal``), before anything starts.
+(``optimizer_config.muon_refusal``), before anything starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import TYPE_CHECKING, Any
+
+from pipeline_rl.optimizer_config import MuonConfig
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +42,7 @@ def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim
     import torch
 
     t = cfg.trainer
-    if t.optimizer == "muon":
+    if isinstance(t.optimizer, MuonConfig):
         return None
     return torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=t.weight_decay,
                              fused=True)
@@ -49,10 +51,10 @@ def make_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim
 def muon_config(cfg: Config) -> dict[str, Any]:
     """What the DeepSpeed config dict gets for Muon (merged into it by the caller): the
     optimizer section and, under ZeRO-3, ``reduce_scatter`` off. Empty for AdamW."""
-    t = cfg.trainer
-    if t.optimizer != "muon":
+    t, muon = cfg.trainer, cfg.trainer.optimizer
+    if not isinstance(muon, MuonConfig):
         return {}
-    params = {"lr": t.lr, "muon_lr": t.muon_lr or t.lr, "adam_lr": t.lr, "momentum": t.muon_momentum,
+    params = {"lr": t.lr, "muon_lr": muon.lr or t.lr, "adam_lr": t.lr, "momentum": muon.momentum,
               "weight_decay": t.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True}
     out: dict[str, Any] = {"optimizer": {"type": "Muon", "params": params}}
     if t.zero_stage == 3:
@@ -62,7 +64,7 @@ def muon_config(cfg: Config) -> dict[str, Any]:
 
 def step_context(cfg: Config, device_type: str) -> contextlib.AbstractContextManager[Any]:
     """Around ``engine.step()``: Muon's compiled update run eagerly on a CPU (module docstring)."""
-    if cfg.trainer.optimizer == "muon" and device_type == "cpu":
+    if isinstance(cfg.trainer.optimizer, MuonConfig) and device_type == "cpu":
         import torch
 
         return torch.compiler.set_stance("force_eager")

@@ -171,7 +171,7 @@ class Supervisor:
     """Watches every actor while the driver waits for a step; any failure is one
     :class:`OrchestratorError` line (actor, cause, checkpoint to resume from): an exception
     inside an actor method, a dead buffer or trainer, a worker process that died more than
-    ``rollout.max_restarts`` times (before that it is restarted), a stalled run. ``on_lost``
+    ``run.max_worker_restarts`` times (before that it is restarted), a stalled run. ``on_lost``
     is told (:class:`WorkerLost`) before a worker is restarted, and when a call to a worker
     failed while its process went on."""
 
@@ -311,7 +311,7 @@ class Supervisor:
 
     def supervise_workers(self) -> None:
         """Restart the generation loop of a worker whose process died (its standby takes
-        over, or Ray restarts the process) up to ``rollout.max_restarts`` times; an
+        over, or Ray restarts the process) up to ``run.max_worker_restarts`` times; an
         exception raised inside a worker ends the run."""
         runs = [w.run_ref for w in self._workers]
         running = self._calls.pending(runs, 0)
@@ -358,9 +358,9 @@ class Supervisor:
 
     def _restart(self, w: WorkerSlot, why: str) -> None:
         """Bring ``w`` back (:meth:`_bring_back`), then start its generation loop."""
-        if w.restarts >= self.cfg.rollout.max_restarts:
+        if w.restarts >= self.cfg.run.max_worker_restarts:
             raise self.fail(f"rollout worker {w.index} stopped {w.restarts + 1} times, more than "
-                            f"--rollout.max_restarts={self.cfg.rollout.max_restarts} allows: {why}")
+                            f"--run.max_worker_restarts={self.cfg.run.max_worker_restarts} allows: {why}")
         lost = self._calls.get(self._buffer.worker_lost.remote(w.index))
         w.restarts += 1
         self._on_lost(WorkerLost(w.index, why))
