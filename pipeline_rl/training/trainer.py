@@ -28,7 +28,9 @@ Invariants:
 ``training.rank_step.RankStep`` is what a rank does per pipeline step, wherever it runs: take the next batch
 as soon as the buffer can give one (never a whole generation round), recording the wait
 (trainer idle time), step, publish the weights (``pipeline_rl.weight_sync.publisher``), open the
-buffer's admission budget for the next version. DeepSpeed set-up: ``training.deepspeed_setup``.
+buffer's admission budget for the next version. A rank's parts (device, process group, engine,
+writer, schedule, EMA, reference, gradient-norm hook), one function each and built in a fixed
+order: ``training.parts``; DeepSpeed set-up: ``training.deepspeed_setup``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ import time
 from functools import partial
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -52,19 +53,18 @@ from pipeline_rl.training.checkpoint import (
     DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError, RunState, capture_rng,
     load_rng, partial_dir, read_run_state, rng_file,
 )
-from pipeline_rl.training.checkpoint_writer import Staging, background_engine, finish_part, write_weights, writer_for
-from pipeline_rl.training.deepspeed_setup import (
-    deepspeed_config, init_distributed, pick_device, prepare_cpu_deepspeed, prepare_cuda_deepspeed,
-    prepare_trained_model,
-)
-from pipeline_rl.training.ema import EMA_DIR, EmaWeights
-from pipeline_rl.training.lora import adapter_disabled, adapter_parameters, wrap
+from pipeline_rl.training.checkpoint_writer import Staging, finish_part, write_weights
+from pipeline_rl.training.ema import EMA_DIR
+from pipeline_rl.training.lora import adapter_disabled, adapter_parameters
 from pipeline_rl.training.logprobs import (
     micro_batch_logp, padded_logp, sampled_entropy, shared_prompt_logp,
     sharing_check_groups,
 )
-from pipeline_rl.training.optimizers import make_optimizer, step_context
-from pipeline_rl.training.schedule import LRSchedule
+from pipeline_rl.training.optimizers import step_context
+from pipeline_rl.training.parts import (
+    check_rank, checkpoint_writer, join_process_group, lr_schedule, moving_average, place_rank, record_grad_norm,
+    reference_model, skip_lone_allreduce, start_engine, trained_model,
+)
 from pipeline_rl.reports import LossMetrics, StepResult
 from pipeline_rl.weight_sync.gather import gather_weights
 from pipeline_rl.weight_sync.dtypes import served_dtype
@@ -92,63 +92,31 @@ class Trainer:
     def __init__(self, cfg: Config, model_dir: str | Path, rank: int = 0, world_size: int = 1, *,
                  master_addr: str | None = None, master_port: int | None = None,
                  num_threads: int | None = 1, gpu_memory: float | None = None) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"trainer: rank {rank} is not in [0, {world_size})")
-        if cfg.trainer.batch_size % world_size:
-            raise ValueError(f"trainer.batch_size {cfg.trainer.batch_size} does not split over "
-                             f"{world_size} ranks")
+        check_rank(cfg, rank, world_size)
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.rank, self.world_size = rank, world_size
-        self.device = pick_device(cfg.model.device, rank)
-        if gpu_memory is not None and self.device.type == "cuda":
-            # A GPU shared with rollout engines: this rank's allocator stays within its share.
-            torch.cuda.set_per_process_memory_fraction(gpu_memory, self.device)
-        if num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(num_threads)
-        if self.device.type == "cpu":
-            prepare_cpu_deepspeed()
-        else:
-            prepare_cuda_deepspeed()
-        import deepspeed
-
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        init_distributed(rank, world_size, master_addr, master_port,
-                         "gloo" if self.device.type == "cpu" else "nccl")
+        self.device = place_rank(cfg.model.device, rank, num_threads=num_threads, gpu_memory=gpu_memory)
+        join_process_group(self.device, rank, world_size, master_addr, master_port)
         self.lora = cfg.lora if cfg.lora.enabled else None   # LoRA: PEFT's adapter is all that trains
-        self.model = prepare_trained_model(self._load_model(self.model_dir), cfg)
-        if self.lora is not None:
-            self.model = wrap(self.model, self.lora, self.model_dir, cfg.seed)
-        trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=self.model, model_parameters=trained, optimizer=make_optimizer(cfg, trained),
-            config=deepspeed_config(cfg, world_size, self.device.type))
+        self.model = trained_model(cfg, self.model_dir, self.device.type)
+        self.engine = start_engine(cfg, self.model, world_size, self.device.type)
         self.zero_stage = cfg.trainer.zero_stage
-        self.writer = writer_for(self.engine.module, rank, world_size)   # DeepSpeed's checkpoint files go through it
         self._staging = Staging()           # the host memory a save's copy goes into
-        self.engine.checkpoint_engine = background_engine(self.writer, self._staging)
-        t = cfg.trainer   # the learning rate of each step, and the moving average (rank 0 keeps it)
-        self.lr_schedule = LRSchedule(self.engine.optimizer, schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
-                                      total_steps=cfg.max_steps, base_lr=t.lr)
-        self.ema = EmaWeights(self.engine.module, t.ema_decay) if t.ema_decay > 0 and rank == 0 else None
-        if world_size == 1 and self.zero_stage == 0:
-            # One rank has nothing to all-reduce: DeepSpeed would still flatten, "reduce"
-            # and copy back every gradient at each step (a division by a world size of 1).
-            self.engine.enable_backward_allreduce = False
+        self.writer = checkpoint_writer(self.engine, rank, world_size, self._staging)
+        self.lr_schedule = lr_schedule(cfg, self.engine)
+        self.ema = moving_average(cfg, self.engine, rank)
+        skip_lone_allreduce(self.engine, world_size, self.zero_stage)
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self._kl = cfg.algorithm.kl_coef > 0   # with LoRA the reference is the model with its adapter off
-        self.ref_model = self._load_model(self.model_dir).eval().requires_grad_(False).to(self.device) \
-            if self._kl and self.lora is None else None
+        self.ref_model = reference_model(cfg, self.model_dir, self.device)
         self._version = 0
         self._steps_taken = 0
-        self._grad_norm: float | None = None
-        self._record_grad_norm_zero0()
+        self._grad_norm = record_grad_norm(self.engine, world_size, self.zero_stage)
         # the loss kernel's one-time load (~0.4 s) happens here, while the workers start,
         # instead of in the run's first step
         warm_up(cfg.algorithm, cfg.correction, self.device.type)
-        # Hugging Face drops a layer's KV cache under gradient checkpointing: no prompt sharing
-        self.share_prompts = (cfg.trainer.share_prompts and self.zero_stage < 3 and not t.gradient_checkpointing
-                              and self._sharing_works())
+        self.share_prompts = self._shares_prompts()
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -162,35 +130,6 @@ class Trainer:
         """True when :meth:`weights` is a collective (ZeRO-3): every rank must call it, in step,
         even ranks that do not publish."""
         return self.zero_stage == 3
-
-    def _record_grad_norm_zero0(self) -> None:
-        """DeepSpeed reports the pre-clip gradient norm under ZeRO 1-3 only; without ZeRO it
-        clips through ``engine.clip_fp32_gradients`` and drops the norm, so this engine's
-        method is replaced by one that clips identically and keeps the norm."""
-        if self.zero_stage != 0:
-            return
-        from deepspeed.runtime.utils import clip_grad_norm_
-
-        engine = self.engine
-        # One rank: torch's clip (same norm, same 1e-6, same coefficient) in a few
-        # multi-tensor ops, without DeepSpeed's per-tensor loop and its all-reduce over a
-        # group of one (0.17 ms a step against 0.36 ms on the built-in model).
-        one_rank = self.world_size == 1 and engine.mpu is None
-        clip: Any = (partial(torch.nn.utils.clip_grad_norm_, foreach=True) if one_rank
-                     else partial(clip_grad_norm_, mpu=engine.mpu))
-
-        def clip_and_record() -> None:
-            self._grad_norm = float(clip(engine.module.parameters(), engine.gradient_clipping()))
-
-        engine.clip_fp32_gradients = clip_and_record
-
-    def _load_model(self, path: Path) -> Any:
-        from transformers import AutoModelForCausalLM
-
-        dtype = torch.bfloat16 if self.cfg.model.trainer_dtype(self.device.type) == "bfloat16" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        model.config.use_cache = False
-        return model
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -229,7 +168,7 @@ class Trainer:
         self._version += 1  # one version per batch, however many PPO epochs it had
         # ZeRO-0 fp32: recorded by the clip hook; otherwise (ZeRO 1-3, and DeepSpeed's bf16
         # optimizer, which clips by itself) the engine reports it
-        grad_norm = self._grad_norm if self._grad_norm is not None else self.engine.get_global_grad_norm()
+        grad_norm = self._grad_norm.last if self._grad_norm.last is not None else self.engine.get_global_grad_norm()
         rewards = [c.reward for g in groups for c in g.completions]
         real = sum(mb.num_real_tokens for mb in mbs)
         return StepResult(
@@ -253,6 +192,13 @@ class Trainer:
         return list(build(groups, advantages, micro_batch_size=t.micro_batch_size,
                           max_tokens=0 if rows_only else t.micro_batch_tokens,
                           pass_tokens=0 if rows_only else t.pass_cost_tokens, pad_id=self.pad_id))
+
+    def _shares_prompts(self) -> bool:
+        """Whether this trainer runs shared prompts: asked for (``trainer.share_prompts``), not
+        under ZeRO-3 nor gradient checkpointing (Hugging Face drops a layer's KV cache under
+        it), and the model passes :meth:`_sharing_works`."""
+        t = self.cfg.trainer
+        return t.share_prompts and self.zero_stage < 3 and not t.gradient_checkpointing and self._sharing_works()
 
     def _sharing_works(self) -> bool:
         """Whether this model gives the same log-probs with shared prompts as padded rows,
