@@ -31,6 +31,7 @@ from pipeline_rl.optimizer_config import OptimizerConfig, optimizer_table
 from pipeline_rl.optimizer_config import AdamWConfig as AdamWConfig, MuonConfig as MuonConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
 from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
+from pipeline_rl.weight_sync.path_table import Transport, VllmChoice, WeightPath, choice_traits, transport_path
 
 #: Attention head sizes vLLM's CPU attention backend accepts (docs/design.md, platform notes).
 CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -97,11 +98,11 @@ class RolloutConfig(Section):
         "only: fast start, updates staged beside generation) or async (AsyncLLM with its "
         "engine core in its own process, pause/resume around updates; any device). auto: "
         "inprocess on CPU, async on CUDA.")
-    weight_transport: Literal["vllm", "object_store"] = Field(
+    weight_transport: Transport = Field(
         "vllm", description="How weights reach the workers: vllm (vLLM's weight-transfer "
         "API, through --rollout.weight_path) or object_store (Ray's object store, for "
         "workers that cannot open a connection to the trainer).")
-    weight_path: Literal["auto", "shm", "gloo", "ipc", "nccl"] = Field(
+    weight_path: VllmChoice = Field(
         "auto", description="Path of the vllm transport, per worker: shm (same node: one "
         "shared-memory segment the trainer writes once), gloo (buckets over TCP, any "
         "machine), ipc (CUDA IPC handles of the trainer's GPU copy, one shared GPU), nccl "
@@ -113,18 +114,16 @@ class RolloutConfig(Section):
     @field_validator("weight_path")
     @classmethod
     def _path_wired(cls, v: str) -> str:
-        if v == "nccl":   # torch only for this value: the config stays cheap to import
-            from pipeline_rl.weight_sync.nccl import nccl_refusal
-
-            why = nccl_refusal()
-            if why is not None:
-                raise ValueError(why)
+        row = choice_traits(v)   # a row's refusal imports torch only when asked: the config stays cheap
+        why = row.refusal() if row is not None and row.refusal is not None else None
+        if why is not None:
+            raise ValueError(why)
         return v
 
-    def publisher_path(self) -> Literal["auto", "shm", "gloo", "ipc", "nccl", "object_store"]:
+    def publisher_path(self) -> WeightPath:
         """The path the trainer's publisher is given: the object store's for that
         transport, else ``weight_path``."""
-        return "object_store" if self.weight_transport == "object_store" else self.weight_path
+        return transport_path(self.weight_transport, self.weight_path)
 
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")

@@ -14,7 +14,9 @@ a CUDA IPC handle), ``gloo.GlooTrainerChannel`` (any machine, buckets over TCP),
 ``object_store.ObjectStoreTrainerChannel`` (Ray's object store, once per version). A send
 drives the worker with one call (``SyncClient.receive_update``: vLLM's start, update and
 finish). What the rest of the project needs to know of a path is its row of
-:data:`PATHS` (:class:`PathTraits`): no other module decides by a path's name.
+:data:`PATHS` (:class:`PathTraits`), and when it may be taken its row of
+``path_table.PATH_TABLE`` (where the names are typed): no other module decides by a
+path's name (``tests/test_path_names.py``).
 
 Worker side, the same sequence on every path, by the one ``receiver.Receiver`` (in the
 vLLM worker's backend, ``vllm_backend.WeightReceiver``; an ``AsyncLLM`` rollout worker's

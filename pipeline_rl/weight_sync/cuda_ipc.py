@@ -156,7 +156,7 @@ class IpcTrainerChannel:
     """The ``ipc`` path's ``TrainerChannel`` for one worker: the handle of the version's
     GPU buffer goes in the worker's one call; the engine core copies from it."""
 
-    path = "ipc"
+    path = IpcUpdateInfo.PATH
 
     def __init__(self, client: "SyncClient") -> None:
         self.client = client
@@ -175,7 +175,7 @@ class IpcTrainerChannel:
         finish_s = self.client.receive_update(tagged(info), str(update.version))
         call_s = time.perf_counter() - t0 - export_s
         _collect()   # the worker let go of the buffer: CUDA may free the older ones now
-        return SendTiming(update.version, export_s + call_s - finish_s, finish_s, update.num_bytes, "ipc")
+        return SendTiming(update.version, export_s + call_s - finish_s, finish_s, update.num_bytes, self.path)
 
     def close(self) -> None:
         _collect()

@@ -15,21 +15,20 @@
 ``auto`` chooses from the two sides' :class:`Placement` (Ray node id, device, GPU):
 one GPU shared -> ``ipc``; two GPUs -> ``nccl``; otherwise one node -> ``shm``, else
 ``gloo``. ``--rollout.weight_path`` forces one; a forced path the placement cannot
-take is refused with one line.
+take is refused with one line. What each path needs of the placement, and which
+``auto`` may take, is its row of ``path_table.PATH_TABLE``: nothing here goes by a
+path's name.
 """
 
 from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import Literal
 
-WeightPath = Literal["auto", "shm", "gloo", "ipc", "nccl", "object_store"]
-ResolvedPath = Literal["shm", "gloo", "ipc", "nccl", "object_store"]
-
+from pipeline_rl.weight_sync.path_table import PATH_TABLE, Fit, PathName, WeightPath
 
 #: The CUDA paths ``auto`` picks (``nccl`` is forced only, until it has run on two GPUs).
-GPU_PATHS: frozenset[str] = frozenset({"ipc"})
+GPU_PATHS: frozenset[str] = frozenset(name for name, row in PATH_TABLE.items() if row.gpu_default)
 
 
 class PathError(ValueError):
@@ -70,27 +69,33 @@ def local_placement(device: str | None = None) -> Placement:
 
 
 def choose_path(trainer: Placement, worker: Placement, forced: WeightPath = "auto",
-                gpu_paths: frozenset[str] = frozenset()) -> ResolvedPath:
+                gpu_paths: frozenset[str] = frozenset()) -> PathName:
     """The path for one worker (module docstring). ``gpu_paths``: the CUDA paths ``auto``
     may pick (``ipc``; ``nccl`` once it has run on two GPUs)."""
-    same_node = trainer.node_id == worker.node_id
-    both_cuda = trainer.device == "cuda" and worker.device == "cuda"
-    same_gpu = both_cuda and same_node and trainer.gpu_uuid == worker.gpu_uuid
+    fit = _fit(trainer, worker)
     if forced == "auto":
-        if same_gpu and "ipc" in gpu_paths:
-            return "ipc"
-        if both_cuda and not same_gpu and "nccl" in gpu_paths:
-            return "nccl"
-        return "shm" if same_node else "gloo"
-    if forced == "shm" and not same_node:
-        raise PathError("--rollout.weight_path shm: the trainer and a rollout worker are on different "
-                        "nodes (use gloo or auto)")
-    if forced == "ipc" and not same_gpu:
-        raise PathError("--rollout.weight_path ipc: needs the trainer and the worker on one GPU (use auto)")
-    if forced == "nccl" and not both_cuda:
-        raise PathError("--rollout.weight_path nccl: needs the trainer and the worker on GPUs (use auto)")
-    if forced == "nccl" and same_gpu:
-        raise PathError("--rollout.weight_path nccl: the trainer and the worker share one GPU (use ipc or auto)")
-    if forced == "ipc" and forced not in gpu_paths:
+        return _auto(fit, gpu_paths)
+    row = PATH_TABLE.get(forced)
+    if row is None:
+        raise PathError(f"--rollout.weight_path {forced!r}: not one of auto, {', '.join(PATH_TABLE)}")
+    for need in row.needs:
+        if not need.holds(fit):
+            raise PathError(f"--rollout.weight_path {forced}: {need.refusal}")
+    if row.forced_needs_gpu_paths and forced not in gpu_paths:
         raise PathError(f"--rollout.weight_path {forced}: not available with the installed vLLM")
     return forced
+
+
+def _fit(trainer: Placement, worker: Placement) -> Fit:
+    """What the two placements share (a GPU is shared only on one node)."""
+    same_node = trainer.node_id == worker.node_id
+    both_cuda = trainer.device == "cuda" and worker.device == "cuda"
+    return Fit(same_node, both_cuda, both_cuda and same_node and trainer.gpu_uuid == worker.gpu_uuid)
+
+
+def _auto(fit: Fit, gpu_paths: frozenset[str]) -> PathName:
+    """``auto``'s choice: the first GPU path among ``gpu_paths`` that fits, else the first
+    host path that fits (a host path with no needs always does)."""
+    gpu = [name for name, row in PATH_TABLE.items() if row.auto == "gpu" and name in gpu_paths and row.fits(fit)]
+    host = [name for name, row in PATH_TABLE.items() if row.auto == "host" and row.fits(fit)]
+    return (gpu + host)[0]

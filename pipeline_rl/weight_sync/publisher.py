@@ -41,11 +41,10 @@ from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.weight_sync.paths import (
     GPU_PATHS,
     Placement,
-    ResolvedPath,
-    WeightPath,
     choose_path,
     local_placement,
 )
+from pipeline_rl.weight_sync.path_table import PathName, WeightPath
 from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient
 from pipeline_rl.weight_sync.shm import ShmSpaceError, new_shared_buffer, shm_fits
 
@@ -108,7 +107,7 @@ class WeightPublisher:
         self.path: WeightPath = path
         # The path each worker got. Workers are keys as they are: a Ray actor handle hashes and
         # compares by its actor id, so a restarted actor keeps its entry and its channel.
-        self.paths: dict[Hashable, ResolvedPath] = {}
+        self.paths: dict[Hashable, PathName] = {}
         self._channels: dict[Hashable, TrainerChannel] = {}
         self._host_copy: WeightUpdate | None = None   # a GPU-gathered version, for byte paths
         self._shared: dict[str, Any] = {}          # per path: what its channels share (PathTraits.shared)
@@ -352,7 +351,7 @@ class WeightPublisher:
                 cached = self._host_copy = to_host(update)
         return cached
 
-    def _path_of(self, worker: Hashable) -> ResolvedPath:
+    def _path_of(self, worker: Hashable) -> PathName:
         """The path ``worker`` gets (asked once per worker; logged when first chosen)."""
         path = self.paths.get(worker)
         if path is None:

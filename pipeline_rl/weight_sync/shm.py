@@ -309,7 +309,7 @@ class ShmTrainerChannel:
     the shared :class:`SharedWriter` (once for all workers), then the worker's one call
     (``receive_update``: start, update -- map and check -- and finish) loads it."""
 
-    path = "shm"
+    path = ShmUpdateInfo.PATH
 
     def __init__(self, client: "SyncClient", writer: SharedWriter) -> None:
         self.client = client
@@ -331,7 +331,7 @@ class ShmTrainerChannel:
         t0 = time.perf_counter()
         finish_s = self.client.receive_update(tagged(info), str(update.version))
         call_s = time.perf_counter() - t0
-        return SendTiming(update.version, write_s + call_s - finish_s, finish_s, update.num_bytes, "shm")
+        return SendTiming(update.version, write_s + call_s - finish_s, finish_s, update.num_bytes, self.path)
 
     def close(self) -> None:
         """Nothing per worker: the writer's segment is the publisher's."""
