@@ -96,6 +96,12 @@ CATALOG: tuple[Entry, ...] = (
     Entry("throughput", "Asynchronous against synchronous", "python -m benchmarks.throughput --repeats 3 --steps 40 --warmup 8",
           "Step time, tokens/s and idle shares at staleness 0-4, against the overlap bound "
           "(T_gen + T_train) / max(T_gen, T_train).", figure="throughput.png"),
+    Entry("trainer_profile", "The trainer against the core's matmul rate",
+          "python -m benchmarks.trainer_profile --steps 4 -- --model smollm2-135m-instruct --task.name "
+          "word_problems [--lora.rank 16]",
+          "The real chat model's trainer step, full and LoRA, on batches of the word-problems run's shape: "
+          "the median step before and after prompts ran once per block, and the FLOP/s of the tokens "
+          "trained over a dense matmul on the same core."),
     Entry("step_bound", "What bounds a step", "python -m benchmarks.step_bound",
           "Each side alone on an idle core: the fastest any schedule of the two could step."),
     Entry("cpu_profile", "Where the CPU goes", "python -m benchmarks.cpu_profile",
