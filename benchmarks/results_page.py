@@ -102,6 +102,12 @@ CATALOG: tuple[Entry, ...] = (
           "The real chat model's trainer step, full and LoRA, on batches of the word-problems run's shape: "
           "the median step before and after prompts ran once per block, and the FLOP/s of the tokens "
           "trained over a dense matmul on the same core."),
+    Entry("throughput_real_model", "Asynchronous against synchronous on the real chat model",
+          "python -m benchmarks.throughput --workloads real_full,real_lora --configs sync_same_placement,async_s2 "
+          "--steps 7 --warmup 2 --repeats 3",
+          "SmolLM2-135M-Instruct on word problems, fully and with a rank-16 LoRA adapter: the pipeline at "
+          "staleness 2 against the same pipeline at staleness 0 (generation and training in turn), steps per "
+          "second and the overlap bound from the synchronous steps, 3 repeats."),
     Entry("step_bound", "What bounds a step", "python -m benchmarks.step_bound",
           "Each side alone on an idle core: the fastest any schedule of the two could step."),
     Entry("cpu_profile", "Where the CPU goes", "python -m benchmarks.cpu_profile",
