@@ -109,6 +109,7 @@ def test_an_episodes_second_turn_hits_its_first(engine: GenerationEngine, tiny_m
     """Through the worker's episode driver: turn 2 (the prompt, turn 1 and the reply) reads
     turn 1's blocks, its completion's included: the prompt alone is shorter than a block."""
     from pipeline_rl.rollout.episodes import Episode, EpisodeDriver
+    from pipeline_rl.rollout.request_key import RequestKey
     from pipeline_rl.tasks.base import Prompt
     from pipeline_rl.tasks.task_config import TaskConfig
 
@@ -118,19 +119,19 @@ def test_an_episodes_second_turn_hits_its_first(engine: GenerationEngine, tiny_m
     driver = EpisodeDriver(TwoTurns, TaskConfig(max_turns=2), engine, 320, "prefix-cache", lambda: None,
                            ended.append, lambda what, fatal: pytest.fail(what))
     try:
-        driver.start("e", Prompt(0, "", ""), prompt, SamplingConfig(max_new_tokens=40, ignore_eos=True))
+        driver.start(RequestKey(0, 0), Prompt(0, "", ""), prompt, SamplingConfig(max_new_tokens=40, ignore_eos=True))
         deadline = time.monotonic() + 60
         while not ended and time.monotonic() < deadline:
             for seq in engine.step():
                 seen[seq.request_id] = seq
-                driver.collect(seq)
+                driver.collect(seq, RequestKey.parse(seq.request_id))
             driver.pump()
             time.sleep(0.01 if not engine.num_unfinished() else 0)
     finally:
         driver.close()
-    assert ended and set(seen) == {"e#0", "e#1"}, sorted(seen)
-    assert seen["e#0"].cached_tokens == 0
-    assert seen["e#1"].cached_tokens == BLOCK > len(prompt)
+    assert ended and set(seen) == {"0:0#0", "0:0#1"}, sorted(seen)
+    assert seen["0:0#0"].cached_tokens == 0
+    assert seen["0:0#1"].cached_tokens == BLOCK > len(prompt)
 
 
 def test_a_renewed_engine_serves_nothing_of_its_last_life(engine: GenerationEngine, tiny_model_dir: str,
