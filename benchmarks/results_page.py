@@ -108,6 +108,11 @@ CATALOG: tuple[Entry, ...] = (
           "SmolLM2-135M-Instruct on word problems, fully and with a rank-16 LoRA adapter: the pipeline at "
           "staleness 2 against the same pipeline at staleness 0 (generation and training in turn), steps per "
           "second and the overlap bound from the synchronous steps, 3 repeats."),
+    Entry("prefix_cache", "Version-salted prefix caching on and off",
+          "python -m benchmarks.prefix_cache --steps 6 --workloads readme fewshot",
+          "The main job on SmolLM2-135M-Instruct with --rollout.prefix_caching on and off: on prompts behind a "
+          "few-shot preamble of about 520 tokens, and on the README's word problems; tokens/s over the rollout "
+          "worker's busy time and the step, one round."),
     Entry("step_bound", "What bounds a step", "python -m benchmarks.step_bound",
           "Each side alone on an idle core: the fastest any schedule of the two could step."),
     Entry("cpu_profile", "Where the CPU goes", "python -m benchmarks.cpu_profile",
