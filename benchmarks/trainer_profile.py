@@ -59,15 +59,11 @@ class Profile:
         return max(0.0, self.total_s - self.matmul_s - self.attention_s - self.optimizer_s)
 
 
-def run_shaped_groups(cfg: Config, model_dir: str, seed: int, version: int) -> list[Group]:
-    """``groups_per_step`` groups of the run's shape (module docstring)."""
-    from transformers import AutoTokenizer
-
+def run_shaped_groups(cfg: Config, tok: Any, task: Any, seed: int, version: int) -> list[Group]:
+    """``groups_per_step`` groups of the run's shape (module docstring), from the model's
+    tokenizer ``tok`` and the run's ``task`` (each loaded once per measurement)."""
     from pipeline_rl.samples import Completion, Group
-    from pipeline_rl.tasks.build import build_task_for_model
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)
     rng = np.random.default_rng(seed)
     budget, vocab = cfg.rollout.max_new_tokens, int(tok.vocab_size)
     groups = []
@@ -124,17 +120,23 @@ def measure(cfg: Config, model_dir: str, steps: int) -> dict[str, Any]:
     import torch
 
     lora = cfg.lora.enabled
+    from transformers import AutoTokenizer
+
+    from pipeline_rl.tasks.build import build_task_for_model
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    task = build_task_for_model(cfg.task, model_dir, seed=cfg.seed)
     times, real_tokens = [], []
     with closing(LocalPipeline(cfg, model_dir=model_dir, trainer_threads=1)) as local:
         trainer = local.trainer
         for i in range(steps + 2):
-            groups = run_shaped_groups(cfg, model_dir, i, trainer.version)
+            groups = run_shaped_groups(cfg, tok, task, i, trainer.version)
             t = time.perf_counter()
             r = trainer.step(groups)
             if i >= 2:
                 times.append(time.perf_counter() - t)
                 real_tokens.append(sum(g.prompt_ids.shape[0] for g in groups) + r.num_tokens)
-        prof = profiled_step(trainer, run_shaped_groups(cfg, model_dir, steps + 2, trainer.version))
+        prof = profiled_step(trainer, run_shaped_groups(cfg, tok, task, steps + 2, trainer.version))
         base = getattr(trainer.model, "get_base_model", lambda: trainer.model)()
         n = matmul_params(base)
         hidden = int(base.config.hidden_size)
