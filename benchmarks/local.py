@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from pipeline_rl.tasks.base import Task
     from pipeline_rl.training.rank_step import RankStep
     from pipeline_rl.training.trainer import Trainer
-    from pipeline_rl.weight_sync.publisher import WeightPublisher
+    from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
 
 
 class LocalPipeline:
@@ -86,7 +86,7 @@ class LocalPipeline:
 
     @cached_property
     def publisher(self) -> WeightPublisher:
-        from pipeline_rl.weight_sync.publisher import WeightPublisher
+        from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
 
         # A worker in this process takes the update straight from the training thread.
         return WeightPublisher([self.worker], background=False, path="object_store")

@@ -7,13 +7,13 @@ default; ``B`` drawn non-zero, as after training), it reports:
   (float32 on CPU) and in bfloat16 (a GPU's);
 - **gather** (the trainer's copy-out, on the critical path): adapter against full, p50;
 - **merged serving**: the worker's fold ``W0 + alpha/r B A`` of the weights the adapter
-  targets (``weight_sync.lora_update.Merger``; with every other part of a fused layer), then
+  targets (``weight_sync.receive.lora_update.Merger``; with every other part of a fused layer), then
   their load into a shadow of a vLLM engine's model, as the in-process engine stages it
-  (``weight_sync.loaders.Shadow``, the direct path), and the swap of the shadow into the live
+  (``weight_sync.receive.loaders.Shadow``, the direct path), and the swap of the shadow into the live
   model between two steps (the stall: a partial load swaps only what it changed), p50 each,
   against the same for a full update;
 - **native serving**: the adapter replaced in place in a vLLM engine started with LoRA
-  (``weight_sync.vllm_adapter.replace_lora``), p50.
+  (``weight_sync.receive.vllm_adapter.replace_lora``), p50.
 
 - **generation under updates** (``--generate-s``, 0 skips it): the rollout worker's engine
   (``InprocessEngine``, the run's defaults) keeps ``--sequences`` sequences of
@@ -152,11 +152,11 @@ def run(args: argparse.Namespace) -> Outcome:
     from pipeline_rl.lora_config import LoraConfig
     from pipeline_rl.rollout.engines import vllm_compat as compat
     from pipeline_rl.training.lora import adapter_parameters, wrap
-    from pipeline_rl.weight_sync.gather import gather_weights
-    from pipeline_rl.weight_sync.loaders import make_shadow
-    from pipeline_rl.weight_sync.lora_update import LORA_ID, LoraServing, Merger, peft_config_dict
+    from pipeline_rl.weight_sync.publish.gather import gather_weights
+    from pipeline_rl.weight_sync.receive.loaders import make_shadow
+    from pipeline_rl.weight_sync.receive.lora_update import LORA_ID, LoraServing, Merger, peft_config_dict
     from pipeline_rl.weight_sync.message import as_checked
-    from pipeline_rl.weight_sync.vllm_adapter import replace_lora
+    from pipeline_rl.weight_sync.receive.vllm_adapter import replace_lora
 
     at_least(args, rank=1, reps=1, generate_s=0, update_every_s=0.01, sequences=1, tokens=1)
     if args.quick:

@@ -78,14 +78,14 @@ class Receiver:
         self.times: dict[int, float] = {}
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        from pipeline_rl.weight_sync.object_store import update_of
+        from pipeline_rl.weight_sync.channels.object_store import update_of
 
         update = update_of(update_info)
         self.times[update.version] = time.time()
         return 0.0
 
     def placement(self) -> Any:
-        from pipeline_rl.weight_sync.paths import local_placement
+        from pipeline_rl.weight_sync.channels.paths import local_placement
 
         return local_placement()
 
@@ -125,7 +125,7 @@ def run(duration_s: float, *, workers: int = 1, zero_stage: int = 0, staleness: 
     import ray
     import torch
 
-    from pipeline_rl.weight_sync.publisher import WeightPublisher
+    from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
     from pipeline_rl.reports import RankStepReport
     from pipeline_rl.models.tiny_llama import build_tiny_model
 

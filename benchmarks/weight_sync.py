@@ -174,7 +174,7 @@ class SyncWorker:
 
     def placement(self) -> Any:
         """Where this worker runs (the publisher picks the weight path by it)."""
-        from pipeline_rl.weight_sync.paths import local_placement
+        from pipeline_rl.weight_sync.channels.paths import local_placement
 
         return local_placement("cpu")
 
@@ -343,8 +343,8 @@ def run_cell(model: Any, model_name: str, model_dir: str, engine: str, transport
     """One (model, engine, transport) cell: fresh workers, ``warmup + updates`` publishes."""
     import ray
 
-    from pipeline_rl.weight_sync.gather import gather_weights
-    from pipeline_rl.weight_sync.publisher import WeightPublisher
+    from pipeline_rl.weight_sync.publish.gather import gather_weights
+    from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
 
     spec = MODELS[model_name]
     interval_s = spec.interval_s or args.interval_s

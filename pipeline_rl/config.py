@@ -31,7 +31,7 @@ from pipeline_rl.optimizer_config import OptimizerConfig, optimizer_table
 from pipeline_rl.optimizer_config import AdamWConfig as AdamWConfig, MuonConfig as MuonConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
 from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
-from pipeline_rl.weight_sync.path_table import Transport, VllmChoice, WeightPath, choice_traits, transport_path
+from pipeline_rl.weight_sync.channels.path_table import Transport, VllmChoice, WeightPath, choice_traits, transport_path
 
 #: Attention head sizes vLLM's CPU attention backend accepts (docs/design.md, platform notes).
 CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

@@ -11,7 +11,7 @@ the table :data:`LABELS` (this module is the only one that derives anything from
 - the replay buffer's ZeroMQ CURVE key pairs and its PLAIN password
   (``pipeline_rl.buffer.auth``);
 - the secret with which the two ends of a weight channel (gloo, nccl) prove the run key
-  to each other before any weight moves (``pipeline_rl.weight_sync.rendezvous_auth``);
+  to each other before any weight moves (``pipeline_rl.weight_sync.channels.rendezvous_auth``);
 - the agent endpoint's bearer token (``pipeline_rl.rollout.agents``).
 
 Invariants: ``repr``/``str``/``format`` never show the secret; a key compares equal

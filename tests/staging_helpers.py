@@ -12,11 +12,11 @@ import torch
 
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engines.engine import GenerationEngine
-from pipeline_rl.weight_sync import nccl
-from pipeline_rl.weight_sync.channel import decode_init_info, decode_update_info
-from pipeline_rl.weight_sync.cuda_ipc import check_opened
+from pipeline_rl.weight_sync.channels import nccl
+from pipeline_rl.weight_sync.channels.channel import decode_init_info, decode_update_info
+from pipeline_rl.weight_sync.channels.cuda_ipc import check_opened
 from pipeline_rl.weight_sync.dtypes import from_torch
-from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo, receive_update
+from pipeline_rl.weight_sync.channels.gloo import Channel, GlooInitInfo, receive_update
 from pipeline_rl.weight_sync.layout import UpdateLayout, bucket_plan
 from pipeline_rl.weight_sync.message import OpenedUpdate, WeightSpec, WeightUpdate, WeightUpdateError
 from pipeline_rl.weight_sync.protocol import receive_in_one_call, tagged
@@ -108,12 +108,12 @@ class ShmClient(ThreadClient):
 
     def __init__(self) -> None:
         super().__init__()
-        from pipeline_rl.weight_sync.shm import SegmentReader
+        from pipeline_rl.weight_sync.channels.shm import SegmentReader
 
         self.reader = SegmentReader()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        from pipeline_rl.weight_sync.shm import ShmUpdateInfo
+        from pipeline_rl.weight_sync.channels.shm import ShmUpdateInfo
 
         info = decode_update_info(update_info)
         assert isinstance(info, ShmUpdateInfo)

@@ -350,7 +350,7 @@ def test_in_flight_updates_keep_policy(arch: str, model_dir: Path, slot: EngineS
     (b) fresh requests started after the fifth update, while the old ones still run,
         equal transformers under the fifth weights.
     """
-    from pipeline_rl.weight_sync.loaders import DIRECT_LOAD_ARCHITECTURES
+    from pipeline_rl.weight_sync.receive.loaders import DIRECT_LOAD_ARCHITECTURES
 
     assert HF_ARCHITECTURE[arch] in DIRECT_LOAD_ARCHITECTURES
     engine = slot.get(model_dir, "keep", at_version=0)

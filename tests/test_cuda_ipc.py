@@ -1,4 +1,4 @@
-"""The ``ipc`` weight path (``pipeline_rl.weight_sync.cuda_ipc``): chosen where the
+"""The ``ipc`` weight path (``pipeline_rl.weight_sync.channels.cuda_ipc``): chosen where the
 trainer and a worker share a GPU, its update info told apart from the other paths',
 a GPU-gathered update copied to host memory bit-exact for the byte paths, and refused
 where it cannot go. The CUDA IPC round trip itself (a second process opens the
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline_rl.config import Config
-from pipeline_rl.weight_sync.cuda_ipc import (
+from pipeline_rl.weight_sync.channels.cuda_ipc import (
     IpcUpdateInfo,
     check_opened,
     export_update,
@@ -21,9 +21,9 @@ from pipeline_rl.weight_sync.cuda_ipc import (
     to_host,
 )
 from pipeline_rl.weight_sync.message import DeviceCopy, WeightSpec, WeightUpdate, WeightUpdateError, validate_update
-from pipeline_rl.weight_sync.paths import GPU_PATHS, Placement, choose_path
-from pipeline_rl.weight_sync.gather import gather_weights
-from pipeline_rl.weight_sync.channel import decode_update_info
+from pipeline_rl.weight_sync.channels.paths import GPU_PATHS, Placement, choose_path
+from pipeline_rl.weight_sync.publish.gather import gather_weights
+from pipeline_rl.weight_sync.channels.channel import decode_update_info
 from pipeline_rl.weight_sync.protocol import tagged
 
 

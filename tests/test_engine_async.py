@@ -32,10 +32,10 @@ from test_engine_inprocess import (  # noqa: F401 - the fixtures are shared with
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engines.engine import FinishedSequence, GenRequest, SamplingConfig
 from pipeline_rl.rollout.engines.engine_async import AsyncEngine, transfer_backend
-from pipeline_rl.weight_sync.vllm_adapter import BACKEND
-from pipeline_rl.weight_sync.gloo import GlooUpdateInfo
+from pipeline_rl.weight_sync.receive.vllm_adapter import BACKEND
+from pipeline_rl.weight_sync.channels.gloo import GlooUpdateInfo
 from pipeline_rl.weight_sync.protocol import tagged
-from pipeline_rl.weight_sync.shm import SharedSegment
+from pipeline_rl.weight_sync.channels.shm import SharedSegment
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, as_checked, load_update
 
 PROMPTS = ("12+34=", "sort 5193=", "hello", "7+8=")

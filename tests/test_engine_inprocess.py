@@ -220,7 +220,7 @@ def test_staged_weights_take_effect_only_when_applied(engine: GenerationEngine, 
     the switch happens at ``apply_staged``, between two steps. The same whether the
     loader leaves the linear layers computing on their weights (this tiny model's, by
     size) or re-creates vLLM's packed oneDNN closures."""
-    from pipeline_rl.weight_sync import loaders
+    from pipeline_rl.weight_sync.receive import loaders
     from pipeline_rl.weight_sync.message import check_update
 
     if gemm == "packed":
@@ -257,7 +257,7 @@ def test_packed_layers_keep_no_reference_to_the_update(engine: GenerationEngine,
     reuses: once applied, the weights must not depend on either. The update's arrays
     are zeroed after staging and another update is staged (rewriting the scratch); the
     served log-probs still match the applied weights."""
-    from pipeline_rl.weight_sync import loaders
+    from pipeline_rl.weight_sync.receive import loaders
     from pipeline_rl.weight_sync.message import check_update
 
     monkeypatch.setattr(loaders, "PLAIN_GEMM_MAX_WEIGHTS", -1)   # every layer packed by oneDNN

@@ -14,7 +14,7 @@ from test_engine_inprocess import PROMPTS, TEMPERATURE, model_dirs  # noqa: F401
 
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engines.engine import EngineConfig, FinishedSequence, GenRequest, SamplingConfig
-from pipeline_rl.weight_sync.gloo import GlooUpdateInfo
+from pipeline_rl.weight_sync.channels.gloo import GlooUpdateInfo
 from pipeline_rl.weight_sync.protocol import tagged
 from pipeline_rl.weight_sync.message import WeightUpdateError, load_update
 

@@ -42,10 +42,10 @@ LAYOUT = ROOT / "docs" / "layout.md"
 RAY_ALLOWED = frozenset({
     "pipeline_rl.actors",
     "pipeline_rl.run",
-    "pipeline_rl.weight_sync.publisher",   # its Ray-actor client (calls a worker's actor)
-    "pipeline_rl.weight_sync.object_store",  # the object-store path: ray.put / ray.get of a version
-    "pipeline_rl.weight_sync.clients",     # a worker's Ray actor as vLLM's weight-sync client; the node IP
-    "pipeline_rl.weight_sync.paths",       # this process's Ray node id (which path a worker gets)
+    "pipeline_rl.weight_sync.publish.publisher",   # its Ray-actor client (calls a worker's actor)
+    "pipeline_rl.weight_sync.channels.object_store",  # the object-store path: ray.put / ray.get of a version
+    "pipeline_rl.weight_sync.publish.clients",     # a worker's Ray actor as vLLM's weight-sync client; the node IP
+    "pipeline_rl.weight_sync.channels.paths",       # this process's Ray node id (which path a worker gets)
 })
 #: Modules (or packages) that may import vLLM.
 VLLM_ALLOWED = frozenset({"pipeline_rl.rollout", "pipeline_rl.weight_sync",
@@ -61,7 +61,7 @@ VLLM_INTERNALS_ALLOWED = frozenset({
     "pipeline_rl.rollout.engines.vllm_compat",   # engines and weight transfer across vLLM 0.26-0.33
     "pipeline_rl.rollout.agents.vllm_tools",     # the OpenAI server's request/response types the endpoint speaks
     "pipeline_rl.tasks.tool_calls",              # the tool-call parsers `vllm serve --tool-call-parser` uses
-    "pipeline_rl.weight_sync.vllm_adapter",   # the weights' side: backend registry, reloads, NCCL, packing
+    "pipeline_rl.weight_sync.receive.vllm_adapter",   # the weights' side: backend registry, reloads, NCCL, packing
 })
 #: Packages that import nothing from another: (lower, upper) -- weights know no engine.
 NO_UPWARD_IMPORTS = (("pipeline_rl.weight_sync", "pipeline_rl.rollout"),)

@@ -129,7 +129,7 @@ def test_only_the_adapter_trains_and_is_published(make_trainer: Any, tiny_model_
     and the KL reference is the base (the adapter off): kl 0 at step 1, > 0 later."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.weight_sync.lora_update import base_weight_name, is_adapter_name
+    from pipeline_rl.weight_sync.receive.lora_update import base_weight_name, is_adapter_name
 
     t = make_trainer(lora_cfg(algorithm={"kl_coef": 0.1}))
     assert t.ref_model is None                                 # no second copy

@@ -17,7 +17,7 @@ import torch
 
 from pipeline_rl.lora_config import DEFAULT_TARGETS
 from pipeline_rl.rollout.engines.engine import EngineConfig, GenRequest, SamplingConfig
-from pipeline_rl.weight_sync.lora_update import LoraServing
+from pipeline_rl.weight_sync.receive.lora_update import LoraServing
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,7 +40,7 @@ def test_served_logprobs_are_the_trainers_peft_logprobs(mode: str, tiny_model_di
     """``merged-packed``: merged, every loaded layer packed by oneDNN as a real model's are (the
     tiny model's compute on their weights), beside the layers no version touches."""
     from pipeline_rl.rollout.engines.engine_inprocess import InprocessEngine
-    from pipeline_rl.weight_sync import loaders
+    from pipeline_rl.weight_sync.receive import loaders
 
     if mode == "merged-packed":
         monkeypatch.setattr(loaders, "PLAIN_GEMM_MAX_WEIGHTS", -1)

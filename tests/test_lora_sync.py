@@ -1,4 +1,4 @@
-"""A LoRA run's updates (``pipeline_rl.weight_sync.lora_update``): the adapter alone travels
+"""A LoRA run's updates (``pipeline_rl.weight_sync.receive.lora_update``): the adapter alone travels
 every CPU path bit-exact through the one channel interface; it is checked against the served
 model as full weights are (one line naming what is wrong); merged serving folds it into the
 base exactly as PEFT's ``merge_and_unload`` does."""
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pipeline_rl.lora_config import LoraConfig
-from pipeline_rl.weight_sync.gather import gather_weights
-from pipeline_rl.weight_sync.lora_update import LoraServing, Merger, adapter_spec
+from pipeline_rl.weight_sync.publish.gather import gather_weights
+from pipeline_rl.weight_sync.receive.lora_update import LoraServing, Merger, adapter_spec
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, read_weight_spec, validate_update
 from pipeline_rl.weight_sync.protocol import OpenContext
-from pipeline_rl.weight_sync.shm import SharedWriter
+from pipeline_rl.weight_sync.channels.shm import SharedWriter
 from staging_helpers import ShmClient, ThreadClient
 
 SERVING = LoraServing(rank=4, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -49,8 +49,8 @@ def adapter_update(model: Any, version: int, dtype: str = "float32") -> WeightUp
 @pytest.mark.parametrize("path", ["shm", "gloo", "nccl"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_adapter_round_trips_bit_exact_through_every_cpu_path(path: str, dtype: str, tiny_model_dir: str) -> None:
-    from pipeline_rl.weight_sync.channel import open_channel
-    from pipeline_rl.weight_sync.nccl import NcclTrainerChannel
+    from pipeline_rl.weight_sync.channels.channel import open_channel
+    from pipeline_rl.weight_sync.channels.nccl import NcclTrainerChannel
 
     spec = adapter_spec(read_weight_spec(tiny_model_dir), SERVING)
     client = ShmClient() if path == "shm" else ThreadClient()

@@ -1,5 +1,5 @@
 """Weight paths are decided by their row, never by their name: no module of the package
-but ``weight_sync/path_table.py`` compares a string naming a weight path (``==``/``!=``/
+but ``weight_sync/channels/path_table.py`` compares a string naming a weight path (``==``/``!=``/
 ``is``, ``in`` a literal tuple, list or set or a name ``in`` something, a ``case``),
 checked by reading the source (``ast``). A process-group backend (``backend ==
 "nccl"``: an operand named ``backend``) is torch's name, not a weight path's.
@@ -13,12 +13,12 @@ import ast
 from pathlib import Path
 from typing import get_args
 
-from pipeline_rl.weight_sync.channel import PATHS
-from pipeline_rl.weight_sync.path_table import PATH_TABLE, PathName
+from pipeline_rl.weight_sync.channels.channel import PATHS
+from pipeline_rl.weight_sync.channels.path_table import PATH_TABLE, PathName
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "pipeline_rl"
-TABLE = PACKAGE / "weight_sync" / "path_table.py"
+TABLE = PACKAGE / "weight_sync" / "channels" / "path_table.py"
 NAMES = frozenset(get_args(PathName))
 
 

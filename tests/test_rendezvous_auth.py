@@ -16,9 +16,9 @@ import torch
 
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.run_key import RunKey
-from pipeline_rl.weight_sync import rendezvous_auth
-from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo
-from pipeline_rl.weight_sync.rendezvous_auth import RendezvousRefused
+from pipeline_rl.weight_sync.channels import rendezvous_auth
+from pipeline_rl.weight_sync.channels.gloo import Channel, GlooInitInfo
+from pipeline_rl.weight_sync.channels.rendezvous_auth import RendezvousRefused
 
 TIMEOUT_S = 20.0
 

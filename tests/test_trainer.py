@@ -375,7 +375,7 @@ def test_rank_step_consumes_from_replay_buffer(trainer_factory: Any) -> None:
     import threading
     import time
 
-    from pipeline_rl.weight_sync.publisher import WeightPublisher
+    from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
     from pipeline_rl.training.rank_step import RankStep
     from pipeline_rl.buffer.replay import ReplayBuffer
 
@@ -386,7 +386,7 @@ def test_rank_step_consumes_from_replay_buffer(trainer_factory: Any) -> None:
 
     class Sink:
         def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-            from pipeline_rl.weight_sync.object_store import update_of
+            from pipeline_rl.weight_sync.channels.object_store import update_of
 
             seen.append(update_of(update_info).version)
             return 0.0

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline_rl.weight_sync.publisher import WeightPublisher
+from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
 from pipeline_rl.weight_sync.message import WeightUpdate
-from pipeline_rl.weight_sync.object_store import update_of
+from pipeline_rl.weight_sync.channels.object_store import update_of
 from pipeline_rl.config import Config
 
 
@@ -122,14 +122,14 @@ class Receiver:
         self.got: list[tuple[int, float]] = []
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        from pipeline_rl.weight_sync.object_store import update_of
+        from pipeline_rl.weight_sync.channels.object_store import update_of
 
         update = update_of(update_info)
         self.got.append((update.version, float(update.arrays[0].sum())))
         return 0.0
 
     def placement(self) -> Any:
-        from pipeline_rl.weight_sync.paths import local_placement
+        from pipeline_rl.weight_sync.channels.paths import local_placement
 
         return local_placement()
 

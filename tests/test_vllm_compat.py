@@ -27,7 +27,7 @@ import test_engine_inprocess as cpu_tests
 from test_engine_inprocess import hf_models, model_dirs  # noqa: F401 - shared fixtures
 
 from pipeline_rl.rollout.engines import vllm_compat as compat
-from pipeline_rl.weight_sync import vllm_adapter as adapter
+from pipeline_rl.weight_sync.receive import vllm_adapter as adapter
 from pipeline_rl.rollout.engines.engine import EngineConfig, GenerationEngine
 from pipeline_rl.weight_sync.message import load_update
 
@@ -56,7 +56,7 @@ def test_version_record_splits_tokens_at_each_switch() -> None:
 def test_backend_completed_under_a_base_with_an_abstract_trainer_half() -> None:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    from pipeline_rl.weight_sync.vllm_backend import WeightReceiver
+    from pipeline_rl.weight_sync.receive.vllm_backend import WeightReceiver
 
     class Base026(WeightTransferEngine[Any, Any]):   # vLLM 0.26's base, as far as it matters here
         @staticmethod

@@ -1,4 +1,4 @@
-"""The one channel interface (``pipeline_rl.weight_sync.channel``): every CPU path's
+"""The one channel interface (``pipeline_rl.weight_sync.channels.channel``): every CPU path's
 bfloat16 round trip bit-exact through open / send / close; the nccl path's collective code
 run on a gloo group (vLLM's packed cut, packing, a refused update drained, a dead peer
 ending within its timeout in one line) and refused in one line where NCCL cannot run;
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_rl.weight_sync.channel import TrainerChannel, open_channel
-from pipeline_rl.weight_sync.gather import gather_weights
-from pipeline_rl.weight_sync.host_gpu import DeviceStaging, device_to_host
+from pipeline_rl.weight_sync.channels.channel import TrainerChannel, open_channel
+from pipeline_rl.weight_sync.publish.gather import gather_weights
+from pipeline_rl.weight_sync.channels.host_gpu import DeviceStaging, device_to_host
 from pipeline_rl.weight_sync.message import DeviceCopy, WeightUpdate, WeightUpdateError
-from pipeline_rl.weight_sync.nccl import NcclTrainerChannel, chunk_plan
+from pipeline_rl.weight_sync.channels.nccl import NcclTrainerChannel, chunk_plan
 from pipeline_rl.weight_sync.protocol import OpenContext
-from pipeline_rl.weight_sync.shm import SharedWriter, StatusCell
+from pipeline_rl.weight_sync.channels.shm import SharedWriter, StatusCell
 from staging_helpers import ShmClient, ThreadClient
 
 
@@ -98,7 +98,7 @@ def test_nccl_on_gloo_a_dead_peer_ends_the_send_within_its_timeout_in_one_line()
 
 
 def test_forcing_nccl_where_it_cannot_run_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline_rl.weight_sync.nccl as nccl
+    import pipeline_rl.weight_sync.channels.nccl as nccl
 
     assert nccl.nccl_refusal(2) is None
     assert nccl.nccl_refusal(0) == nccl.nccl_refusal(1).replace("has 1", "has 0")  # type: ignore[union-attr]

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from pipeline_rl.weight_sync.dtypes import to_torch
-from pipeline_rl.weight_sync.gloo import GlooTrainerChannel
+from pipeline_rl.weight_sync.channels.gloo import GlooTrainerChannel
 from pipeline_rl.weight_sync.protocol import OpenContext
 from pipeline_rl.weight_sync.layout import contiguous_bytes
 from pipeline_rl.weight_sync.message import WeightSpec, WeightUpdate, WeightUpdateError, validate_update
-from pipeline_rl.weight_sync.paths import PathError, Placement, choose_path
-from pipeline_rl.weight_sync.gather import gather_weights
-from pipeline_rl.weight_sync.publisher import WeightPublisher
-from pipeline_rl.weight_sync.shm import SegmentReader, SharedWriter, ShmUpdateInfo, gathered_in
+from pipeline_rl.weight_sync.channels.paths import PathError, Placement, choose_path
+from pipeline_rl.weight_sync.publish.gather import gather_weights
+from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
+from pipeline_rl.weight_sync.channels.shm import SegmentReader, SharedWriter, ShmUpdateInfo, gathered_in
 from staging_helpers import ShmClient, ThreadClient
 
 
@@ -173,7 +173,7 @@ def test_files_of_dead_processes_are_swept_and_live_ones_kept() -> None:
     import subprocess
     import sys
 
-    from pipeline_rl.weight_sync.shm import shm_dir, sweep_stale
+    from pipeline_rl.weight_sync.channels.shm import shm_dir, sweep_stale
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
@@ -190,7 +190,7 @@ def test_files_of_dead_processes_are_swept_and_live_ones_kept() -> None:
 
 
 def test_a_memory_filesystem_too_small_sends_over_gloo_instead(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline_rl.weight_sync import shm
+    from pipeline_rl.weight_sync.channels import shm
 
     monkeypatch.setattr(shm, "check_space", _no_space)
     client = ThreadClient()
@@ -206,6 +206,6 @@ def test_a_memory_filesystem_too_small_sends_over_gloo_instead(monkeypatch: pyte
 
 
 def _no_space(size: int) -> None:
-    from pipeline_rl.weight_sync.shm import ShmSpaceError
+    from pipeline_rl.weight_sync.channels.shm import ShmSpaceError
 
     raise ShmSpaceError(f"shared memory: 0 MB free, an update needs {size / 1e6:.0f} MB")

@@ -1,4 +1,4 @@
-"""The CPU weight-transfer backend's wire (``pipeline_rl.weight_sync.gloo``): bucket
+"""The CPU weight-transfer backend's wire (``pipeline_rl.weight_sync.channels.gloo``): bucket
 cuts, a real gloo channel between two threads and between Ray actors, bad metadata
 refused in one line, a dead or failing worker that never hangs the trainer and gets
 the newest weights on its next channel."""
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from pipeline_rl.weight_sync.publisher import WeightPublisher
-from pipeline_rl.weight_sync.gloo import GlooTrainerChannel, GlooUpdateInfo, bucket_plan
+from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
+from pipeline_rl.weight_sync.channels.gloo import GlooTrainerChannel, GlooUpdateInfo, bucket_plan
 from pipeline_rl.weight_sync.protocol import OpenContext
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
 from staging_helpers import ThreadClient

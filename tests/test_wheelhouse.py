@@ -175,7 +175,7 @@ def test_offline_install_from_a_wheelhouse(tmp_path: Path) -> None:
     got = json.loads(run([str(fresh / "bin" / "python"), "-c", probe], cwd=tmp_path).stdout)
     assert all(f.startswith(str(fresh_site)) for f in got["files"]), got["files"]
     assert got["torch"] == "2.13.0+cpu"
-    assert "pipeline_rl.weight_sync.vllm_adapter:register" in got["plugins"]
+    assert "pipeline_rl.weight_sync.receive.vllm_adapter:register" in got["plugins"]
 
     # Re-running is the stamp's no-op; --dev wants test tools this wheelhouse lacks: one line.
     out = run(setup + ["--venv", str(fresh)], env, cwd=tmp_path)

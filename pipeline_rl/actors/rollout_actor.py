@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pipeline_rl.rollout.eval_feed import EvalRequest, EvalResult
     from pipeline_rl.rollout.worker import RolloutWorker, WorkerStats
     from pipeline_rl.tasks.base import Task
-    from pipeline_rl.weight_sync.paths import Placement
+    from pipeline_rl.weight_sync.channels.paths import Placement
 
 T = TypeVar("T")
 
@@ -191,7 +191,7 @@ class RolloutActor:
 
     def placement(self) -> Placement:
         """Where this worker runs (Ray node, device, GPU): the publisher picks its weight path by it."""
-        from pipeline_rl.weight_sync.paths import local_placement
+        from pipeline_rl.weight_sync.channels.paths import local_placement
 
         return local_placement()
 

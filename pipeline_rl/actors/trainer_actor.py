@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pipeline_rl.samples import Group
     from pipeline_rl.training.rank_step import RankStep
     from pipeline_rl.training.trainer import Trainer
-    from pipeline_rl.weight_sync.publisher import WeightPublisher
+    from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
 
 T = TypeVar("T")
 
@@ -42,7 +42,7 @@ def _prepare(cfg: Config) -> None:
     from pipeline_rl.correction.loss import warm_up
     from pipeline_rl.training.rank_step import RankStep  # noqa: F401
     from pipeline_rl.training.trainer import Trainer  # noqa: F401
-    from pipeline_rl.weight_sync.publisher import WeightPublisher  # noqa: F401
+    from pipeline_rl.weight_sync.publish.publisher import WeightPublisher  # noqa: F401
 
     if cfg.lora.enabled:
         import peft  # noqa: F401
@@ -138,7 +138,7 @@ class TrainerActor:
         # Ray shows each rank only its own device: local rank 0, whatever the driver inherited
         runtime_env.for_rendezvous(master_addr, master_port, self._rank, self._world_size, local_rank=0)
         from pipeline_rl.run_key import rendezvous_secret
-        from pipeline_rl.weight_sync.publisher import WeightPublisher
+        from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
         from pipeline_rl.training.rank_step import RankStep
         from pipeline_rl.training.trainer import Trainer
 

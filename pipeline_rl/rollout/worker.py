@@ -59,7 +59,7 @@ from pipeline_rl.heap import HeapTrimmer
 from pipeline_rl.weight_sync.protocol import receive_in_one_call
 from pipeline_rl.weight_sync.layout import UpdateLayout
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
-from pipeline_rl.weight_sync.shm import OfferSegment
+from pipeline_rl.weight_sync.channels.shm import OfferSegment
 from pipeline_rl.config import Config
 from pipeline_rl.faults import inject, reached
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task

@@ -8,7 +8,7 @@ Names. An adapter tensor travels and is saved under PEFT's saved name,
 ``peft.PeftModel.from_pretrained`` and vLLM's LoRA loader read as they are; the served base
 weight it changes is ``<module>.weight``, and the update it makes is ``scale * B @ A`` with
 ``scale = alpha / r`` (``[out, in]``); the worker's side of these names is
-``pipeline_rl.weight_sync.lora_update``.
+``pipeline_rl.weight_sync.receive.lora_update``.
 
 Invariants: with ``lora.rank`` 0 nothing here runs and the model is the plain Hugging Face
 model; with an adapter, the only trainable parameters are the adapter's (DeepSpeed is handed
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline_rl.lora_config import DEFAULT_TARGETS, LoraConfig
-from pipeline_rl.weight_sync.lora_update import base_weight_name
+from pipeline_rl.weight_sync.receive.lora_update import base_weight_name
 
 if TYPE_CHECKING:
     import torch

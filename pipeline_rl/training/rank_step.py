@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 from pipeline_rl.samples import Group
 from pipeline_rl.reports import RankStepReport
 from pipeline_rl.training.trainer import Trainer
-from pipeline_rl.weight_sync.publisher import WeightPublisher
+from pipeline_rl.weight_sync.publish.publisher import WeightPublisher
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ Invariants:
 
 ``training.rank_step.RankStep`` is what a rank does per pipeline step, wherever it runs: take the next batch
 as soon as the buffer can give one (never a whole generation round), recording the wait
-(trainer idle time), step, publish the weights (``pipeline_rl.weight_sync.publisher``), open the
+(trainer idle time), step, publish the weights (``pipeline_rl.weight_sync.publish.publisher``), open the
 buffer's admission budget for the next version. A rank's parts (device, process group, engine,
 writer, schedule, EMA, reference, gradient-norm hook), one function each and built in a fixed
 order: ``training.parts``; DeepSpeed set-up: ``training.deepspeed_setup``.
@@ -66,7 +66,7 @@ from pipeline_rl.training.parts import (
     reference_model, skip_lone_allreduce, start_engine, trained_model,
 )
 from pipeline_rl.reports import LossMetrics, StepResult
-from pipeline_rl.weight_sync.gather import gather_weights
+from pipeline_rl.weight_sync.publish.gather import gather_weights
 from pipeline_rl.weight_sync.dtypes import served_dtype
 from pipeline_rl.weight_sync.message import WeightUpdate
 from pipeline_rl.config import Config

@@ -41,7 +41,7 @@ class WeightUpdateError(ValueError):
 class DeviceCopy:
     """An update's tensors still on the trainer's GPU: ``flat``, one 1-D tensor of the
     wire dtype holding them back to back in ``names`` order, with their ``shapes`` (the
-    ``ipc`` path shares it as it is, ``pipeline_rl.weight_sync.cuda_ipc``)."""
+    ``ipc`` path shares it as it is, ``pipeline_rl.weight_sync.channels.cuda_ipc``)."""
 
     flat: "torch.Tensor"
     shapes: tuple[tuple[int, ...], ...]

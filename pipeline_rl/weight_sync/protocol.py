@@ -21,7 +21,7 @@ DEFAULT_BUCKET_BYTES = 16 << 20
 
 @dataclass(frozen=True, slots=True)
 class OpenContext:
-    """What opening a channel may need (``weight_sync.channel.open_channel``):
+    """What opening a channel may need (``weight_sync.channels.channel.open_channel``):
     ``address``, where workers reach this process (gloo, nccl); ``shared``, what the
     path's channels to every worker share, made once per publisher by the path's
     ``PathTraits.shared`` (the shm path's segment writer, the object-store path's
@@ -99,6 +99,6 @@ class TaggedInfo(Protocol):
 def tagged(info: TaggedInfo) -> dict[str, Any]:
     """The dict a path's info travels as through vLLM's calls: its fields (as they are,
     not copied: a Ray object reference stays one) and its path tag (``"path"``), which
-    ``weight_sync.channel.decode_update_info`` / ``decode_init_info`` read back -- the
+    ``weight_sync.channels.channel.decode_update_info`` / ``decode_init_info`` read back -- the
     one place a message's path is decided."""
     return {**{f.name: getattr(info, f.name) for f in fields(info)}, "path": info.PATH}  # type: ignore[arg-type]

@@ -12,7 +12,7 @@
   generation); it receives them through the same vLLM backend.
 
 Weights arrive through vLLM's weight-transfer API on both (``pipeline_rl.weight_sync``;
-every path's message carries its path tag, ``weight_sync.channel``): the rollout worker
+every path's message carries its path tag, ``weight_sync.channels.channel``): the rollout worker
 forwards the trainer's ``init_weight_transfer_engine`` / ``start_weight_update`` /
 ``update_weights`` calls to the engine's methods of the same names, and
 ``finish_weight_update`` to :meth:`GenerationEngine.load_received`. A
@@ -64,7 +64,7 @@ from pipeline_rl.weight_sync.message import (
     read_weight_spec,
 )
 from pipeline_rl.weight_sync.dtypes import served_dtype
-from pipeline_rl.weight_sync.lora_update import LORA_ID, LORA_NAME, LoraServing, adapter_spec
+from pipeline_rl.weight_sync.receive.lora_update import LORA_ID, LORA_NAME, LoraServing, adapter_spec
 from pipeline_rl.config import KVPolicy
 from pipeline_rl.samples import F32, I32, FinishReason
 
@@ -107,7 +107,7 @@ class EngineConfig:
     #: The run key's rendezvous secret (``run_key.rendezvous_secret``): the engine's weight
     #: receiver proves it when it joins a trainer's group; empty outside a run.
     rendezvous_secret: bytes = field(default=b"", repr=False)
-    lora: LoraServing | None = None   # a LoRA run: how the adapter is served (``weight_sync.lora_update``)
+    lora: LoraServing | None = None   # a LoRA run: how the adapter is served (``weight_sync.receive.lora_update``)
     prefix_caching: bool = True     # vLLM's prefix caching, salted per version (module docstring)
 
     def update_spec(self) -> WeightSpec:
@@ -263,7 +263,7 @@ class GenerationEngine(ABC):
     @abstractmethod
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Join the trainer's weight channel (a tagged gloo or nccl init message,
-        ``weight_sync.channel.decode_init_info``)."""
+        ``weight_sync.channels.channel.decode_init_info``)."""
 
     @abstractmethod
     def start_weight_update(self) -> None:

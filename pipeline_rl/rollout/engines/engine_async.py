@@ -12,7 +12,7 @@ until the bytes are here and checked::
 
     start_weight_update   nothing stops
     update_weights        the host paths' bytes are staged in this process while the engine
-                          generates, by the one weight receiver (``weight_sync.receiver``):
+                          generates, by the one weight receiver (``weight_sync.receive.receiver``):
                           received from the trainer's gloo channel (or fetched from the
                           object store) into this worker's shared-memory segment, or (same
                           machine) the trainer's own segment mapped; checked whole (names,
@@ -65,14 +65,14 @@ from pipeline_rl.rollout.engines.engine import (
 from pipeline_rl import runtime_env
 from pipeline_rl.rollout.engines import vllm_compat as compat
 from pipeline_rl.rollout.engines.engine_inprocess import sampling_params, to_finished
-from pipeline_rl.weight_sync.channel import path_of
+from pipeline_rl.weight_sync.channels.channel import path_of
 from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.layout import UpdateLayout
 from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, WeightUpdateError
 from pipeline_rl.weight_sync.protocol import DEFAULT_TIMEOUT_S, receive_in_one_call, tagged
-from pipeline_rl.weight_sync.receiver import Receiver
-from pipeline_rl.weight_sync.shm import SharedSegment, ShmUpdateInfo, StatusCell
-from pipeline_rl.weight_sync.vllm_adapter import BACKEND, register
+from pipeline_rl.weight_sync.receive.receiver import Receiver
+from pipeline_rl.weight_sync.channels.shm import SharedSegment, ShmUpdateInfo, StatusCell
+from pipeline_rl.weight_sync.receive.vllm_adapter import BACKEND, register
 from pipeline_rl.faults import inject
 
 _T = TypeVar("_T")
@@ -97,7 +97,7 @@ class Staged:
 def transfer_backend(device: str) -> str:
     """vLLM weight-transfer backend per device: this project's on every device and path
     (its backend takes every path's tagged messages, so the engine need not know its
-    path when it starts; ``pipeline_rl.weight_sync.cuda_ipc`` says why)."""
+    path when it starts; ``pipeline_rl.weight_sync.channels.cuda_ipc`` says why)."""
     return BACKEND
 
 
@@ -242,7 +242,7 @@ class AsyncEngine(GenerationEngine):
         if row.device_tensors:
             from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-            from pipeline_rl.weight_sync.vllm_backend import with_local_secret
+            from pipeline_rl.weight_sync.receive.vllm_backend import with_local_secret
 
             message = with_local_secret(init_info, self.cfg.rendezvous_secret)
             self._run(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(message)),

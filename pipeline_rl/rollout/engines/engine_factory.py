@@ -7,7 +7,7 @@ from typing import Literal
 
 from pipeline_rl.config import Config
 from pipeline_rl.rollout.engines.engine import GenerationEngine, engine_config
-from pipeline_rl.weight_sync.lora_update import LoraServing
+from pipeline_rl.weight_sync.receive.lora_update import LoraServing
 
 
 def build_engine(cfg: Config, model_dir: str, *, seed: int = 0, gpu_memory: float | None = None,

@@ -12,7 +12,7 @@ Weights are applied with vLLM's layerwise reload
 weight repacking (a plain ``load_weights`` after start-up fails on CPU).
 
 Staged updates (default): the reload runs on a *shadow* of the model
-(``pipeline_rl.weight_sync.loaders``) in the thread that offers the weights, while
+(``pipeline_rl.weight_sync.receive.loaders``) in the thread that offers the weights, while
 the engine keeps stepping; between two steps the engine swaps the shadow's
 processed state into the live modules, the only stall. With
 ``staged=False`` the reload runs on the live model between steps instead.
@@ -39,8 +39,8 @@ from pipeline_rl.rollout.engines.engine import (
 )
 from pipeline_rl import runtime_env
 from pipeline_rl.rollout.engines import vllm_compat as compat
-from pipeline_rl.weight_sync import vllm_adapter as adapter
-from pipeline_rl.weight_sync.loaders import make_shadow
+from pipeline_rl.weight_sync.receive import vllm_adapter as adapter
+from pipeline_rl.weight_sync.receive.loaders import make_shadow
 from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdateError, as_checked, read_weight_spec
 from pipeline_rl.faults import inject
 from pipeline_rl.samples import F32, FINISH_REASONS, FinishReason
@@ -92,7 +92,7 @@ class InprocessEngine(GenerationEngine):
         from vllm.config import WeightTransferConfig
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from pipeline_rl.weight_sync.vllm_adapter import BACKEND, register
+        from pipeline_rl.weight_sync.receive.vllm_adapter import BACKEND, register
 
         register()
         self.cfg = cfg
@@ -229,7 +229,7 @@ class InprocessEngine(GenerationEngine):
     # -- vLLM's weight-transfer calls: the same backend as the async engine's, but the bytes
     # are taken out of it and loaded into the shadow beside generation -----------------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from pipeline_rl.weight_sync.vllm_backend import with_local_secret
+        from pipeline_rl.weight_sync.receive.vllm_backend import with_local_secret
 
         receiver = self._receiver()
         receiver.init_transfer_engine(receiver.parse_init_info(with_local_secret(init_info, self.cfg.rendezvous_secret)))

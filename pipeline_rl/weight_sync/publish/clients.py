@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline_rl.weight_sync.protocol import DEFAULT_TIMEOUT_S
-from pipeline_rl.weight_sync.paths import Placement, local_placement
+from pipeline_rl.weight_sync.channels.paths import Placement, local_placement
 
 
 class ActorClient:

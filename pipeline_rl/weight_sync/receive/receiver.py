@@ -1,5 +1,5 @@
 """The worker half of every weight path, once: :class:`Receiver` joins a path's group and
-receives each update into staging and checks it (steps 1 and 2 of ``weight_sync.channel``);
+receives each update into staging and checks it (steps 1 and 2 of ``weight_sync.channels.channel``);
 both engines use it:
 
 - the in-process engine's and an ``AsyncLLM`` engine core's vLLM backend,
@@ -9,7 +9,7 @@ both engines use it:
   host paths' bytes in its own process, into its staging segment, beside generation,
   and hands its engine core that segment (device paths go to the core untouched).
 
-Each message names its path (``weight_sync.channel.decode_update_info``), so an engine
+Each message names its path (``weight_sync.channels.channel.decode_update_info``), so an engine
 need not know its path when it starts; each message is decoded once, by the process
 that receives its bytes.
 """
@@ -24,19 +24,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline_rl.weight_sync import nccl
-from pipeline_rl.weight_sync.channel import InitInfo, UpdateInfo, decode_init_info, decode_update_info
-from pipeline_rl.weight_sync.cuda_ipc import IpcUpdateInfo, check_opened, open_update
+from pipeline_rl.weight_sync.channels import nccl
+from pipeline_rl.weight_sync.channels.channel import InitInfo, UpdateInfo, decode_init_info, decode_update_info
+from pipeline_rl.weight_sync.channels.cuda_ipc import IpcUpdateInfo, check_opened, open_update
 from pipeline_rl.weight_sync.dtypes import from_torch
-from pipeline_rl.weight_sync.gloo import Channel, GlooInitInfo, GlooUpdateInfo, receive_update
-from pipeline_rl.weight_sync.host_gpu import DeviceStaging
+from pipeline_rl.weight_sync.channels.gloo import Channel, GlooInitInfo, GlooUpdateInfo, receive_update
+from pipeline_rl.weight_sync.channels.host_gpu import DeviceStaging
 from pipeline_rl.weight_sync.message import OpenedUpdate, WeightSpec, WeightUpdate, WeightUpdateError, validate_update
-from pipeline_rl.weight_sync.object_store import ObjectStoreUpdateInfo
+from pipeline_rl.weight_sync.channels.object_store import ObjectStoreUpdateInfo
 from pipeline_rl.weight_sync.protocol import DEFAULT_BUCKET_BYTES
-from pipeline_rl.weight_sync.shm import SegmentReader, SharedSegment, ShmUpdateInfo, StatusCell
+from pipeline_rl.weight_sync.channels.shm import SegmentReader, SharedSegment, ShmUpdateInfo, StatusCell
 
 if TYPE_CHECKING:
-    from pipeline_rl.weight_sync.core_staging import CoreStager
+    from pipeline_rl.weight_sync.receive.core_staging import CoreStager
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -186,6 +186,6 @@ class Receiver:
 
 
 def make_stager(model: Any, vllm_config: Any) -> "CoreStager":
-    from pipeline_rl.weight_sync.core_staging import CoreStager
+    from pipeline_rl.weight_sync.receive.core_staging import CoreStager
 
     return CoreStager(model, vllm_config)

@@ -6,7 +6,7 @@
   Per-worker channels keep a dead or restarted worker from blocking the others; a
   restarted worker gets a new channel and is sent the newest version (never a backlog).
   The two ends prove the run key to each other on the formed group before any weight
-  moves (``pipeline_rl.weight_sync.rendezvous_auth``: the store itself admits anyone).
+  moves (``pipeline_rl.weight_sync.channels.rendezvous_auth``: the store itself admits anyone).
 - **Wire format** (:class:`GlooUpdateInfo`): version, names, dtypes and shapes travel
   in the ``update_weights`` call; the bytes follow as broadcasts from the trainer
   (rank 0) of contiguous *buckets* of at most ``bucket_bytes`` (a larger tensor is a
@@ -19,7 +19,7 @@
   weights untouched. Loading happens only in ``finish_weight_update``, so a failure
   half-way never leaves a half-loaded model that generation resumes on.
 
-:class:`GlooTrainerChannel` is the trainer's end (``weight_sync.channel.TrainerChannel``);
+:class:`GlooTrainerChannel` is the trainer's end (``weight_sync.channels.channel.TrainerChannel``);
 the worker's is ``receiver.Receiver``, in the vLLM worker's backend or, with ``AsyncLLM``, in the
 rollout worker (which hands the bytes to its engine core in a segment).
 """
@@ -39,7 +39,7 @@ import numpy as np
 from pipeline_rl.weight_sync.dtypes import all_finite
 from pipeline_rl.weight_sync.layout import UpdateLayout, arrays_in, bucket_plan, contiguous_bytes
 from pipeline_rl.weight_sync.message import WeightUpdate
-from pipeline_rl.weight_sync.rendezvous_auth import prove_membership
+from pipeline_rl.weight_sync.channels.rendezvous_auth import prove_membership
 from pipeline_rl.weight_sync.protocol import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -219,7 +219,7 @@ def receive_update(channel: Channel, info: UpdateLayout, bucket_bytes: int,
 # -- trainer side ----------------------------------------------------------------------------
 
 class GlooTrainerChannel:
-    """The gloo path's :class:`~pipeline_rl.weight_sync.channel.TrainerChannel` for one
+    """The gloo path's :class:`~pipeline_rl.weight_sync.channels.channel.TrainerChannel` for one
     worker (rank 0 is the only sender; it drives the worker's calls through ``client``
     and broadcasts the bytes).
 

@@ -87,7 +87,7 @@ class LoraServing:
                                  f"(got {self.rank}); use --lora.serving merged")
             args.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                         max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= self.rank),
-                        worker_extension_cls="pipeline_rl.weight_sync.vllm_adapter.LoraWorkerExtension")
+                        worker_extension_cls="pipeline_rl.weight_sync.receive.vllm_adapter.LoraWorkerExtension")
         return args
 
     @classmethod
@@ -162,7 +162,7 @@ class AdapterServer:
 
     def replace(self, update: CheckedUpdate) -> None:
         """Native serving: vLLM's adapter replaced by ``update``'s tensors (between steps)."""
-        from pipeline_rl.weight_sync.vllm_adapter import replace_lora
+        from pipeline_rl.weight_sync.receive.vllm_adapter import replace_lora
 
         try:
             self._live = replace_lora(self._model, LORA_ID, dict(update.tensors), peft_config_dict(self.lora))
@@ -175,7 +175,7 @@ class AdapterServer:
         """Native serving: the adapter now served registered again (vLLM's worker drops every
         adapter after a weight update through its API; ``vllm_adapter.LoraWorkerExtension``)."""
         if self._live is not None:
-            from pipeline_rl.weight_sync.vllm_adapter import readd_lora
+            from pipeline_rl.weight_sync.receive.vllm_adapter import readd_lora
 
             readd_lora(self._model, self._live)
 

@@ -126,7 +126,7 @@ def send_chunks(group: Broadcaster, info: UpdateLayout, tensors: Sequence["torch
     """Rank 0: broadcast the update chunk by chunk. ``flat`` (uint8): the tensors' bytes
     back to back, when they lie so (each chunk is then a view of it); else each chunk is
     packed from ``tensors`` with vLLM's ``pack_tensors``."""
-    from pipeline_rl.weight_sync.vllm_adapter import pack_chunk
+    from pipeline_rl.weight_sync.receive.vllm_adapter import pack_chunk
 
     nbytes = info.nbytes()
     starts = _offsets(nbytes)
@@ -171,11 +171,11 @@ def join(info: NcclInitInfo, rank: int, secret: bytes, device: Any = None) -> Br
     """This side's member of the group ``info`` names (blocks until both are in, and both
     proved ``secret``, the run key's rendezvous secret: ``rendezvous_auth``)."""
     if info.backend == "gloo":
-        from pipeline_rl.weight_sync.gloo import Channel, rendezvous
+        from pipeline_rl.weight_sync.channels.gloo import Channel, rendezvous
 
         store = rendezvous(info.master_address, info.master_port, serve=rank == 0, timeout_s=info.timeout_s)
         return GlooBroadcaster(Channel(store, rank, info.timeout_s, secret))
-    from pipeline_rl.weight_sync.vllm_adapter import nccl_broadcaster
+    from pipeline_rl.weight_sync.receive.vllm_adapter import nccl_broadcaster
 
     return nccl_broadcaster(info.master_address, info.master_port, rank, device, info.timeout_s, secret)
 

@@ -2,9 +2,9 @@
 of the core's model on a thread of its own while the core keeps stepping, and
 ``finish_weight_update`` -- called while generation is paused -- only swaps it in.
 
-The same shadow as the in-process engine's (``pipeline_rl.weight_sync.loaders.Shadow``:
+The same shadow as the in-process engine's (``pipeline_rl.weight_sync.receive.loaders.Shadow``:
 a copy of the modules sharing the KV cache, never run; double buffered), driven from
-the backend (``pipeline_rl.weight_sync.vllm_backend``): ``update_weights`` with a status cell
+the backend (``pipeline_rl.weight_sync.receive.vllm_backend``): ``update_weights`` with a status cell
 (``ShmUpdateInfo.status``) starts the load and returns at once, so the engine core's
 busy loop is held only for the call; the worker polls the cell
 (``StatusCell``) and pauses only once the load is done. Invariant: the live model is
@@ -18,9 +18,9 @@ import logging
 import threading
 from typing import Any
 
-from pipeline_rl.weight_sync.loaders import Shadow, make_shadow
+from pipeline_rl.weight_sync.receive.loaders import Shadow, make_shadow
 from pipeline_rl.weight_sync.message import WeightUpdate, as_checked
-from pipeline_rl.weight_sync.shm import StatusCell
+from pipeline_rl.weight_sync.channels.shm import StatusCell
 
 log = logging.getLogger(__name__)
 

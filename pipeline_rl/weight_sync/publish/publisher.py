@@ -2,13 +2,13 @@
 
 Two halves with different costs:
 
-1. ``pipeline_rl.weight_sync.gather`` (on the training thread, must finish before the next
+1. ``pipeline_rl.weight_sync.publish.gather`` (on the training thread, must finish before the next
    optimizer step changes the parameters): copies the full parameters out once, in the served
    dtype. Under ZeRO-3 a collective: every rank calls it. This copy is the only part of
    publishing on the critical path.
 2. :class:`WeightPublisher` (off the critical path): a background thread sends the update to
    every worker through vLLM's weight-transfer API, one channel per worker on its path
-   (``pipeline_rl.weight_sync.channel``: what the publisher knows of a path is its row of
+   (``pipeline_rl.weight_sync.channels.channel``: what the publisher knows of a path is its row of
    ``channel.PATHS``), opened on first use and sent to in parallel; a worker's four calls go
    to its Ray actor (or to the object itself in one process). One path goes through Ray's
    object store, for workers that cannot open a connection to the trainer.
@@ -34,19 +34,19 @@ from typing import Any
 
 import numpy as np
 
-from pipeline_rl.weight_sync.channel import TrainerChannel, open_channel, traits
-from pipeline_rl.weight_sync.cuda_ipc import to_host
-from pipeline_rl.weight_sync.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
+from pipeline_rl.weight_sync.channels.channel import TrainerChannel, open_channel, traits
+from pipeline_rl.weight_sync.channels.cuda_ipc import to_host
+from pipeline_rl.weight_sync.publish.clients import UNKNOWN_NODE, ActorClient, placement_of, trainer_address
 from pipeline_rl.weight_sync.message import WeightUpdate
-from pipeline_rl.weight_sync.paths import (
+from pipeline_rl.weight_sync.channels.paths import (
     GPU_PATHS,
     Placement,
     choose_path,
     local_placement,
 )
-from pipeline_rl.weight_sync.path_table import PathName, WeightPath
+from pipeline_rl.weight_sync.channels.path_table import PathName, WeightPath
 from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient
-from pipeline_rl.weight_sync.shm import ShmSpaceError, new_shared_buffer, shm_fits
+from pipeline_rl.weight_sync.channels.shm import ShmSpaceError, new_shared_buffer, shm_fits
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ class WeightPublisher:
         return ActorClient(worker) if _is_ray_actor(worker) else worker  # type: ignore[return-value]
 
     def _open(self, worker: Hashable) -> TrainerChannel:
-        """A new channel to ``worker`` on its path (``weight_sync.channel``)."""
+        """A new channel to ``worker`` on its path (``weight_sync.channels.channel``)."""
         path, client = self._path_of(worker), self._client(worker)
         row = traits(path)
         address = trainer_address() if row.address == "node" else "127.0.0.1"

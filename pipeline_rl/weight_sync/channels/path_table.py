@@ -82,7 +82,7 @@ class ChoiceTraits:
 
 def _nccl_refusal() -> str | None:
     """Why NCCL cannot run here (torch imported only for this path)."""
-    from pipeline_rl.weight_sync.nccl import nccl_refusal
+    from pipeline_rl.weight_sync.channels.nccl import nccl_refusal
 
     return nccl_refusal()
 

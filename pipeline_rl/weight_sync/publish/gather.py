@@ -1,7 +1,7 @@
 """The trainer's half of publishing that runs on the training thread: a version's full
 parameters copied out once, in the served dtype, into one buffer (host memory, a
 shared-memory segment, or the trainer's GPU), before the next optimizer step changes them.
-The publisher (``pipeline_rl.weight_sync.publisher``) sends what this gathers."""
+The publisher (``pipeline_rl.weight_sync.publish.publisher``) sends what this gathers."""
 
 from __future__ import annotations
 
@@ -66,13 +66,13 @@ def gather_weights(module: Any, version: int, *, zero_stage: int, dtype: WireDty
             flat[offset:offset + n].view(p.shape).copy_(p.detach())   # the cast and the copy in one
             offset += n
         if to_host:   # cast on the GPU, then one device-to-host copy (no CPU-side cast)
-            from pipeline_rl.weight_sync.host_gpu import device_to_host
+            from pipeline_rl.weight_sync.channels.host_gpu import device_to_host
 
             raw = device_to_host(flat, allocate)
             flat = torch.from_numpy(raw).view(wire)
     names = tuple(name for name, _ in params)
     if on_device:
-        from pipeline_rl.weight_sync.cuda_ipc import device_copy
+        from pipeline_rl.weight_sync.channels.cuda_ipc import device_copy
 
         return WeightUpdate(version=version, names=names, arrays=(), dtype=dtype, device=device_copy(flat, shapes))
     # Views of the allocated array itself (so the shm path finds the file it lies in).

@@ -2,12 +2,12 @@
 
 - ``shm``: trainer and worker on one machine: the trainer lays each version out once
   in a shared-memory segment and every such worker loads from it
-  (``pipeline_rl.weight_sync.shm``); no byte crosses a socket.
+  (``pipeline_rl.weight_sync.channels.shm``); no byte crosses a socket.
 - ``gloo``: across machines: a two-member gloo group per worker, the bytes broadcast in
-  buckets (``pipeline_rl.weight_sync.gloo``); the fallback that works everywhere.
+  buckets (``pipeline_rl.weight_sync.channels.gloo``); the fallback that works everywhere.
 - ``ipc``: trainer and worker on one GPU: CUDA IPC handles of the trainer's bf16
-  snapshot, the engine copies from them (``pipeline_rl.weight_sync.cuda_ipc``).
-- ``nccl``: different GPUs, vLLM's packed NCCL broadcast (``pipeline_rl.weight_sync.nccl``).
+  snapshot, the engine copies from them (``pipeline_rl.weight_sync.channels.cuda_ipc``).
+- ``nccl``: different GPUs, vLLM's packed NCCL broadcast (``pipeline_rl.weight_sync.channels.nccl``).
   Not yet run on two GPUs: ``auto`` never picks it (it is not in :data:`GPU_PATHS`);
   forcing it is allowed where it can run (CUDA, two GPUs or more), else refused in one
   line.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from pipeline_rl.weight_sync.path_table import PATH_TABLE, Fit, PathName, WeightPath
+from pipeline_rl.weight_sync.channels.path_table import PATH_TABLE, Fit, PathName, WeightPath
 
 #: The CUDA paths ``auto`` picks (``nccl`` is forced only, until it has run on two GPUs).
 GPU_PATHS: frozenset[str] = frozenset(name for name, row in PATH_TABLE.items() if row.gpu_default)

@@ -138,7 +138,7 @@ def to_host(update: WeightUpdate) -> WeightUpdate:
     device-to-host copy, no conversion); an update already there is returned as it is.
     (The shm path copies it into its segment itself: ``shm.SharedWriter``.)"""
     from pipeline_rl.weight_sync.dtypes import STORAGE
-    from pipeline_rl.weight_sync.host_gpu import device_to_host
+    from pipeline_rl.weight_sync.channels.host_gpu import device_to_host
 
     copy = update.device
     if copy is None:

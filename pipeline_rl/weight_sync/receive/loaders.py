@@ -1,6 +1,6 @@
 """Loaders of full weights into a served vLLM model on CPU: the in-process engine's
 *shadow* and the direct loader (``pipeline_rl.rollout.engines.engine_inprocess`` stages through
-them; ``pipeline_rl.weight_sync.vllm_backend.ModelLoads`` uses the direct loader).
+them; ``pipeline_rl.weight_sync.receive.vllm_backend.ModelLoads`` uses the direct loader).
 
 Staged updates (default): the reload is the expensive part (~10 ms of Python
 for the 1.4 MB built-in model through vLLM's layerwise machinery; the direct
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline_rl.weight_sync import vllm_adapter as adapter
+from pipeline_rl.weight_sync.receive import vllm_adapter as adapter
 from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdateError
 
 log = logging.getLogger(__name__)

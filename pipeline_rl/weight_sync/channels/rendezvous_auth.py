@@ -1,7 +1,7 @@
 """Proof of the run key at a weight channel's rendezvous, before any weight moves.
 
 The gloo and nccl channels' rendezvous is a ``torch.distributed.TCPStore`` the trainer
-serves on an open port (``pipeline_rl.weight_sync.gloo``; vLLM's ``StatelessProcessGroup``
+serves on an open port (``pipeline_rl.weight_sync.channels.gloo``; vLLM's ``StatelessProcessGroup``
 for nccl). A store answers anyone who connects,
 and lists its keys to them (``TCPStore.list_keys``), so neither the port nor a
 secret-looking key prefix keeps a foreign process out: it can read the trainer's gloo

@@ -41,13 +41,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from pipeline_rl.weight_sync.cuda_ipc import IpcTrainerChannel, IpcUpdateInfo
-from pipeline_rl.weight_sync.gloo import GlooInitInfo, GlooTrainerChannel, GlooUpdateInfo
+from pipeline_rl.weight_sync.channels.cuda_ipc import IpcTrainerChannel, IpcUpdateInfo
+from pipeline_rl.weight_sync.channels.gloo import GlooInitInfo, GlooTrainerChannel, GlooUpdateInfo
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
-from pipeline_rl.weight_sync.nccl import NcclInitInfo, NcclTrainerChannel, NcclUpdateInfo
-from pipeline_rl.weight_sync.object_store import ObjectPut, ObjectStoreTrainerChannel, ObjectStoreUpdateInfo
+from pipeline_rl.weight_sync.channels.nccl import NcclInitInfo, NcclTrainerChannel, NcclUpdateInfo
+from pipeline_rl.weight_sync.channels.object_store import ObjectPut, ObjectStoreTrainerChannel, ObjectStoreUpdateInfo
 from pipeline_rl.weight_sync.protocol import OpenContext, SendTiming, SyncClient
-from pipeline_rl.weight_sync.shm import SharedWriter, ShmTrainerChannel, ShmUpdateInfo
+from pipeline_rl.weight_sync.channels.shm import SharedWriter, ShmTrainerChannel, ShmUpdateInfo
 
 UpdateInfo = GlooUpdateInfo | ShmUpdateInfo | IpcUpdateInfo | NcclUpdateInfo | ObjectStoreUpdateInfo
 InitInfo = GlooInitInfo | NcclInitInfo

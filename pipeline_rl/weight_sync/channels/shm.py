@@ -287,7 +287,7 @@ class SharedWriter:
     def _from_device(self, update: WeightUpdate) -> ShmUpdateInfo:
         """A GPU-gathered ``update`` copied into the segment (``host_gpu``: pinned, device to
         host, no conversion on the CPU)."""
-        from pipeline_rl.weight_sync.host_gpu import device_to_host
+        from pipeline_rl.weight_sync.channels.host_gpu import device_to_host
 
         copy = update.device
         assert copy is not None
@@ -369,7 +369,7 @@ class StatusCell:
     """Two int64 in a tiny shared file: the version a process worked on and how it went
     (:data:`PENDING`, :data:`READY`, :data:`FAILED`, :data:`NO_SHADOW`). The ``AsyncLLM``
     worker creates it and polls it; its engine core's backend writes it when it has
-    loaded an update beside generation (``pipeline_rl.weight_sync.core_staging``)."""
+    loaded an update beside generation (``pipeline_rl.weight_sync.receive.core_staging``)."""
 
     PENDING, READY, FAILED, NO_SHADOW = 0, 1, 2, 3
 

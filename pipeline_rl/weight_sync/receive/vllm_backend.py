@@ -1,6 +1,6 @@
 """The weight-transfer backend vLLM builds inside its worker (``vllm_adapter.BACKEND``,
 registered by ``vllm_adapter.register``): :class:`WeightReceiver`, the one
-``receiver.Receiver`` plus step 3 of ``weight_sync.channel``, the load.
+``receiver.Receiver`` plus step 3 of ``weight_sync.channels.channel``, the load.
 
 The run key's rendezvous secret reaches it from the rollout worker that drives the
 engine, in the init message the worker passes to its own engine (field
@@ -14,12 +14,12 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from pipeline_rl.weight_sync.channel import InitInfo, UpdateInfo, decode_init_info, decode_update_info
+from pipeline_rl.weight_sync.channels.channel import InitInfo, UpdateInfo, decode_init_info, decode_update_info
 from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, as_checked, read_weight_spec
-from pipeline_rl.weight_sync.lora_update import AdapterServer, LoraServing
-from pipeline_rl.weight_sync.receiver import Received, Receiver, make_stager
-from pipeline_rl.weight_sync.shm import StatusCell
-from pipeline_rl.weight_sync.vllm_adapter import complete_backend, load_served_weights
+from pipeline_rl.weight_sync.receive.lora_update import AdapterServer, LoraServing
+from pipeline_rl.weight_sync.receive.receiver import Received, Receiver, make_stager
+from pipeline_rl.weight_sync.channels.shm import StatusCell
+from pipeline_rl.weight_sync.receive.vllm_adapter import complete_backend, load_served_weights
 
 #: The init message's field that carries the rendezvous secret from a rollout worker to its
 #: own engine (hex).
@@ -133,7 +133,7 @@ class ModelLoads:
     """Loads checked updates into one vLLM model that no step is running on: the direct CPU
     path when it covers the model, else vLLM's layerwise reload.
 
-    Invariant: one :class:`~pipeline_rl.weight_sync.loaders.DirectLoader` for the model's
+    Invariant: one :class:`~pipeline_rl.weight_sync.receive.loaders.DirectLoader` for the model's
     life, built at its first load and again only after a layerwise reload (which may
     re-create parameters), as the in-process engine's shadow keeps one. With a loader built
     anew for each update, the second merged LoRA update on the ``AsyncLLM`` engine (tiny
@@ -148,7 +148,7 @@ class ModelLoads:
 
     def load(self, checked: CheckedUpdate) -> None:
         """Load ``checked`` (a complete update) into the model."""
-        from pipeline_rl.weight_sync.loaders import DirectLoader
+        from pipeline_rl.weight_sync.receive.loaders import DirectLoader
 
         if self._on_cpu and not self._built:
             self._direct, self._built = DirectLoader.build(self.model), True
