@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pipeline_rl.config import AlgorithmConfig, CorrectionConfig
+from pipeline_rl.config import AlgorithmConfig, PresetCorrection
 from pipeline_rl.correction.advantages import compute_advantages
 from pipeline_rl.correction.loss import PolicyBatch, policy_loss
 from pipeline_rl.models.warmstart import completion_logprobs, probe, sample
@@ -76,7 +76,7 @@ def grpo_probe(model_dir: str | Path, task: Task, cfg: RLProbeConfig,
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0, eps=cfg.adam_eps, betas=cfg.betas)
     gen = torch.Generator().manual_seed(cfg.seed)
     history = [copy.deepcopy(policy.state_dict())]
-    algo, corr = AlgorithmConfig(), CorrectionConfig(type="tis", tis_cap=cfg.tis_cap)  # GRPO, token norm.
+    algo, corr = AlgorithmConfig(), PresetCorrection(type="tis", tis_cap=cfg.tis_cap)  # GRPO, token norm.
     result = RLProbeResult()
     t0 = time.perf_counter()
     next_prompt = cfg.seed * 1_000_003 % max(1, task.num_prompts // 2)

@@ -83,7 +83,30 @@ def _choices_of(info: Any) -> dict[str, type[BaseModel]] | None:
     if not isinstance(info.discriminator, str) or get_origin(info.annotation) not in (Union, types.UnionType):
         return None
     models = [m for m in get_args(info.annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
-    return {get_args(m.model_fields[info.discriminator].annotation)[0]: m for m in models}
+    return {tag: m for m in models for tag in get_args(m.model_fields[info.discriminator].annotation)}
+
+
+def _add_choice_section(parser: argparse.ArgumentParser, sec: str, info: Any,
+                        choices: dict[str, type[BaseModel]]) -> None:
+    """A section that is one choice (``correction``): ``--SEC.TYPE TAG`` picks it; every parameter
+    is ``--SEC.PARAM``, those of one choice only helped as ``With --SEC.TYPE TAG: ``."""
+    disc, models = info.discriminator, list(dict.fromkeys(choices.values()))
+    group = parser.add_argument_group(sec, (info.description or "").strip())
+    shared = set.intersection(*(set(m.model_fields) for m in models))
+    default = getattr(info.get_default(call_default_factory=True), disc)
+    tags = list(choices)
+    dfield = models[0].model_fields[disc]
+    group.add_argument(f"--{sec}.{disc}", dest=f"{sec}.{disc}", default=argparse.SUPPRESS, choices=tags,
+                       metavar="{" + ",".join(tags) + "}",
+                       help=(dfield.description or "").replace("%", "%%") + f" (default: {default})")
+    seen = {disc}
+    for model in models:
+        own = model.model_config.get("title") or ",".join(t for t, m in choices.items() if m is model)
+        for name, finfo in model.model_fields.items():
+            if name not in seen:
+                seen.add(name)
+                prefix = "" if name in shared else f"With --{sec}.{disc} {own}: "
+                _add_field(group, f"{sec}.{name}", f"{sec}.{name}", finfo, prefix)
 
 
 def _add_choice(group: Any, dest: str, info: Any, choices: dict[str, type[BaseModel]]) -> None:
@@ -147,18 +170,27 @@ def build_parser(prog: str = "async_grpo.py", description: str | None = None) ->
                      "file or a save_to_disk folder).")
     top.add_argument("--ray-address", dest="ray.address", default=argparse.SUPPRESS, metavar="ADDRESS",
                      help="Shorthand for --ray.address (join an existing cluster).")
-    sections: list[tuple[str, type[BaseModel]]] = []
+    sections = [(name, info) for name, info in Config.model_fields.items()
+                if _section_of(info) is not None or _choices_of(info) is not None]
     for name, info in Config.model_fields.items():
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            sections.append((name, ann))
-        else:
+        if name not in dict(sections):
             _add_field(top, name, name.replace("_", "-"), info)
-    for sec_name, model in sections:
+    for sec_name, info in sections:
+        model, union = _section_of(info), _choices_of(info)
+        if union is not None:   # a section that is one choice (correction)
+            _add_choice_section(parser, sec_name, info, union)
+            continue
+        assert model is not None
         group = parser.add_argument_group(sec_name, (model.__doc__ or "").strip())
-        for name, info in model.model_fields.items():
-            _add_field(group, f"{sec_name}.{name}", f"{sec_name}.{name}", info)
+        for name, finfo in model.model_fields.items():
+            _add_field(group, f"{sec_name}.{name}", f"{sec_name}.{name}", finfo)
     return parser
+
+
+def _section_of(info: Any) -> type[BaseModel] | None:
+    """The model of a section field (``rollout``), or of an optional one (``lora``: None when off)."""
+    ann, _ = _unwrap_optional(info.annotation)
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -185,6 +217,8 @@ def _choice_tables(data: dict[str, Any]) -> dict[str, Any]:
     out = dict(data)
     for sec, info in Config.model_fields.items():
         model = info.annotation
+        if _choices_of(info) is not None and isinstance(out.get(sec), str):   # correction = "icepop"
+            out[sec] = {info.discriminator: out[sec]}
         if not (isinstance(out.get(sec), dict) and isinstance(model, type) and issubclass(model, BaseModel)):
             continue
         for name, finfo in model.model_fields.items():
@@ -200,6 +234,7 @@ def _flag_of(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     model: type[BaseModel] | None = Config
     tags: dict[str, type[BaseModel]] = {}   # the choices of the field just passed, if a choice
+    info: Any = None
     for p in (str(p) for p in loc if not str(p).startswith("function-")):
         if p in tags:
             model, tags = tags[p], {}
@@ -207,8 +242,9 @@ def _flag_of(loc: tuple[Any, ...]) -> str:
         parts.append(p)
         info = model.model_fields.get(p) if model is not None else None
         tags = (_choices_of(info) or {}) if info is not None else {}
-        ann = info.annotation if info is not None else None
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        model = _section_of(info) if info is not None else None
+    if tags and len(parts) == 1 and info is not None:   # a section that is a choice: its tag's flag
+        parts.append(str(info.discriminator))
     return "--" + ".".join(parts) if parts else "config"
 
 

@@ -26,6 +26,8 @@ from pydantic import Field, field_validator, model_validator
 from pipeline_rl.config_renames import check_renamed
 from pipeline_rl.config_section import Section
 from pipeline_rl.correction_config import CorrectionConfig as CorrectionConfig, CorrectionName as CorrectionName
+from pipeline_rl.correction_config import Correction as Correction, correction_table
+from pipeline_rl.correction_config import CustomCorrection as CustomCorrection, PresetCorrection as PresetCorrection
 from pipeline_rl.lora_config import LoraConfig
 from pipeline_rl.optimizer_config import OptimizerConfig, optimizer_table
 from pipeline_rl.optimizer_config import AdamWConfig as AdamWConfig, MuonConfig as MuonConfig
@@ -361,7 +363,8 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    correction: Correction = Field(default_factory=PresetCorrection, description="Off-policy correction: a "
+                                   "preset with its knobs, or custom with its composition (docs/objectives.md).")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -374,6 +377,11 @@ class Config(Section):
         if isinstance(data, dict):
             check_renamed(data)   # an old key is one line naming the new one (config_renames.py)
         return apply_profile(data) if isinstance(data, dict) else data
+
+    @field_validator("correction", mode="before")
+    @classmethod
+    def _correction_table(cls, v: object) -> object:   # no type: tis's (correction_config.py)
+        return correction_table(v)
 
     @field_validator("fault")
     @classmethod

@@ -209,15 +209,28 @@ def source_flags(tool: str) -> set[str]:
 
 
 def config_default(dest: str) -> Any:
-    """The configuration's default for an argparse ``dest`` (``task.reward_timeout_s``)."""
+    """The configuration's default for an argparse ``dest`` (``task.reward_timeout_s``): a section
+    that is a choice (``correction``, ``trainer.optimizer``) is read from its default's model, an
+    optional one (``lora``, None by default) from the model it is when given."""
+    import types
+    from typing import get_args
+
     from pydantic import BaseModel
 
     from pipeline_rl.config import Config
 
-    model: type[BaseModel] = Config
+    model: Any = Config
     *sections, leaf = dest.split(".")
     for name in sections:
-        model = model.model_fields[name].annotation   # type: ignore[assignment]
+        info = model.model_fields[name]
+        default = info.get_default(call_default_factory=True)
+        ann = info.annotation
+        if isinstance(default, BaseModel):
+            model = type(default)
+        elif isinstance(ann, types.UnionType):
+            model = next(a for a in get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel))
+        else:
+            model = ann
     return model.model_fields[leaf].get_default(call_default_factory=True)
 
 

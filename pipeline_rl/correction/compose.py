@@ -29,7 +29,7 @@ what they exist to catch, not one to average past. The presets are compositions:
 ``m2po``           M2PO mask ``τ = m2po_tau``, weight token uncapped
 =================  =============================================================
 
-``custom`` takes ``--correction.weight/weight_cap/reject/reject_lo/reject_hi``;
+``custom`` (its own choice, ``CustomCorrection``) takes ``--correction.weight/weight_cap/reject/reject_lo/reject_hi``;
 ``--correction.veto`` and ``--correction.m2po`` add to any type. The first four presets give
 the numbers the per-method functions gave before this module (tests/test_compose.py pins
 them) and keep the fused kernel (``fused.py``); every other composition runs here.
@@ -45,7 +45,7 @@ from typing import get_args
 import torch
 from torch import Tensor
 
-from pipeline_rl.config import CorrectionConfig, CorrectionName
+from pipeline_rl.config import CorrectionConfig, CorrectionName, CustomCorrection, PresetCorrection
 from pipeline_rl.correction.weights import RATIO_LOG_CLAMP, CorrectionWeights, LogRatio
 
 #: Every ``--correction.type``; the presets are all but ``custom``.
@@ -68,24 +68,37 @@ class Composition:
     m2po_tau: float | None = None
 
 
-def composition(cfg: CorrectionConfig, name: str | None = None) -> Composition:
-    """The composition of ``cfg`` (its ``type``, or ``name`` when given), add-ons included."""
-    t = cfg.type if name is None else name
+def _preset(cfg: PresetCorrection, t: str) -> Composition:
+    """Preset ``t``'s composition with ``cfg``'s knobs (add-ons aside)."""
     if t == "tis":
-        c = Composition("token", cfg.tis_cap)
-    elif t == "icepop":
-        c = Composition("token", math.inf, "token", cfg.icepop_alpha, cfg.icepop_beta)
-    elif t == "seq-mask-tis":
-        c = Composition("token", cfg.seq_cap, "geometric", cfg.seq_lo, cfg.seq_hi)
-    elif t == "m2po":
-        c = Composition("token")
-    elif t == "custom":
-        lo, hi = cfg.reject_bounds()
-        c = Composition(cfg.weight or "none", cfg.weight_cap or math.inf, cfg.reject or "none", lo, hi)
-    elif t == "none":
-        c = Composition()
-    else:
+        return Composition("token", cfg.tis_cap)
+    if t == "icepop":
+        return Composition("token", math.inf, "token", cfg.icepop_alpha, cfg.icepop_beta)
+    if t == "seq-mask-tis":
+        return Composition("token", cfg.seq_cap, "geometric", cfg.seq_lo, cfg.seq_hi)
+    if t == "m2po":
+        return Composition("token")
+    return Composition()
+
+
+def _custom(cfg: CustomCorrection) -> Composition:
+    """custom's composition, from its own parameters (add-ons aside)."""
+    lo, hi = cfg.reject_bounds()
+    return Composition(cfg.weight, cfg.weight_cap or math.inf, cfg.reject, lo, hi)
+
+
+def composition(cfg: CorrectionConfig, name: str | None = None) -> Composition:
+    """The composition of ``cfg`` (its ``type``, or ``name`` when given: a preset read with the
+    knobs of ``cfg``, itself a preset), add-ons included."""
+    t = cfg.type if name is None else name
+    if t not in KNOWN:
         raise ValueError(f"correction.type: unknown correction {t!r} (known: {', '.join(KNOWN)})")
+    if isinstance(cfg, CustomCorrection) and t == "custom":
+        c = _custom(cfg)
+    elif isinstance(cfg, PresetCorrection) and t != "custom":
+        c = _preset(cfg, t)
+    else:
+        raise ValueError(f"correction.type: {t} is not read from a --correction.type {cfg.type} configuration")
     return replace(c, veto=cfg.veto, m2po_tau=cfg.m2po_tau if (cfg.m2po or t == "m2po") else None)
 
 
@@ -191,7 +204,7 @@ def correct(lr: LogRatio, cfg: CorrectionConfig, adv: Tensor | None = None) -> C
 CorrectionFn = Callable[[LogRatio, CorrectionConfig], CorrectionWeights]
 
 
-def _preset(name: str) -> CorrectionFn:
+def _preset_fn(name: str) -> CorrectionFn:
     def fn(lr: LogRatio, cfg: CorrectionConfig) -> CorrectionWeights:
         return compose(lr, composition(cfg, name))
     fn.__name__ = name.replace("-", "_")
@@ -199,7 +212,7 @@ def _preset(name: str) -> CorrectionFn:
 
 
 #: The presets the fused CPU kernel also serves (``fused.MODES``), name -> method.
-CORRECTIONS: dict[str, CorrectionFn] = {n: _preset(n) for n in ("none", "tis", "icepop", "seq-mask-tis")}
+CORRECTIONS: dict[str, CorrectionFn] = {n: _preset_fn(n) for n in ("none", "tis", "icepop", "seq-mask-tis")}
 
 
 def correction_weights(name: str, logp_train: Tensor, logp_behav: Tensor, mask: Tensor,

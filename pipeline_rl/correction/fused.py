@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline_rl.config import CorrectionConfig
+from pipeline_rl.config import CorrectionConfig, PresetCorrection
 from pipeline_rl.correction.fused_layout import (NUM_STATS, S_CLIP, S_EM1, S_K3,  # noqa: F401
                                                  S_KEPT, S_LOSS, S_MASK, S_R, S_RMAX, S_RMIN,
                                                  S_SEQ, S_SEQ_DROP, S_VALID, S_W, S_W2)
@@ -74,7 +74,9 @@ def warm_up() -> None:
 
 
 def mode_params(corr: CorrectionConfig) -> tuple[int, float, float, float]:
-    """(mode, log cap, log lower band, log upper band) for the kernel."""
+    """(mode, log cap, log lower band, log upper band) for the kernel (a preset's; 0 otherwise)."""
+    if not isinstance(corr, PresetCorrection):
+        return 0, 0.0, 0.0, 0.0
     if corr.type == "tis":
         return 1, math.log(corr.tis_cap), 0.0, 0.0
     if corr.type == "icepop":
