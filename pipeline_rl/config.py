@@ -33,7 +33,7 @@ from pipeline_rl.optimizer_config import OptimizerConfig, optimizer_table
 from pipeline_rl.optimizer_config import AdamWConfig as AdamWConfig, MuonConfig as MuonConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
 from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
-from pipeline_rl.weight_sync.channels.path_table import Transport, VllmChoice, WeightPath, choice_traits, transport_path
+from pipeline_rl.weight_sync.channels.path_table import WeightPath, choice_traits
 
 #: Attention head sizes vLLM's CPU attention backend accepts (docs/design.md, platform notes).
 CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -100,18 +100,15 @@ class RolloutConfig(Section):
         "only: fast start, updates staged beside generation) or async (AsyncLLM with its "
         "engine core in its own process, pause/resume around updates; any device). auto: "
         "inprocess on CPU, async on CUDA.")
-    weight_transport: Transport = Field(
-        "vllm", description="How weights reach the workers: vllm (vLLM's weight-transfer "
-        "API, through --rollout.weight_path) or object_store (Ray's object store, for "
-        "workers that cannot open a connection to the trainer).")
-    weight_path: VllmChoice = Field(
-        "auto", description="Path of the vllm transport, per worker: shm (same node: one "
-        "shared-memory segment the trainer writes once), gloo (buckets over TCP, any "
-        "machine), ipc (CUDA IPC handles of the trainer's GPU copy, one shared GPU), nccl "
-        "(vLLM's packed NCCL broadcast between GPUs; forced only, and only on a machine with "
-        "two GPUs or more: not yet run on two GPUs). auto: ipc where trainer and worker share "
-        "a GPU, else shm on one node, gloo across nodes. The start-up log names each "
-        "worker's path.")
+    weight_path: WeightPath = Field(
+        "auto", description="How weights reach each worker: through vLLM's weight-transfer API "
+        "by shm (same node: one shared-memory segment the trainer writes once), gloo (buckets "
+        "over TCP, any machine), ipc (CUDA IPC handles of the trainer's GPU copy, one shared "
+        "GPU) or nccl (vLLM's packed NCCL broadcast between GPUs; forced only, and only on a "
+        "machine with two GPUs or more: not yet run on two GPUs); or object_store (Ray's object "
+        "store, for workers that cannot open a connection to the trainer; forced only). auto: "
+        "ipc where trainer and worker share a GPU, else shm on one node, gloo across nodes. The "
+        "start-up log names each worker's path.")
 
     @field_validator("weight_path")
     @classmethod
@@ -121,11 +118,6 @@ class RolloutConfig(Section):
         if why is not None:
             raise ValueError(why)
         return v
-
-    def publisher_path(self) -> WeightPath:
-        """The path the trainer's publisher is given: the object store's for that
-        transport, else ``weight_path``."""
-        return transport_path(self.weight_transport, self.weight_path)
 
     kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
                                 "in-flight sequences, or recompute it under the new weights.")

@@ -13,12 +13,14 @@ RENAMED: dict[str, str] = {
     "rollout.max_restarts": "run.max_worker_restarts",
     "trainer.muon_lr": "trainer.optimizer.lr",
     "trainer.muon_momentum": "trainer.optimizer.momentum",
+    "rollout.weight_transport": "rollout.weight_path",
 }
 
 #: What the new key needs beside it, where it needs something.
 _WITH: dict[str, str] = {
     "trainer.optimizer.lr": " with --trainer.optimizer muon",
     "trainer.optimizer.momentum": " with --trainer.optimizer muon",
+    "rollout.weight_path": " object_store for Ray's object store (vllm: one of its other values)",
 }
 
 

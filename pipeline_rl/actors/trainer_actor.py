@@ -145,7 +145,7 @@ class TrainerActor:
         self._trainer_or_none = Trainer(self._cfg, self._model_dir, rank=self._rank,
                                 world_size=self._world_size, master_addr=master_addr,
                                 master_port=master_port, gpu_memory=self._gpu_memory)
-        self._publisher = (WeightPublisher(path=self._cfg.rollout.publisher_path(),
+        self._publisher = (WeightPublisher(path=self._cfg.rollout.weight_path,
                                            secret=rendezvous_secret(self._key))
                            if self._rank == 0 else None)
         self._rank_step = RankStep(self._trainer, _BufferSource(self._buffer), self._publisher)

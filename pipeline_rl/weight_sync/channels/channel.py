@@ -106,8 +106,7 @@ class PathTraits:
     fallback: str | None = None
 
 
-#: Every path, declared once (the names are the ``--rollout.weight_path`` values;
-#: ``object_store`` is ``--rollout.weight_transport object_store``).
+#: Every path, declared once (the names are the ``--rollout.weight_path`` values).
 PATHS: dict[str, PathTraits] = {t.name: t for t in (
     PathTraits("shm", ShmTrainerChannel.open, ShmUpdateInfo, None, "loopback", sends_gpu_copy=True,
                device_tensors=False, reason="same node", shared=SharedWriter, gathers_into_segment=True,

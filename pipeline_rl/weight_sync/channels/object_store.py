@@ -1,5 +1,5 @@
 """The ``object_store`` path: each version put into Ray's object store once, for workers
-that cannot open a connection to the trainer (``--rollout.weight_transport object_store``).
+that cannot open a connection to the trainer (``--rollout.weight_path object_store``).
 
 - **Channel** (:class:`ObjectStoreTrainerChannel`): nothing to join. A send puts the
   version into the object store (once per version for all workers: :class:`ObjectPut`,

@@ -17,19 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-#: The path of Ray's object store (``--rollout.weight_transport object_store``).
+#: The path of Ray's object store (``auto`` never takes it: forced only).
 ObjectStorePath = Literal["object_store"]
-#: The paths of the ``vllm`` transport (``--rollout.weight_path``).
+#: The paths through vLLM's weight-transfer API.
 VllmPath = Literal["shm", "gloo", "ipc", "nccl"]
 #: Every path's name: the keys of :data:`PATH_TABLE`.
 PathName = Literal[VllmPath, ObjectStorePath]
-#: A path as asked for: one of :data:`PathName`, or ``auto`` (chosen per worker).
+#: A path as asked for, ``--rollout.weight_path``'s values: one of :data:`PathName`, or
+#: ``auto`` (chosen per worker).
 WeightPath = Literal["auto", PathName]
-#: ``--rollout.weight_path``'s values.
-VllmChoice = Literal["auto", VllmPath]
-#: ``--rollout.weight_transport``'s values: ``vllm`` (a path of :data:`VllmPath`) or a
-#: path's own transport (a row's ``transport``).
-Transport = Literal["vllm", ObjectStorePath]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,22 +54,19 @@ class ChoiceTraits:
       is forced (the first that fails refuses it); ``auto`` takes a path only where all hold;
     - ``auto``: ``host`` -- ``auto`` takes the first host path (table order) whose needs
       hold; ``gpu`` -- a CUDA path, taken before any host path, but only where it is among
-      the GPU paths ``choose_path`` is given; ``never`` -- only by its own transport;
+      the GPU paths ``choose_path`` is given; ``never`` -- only when forced;
     - ``gpu_default``: among the GPU paths ``auto`` is given by default
       (``paths.GPU_PATHS``; ``nccl`` is not until it has run on two GPUs);
     - ``forced_needs_gpu_paths``: forced, it must still be among the given GPU paths
       (else "not available with the installed vLLM");
     - ``refusal``: asked when the config forces the path: why it cannot run on this
-      machine, or None (imports what it needs only when called);
-    - ``transport``: the ``--rollout.weight_transport`` value that means this path, if
-      it has one of its own (else it is a path of the ``vllm`` transport)."""
+      machine, or None (imports what it needs only when called)."""
 
     needs: tuple[Need, ...]
     auto: Literal["host", "gpu", "never"]
     gpu_default: bool = False
     forced_needs_gpu_paths: bool = False
     refusal: Callable[[], str | None] | None = None
-    transport: Transport | None = None
 
     def fits(self, fit: Fit) -> bool:
         """Every need holds."""
@@ -98,7 +91,7 @@ PATH_TABLE: dict[PathName, ChoiceTraits] = {
     "gloo": ChoiceTraits((), "host"),
     "ipc": ChoiceTraits((_SAME_GPU,), "gpu", gpu_default=True, forced_needs_gpu_paths=True),
     "nccl": ChoiceTraits((_BOTH_CUDA, _OTHER_GPU), "gpu", refusal=_nccl_refusal),
-    "object_store": ChoiceTraits((), "never", transport="object_store"),
+    "object_store": ChoiceTraits((), "never"),
 }
 
 _BY_NAME: dict[str, ChoiceTraits] = {name: row for name, row in PATH_TABLE.items()}
@@ -108,11 +101,3 @@ def choice_traits(name: str) -> ChoiceTraits | None:
     """The row of ``name``, or None where it names no path (``auto``, a typo)."""
     return _BY_NAME.get(name)
 
-
-def transport_path(transport: Transport, weight_path: VllmChoice) -> WeightPath:
-    """The path a transport asks for: a path's own transport means that path; the
-    ``vllm`` transport means ``weight_path``."""
-    for name, row in PATH_TABLE.items():
-        if row.transport == transport:
-            return name
-    return weight_path
