@@ -157,7 +157,7 @@ def build_parser(prog: str = "async_grpo.py", description: str | None = None) ->
     """The argument parser: top-level flags first, then one group per section."""
     parser = _Parser(prog=prog, description=description or "Fully asynchronous GRPO: vLLM rollouts, "
                      "ZeroMQ buffer, DeepSpeed trainer, in-flight weight updates, Ray placement.")
-    top = parser.add_argument_group("run")
+    top = parser.add_argument_group("general")   # not "run": that is the restart limits' section
     top.add_argument("--config", default=None, metavar="FILE.toml",
                      help="TOML file with the same keys (sections as tables); flags override it.")
     top.add_argument("--dry-run", action="store_true", dest="dry_run",

@@ -65,6 +65,31 @@ def test_a_moved_flag_fails_in_one_line_naming_the_new_one() -> None:
         assert "\n" not in str(err.value) and f"--{new}" in str(err.value), str(err.value)
 
 
+def _group(help_text: str, title: str) -> str:
+    """The text of one argument group of ``--help`` (from ``title:`` to the next group)."""
+    start = help_text.index(f"\n{title}:\n")
+    end = re.search(r"\n\n[a-z]+:\n", help_text[start + 2:])
+    return help_text[start: start + 2 + end.start()] if end else help_text[start:]
+
+
+def test_help_shows_each_choice_with_its_parameters_under_its_section() -> None:
+    """The unions: the correction's choice and each choice's parameters in the correction group,
+    the optimizer's in the trainer group, the weight path's choices in the rollout group; no two
+    groups share a title."""
+    text = " ".join(build_parser().format_help().split(" "))
+    titles = re.findall(r"\n([a-z]+):\n", text)
+    assert len(titles) == len(set(titles)), titles
+    correction = " ".join(_group(text, "correction").split())
+    assert "--correction.type {none,tis,icepop,seq-mask-tis,m2po,custom}" in correction
+    for flag in ("weight", "weight_cap", "reject", "reject_lo", "reject_hi"):
+        assert f"--correction.{flag} " in correction and "With --correction.type custom:" in correction
+    assert "With --correction.type PRESET: TIS: cap C" in correction
+    trainer = " ".join(_group(text, "trainer").split())
+    assert "--trainer.optimizer {adamw,muon}" in trainer and "With --trainer.optimizer muon: Muon's" in trainer
+    rollout = " ".join(_group(text, "rollout").split())
+    assert "--rollout.weight_path {auto,shm,gloo,ipc,nccl,object_store}" in rollout
+
+
 def test_the_weight_transport_is_the_weight_path_now(tmp_path: Path) -> None:
     """``--rollout.weight_transport object_store`` (flag or --config key) is one line naming
     ``--rollout.weight_path object_store``, which parses."""
