@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from pipeline_rl.resources import CoreSlot
     from pipeline_rl.rollout.worker import WorkerStats
     from pipeline_rl.samples import Group
+    from pipeline_rl.weight_sync.channels.paths import Placement
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -55,11 +56,9 @@ class RolloutHandle(Protocol):
     take_over: Remote[["CoreSlot | None"], int]
     renew: Remote[["Config"], int]
     run: Remote[[int], "WorkerStats"]
-    init_weight_transfer_engine: Remote[[dict[str, Any]], None]
-    start_weight_update: Remote[[], None]
-    update_weights: Remote[[dict[str, Any]], None]
-    finish_weight_update: Remote[[str | None], None]
+    init_weight_transfer_engine: Remote[[dict[str, Any]], None]   # SyncClient's calls (weight_sync.protocol)
     receive_update: Remote[[dict[str, Any], str], float]
+    placement: Remote[[], "Placement"]
     stats: Remote[[], "WorkerStats"]
     evaluate: Remote[["EvalRequest"], "EvalResult"]
     stop: Remote[[], None]

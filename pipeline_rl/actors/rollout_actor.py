@@ -7,6 +7,7 @@ call runs on.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ from pipeline_rl.actors.process import (
 from pipeline_rl.config import Config
 from pipeline_rl.resources import CoreSlot
 from pipeline_rl.run_key import RunKey
+from pipeline_rl.weight_sync.protocol import SYNC_CALLS, SyncClient
 
 if TYPE_CHECKING:
     from pipeline_rl.buffer.sender import GroupSender
@@ -167,27 +169,13 @@ class RolloutActor:
                 return worker.stats()
             raise
 
-    # vLLM's weight-transfer calls (the trainer's publisher drives them). All on the one
-    # staging thread: Ray serves concurrent calls on a pool of threads, and every thread that
-    # frees an update's arrays grows its own malloc arena (measured: resident memory grew
-    # ~20 MB per 1,000 updates that way). Failing to take new weights is fatal to this worker:
-    # it could never reach a newer version, so the admission budget would hold it idle
-    # forever; the error ends :meth:`run` (the driver then ends the run naming it).
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._take(self._worker.init_weight_transfer_engine, init_info)
-
-    def start_weight_update(self) -> None:
-        self._take(self._worker.start_weight_update)
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._take(self._worker.update_weights, update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._take(self._worker.finish_weight_update, weight_version)
-
-    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        """The three calls of one update in one (the trainer's channel makes this one)."""
-        return self._take(self._worker.receive_update, update_info, weight_version)
+    # The trainer's weight calls (``weight_sync.protocol.SYNC_CALLS``: the worker's own
+    # methods, set on this class below, none written here). All on the one staging thread:
+    # Ray serves concurrent calls on a pool of threads, and every thread that frees an
+    # update's arrays grows its own malloc arena (measured: resident memory grew ~20 MB per
+    # 1,000 updates that way). Failing to take new weights is fatal to this worker: it could
+    # never reach a newer version, so the admission budget would hold it idle forever; the
+    # error ends :meth:`run` (the driver then ends the run naming it).
 
     def placement(self) -> Placement:
         """Where this worker runs (Ray node, device, GPU): the publisher picks its weight path by it."""
@@ -217,3 +205,26 @@ class RolloutActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _on_stager(name: str) -> Callable[..., Any]:
+    """The worker's weight call ``name`` as the actor's method: the current worker's own,
+    run on the staging thread (:meth:`RolloutActor._take`); its signature and doc are the
+    protocol's (``SyncClient``), which Ray and the typed handle read."""
+    declared = getattr(SyncClient, name)
+
+    def call(self: RolloutActor, *args: Any) -> Any:
+        return self._take(getattr(self._worker, name), *args)
+
+    call.__name__, call.__qualname__, call.__doc__ = name, f"RolloutActor.{name}", declared.__doc__
+    call.__signature__ = inspect.signature(declared)  # type: ignore[attr-defined]
+    return call
+
+
+for _name in SYNC_CALLS:
+    setattr(RolloutActor, _name, _on_stager(_name))
+
+
+if TYPE_CHECKING:
+    def _serves(worker: RolloutWorker) -> SyncClient:
+        return worker   # the calls set above are the worker's: a renamed one is a type error here

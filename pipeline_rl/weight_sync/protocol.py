@@ -1,5 +1,15 @@
-"""The weight-update protocol, declared once: vLLM's four calls as a rollout worker
-(its Ray actor, its engine) serves them, and the trainer's one-call form of an update.
+"""The weight-update protocol, declared once: vLLM's four calls as a rollout worker and
+its engine serve them, and what the trainer calls on a worker (:class:`SyncClient`: the
+channel's join and the one-call form of an update).
+
+A weight update crosses four files a reader opens: the channel (``channels/<path>.py``:
+``client.receive_update``), the worker (``rollout/worker.py``: ``RolloutWorker``'s weight
+calls), the engine (``rollout/engines/engine_inprocess.py`` or ``engine_async.py``) and the
+backend (``receive/receiver.py``, inside vLLM ``receive/vllm_backend.py``). A worker in
+another process is reached through its Ray actor, which writes no call of its own: the
+trainer's :class:`~pipeline_rl.weight_sync.publish.clients.ActorClient` and the actor
+(``actors/rollout_actor.py``) both expose exactly :data:`SYNC_CALLS`, the worker's own
+methods, on the actor's one staging thread.
 
 Every implementation takes ``finish_weight_update(weight_version)`` with the version as
 the string vLLM's API carries (``None`` only where vLLM's own call has none).
@@ -50,13 +60,20 @@ class WeightSyncCalls(Protocol):
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
-class SyncClient(WeightSyncCalls, Protocol):
-    """One rollout worker as the trainer drives it: vLLM's four calls, and
-    ``receive_update`` -- start, update and finish of one update in a single call (one
-    round trip to a remote worker instead of three), returning the seconds its finish
-    took."""
+class SyncClient(Protocol):
+    """One rollout worker as the trainer drives it (``RolloutWorker``; across processes
+    its Ray actor, the same calls): join the path's channel (vLLM's
+    ``init_weight_transfer_engine``), and ``receive_update`` -- start, update and finish of
+    one update in a single call (one round trip to a remote worker instead of three),
+    returning the seconds its finish took."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
 
     def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float: ...
+
+
+#: :class:`SyncClient`'s calls by name: what a worker's Ray actor exposes of its worker.
+SYNC_CALLS: tuple[str, ...] = ("init_weight_transfer_engine", "receive_update")
 
 
 def receive_in_one_call(worker: WeightSyncCalls, update_info: dict[str, Any],

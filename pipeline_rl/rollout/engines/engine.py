@@ -349,25 +349,3 @@ def kv_cache_gib_needed(model_dir: str, rollout: object, dtype: str) -> float:
     need = rollout.max_num_seqs * rollout.max_model_len * per_token / 2**30
     return max(MIN_AUTO_KV_GIB, need)
 
-
-class EngineCalls:
-    """An engine as a :class:`~pipeline_rl.weight_sync.protocol.WeightSyncCalls` client of
-    its own (an in-memory update sent to itself through the weight-transfer calls):
-    ``finish_weight_update`` takes the version string there and loads."""
-
-    def __init__(self, engine: GenerationEngine) -> None:
-        self._engine = engine
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._engine.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> None:
-        self._engine.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._engine.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if weight_version is None:
-            raise WeightUpdateError("finish_weight_update needs the version of the weights")
-        self._engine.load_received(int(weight_version))

@@ -54,14 +54,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Coroutine, TypeVar
 
-from pipeline_rl.rollout.engines.engine import (
-    AppliedUpdate,
-    EngineCalls,
-    EngineConfig,
-    FinishedSequence,
-    GenerationEngine,
-    GenRequest,
-)
+from pipeline_rl.rollout.engines.engine import AppliedUpdate, EngineConfig, FinishedSequence, GenerationEngine, GenRequest
 from pipeline_rl import runtime_env
 from pipeline_rl.rollout.engines import vllm_compat as compat
 from pipeline_rl.rollout.engines.engine_inprocess import sampling_params, to_finished
@@ -69,7 +62,7 @@ from pipeline_rl.weight_sync.channels.channel import path_of
 from pipeline_rl.weight_sync.dtypes import from_torch
 from pipeline_rl.weight_sync.layout import UpdateLayout
 from pipeline_rl.weight_sync.message import CheckedUpdate, WeightUpdate, WeightUpdateError
-from pipeline_rl.weight_sync.protocol import DEFAULT_TIMEOUT_S, receive_in_one_call, tagged
+from pipeline_rl.weight_sync.protocol import DEFAULT_TIMEOUT_S, tagged
 from pipeline_rl.weight_sync.receive.receiver import Receiver
 from pipeline_rl.weight_sync.channels.shm import SharedSegment, ShmUpdateInfo, StatusCell
 from pipeline_rl.weight_sync.receive.vllm_adapter import BACKEND, register
@@ -422,7 +415,9 @@ class AsyncEngine(GenerationEngine):
         bf16 = any(str(t.dtype) == "torch.bfloat16" for _, t in update.tensors)
         staged = WeightUpdate(update.version, names, arrays, dtype="bfloat16" if bf16 else "float32")
         info = self._staging.write(staged, checked=True)   # checked before it was staged
-        receive_in_one_call(EngineCalls(self), tagged(info), str(update.version))
+        self.start_weight_update()   # the calls of every path's update (receive_update's)
+        self.update_weights(tagged(info))
+        self.load_received(update.version)
         return True
 
     def apply_staged(self) -> AppliedUpdate | None:

@@ -48,6 +48,8 @@ from pipeline_rl.samples import F32, FINISH_REASONS, FinishReason
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
+    from pipeline_rl.weight_sync.receive.vllm_backend import WeightReceiver
+
 
 def freeze_gc_before_build() -> None:
     """Move every object alive now into the collector's permanent generation.
@@ -213,6 +215,7 @@ class InprocessEngine(GenerationEngine):
             start = time.perf_counter()
             in_flight = self.num_unfinished()
             if self._lora is not None:   # native serving: the adapter replaced in place
+                assert self._adapter is not None   # a LoRA run's backend serves an adapter
                 self._adapter.replace(update)
             elif self._shadow is not None:
                 self._shadow.swap_into()
@@ -257,8 +260,9 @@ class InprocessEngine(GenerationEngine):
             raise WeightUpdateError(f"finish names version {version}, the bytes were version {update.version}")
         return self.stage(as_checked(update))
 
-    def _receiver(self) -> Any:
-        return compat.transfer_receiver(self._llm)
+    def _receiver(self) -> WeightReceiver:
+        """The backend vLLM built in this process's worker (``receive/vllm_backend.py``)."""
+        return compat.transfer_receiver(self._llm)  # type: ignore[no-any-return]
 
     @property
     def last_staging_path(self) -> str | None:

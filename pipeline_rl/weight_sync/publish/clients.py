@@ -4,41 +4,36 @@ and where the trainer listens (:func:`trainer_address`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from pipeline_rl.weight_sync.protocol import DEFAULT_TIMEOUT_S
+from pipeline_rl.weight_sync.protocol import DEFAULT_TIMEOUT_S, SYNC_CALLS
 from pipeline_rl.weight_sync.channels.paths import Placement, local_placement
+
+#: What the trainer calls on a worker's actor: the weight calls, and where it runs.
+_REMOTE_CALLS = frozenset(SYNC_CALLS) | {"placement"}
 
 
 class ActorClient:
-    """A rollout worker's Ray actor as vLLM's weight-sync client (``SyncClient``): each
-    call waits for the actor, at most ``timeout_s`` (a dead worker never hangs a send)."""
+    """A rollout worker's Ray actor as the trainer's client (``SyncClient``, and
+    ``placement``): each call is the actor's method of the same name (the worker's own,
+    ``actors/rollout_actor.py``), waited for at most ``timeout_s`` (a dead worker never
+    hangs a send). Written once for every call: nothing here per call."""
 
     def __init__(self, actor: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._actor, self._timeout_s = actor, timeout_s
 
-    def _call(self, method: str, *args: Any) -> Any:
-        import ray
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name not in _REMOTE_CALLS:
+            raise AttributeError(f"{type(self).__name__} has no call {name!r} (the actor's: {sorted(_REMOTE_CALLS)})")
+        method = getattr(self._actor, name)
 
-        return ray.get(getattr(self._actor, method).remote(*args), timeout=self._timeout_s)
+        def call(*args: Any) -> Any:
+            import ray
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("init_weight_transfer_engine", init_info)
+            return ray.get(method.remote(*args), timeout=self._timeout_s)
 
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish_weight_update", weight_version)
-
-    def receive_update(self, update_info: dict[str, Any], weight_version: str) -> float:
-        return float(self._call("receive_update", update_info, weight_version))
-
-    def placement(self) -> Placement:
-        return self._call("placement")  # type: ignore[no-any-return]
+        return call
 
 
 #: The node id of a worker that could not say where it runs (taken for another node).
