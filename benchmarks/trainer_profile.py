@@ -119,7 +119,7 @@ def matmul_params(model: Any) -> int:
 def measure(cfg: Config, model_dir: str, steps: int) -> dict[str, Any]:
     import torch
 
-    lora = cfg.lora.enabled
+    lora = cfg.lora is not None
     from transformers import AutoTokenizer
 
     from pipeline_rl.tasks.build import build_task_for_model

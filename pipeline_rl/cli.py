@@ -135,7 +135,8 @@ def _add_field(group: Any, dest: str, name: str, info: Any, prefix: str = "") ->
     kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS}
     default = info.get_default(call_default_factory=True)
     pretrained = PRETRAINED_DEFAULTS.get(dest)
-    shown = f"{default}" if pretrained is None else f"{default}; --profile pretrained: {pretrained}"
+    shown = "unset" if info.is_required() else f"{default}"
+    shown += "" if pretrained is None else f"; --profile pretrained: {pretrained}"
     if dest in PRETRAINED_LORA_DEFAULTS:
         shown += f", with --lora.rank > 0: {PRETRAINED_LORA_DEFAULTS[dest]}"
     help_text = prefix + (info.description or "").replace("%", "%%") + f" (default: {shown})"

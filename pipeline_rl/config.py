@@ -28,7 +28,7 @@ from pipeline_rl.config_section import Section
 from pipeline_rl.correction_config import CorrectionConfig as CorrectionConfig, CorrectionName as CorrectionName
 from pipeline_rl.correction_config import Correction as Correction, correction_table
 from pipeline_rl.correction_config import CustomCorrection as CustomCorrection, PresetCorrection as PresetCorrection
-from pipeline_rl.lora_config import LoraConfig
+from pipeline_rl.lora_config import LoraConfig, lora_section
 from pipeline_rl.optimizer_config import OptimizerConfig, optimizer_table
 from pipeline_rl.optimizer_config import AdamWConfig as AdamWConfig, MuonConfig as MuonConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
@@ -358,7 +358,8 @@ class Config(Section):
     correction: Correction = Field(default_factory=PresetCorrection, description="Off-policy correction: a "
                                    "preset with its knobs, or custom with its composition (docs/objectives.md).")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
+    lora: LoraConfig | None = Field(None, description="A LoRA adapter instead of every weight: on with "
+                                    "--lora.rank above 0 (None: full fine-tuning).")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     run: RunConfig = Field(default_factory=RunConfig)
@@ -374,6 +375,11 @@ class Config(Section):
     @classmethod
     def _correction_table(cls, v: object) -> object:   # no type: tis's (correction_config.py)
         return correction_table(v)
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_section(cls, v: object) -> object:   # rank 0 or none: no section (lora_config.py)
+        return lora_section(v)
 
     @field_validator("fault")
     @classmethod

@@ -89,7 +89,7 @@ def startup_line(cfg: Config) -> str:
 
     values = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for _, key in PROFILE_KEYS}
     line = f"model: {cfg.model.path or 'built-in'} | {profile_line(cfg.profile, values)}"
-    if cfg.lora.enabled:   # the serving mode in force, and why
+    if cfg.lora is not None:   # the serving mode in force, and why
         import torch
 
         device = cfg.model.device if cfg.model.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
@@ -171,7 +171,7 @@ def run(cfg: Config) -> int:
         log.warning("%s", warning)
     try:
         model_dir = resolve_model_dir(cfg)
-        if cfg.lora.enabled:   # the adapter's modules against the model's, before Ray
+        if cfg.lora is not None:   # the adapter's modules against the model's, before Ray
             from pipeline_rl.training.lora import check_lora
 
             check_lora(cfg.lora, model_dir)

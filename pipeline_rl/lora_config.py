@@ -2,10 +2,11 @@
 A section of :class:`pipeline_rl.config.Config`, in a module of its own like ``tasks/task_config.py``;
 it imports no torch, vLLM or Ray.
 
-Invariants: ``rank`` 0 means off (every other field is then unused); ``target_modules`` is
-``auto`` or a comma-separated list of module names, each a plain identifier; whether the model
-has them is checked against the model itself before Ray starts
-(``pipeline_rl.training.lora.check_lora``).
+Invariants: an optional section: ``Config.lora`` is None when off (no ``--lora.rank``, or
+``--lora.rank 0``: :func:`lora_section`, every other ``--lora.*`` flag then unused), and a
+:class:`LoraConfig` always has ``rank`` > 0; ``target_modules`` is ``auto`` or a comma-separated
+list of module names, each a plain identifier; whether the model has them is checked against the
+model itself before Ray starts (``pipeline_rl.training.lora.check_lora``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,20 @@ LoraServing = Literal["auto", "native", "merged"]
 VLLM_MAX_LORA_RANK = 512
 
 
-class LoraConfig(Section):
-    """A LoRA adapter trained with PEFT; only the adapter is optimized and sent to the workers."""
+def lora_section(value: object) -> object:
+    """``Config.lora`` as given: a table whose ``rank`` is 0 or missing is no section (None: full
+    fine-tuning, as ``--lora.rank 0`` always meant); anything else is returned as it is."""
+    if isinstance(value, dict) and not value.get("rank"):
+        return None
+    return value
 
-    rank: int = Field(0, ge=0, le=4096, description="Adapter rank r (0 = off: full fine-tuning).")
+
+class LoraConfig(Section):
+    """A LoRA adapter trained with PEFT; only the adapter is optimized and sent to the workers.
+    Off (full fine-tuning) unless --lora.rank is above 0."""
+
+    rank: int = Field(ge=0, le=4096, description="Adapter rank r: above 0 turns LoRA on (0 or unset: "
+                      "off, full fine-tuning).")
     alpha: float = Field(32.0, gt=0.0, le=1e6, description="LoRA alpha: the adapter's update is scaled "
                          "by alpha / rank (32 whatever the rank, as in 'LoRA Without Regret', Thinking "
                          "Machines 2025, so the best learning rate hardly moves with the rank).")
@@ -56,19 +67,17 @@ class LoraConfig(Section):
 
     @model_validator(mode="after")
     def _native_rank(self) -> "LoraConfig":
+        if self.rank == 0:
+            raise ValueError("lora.rank: 0 is no adapter; leave the lora section out (Config.lora None)")
         if self.serving == "native" and self.rank > VLLM_MAX_LORA_RANK:
             raise ValueError(f"lora.rank: vLLM serves ranks up to {VLLM_MAX_LORA_RANK} natively (got "
                              f"{self.rank}); use --lora.serving merged")
         return self
 
     @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
     def scale(self) -> float:
         """alpha / rank: what ``B @ A`` is multiplied by (PEFT's ``scaling``)."""
-        return self.alpha / self.rank if self.rank else 0.0
+        return self.alpha / self.rank
 
     def requested_targets(self) -> tuple[str, ...] | None:
         """The names asked for, or None for ``auto``."""

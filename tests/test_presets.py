@@ -49,7 +49,8 @@ def test_every_preset_is_checked() -> None:
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_a_preset_loads_with_the_values_the_readme_names(name: str) -> None:
     cfg, want = _load(name), EXPECTED[name]
-    got = Expected(cfg.model.path, cfg.task.name, cfg.max_steps, cfg.eval.every, cfg.lora.rank, cfg.task.agent)
+    got = Expected(cfg.model.path, cfg.task.name, cfg.max_steps, cfg.eval.every, cfg.lora.rank if cfg.lora else 0,
+                   cfg.task.agent)
     assert got == want
 
 

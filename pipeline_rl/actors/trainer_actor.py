@@ -40,12 +40,12 @@ def _prepare(cfg: Config) -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     from pipeline_rl.correction.loss import warm_up
+    from pipeline_rl.training.lora import trained_weights
     from pipeline_rl.training.rank_step import RankStep  # noqa: F401
     from pipeline_rl.training.trainer import Trainer  # noqa: F401
     from pipeline_rl.weight_sync.publish.publisher import WeightPublisher  # noqa: F401
 
-    if cfg.lora.enabled:
-        import peft  # noqa: F401
+    trained_weights(cfg.lora).preload()
     warm_up(cfg.algorithm, cfg.correction, "cpu")
 
 

@@ -61,11 +61,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline_rl.lora_config import LoraConfig
 from pipeline_rl.training.checkpoint import (
     CheckpointError, RunState, copy_tokenizer_files, publish_dir, write_run_state,
 )
@@ -74,6 +73,9 @@ from pipeline_rl.training.checkpoint_progress import (
     stall_line, written_marker,
 )
 from pipeline_rl.weight_sync.message import WeightUpdate
+
+if TYPE_CHECKING:
+    from pipeline_rl.training.lora import AdapterWeights, FullWeights
 
 log = logging.getLogger(__name__)
 
@@ -311,19 +313,16 @@ def background_engine(writer: CheckpointWriter, staging: Staging) -> Any:
     return BackgroundEngine()
 
 
-def write_weights(out: Path, module: Any, update: WeightUpdate, lora: LoraConfig | None, model_dir: Path) -> None:
-    """``update``'s weights into ``out`` as a Hugging Face folder of ``module`` (with LoRA,
-    PEFT's adapter files naming the base model), in the module's dtype, with the tokenizer."""
+def write_weights(out: Path, module: Any, update: WeightUpdate, trained: FullWeights | AdapterWeights,
+                  model_dir: Path) -> None:
+    """``update``'s weights into ``out`` as ``trained`` saves them (a Hugging Face folder of
+    ``module``; with LoRA, PEFT's adapter files naming the base model), in the module's dtype,
+    with the tokenizer."""
     import torch
-
-    from pipeline_rl.training.lora import save_adapter
 
     dtype = next(module.parameters()).dtype
     state = {n: torch.from_numpy(a).to(dtype) for n, a in zip(update.names, update.arrays, strict=True)}
-    if lora is not None:
-        save_adapter(out, state, lora, model_dir)
-    else:
-        module.save_pretrained(str(out), state_dict=state)
+    trained.save(out, module, state, model_dir)
     copy_tokenizer_files(model_dir, out)
 
 

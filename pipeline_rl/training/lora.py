@@ -10,8 +10,8 @@ weight it changes is ``<module>.weight``, and the update it makes is ``scale * B
 ``scale = alpha / r`` (``[out, in]``); the worker's side of these names is
 ``pipeline_rl.weight_sync.receive.lora_update``.
 
-Invariants: with ``lora.rank`` 0 nothing here runs and the model is the plain Hugging Face
-model; with an adapter, the only trainable parameters are the adapter's (DeepSpeed is handed
+Invariants: without a ``--lora`` section (``cfg.lora`` None) only :class:`FullWeights` runs and the
+model is the plain Hugging Face model; with an adapter, the only trainable parameters are the adapter's (DeepSpeed is handed
 just those), and the base weights never change (a checkpoint stores the adapter and the
 optimizer's state of the adapter only).
 """
@@ -130,6 +130,66 @@ def adapter_disabled(module: Any) -> Iterator[None]:
     (no second copy of the model)."""
     with module.disable_adapter():
         yield
+
+
+# -- what trains: every weight or the adapter -----------------------------------------------------
+
+class FullWeights:
+    """Full fine-tuning (no ``--lora``): every weight trains, is published, is saved as a Hugging
+    Face model; a KL term needs a reference model of its own."""
+
+    frozen_base = False   # nothing frozen: DeepSpeed saves every parameter, loads strictly
+
+    def preload(self) -> None:
+        """Import what building it needs beyond the trainer's own imports: nothing."""
+
+    def wrap(self, model: Any, base_dir: str | Path, seed: int) -> Any:
+        return model
+
+    def published(self, module: Any) -> list[tuple[str, "torch.nn.Parameter"]] | None:
+        """What a weight update carries: None, every parameter."""
+        return None
+
+    def reference_needed(self, kl: bool) -> bool:
+        """Whether the KL penalty needs a second model: whenever there is a KL term."""
+        return kl
+
+    def save(self, out: Path, module: Any, state: dict[str, "torch.Tensor"], base_dir: str | Path) -> None:
+        module.save_pretrained(str(out), state_dict=state)
+
+
+class AdapterWeights:
+    """A LoRA adapter (``--lora.rank`` > 0): only the adapter trains, is published and saved
+    (PEFT's files); the base is frozen and, with its adapter off, the KL reference."""
+
+    frozen_base = True    # DeepSpeed's state leaves the frozen base out; loads it non-strictly
+
+    def __init__(self, lora: LoraConfig) -> None:
+        self.lora = lora
+
+    def preload(self) -> None:
+        """Import what building it needs beyond the trainer's own imports: PEFT."""
+        import peft  # noqa: F401
+
+    def wrap(self, model: Any, base_dir: str | Path, seed: int) -> Any:
+        return wrap(model, self.lora, base_dir, seed)
+
+    def published(self, module: Any) -> list[tuple[str, "torch.nn.Parameter"]] | None:
+        """What a weight update carries: the adapter's parameters, by saved name."""
+        return adapter_parameters(module)
+
+    def reference_needed(self, kl: bool) -> bool:
+        """Never: the reference is the trained model with its adapter off (:func:`adapter_disabled`)."""
+        return False
+
+    def save(self, out: Path, module: Any, state: dict[str, "torch.Tensor"], base_dir: str | Path) -> None:
+        save_adapter(out, state, self.lora, base_dir)
+
+
+def trained_weights(lora: LoraConfig | None) -> FullWeights | AdapterWeights:
+    """What a trainer trains, from ``cfg.lora``: the one place on the trainer's side that tells
+    full fine-tuning from an adapter (the rest asks the object it returns)."""
+    return FullWeights() if lora is None else AdapterWeights(lora)
 
 
 # -- checkpoints ----------------------------------------------------------------------------------

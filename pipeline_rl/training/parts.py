@@ -35,7 +35,7 @@ from pipeline_rl.training.deepspeed_setup import (
     prepare_trained_model,
 )
 from pipeline_rl.training.ema import EmaWeights
-from pipeline_rl.training.lora import wrap
+from pipeline_rl.training.lora import AdapterWeights, FullWeights
 from pipeline_rl.training.optimizers import make_optimizer
 from pipeline_rl.training.schedule import LRSchedule
 
@@ -88,15 +88,12 @@ def load_model(cfg: Config, path: Path, device_type: str) -> Any:
     return model
 
 
-def trained_model(cfg: Config, model_dir: Path, device_type: str) -> Any:
+def trained_model(cfg: Config, model_dir: Path, device_type: str, trained: FullWeights | AdapterWeights) -> Any:
     """The model the engine trains: loaded (:func:`load_model`), prepared
     (``deepspeed_setup.prepare_trained_model``: gradient checkpointing), and with ``--lora``
     wrapped by PEFT (``training.lora.wrap``, seeded by ``cfg.seed``), its adapter then the only
     parameters with ``requires_grad``."""
-    model = prepare_trained_model(load_model(cfg, model_dir, device_type), cfg)
-    if cfg.lora.enabled:
-        model = wrap(model, cfg.lora, model_dir, cfg.seed)
-    return model
+    return trained.wrap(prepare_trained_model(load_model(cfg, model_dir, device_type), cfg), model_dir, cfg.seed)
 
 
 def start_engine(cfg: Config, model: Any, world_size: int, device_type: str) -> Any:
@@ -144,11 +141,12 @@ def skip_lone_allreduce(engine: Any, world_size: int, zero_stage: int) -> None:
         engine.enable_backward_allreduce = False
 
 
-def reference_model(cfg: Config, model_dir: Path, device: torch.device) -> Any | None:
+def reference_model(cfg: Config, model_dir: Path, device: torch.device,
+                    trained: FullWeights | AdapterWeights) -> Any | None:
     """The KL reference as a second model: the one at ``model_dir``, frozen (eval, no
     gradients) on ``device``, when ``algorithm.kl_coef > 0`` without LoRA. ``None`` otherwise:
     no KL term needs none, and with LoRA the reference is the trained model with its adapter off."""
-    if not (cfg.algorithm.kl_coef > 0 and not cfg.lora.enabled):
+    if not trained.reference_needed(cfg.algorithm.kl_coef > 0):
         return None
     return load_model(cfg, model_dir, device.type).eval().requires_grad_(False).to(device)
 

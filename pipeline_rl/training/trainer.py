@@ -55,7 +55,7 @@ from pipeline_rl.training.checkpoint import (
 )
 from pipeline_rl.training.checkpoint_writer import Staging, finish_part, write_weights
 from pipeline_rl.training.ema import EMA_DIR
-from pipeline_rl.training.lora import adapter_disabled, adapter_parameters
+from pipeline_rl.training.lora import adapter_disabled, trained_weights
 from pipeline_rl.training.logprobs import (
     micro_batch_logp, padded_logp, sampled_entropy, shared_prompt_logp,
     sharing_check_groups,
@@ -98,8 +98,8 @@ class Trainer:
         self.rank, self.world_size = rank, world_size
         self.device = place_rank(cfg.model.device, rank, num_threads=num_threads, gpu_memory=gpu_memory)
         join_process_group(self.device, rank, world_size, master_addr, master_port)
-        self.lora = cfg.lora if cfg.lora.enabled else None   # LoRA: PEFT's adapter is all that trains
-        self.model = trained_model(cfg, self.model_dir, self.device.type)
+        self.trained = trained_weights(cfg.lora)   # every weight, or (LoRA) PEFT's adapter alone
+        self.model = trained_model(cfg, self.model_dir, self.device.type, self.trained)
         self.engine = start_engine(cfg, self.model, world_size, self.device.type)
         self.zero_stage = cfg.trainer.zero_stage
         self._staging = Staging()           # the host memory a save's copy goes into
@@ -109,7 +109,7 @@ class Trainer:
         skip_lone_allreduce(self.engine, world_size, self.zero_stage)
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self._kl = cfg.algorithm.kl_coef > 0   # with LoRA the reference is the model with its adapter off
-        self.ref_model = reference_model(cfg, self.model_dir, self.device)
+        self.ref_model = reference_model(cfg, self.model_dir, self.device, self.trained)
         self._version = 0
         self._steps_taken = 0
         self._grad_norm = record_grad_norm(self.engine, world_size, self.zero_stage)
@@ -288,7 +288,7 @@ class Trainer:
         return gather_weights(self.engine.module, self._version, zero_stage=self.zero_stage,
                               dtype=served_dtype(self.cfg.rollout.dtype, self.device.type), allocate=allocate,
                               on_device=on_device,
-                              named=adapter_parameters(self.engine.module) if self.lora is not None else None)
+                              named=self.trained.published(self.engine.module))
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -311,7 +311,7 @@ class Trainer:
         dist.barrier()
         # DeepSpeed's files: copied now, written by the writer (checkpoint_writer.background_engine)
         self.engine.save_checkpoint(str(part / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False,
-                                    exclude_frozen_parameters=self.lora is not None)
+                                    exclude_frozen_parameters=self.trained.frozen_base)
         update = self.weights(allocate=self._staging.array("weights"))   # copies
         ema = self._staging.copy(self.ema.state_dict(), "ema") if self.ema is not None else None
         rng, version = capture_rng(), self._version
@@ -320,7 +320,7 @@ class Trainer:
 
         def write_the_rest() -> None:
             if self.rank == 0:
-                write_weights(part, self.engine.module, update, self.lora, self.model_dir)
+                write_weights(part, self.engine.module, update, self.trained, self.model_dir)
                 if self.ema is not None:
                     self.ema.save(part / EMA_DIR, self.model_dir, state=ema)   # ema: its copy
             torch.save(rng, rng_file(part, self.rank))
@@ -352,7 +352,7 @@ class Trainer:
             raise CheckpointError(f"checkpoint {d}: load it before the first step under ZeRO-3")
         try:
             loaded, _ = self.engine.load_checkpoint(str(d / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
-                                                    load_module_strict=self.lora is None)
+                                                    load_module_strict=not self.trained.frozen_base)
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else "unreadable"
             raise CheckpointError(f"checkpoint {d}: DeepSpeed state is corrupt ({type(e).__name__}: {first})") from None

@@ -194,7 +194,7 @@ class Orchestrator:
         if not rec.steps_done:
             return
         path = self.checkpoint(wait=True)
-        if self.cfg.lora.enabled and self.cfg.lora.merge_at_end:   # the adapter folded into the base
+        if self.cfg.lora is not None and self.cfg.lora.merge_at_end:   # the adapter folded into the base
             from pipeline_rl.training.lora import write_merged
 
             log.info("merged model: %s", write_merged(path, self._checkpoints.folder.parent / "merged"))

@@ -70,7 +70,7 @@ class LoraServing:
         """A run's (``cfg.lora``, a ``LoraConfig``) on ``device_type``; None without an adapter.
         Targets the run did not name are the defaults; :func:`adapter_spec` keeps those the
         served model has (the driver checked the named ones)."""
-        if not lora.enabled:
+        if lora is None:
             return None
         from pipeline_rl.lora_config import DEFAULT_TARGETS
 
