@@ -351,22 +351,17 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _ablate_main(argv: list[str]) -> int:
-    """``benchmarks.ablation``'s main; the benchmarks are a folder of the checkout, not of the
-    installed package, so they are found from the repository root (the working directory)."""
-    import importlib
+    """``python -m benchmarks.ablation ARGS`` in a process of its own, from the repository root
+    (the working directory): the benchmarks are a folder of the checkout, not of the installed
+    package, and the package never imports them (they import it). Returns its exit status."""
+    import subprocess
 
     here = Path.cwd()
-    if (here / "benchmarks" / "ablation.py").is_file() and str(here) not in sys.path:
-        sys.path.insert(0, str(here))
-    try:
-        ablation = importlib.import_module("benchmarks.ablation")
-    except ModuleNotFoundError as e:
-        if e.name not in ("benchmarks", "benchmarks.ablation"):
-            raise
-        print(f"{PROG}: error: ablate: benchmarks.ablation is not importable from {here}; run "
+    if not (here / "benchmarks" / "ablation.py").is_file():
+        print(f"{PROG}: error: ablate: benchmarks/ablation.py is not in {here}; run "
               f"{PROG} ablate from the repository root", file=sys.stderr)
         return 2
-    return int(ablation.main(argv))
+    return subprocess.run([sys.executable, "-m", "benchmarks.ablation", *argv], cwd=here).returncode
 
 
 @dataclass(frozen=True, slots=True)
