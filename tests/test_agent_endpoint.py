@@ -29,7 +29,7 @@ from pipeline_rl.buffer.replay import ReplayBuffer
 from pipeline_rl.buffer.server import BufferServer
 from pipeline_rl.config import Config
 from pipeline_rl.rollout.eval_feed import EvalRequest
-from pipeline_rl.rollout.agents.runner import AgentRunner
+from pipeline_rl.rollout.agents.runner import AgentRollout
 from pipeline_rl.rollout.engines.engine import EngineConfig, GenerationEngine
 from pipeline_rl.rollout.worker import RolloutWorker
 from pipeline_rl.run_key import RunKey, endpoint_token
@@ -161,8 +161,8 @@ class Rig:
         self.worker = RolloutWorker(cfg, 0, "unused", self.server.address, self.buffer,
                                     prompts or AdditionTask(2, 1000, 0),
                                     engine=engine, key=RUN_KEY)
-        runner = self.worker._episodes
-        assert isinstance(runner, AgentRunner)
+        runner = self.worker.rollout
+        assert isinstance(runner, AgentRollout)
         self.runner = runner
 
     def received(self, count: int) -> list[Group]:
@@ -184,7 +184,7 @@ def test_a_two_turn_tool_conversation_is_one_sample_of_the_endpoints_own_ids(cha
         groups = rig.received(2)
     finally:
         rig.close()
-    assert rig.runner.samples_split == 0 and list(rig.runner.metrics["requests"]) == [2.0] * 2 * N
+    assert rig.worker.stats().episodes.samples_split == 0 and list(rig.runner.metrics["requests"]) == [2.0] * 2 * N
     saw: list[Any] = [tuple(ChatCompletion.model_validate(a) for a in r) for r in _seen("two_turns")]
     seen = {tuple(r[1].prompt_token_ids + r[1].choices[0].token_ids): r for r in saw}
     from pipeline_rl.rollout.chat_turns import ChatTurns
@@ -218,8 +218,7 @@ def test_an_agent_that_rewrites_its_history_gives_a_sample_per_divergence(qwen_e
         (group,) = rig.received(1)
     finally:
         rig.close()
-    assert len(group.completions) == 2 * N and rig.runner.samples_split == N
-    assert rig.worker.stats().episodes.samples_split == N
+    assert len(group.completions) == 2 * N and rig.worker.stats().episodes.samples_split == N
     for c in group.completions:
         assert c.reward == 0.5 and c.mask is not None and c.mask.sum() >= 1
 
@@ -236,7 +235,7 @@ def test_word_problems_run_as_a_chat_agent(qwen_engine: GenerationEngine) -> Non
         (group,) = rig.received(1)
     finally:
         rig.close()
-    assert len(group.completions) == N and rig.runner.samples_split == 0
+    assert len(group.completions) == N and rig.worker.stats().episodes.samples_split == 0
     assert {c.reward for c in group.completions} <= {0.0, 1.0}
     assert sorted(rig.runner.metrics["tokens"]) == sorted(float(c.num_tokens) for c in group.completions)
 

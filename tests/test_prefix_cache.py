@@ -106,20 +106,29 @@ class TwoTurns:
 
 
 def test_an_episodes_second_turn_hits_its_first(engine: GenerationEngine, tiny_model_dir: str) -> None:
-    """Through the worker's episode driver: turn 2 (the prompt, turn 1 and the reply) reads
-    turn 1's blocks, its completion's included: the prompt alone is shorter than a block."""
-    from pipeline_rl.rollout.episodes import Episode, EpisodeDriver
+    """Through the worker's rollout driver and the environment's rollout: turn 2 (the prompt,
+    turn 1 and the reply) reads turn 1's blocks, its completion's included: the prompt alone
+    is shorter than a block."""
+    import threading
+    from types import SimpleNamespace
+
+    from pipeline_rl.rollout.episodes import EnvRollout
     from pipeline_rl.rollout.request_key import RequestKey
+    from pipeline_rl.rollout.rollout_driver import RolloutDriver
+    from pipeline_rl.rollout.worker_stats import Counters
     from pipeline_rl.tasks.base import Prompt
     from pipeline_rl.tasks.task_config import TaskConfig
 
     prompt = _prompt(engine, "episode", BLOCK - 28)
     seen: dict[str, FinishedSequence] = {}
-    ended: list[Episode] = []
-    driver = EpisodeDriver(TwoTurns, TaskConfig(max_turns=2), engine, 320, "prefix-cache", lambda: None,
-                           ended.append, lambda what, fatal: pytest.fail(what))
+    ended: list[object] = []
+    scorer = SimpleNamespace(episode_done=lambda group, index: None, group_done=ended.append)
+    rollout = EnvRollout(TwoTurns, TaskConfig(max_turns=2), engine, 320, "prefix-cache",
+                         lambda what, timeout: pytest.fail(what))
+    driver = RolloutDriver(rollout, engine, 1, scorer, Counters(), threading.Lock(), lambda: None,   # type: ignore[arg-type]
+                           lambda *answer: pytest.fail("no evaluation here"))
     try:
-        driver.start(RequestKey(0, 0), Prompt(0, "", ""), prompt, SamplingConfig(max_new_tokens=40, ignore_eos=True))
+        driver.start_group(0, Prompt(0, "", ""), prompt, SamplingConfig(max_new_tokens=40, ignore_eos=True))
         deadline = time.monotonic() + 60
         while not ended and time.monotonic() < deadline:
             for seq in engine.step():

@@ -31,7 +31,10 @@ from benchmarks.rewards import json_reply
 from pipeline_rl.cli import UsageError, build_parser, parse_config
 from pipeline_rl.config import TaskConfig
 from pipeline_rl.rollout.engines.engine import FinishedSequence
+from pipeline_rl.rollout.request_key import RequestKey
+from pipeline_rl.rollout.rollout_shape import FinishedEpisode
 from pipeline_rl.rollout.scoring import PendingGroup, RewardFailed, Scorer, reward_source
+from pipeline_rl.rollout.single_turn import sequence_episode
 from pipeline_rl.rollout.worker_stats import Counters, RewardTally
 from pipeline_rl.samples import Group
 from pipeline_rl.tasks.base import RewardFn, Task, TaskError
@@ -76,9 +79,10 @@ class _Rig:
         self.scorer.close()
 
 
-def _finished(pid: int, i: int, text: str) -> FinishedSequence:
+def _finished(pid: int, i: int, text: str) -> FinishedEpisode:
     one = np.ones(1, dtype=np.int32)
-    return FinishedSequence(f"{pid}:{i}", one, np.full(1, -0.5, dtype=np.float32), one * 0, text, "stop")
+    seq = FinishedSequence(f"{pid}:{i}", one, np.full(1, -0.5, dtype=np.float32), one * 0, text, "stop")
+    return sequence_episode(RequestKey(pid, i), seq)
 
 
 @pytest.fixture

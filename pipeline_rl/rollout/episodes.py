@@ -1,6 +1,7 @@
-"""Multi-turn episodes in the rollout worker: the episode driver.
+"""Multi-turn episodes in the rollout worker: the environment's rollout.
 
-An episode starts from a prompt: its environment is reset, then the engine generates the
+:class:`EnvRollout` is a :class:`~pipeline_rl.rollout.rollout_shape.Rollout` (one async
+function from a prompt to a finished episode, run by ``rollout/rollout_driver.py``). An episode starts from a prompt: its environment is reset, then the engine generates the
 model's turn; the finished turn goes to the environment, whose reply is appended, and the
 engine generates the next turn from the whole sequence; until the environment says
 ``done``, the model has taken ``--task.max_turns`` turns (finish reason ``turns``; the
@@ -15,8 +16,8 @@ Environment calls run off the engine loop (:class:`EnvCalls`, through the shared
 ``rollout.bounded_calls`` helper: ``async def`` methods on an event loop of their own, others
 on ``--task.env_concurrency`` threads, each call bounded by ``--task.env_timeout_s``; a call
 past it frees its slot at once, its thread replaced); replies come back to the engine loop
-through :meth:`EpisodeDriver.pump`, so a slow or hung environment delays its own episode,
-never generation. A failing environment (raises, answers with something that is not an
+(the episode awaits an ``OffLoop`` the driver resumes at the loop's next pass), so a slow or
+hung environment delays its own episode, never generation. A failing environment (raises, answers with something that is not an
 ``EnvReply``, times out) ends its episode with reward 0 and is counted (``env_errors`` /
 ``env_timeouts``, apart from the reward's failures; the first one is a console line);
 ``--task.env_errors fail`` ends the run at the first, and an environment that failed on all
@@ -25,11 +26,9 @@ of its first ``REWARD_FAILURES_FATAL`` episodes ends it too.
 
 from __future__ import annotations
 
-import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -37,24 +36,20 @@ from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import TaskConfig
 from pipeline_rl.rollout.bounded_calls import BoundedCalls, Outcome
 from pipeline_rl.rollout.chat_turns import ChatTurns
-from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
+from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, SamplingConfig
 from pipeline_rl.rollout.request_key import RequestKey
-from pipeline_rl.samples import Completion, FinishReason
+from pipeline_rl.rollout.rollout_shape import EndKind, EpisodeEnd, FinishedEpisode, Generate, OffLoop, Trace
+from pipeline_rl.samples import FinishReason
 from pipeline_rl.tasks.base import Prompt
 from pipeline_rl.tasks.chat import has_chat_template
 from pipeline_rl.tasks.env import EnvFactory, Environment, EnvReply
 from pipeline_rl.tasks.messages import Message
 
 
-#: How an episode ended, as the turn metrics count it: the environment ended it (``done``),
-#: the turn cap (``turns``), the context (``length``), its environment failed (``env_error``:
-#: raised, or answered with no ``EnvReply``) or did not answer in time (``timeout``).
-EndKind = Literal["done", "turns", "length", "env_error", "timeout"]
-
 
 @dataclass(slots=True)
 class Episode:
-    """One episode in flight (engine loop only). ``key``: its turns' key without the turn
+    """One environment episode in flight (engine loop only). ``key``: its turns' key without the turn
     (``key.at_turn(t)`` is turn ``t``'s request). Invariants: ``tokens``, ``logprobs``,
     ``versions`` and ``mask`` have one entry per token after the prompt; the model's tokens
     (mask 1) keep the engine's log-probs and versions, non-decreasing; the environment's
@@ -99,9 +94,13 @@ class Episode:
         """The model's turns, as the task's reward reads them when the environment gives none."""
         return "".join(self.texts)
 
-    def completion(self, reward: float) -> Completion:
-        return Completion(np.array(self.tokens, np.int32), np.array(self.logprobs, np.float32),
-                          np.array(self.versions, np.int32), reward, self.finish, np.array(self.mask, np.uint8))
+    def finished(self) -> FinishedEpisode:
+        """The episode as the driver takes it: one trace after the prompt, its reward when the
+        environment gave one, its turn metrics."""
+        trace = Trace(np.array(self.tokens, np.int32), np.array(self.logprobs, np.float32),
+                      np.array(self.versions, np.int32), self.finish, np.array(self.mask, np.uint8))
+        return FinishedEpisode(self.key, (trace,), self.text, self.reward,
+                               end=EpisodeEnd(self.ended, self.turns, self.env_s, self.tool_calls, self.tool_errors))
 
 
 class EnvCalls:
@@ -132,24 +131,14 @@ class EnvCalls:
         self._calls.close()
 
 
-@dataclass(frozen=True, slots=True)
-class Ready:
-    """An episode whose environment answered: ``reply`` is None after ``reset``."""
-
-    episode: Episode
-    reply: EnvReply | None
-
-
-class EpisodeDriver:
-    """Runs a worker's episodes (see the module docstring): environments off the loop,
-    turns on ``engine``; ``ended(episode)`` takes every finished one (reward set when the
-    environment gave one). Everything on the engine loop, except what says otherwise."""
+class EnvRollout:
+    """The environment's rollout (see the module docstring): ``await rollout(key, ...)`` runs one
+    episode, its environment made by ``factory`` and called off the loop, its turns on
+    ``engine``; ``failed(line, timeout)`` reports an environment's failure (one line)."""
 
     def __init__(self, factory: EnvFactory, cfg: TaskConfig, engine: GenerationEngine, max_model_len: int,
-                 name: str, wake: Callable[[], None], ended: Callable[[Episode], None],
-                 failed: Callable[[str, bool], None]) -> None:
-        self.factory, self.cfg, self._engine, self._max_len = factory, cfg, engine, max_model_len
-        self._wake, self._ended, self._failed = wake, ended, failed
+                 name: str, failed: Callable[[str, bool], None]) -> None:
+        self.factory, self.cfg, self._engine, self._max_len, self._failed = factory, cfg, engine, max_model_len, failed
         self.env_name = cfg.env or getattr(factory, "__qualname__", type(factory).__name__)
         self._calls = EnvCalls(cfg.env_concurrency, cfg.env_timeout_s, name)
         self._tokenizer: Any = getattr(engine, "tokenizer", None)
@@ -157,10 +146,6 @@ class EpisodeDriver:
         self.tools: list[dict[str, Any]] | None = schemas() if callable(schemas) else None
         self._templated = cfg.chat_template == "auto" and has_chat_template(self._tokenizer)
         self._chat_turns: ChatTurns | None = None
-        self._ready: deque[Ready] = deque()
-        self._lock = threading.Lock()
-        self._live: dict[RequestKey, Episode] = {}
-        self.waiting = 0   # episodes whose environment has not answered yet
 
     @property
     def _chat(self) -> ChatTurns | None:
@@ -183,41 +168,33 @@ class EpisodeDriver:
             messages = (*first, Message("user", prompt.raw_prompt if prompt.raw_prompt is not None else prompt.text))
         return tuple(self._engine.encode(chat.prompt_text(messages), add_special_tokens=False))
 
-    def start(self, key: RequestKey, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
-        """A new episode: its environment is made (and given the tokenizer, when it takes
-        one: ``attach``) and reset off the loop, then its first turn."""
+    async def __call__(self, key: RequestKey, prompt: Prompt, prompt_ids: tuple[int, ...],
+                       sampling: SamplingConfig) -> FinishedEpisode:
+        """One episode: its environment made (and given the tokenizer, when it takes one:
+        ``attach``) and reset off the loop; then a turn on the engine, the environment's
+        answer off the loop, its reply appended, until it ends (module docstring)."""
         env = self.factory()
         attach = getattr(env, "attach", None)
         if callable(attach):
             attach(self._tokenizer)
         episode = Episode(key, prompt, prompt_ids, env, sampling)
-        self._live[key] = episode
-        self._ask(episode, episode.env.reset, prompt, reset=True)
-
-    def collect(self, seq: FinishedSequence, key: RequestKey) -> None:
-        """A finished turn (``key``: its request's, with its turn): to the environment, off the loop."""
-        episode = self._live[key.episode]
-        episode.add_turn(seq)
-        self._ask(episode, episode.env.step, seq.text, reset=False)
-
-    def pump(self) -> None:
-        """Go on with every episode whose environment answered: its next turn, or its end."""
-        with self._lock:
-            ready = list(self._ready)
-            self._ready.clear()
-        self.waiting -= len(ready)
-        for r in ready:
-            episode, reply = r.episode, r.reply
-            if reply is not None and (reply.done or episode.turns >= self.cfg.max_turns):
-                if episode.failed is None:   # the environment ended it, or the turn cap did
-                    episode.finish = "stop" if reply.done else "turns"
-                    episode.ended = "done" if reply.done else "turns"
-                episode.reward = reply.reward
-                self._end(episode)
-                continue
+        reply: EnvReply | None = await self._ask(episode, env.reset, prompt, reset=True)
+        while reply is None or not (reply.done or episode.turns >= self.cfg.max_turns):
             if reply is not None:
                 episode.add_reply(self._reply_ids(episode, reply))
-            self._next_turn(episode)
+            room = self._max_len - len(episode.prompt_ids) - len(episode.tokens)
+            if room <= 0:
+                episode.finish = episode.ended = "length"
+                return episode.finished()
+            seq = await Generate(episode.key.at_turn(episode.turns).to_id(), episode.prompt_ids + tuple(episode.tokens),
+                                 replace(episode.sampling, max_new_tokens=min(episode.sampling.max_new_tokens, room)))
+            episode.add_turn(seq)
+            reply = await self._ask(episode, env.step, seq.text, reset=False)
+        if episode.failed is None:   # the environment ended it, or the turn cap did
+            episode.finish = "stop" if reply.done else "turns"
+            episode.ended = "done" if reply.done else "turns"
+        episode.reward = reply.reward
+        return episode.finished()
 
     def _reply_ids(self, episode: Episode, reply: EnvReply) -> list[int]:
         """The reply's token ids: its own, its messages as the chat template continues the
@@ -230,42 +207,31 @@ class EpisodeDriver:
         text = "".join(m.content for m in reply.messages) if reply.messages is not None else reply.text
         return self._engine.encode(text, add_special_tokens=False)
 
-    def _next_turn(self, episode: Episode) -> None:
-        room = self._max_len - len(episode.prompt_ids) - len(episode.tokens)
-        if room <= 0:
-            episode.finish = episode.ended = "length"
-            self._end(episode)
-            return
-        sampling = replace(episode.sampling, max_new_tokens=min(episode.sampling.max_new_tokens, room))
-        self._engine.add(GenRequest(episode.key.at_turn(episode.turns).to_id(),
-                                    episode.prompt_ids + tuple(episode.tokens), sampling))
+    def _ask(self, episode: Episode, fn: Callable[[Any], Any], arg: Any, *, reset: bool) -> OffLoop:
+        """``fn(arg)`` off the loop; the wait's result is its reply (None after ``reset``), read
+        on the calls' thread: a failure there is reported at once and ends the episode."""
 
-    def _end(self, episode: Episode) -> None:
-        del self._live[episode.key]
-        self._ended(episode)
+        def begin(resume: Callable[[Any], None]) -> None:
+            self._calls.call(fn, arg, lambda out: resume(self._read(episode, out, reset)))
 
-    def _ask(self, episode: Episode, fn: Callable[[Any], Any], arg: Any, *, reset: bool) -> None:
-        self.waiting += 1
+        return OffLoop(begin)
 
-        def answered(out: Outcome) -> None:   # on the calls' thread
-            episode.env_s += out.seconds
-            reply: EnvReply | None = None
-            if out.error is not None:
-                verb = "timed out" if out.timed_out else "raised"
-                reply = self._fail(episode, f"{verb} on prompt {episode.prompt.prompt_id}: {first_line(out.error)}",
-                                   timeout=out.timed_out)
-            elif not reset and not isinstance(out.value, EnvReply):
-                reply = self._fail(episode, f"answered prompt {episode.prompt.prompt_id} with a "
-                                            f"{type(out.value).__name__}, not an EnvReply")
-            elif not reset:
-                reply = out.value
-                episode.tool_calls += reply.tool_calls
-                episode.tool_errors += reply.tool_errors
-            with self._lock:
-                self._ready.append(Ready(episode, reply))
-            self._wake()
-
-        self._calls.call(fn, arg, answered)
+    def _read(self, episode: Episode, out: Outcome, reset: bool) -> EnvReply | None:
+        """What the environment answered (on the calls' thread)."""
+        episode.env_s += out.seconds
+        if out.error is not None:
+            verb = "timed out" if out.timed_out else "raised"
+            return self._fail(episode, f"{verb} on prompt {episode.prompt.prompt_id}: {first_line(out.error)}",
+                              timeout=out.timed_out)
+        if not reset and not isinstance(out.value, EnvReply):
+            return self._fail(episode, f"answered prompt {episode.prompt.prompt_id} with a "
+                                       f"{type(out.value).__name__}, not an EnvReply")
+        if reset:
+            return None
+        reply: EnvReply = out.value
+        episode.tool_calls += reply.tool_calls
+        episode.tool_errors += reply.tool_errors
+        return reply
 
     def _fail(self, episode: Episode, what: str, *, timeout: bool = False) -> EnvReply:
         """The episode ends with reward 0; the failure is reported (one line)."""

@@ -39,6 +39,9 @@ class RequestKey:
     answer: int | None = None
 
     def __post_init__(self) -> None:
+        if (type(self.group) is int and type(self.index) is int and self.group >= 0 and self.index >= 0
+                and self.prompt is None and self.turn is None and self.answer is None):
+            return   # a training completion's key (the most made): the checks below, at less cost
         for name in ("group", "index", "prompt", "turn", "answer"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):

@@ -43,11 +43,10 @@ from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import TaskConfig
 from pipeline_rl.rollout.eval_feed import PendingEval
 from pipeline_rl.rollout.bounded_calls import BoundedCalls
-from pipeline_rl.rollout.engines.engine import FinishedSequence
-from pipeline_rl.rollout.episodes import Episode
 from pipeline_rl.rollout.ports import SenderLike
+from pipeline_rl.rollout.rollout_shape import FinishedEpisode, group_samples
 from pipeline_rl.rollout.worker_stats import Counters
-from pipeline_rl.samples import I32, Completion, Group
+from pipeline_rl.samples import I32, Group
 from pipeline_rl.tasks.base import Prompt, RewardFn, Task
 from pipeline_rl.tasks.chat import plugin_reward
 from pipeline_rl.tasks.reward_forms import PluginReward, finite_or_none, wrap
@@ -95,13 +94,12 @@ def reward_source(cfg: TaskConfig, task: Task, reward_fn: Reward | RewardFn | No
 
 @dataclass(slots=True)
 class PendingGroup:
-    """A group in flight: its prompt and the sequences finished so far (by index)."""
+    """A group in flight: its prompt and the episodes finished so far (by index)."""
 
     group_id: int
     prompt: Prompt
     prompt_ids: tuple[int, ...]
-    done: dict[int, FinishedSequence] = field(default_factory=dict)
-    episodes: dict[int, Episode] = field(default_factory=dict)   # multi-turn: its finished episodes
+    finished: dict[int, FinishedEpisode] = field(default_factory=dict)
     early: dict[int, Future[list[float]]] = field(default_factory=dict)   # rewards begun per completion
 
 
@@ -111,8 +109,10 @@ class Scorer:
     worker. Any thread may hand work over; :meth:`drain` waits for all of it."""
 
     def __init__(self, worker_id: int, n: int, cfg: TaskConfig, source: RewardSource, sender: SenderLike,
-                 counters: Counters, lock: threading.Lock, fail: Callable[[BaseException], None]) -> None:
+                 counters: Counters, lock: threading.Lock, fail: Callable[[BaseException], None], *,
+                 give_back: Callable[[int], object] | None = None) -> None:
         self.worker_id, self.n, self.source, self._sender = worker_id, n, source, sender
+        self._give_back = give_back   # admitted groups returned (a group with nothing to send)
         self._timeout_s = cfg.reward_timeout_s
         self._fail_fast = {"reward": cfg.reward_errors == "fail", "env": cfg.env_errors == "fail"}
         self._c, self._lock, self._fail = counters, lock, fail
@@ -123,25 +123,19 @@ class Scorer:
         self._loops = LoopThread(f"rewards-{worker_id}")
 
     # -- handing work over (any thread) ---------------------------------------------------
-    def completion_done(self, pending: PendingGroup, index: int) -> None:
-        """One completion of ``pending`` finished: a per-completion reward starts scoring it
-        now, while its siblings are still generating (the group waits for it when done)."""
+    def episode_done(self, pending: PendingGroup, index: int) -> None:
+        """Episode ``index`` of ``pending`` finished: a per-completion reward starts scoring it
+        now (when the episode brought no reward), while its siblings still run (the group
+        waits for it when done)."""
         if self.source.per_completion:
-            text = pending.done[index].text
-            pending.early[index] = self._loops.submit(self._call(pending.prompt, [text]))
+            episode = pending.finished[index]
+            if episode.reward is None:
+                pending.early[index] = self._loops.submit(self._call(pending.prompt, [episode.text]))
 
     def group_done(self, pending: PendingGroup) -> None:
-        """Score ``pending``'s ``n`` completions, then send the group."""
+        """Score ``pending``'s ``n`` finished episodes (those that brought no reward: by the
+        task's reward, on the model's text), build the group's samples and send it."""
         self._submit(self._score_and_send(pending))
-
-    def episodes_done(self, pending: PendingGroup) -> None:
-        """Score ``pending``'s ``n`` finished episodes (those the environment did not score:
-        by the reward, on the model's text), then send the group."""
-        self._submit(self._score_episodes(pending))
-
-    def send_scored(self, pending: PendingGroup, completions: tuple[Completion, ...]) -> None:
-        """Send ``completions``, already scored (an agent's samples), as ``pending``'s group."""
-        self._submit(self._send(pending, completions))
 
     def eval_done(self, pending: PendingEval, version: int) -> None:
         """Score every answer of ``pending`` and set its future (``version``: the serving one)."""
@@ -182,30 +176,39 @@ class Scorer:
 
     # -- on the loop ----------------------------------------------------------------------
     async def _score_and_send(self, pending: PendingGroup) -> None:
-        seqs = [pending.done[i] for i in range(self.n)]
-        if pending.early:
-            parts = await asyncio.gather(*(asyncio.wrap_future(pending.early[i]) for i in range(self.n)))
-            rewards = [r for part in parts for r in part]
-        else:
-            rewards = await self.score(pending.prompt, [s.text for s in seqs], [s.token_ids for s in seqs])
-        await self._send(pending, tuple(Completion(token_ids=s.token_ids, logprobs=s.logprobs, versions=s.versions,
-                                                   reward=r, finish_reason=s.finish_reason)
-                                        for s, r in zip(seqs, rewards)))
-
-    async def _score_episodes(self, pending: PendingGroup) -> None:
-        episodes = [pending.episodes[i] for i in range(self.n)]
-        unscored = [e.text for e in episodes if e.reward is None]
-        scored = iter(await self.score(pending.prompt, unscored) if unscored else [])
-        await self._send(pending, tuple(e.completion(next(scored) if e.reward is None else e.reward)
-                                        for e in episodes))
-
-    async def _send(self, pending: PendingGroup, completions: tuple[Completion, ...]) -> None:
-        """``pending``'s group of scored ``completions`` to the buffer, on the send thread."""
+        episodes = [pending.finished[i] for i in range(self.n)]
+        rewards = await self._rewards(pending, episodes)
+        built = group_samples(pending.prompt_ids, episodes, rewards)
+        if built.split:
+            with self._lock:
+                self._c.samples_split += built.split
+        if not built.completions:   # nothing to send (an agent that made no request): its grant back
+            if self._give_back is not None:
+                self._give_back(1)
+            return
         group = Group(group_id=pending.group_id, prompt_id=pending.prompt.prompt_id, worker_id=self.worker_id,
-                      prompt_ids=_i32(pending.prompt_ids), completions=completions)
+                      prompt_ids=_i32(built.prompt_ids), completions=built.completions)
         await self._loops.loop.run_in_executor(self._sends, self._sender.send, group)
         with self._lock:
             self._c.groups_sent += 1
+
+    async def _rewards(self, pending: PendingGroup, episodes: list[FinishedEpisode]) -> list[float]:
+        """Each episode's reward: its own, the one begun when it ended, or scored now (in one
+        call per group when the reward takes groups)."""
+        if pending.early:
+            parts = await asyncio.gather(*(asyncio.wrap_future(f) for f in pending.early.values()))
+            early = {i: part[0] for i, part in zip(pending.early, parts)}
+        else:
+            early = {}
+        todo = [i for i, e in enumerate(episodes) if e.reward is None and i not in early]
+        scored: dict[int, float] = {}
+        if todo:
+            given = [ids for i in todo if (ids := episodes[i].reward_ids) is not None]
+            values = await self.score(pending.prompt, [episodes[i].text for i in todo],
+                                      given if len(given) == len(todo) else None)
+            scored = dict(zip(todo, values))
+        return [e.reward if e.reward is not None else early[i] if i in early else scored[i]
+                for i, e in enumerate(episodes)]
 
     async def _score_eval(self, pending: PendingEval, version: int) -> None:
         try:

@@ -6,14 +6,16 @@ The loop (one thread, the only one touching the engine)::
     apply the newest offered weights (if newer)   <- between steps, never mid-step
     ask admission for as many groups as fit       <- global budget (docs/design.md section 2);
                                                      the answer is taken at a later pass
-    add n requests per admitted group
-    one engine step -> finished sequences
-    a group whose n sequences finished -> rewards (their own thread, scoring.py) -> GroupSender
+    start n copies per admitted group             <- the rollout driver (rollout_driver.py)
+    one engine step -> finished sequences -> the episodes awaiting them go on
+    a group whose n episodes finished -> rewards (their own thread, scoring.py) -> GroupSender
 
-With an environment (``--task.env``, or a multi-turn task's own) a group is ``n``
-episodes (``pipeline_rl.rollout.episodes``): each finished turn goes to its environment
-off the loop, and the loop adds the next turn when the reply is in; with an agent
-(``--task.agent``), ``n`` agent calls whose requests the loop adds (``rollout.agents``).
+Every rollout has one shape (``rollout/rollout_shape.py``): an async function from a prompt
+to a finished episode, run by one driver. A single-turn completion is one request
+(``rollout/single_turn.py``); with an environment (``--task.env``, or a multi-turn task's
+own) an episode's finished turns go to its environment off the loop, and its next turn is
+added when the reply is in (``rollout/episodes.py``); with an agent (``--task.agent``), an
+agent call whose requests the loop adds (``rollout/agents/runner.py``).
 
 Invariants:
 
@@ -44,14 +46,17 @@ import numpy as np
 from concurrent.futures import Future
 from typing import Any
 
-from pipeline_rl.rollout.agents.runner import AgentRunner
-from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
+from pipeline_rl.rollout.agents.runner import AgentRollout
+from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, SamplingConfig
 from pipeline_rl.rollout.engines.engine_factory import build_engine
-from pipeline_rl.rollout.episodes import Episode, EpisodeDriver
+from pipeline_rl.rollout.episodes import EnvRollout
+from pipeline_rl.rollout.rollout_driver import RolloutDriver
+from pipeline_rl.rollout.rollout_shape import Rollout
+from pipeline_rl.rollout.single_turn import SingleTurn
 from pipeline_rl.rollout.admission_client import Grants
 from pipeline_rl.rollout.ports import AdmissionSource, SenderLike, connect_sender
 from pipeline_rl.run_key import RunKey, endpoint_token, rendezvous_secret
-from pipeline_rl.rollout.scoring import PendingGroup, Scorer, reward_source
+from pipeline_rl.rollout.scoring import Scorer, reward_source
 from pipeline_rl.rollout.worker_stats import AppliedAt, Counters, WorkerStats
 from pipeline_rl.rollout.eval_feed import STREAM_SHARE, EvalFeed, EvalRequest, EvalResult, PendingEval
 from pipeline_rl.rollout.request_key import RequestKey
@@ -92,7 +97,6 @@ class RolloutWorker:
         self._sampling = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens,
                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                         top_k=cfg.rollout.top_k)
-        self._pending: dict[int, PendingGroup] = {}
         self._grants = Grants(admission, worker_id, acquire_hold_s)
         self._local = 0
         self.poll_s, self.acquire_hold_s, self.idle_wait_s = poll_s, acquire_hold_s, idle_wait_s
@@ -100,7 +104,8 @@ class RolloutWorker:
         self._error: BaseException | None = None
         self._c = Counters()
         self._scorer = Scorer(worker_id, self.n, cfg.task, reward_source(cfg.task, task, reward_fn),
-                              self._sender, self._c, self._lock, self.fail)
+                              self._sender, self._c, self._lock, self.fail,
+                              give_back=lambda k: self._admission.release(worker_id, k))
         self._heap = HeapTrimmer()   # free C-heap pages back to the OS every few seconds
         self._offers = OfferSegment()   # in-memory offers enter the weight calls through it
         self._eval_task, self._evals = eval_task, EvalFeed(int(cfg.rollout.max_num_seqs * STREAM_SHARE))
@@ -109,14 +114,25 @@ class RolloutWorker:
         self._not_running.set()
         self.ended_on_request = False                      # end_loop() ended the loop (run() raised for it)
         self._greedy = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
-        factory = None if cfg.task.agent else resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
-        self._episodes: EpisodeDriver | AgentRunner | None = None if factory is None else EpisodeDriver(
-            factory, cfg.task, self._engine, cfg.rollout.max_model_len, str(worker_id), self._wake.set,
-            self._episode_ended, lambda line, timeout: self._scorer.failure(line, env=True, timeout=timeout))
-        if cfg.task.agent:   # an agent's groups are its runner's until sent (from self._pending)
-            self._episodes = AgentRunner(cfg, cfg.task.agent, self._engine, str(worker_id), endpoint_token(key),
-                                         self._wake.set, self._scorer, self._c, self._lock, self._pending,
-                                         lambda k: self._admission.release(worker_id, k), self._answered, self.fail)
+        rollout = self._rollout_of(task, key)
+        self._driver = RolloutDriver(rollout, self._engine, self.n, self._scorer, self._c, self._lock, self._wake.set,
+                                     self._answered, rollout if isinstance(rollout, AgentRollout) else None)
+
+    def _rollout_of(self, task: Task, key: RunKey | None) -> Rollout:
+        """The task's rollout: an agent's (``--task.agent``), an environment's (``--task.env``, or
+        a multi-turn task's own), else a single turn."""
+        cfg = self.cfg
+
+        def failed(line: str, timeout: bool) -> None:   # an environment's or an agent's failure
+            self._scorer.failure(line, env=True, timeout=timeout)
+
+        if cfg.task.agent:
+            return AgentRollout(cfg, cfg.task.agent, self._engine, str(self.worker_id), endpoint_token(key),
+                                self._wake.set, failed, self._c, self._lock, self.fail)
+        factory = resolve_env(cfg.task.env) if cfg.task.env else task_env_factory(task)
+        if factory is not None:
+            return EnvRollout(factory, cfg.task, self._engine, cfg.rollout.max_model_len, str(self.worker_id), failed)
+        return SingleTurn()
 
     # -- control (any thread) -------------------------------------------------------------
     def offer_weights(self, update: WeightUpdate) -> None:
@@ -203,7 +219,7 @@ class RolloutWorker:
     def stats(self) -> WorkerStats:
         with self._lock:
             return self._c.snapshot(self.worker_id, self._engine.version, self._sender.wait_s,
-                                    len(self._pending), self._heap.trim_s)
+                                    len(self._driver.pending), self._heap.trim_s)
 
     # -- the loop (one thread) -----------------------------------------------------------
     def run(self, max_groups: int | None = None) -> WorkerStats:
@@ -219,8 +235,7 @@ class RolloutWorker:
                 self._apply_offered()
                 self._heap.maybe_trim()
                 self._start_evals()
-                if self._episodes is not None:
-                    self._episodes.pump()
+                self._driver.pump()
                 self._admit(max_groups)
                 if self._engine.num_unfinished():
                     self._step()
@@ -247,6 +262,11 @@ class RolloutWorker:
     @property
     def engine(self) -> GenerationEngine:
         return self._engine
+
+    @property
+    def rollout(self) -> Rollout:
+        """The task's rollout (single-turn, an environment's or an agent's)."""
+        return self._driver.rollout
 
     def _step(self) -> None:
         inject(self.cfg.fault, "engine_step", self._engine.version)
@@ -324,21 +344,14 @@ class RolloutWorker:
         self._local += 1
         group_id = self.worker_id * GROUP_ID_STRIDE + local
         prompt = self._task.prompt(local * self.cfg.rollout.num_workers + self.worker_id)
-        prompt_ids = self._prompt_ids(prompt)
-        self._pending[group_id] = PendingGroup(group_id, prompt, prompt_ids)
-        keys = [RequestKey(group_id, i) for i in range(self.n)]
-        if self._episodes is None:
-            self._engine.add_copies([k.to_id() for k in keys], prompt_ids, self._sampling)
-        else:
-            for key in keys:
-                self._episodes.start(key, prompt, prompt_ids, self._sampling)
+        self._driver.start_group(group_id, prompt, self._prompt_ids(prompt), self._sampling)
         with self._lock:
             self._c.groups_started += 1
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
         """A chat episode's rendered start, else the prompt's text (a chat template writes
         its own special tokens, BOS included, into it)."""
-        chat = self._episodes.prompt_ids(prompt) if self._episodes is not None else None
+        chat = self._driver.rollout.prompt_ids(prompt)
         return chat or tuple(self._engine.encode(prompt.text, add_special_tokens=not prompt.templated))
 
     def _start_evals(self) -> None:
@@ -349,8 +362,7 @@ class RolloutWorker:
             if ids is None:
                 ids = pending.encoded[i] = self._prompt_ids(prompt)
             key, sampling = RequestKey.of_eval(pending.request.eval_id, i, j), self._greedy if j == 0 else self._sampling
-            (self._episodes.start(key, prompt, ids, sampling) if self._episodes is not None
-             else self._engine.add(GenRequest(key.to_id(), ids, sampling)))
+            self._driver.start_one(key, prompt, ids, sampling)
 
     def _answered(self, key: RequestKey, text: str, versions: np.ndarray, reward: float | None = None) -> None:
         """Evaluation answer ``key`` is in (``versions``: its model tokens'); the last one hands
@@ -370,42 +382,18 @@ class RolloutWorker:
                 pending.future.set_exception(RuntimeError(f"worker {self.worker_id} stopped during an evaluation"))
 
     def _waiting_envs(self) -> int:
-        return self._episodes.waiting if self._episodes is not None else 0
-
-    def _episode_ended(self, ep: Episode) -> None:
-        """A finished episode: counted, into its evaluation or its group (complete: to the scorer)."""
-        with self._lock:
-            self._c.episode_ended(ep.ended, ep.turns, ep.env_s, ep.tool_calls, ep.tool_errors)
-        if ep.key.evaluation:
-            self._answered(ep.key, ep.text, ep.completion(0.0).model_versions, ep.reward)
-            return
-        group = self._pending[ep.key.group]
-        group.episodes[ep.key.index] = ep
-        if len(group.episodes) == self.n:
-            del self._pending[ep.key.group]
-            self._scorer.episodes_done(group)
+        return self._driver.waiting
 
     def _collect(self, seq: FinishedSequence) -> None:
-        """A finished sequence, read at the engine's boundary (its id into a ``RequestKey``):
-        an episode's turn to the episodes, an evaluation's answer, or a group's completion."""
+        """A finished sequence, read at the engine's boundary (its id into a ``RequestKey``),
+        counted, to the driver: the episode awaiting it goes on (or an agent's request takes it)."""
         key = RequestKey.parse(seq.request_id)
         with self._lock:
             if key.evaluation:
                 self._c.eval_tokens += seq.token_ids.shape[0]
             else:
                 self._c.tokens += seq.token_ids.shape[0]
-        if self._episodes is not None and key.turn is not None:
-            self._episodes.collect(seq, key)
-            return
-        if key.evaluation:
-            self._answered(key, seq.text, seq.versions)
-            return
-        group = self._pending[key.group]
-        group.done[key.index] = seq
-        self._scorer.completion_done(group, key.index)
-        if len(group.done) == self.n:
-            del self._pending[key.group]
-            self._scorer.group_done(group)
+        self._driver.collect(seq, key)
 
     def _raise_background_error(self) -> None:
         if self._error is not None:
@@ -420,12 +408,12 @@ class RolloutWorker:
         """Stop, release the scorer, the sender (its unsent groups kept up to ``linger_s``)
         and (unless told not to: a shared engine, or one a new worker takes over) the engine."""
         self.stop()
-        if self._pending:  # started, never to be sent
-            self._grants.give_back(len(self._pending))
-            self._pending.clear()
+        pending = self._driver.pending
+        if pending:  # started, never to be sent
+            self._grants.give_back(len(pending))
+            pending.clear()
         self._scorer.close()
-        if self._episodes is not None:
-            self._episodes.close()
+        self._driver.close()
         self._sender.close(linger_s)
         self._offers.close()
         if close_engine:

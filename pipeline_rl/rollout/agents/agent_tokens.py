@@ -24,7 +24,8 @@ request order, an answer whose prompt extends a sample so far (its prompt and an
 for token) is appended to it: the prompt's new tokens with mask 0, the answer's with mask 1.
 Otherwise (the agent rewrote its history: summarised, dropped turns; or a second answer of
 ``n``) it starts a sample of its own, its whole prompt masked. Every sample of an episode
-gets the episode's reward; :func:`group_completions` cuts the group's common prompt off them.
+gets the episode's reward; the sample builder (``rollout_shape.group_samples``) cuts the
+group's common prompt off them.
 """
 
 from __future__ import annotations
@@ -34,11 +35,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from pipeline_rl.rollout.chat_turns import ChatTurns
 from pipeline_rl.tasks.tool_calls import ParsedCall
-from pipeline_rl.samples import Completion, FinishReason
+from pipeline_rl.samples import FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,25 +107,6 @@ def episode_samples(calls: Sequence[Call]) -> list[Sample]:
                 samples.append(sample)
             sample.extend(call.prompt_ids[len(sample.tokens):], answer)
     return samples
-
-
-def group_completions(samples: Sequence[tuple[Sample, float]]) -> tuple[tuple[int, ...], tuple[Completion, ...]]:
-    """The group's prompt (the longest prefix every sample's prompt shares) and each sample
-    after it, with its reward. Samples that share no first token with the first are left
-    out (a group needs one prompt); the caller counts them."""
-    if not samples:
-        return (), ()
-    head = samples[0][0].tokens
-    kept = [(s, r) for s, r in samples if s.tokens and head and s.tokens[0] == head[0]]
-    limit, cut = min((s.first_model for s, _ in kept), default=0), 0
-    while cut < limit and all(s.tokens[cut] == head[cut] for s, _ in kept):
-        cut += 1
-    if cut == 0:   # an answer right at the start: no prompt at all
-        return (), ()
-    return tuple(head[:cut]), tuple(
-        Completion(np.array(s.tokens[cut:], np.int32), np.array(s.logprobs[cut:], np.float32),
-                   np.array(s.versions[cut:], np.int32), r, s.finish, np.array(s.mask[cut:], np.uint8))
-        for s, r in kept)
 
 
 def _same_arguments(a: Any, b: str) -> bool:

@@ -41,7 +41,7 @@ class UnknownEpisode(LookupError):
 
 
 class Serving(Protocol):
-    """What answers the endpoint's requests (``rollout.agents.AgentRunner``)."""
+    """What answers the endpoint's requests (``rollout.agents.runner.AgentRollout``)."""
 
     served_name: str
     max_model_len: int

@@ -5,12 +5,20 @@ recorded, token in, token out (``rollout/agents/agent_tokens.py``).
 
 How a request travels: the endpoint's thread renders its prompt ids and queues one
 ``GenRequest`` per answer (``KEY#aK.I``: episode ``KEY``, its request ``K``, answer ``I``);
-the engine loop adds them at its next pass (:meth:`AgentRunner.pump`), so they share the
+the engine loop adds them at its next pass (:meth:`AgentRollout.pump`), so they share the
 engine, the admission budget (a group is admitted before its agents start) and the weight
-updates with every other sequence; each finished answer (:meth:`AgentRunner.collect`) goes
+updates with every other sequence; each finished answer (:meth:`AgentRollout.collect`) goes
 back to the waiting request. The answers' ids, log-probs and versions are recorded against
 the episode; when the agent returns, its samples (one for a chat loop, one more per
 divergence: ``samples_split``) get its reward.
+
+An agent's episode is a :class:`~pipeline_rl.rollout.rollout_shape.Rollout`, as every
+rollout is: ``await rollout(key, prompt, prompt_ids, sampling)`` starts the agent's call in the agents' process and
+awaits its end off the loop (an ``OffLoop`` the driver, ``rollout/rollout_driver.py``,
+resumes); the finished episode holds its samples whole (each with its own prompt: the
+group's prompt is the prefix they share, cut by ``rollout_shape.group_samples``). The
+endpoint's requests are the rollout's side requests (``SideRequests``), pumped and collected
+by the same driver.
 
 The agent calls run in the worker's agents' process (``rollout/agents/agent_host.py``), not in the
 worker: their ``openai`` clients' Python and the agent's own code run on another core than the
@@ -39,20 +47,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from pipeline_rl.calls import LoopThread, first_line
 from pipeline_rl.config import Config
-from pipeline_rl.rollout.agents.agent_tokens import (Answer, Call, Sample, episode_samples, group_completions, render_ids,
-                                              text_prompt_ids)
+from pipeline_rl.rollout.agents.agent_tokens import Answer, Call, episode_samples, render_ids, text_prompt_ids
 from pipeline_rl.rollout.agents.agent_host import AgentHost, EpisodeEnded, HostSetup, host_cpus
 from pipeline_rl.rollout.chat_turns import ChatTurns
 from pipeline_rl.rollout.agents.endpoint import Endpoint, UnknownEpisode
 from pipeline_rl.rollout.engines.engine import FinishedSequence, GenerationEngine, GenRequest, SamplingConfig
 from pipeline_rl.rollout.request_key import RequestKey
-from pipeline_rl.rollout.scoring import PendingGroup, Scorer
+from pipeline_rl.rollout.rollout_shape import EpisodeEnd, FinishedEpisode, OffLoop, Trace
 from pipeline_rl.rollout.agents.vllm_tools import ChatCall, Choice, RequestError, TextCall, chat_response, text_response
 from pipeline_rl.tasks.tool_calls import ToolCallParser
 from pipeline_rl.rollout.worker_stats import AgentMetric, Counters
@@ -83,48 +90,31 @@ class AgentEpisode:
     closed: bool = False
 
 
-@dataclass(slots=True)
-class AgentGroup:
-    """A group's episodes as they end: their samples and reward, by index."""
-
-    prompt: Prompt
-    n: int
-    ended: dict[int, tuple[list[Sample], float]] = field(default_factory=dict)
-
-
-class AgentRunner:
-    """Runs a worker's agents (module docstring), in the worker as its episode driver is: the
-    engine loop calls :meth:`start`, :meth:`pump`, :meth:`collect` and reads :attr:`waiting`;
-    the endpoint calls :meth:`chat` and :meth:`complete` on its own thread. A group is the
-    worker's ``pending`` entry until sent (then removed); ``release(k)``: give ``k`` admitted
-    groups back (a group none of whose agents made a request has nothing to send). An
-    evaluation's episode (``RequestKey.evaluation``) runs the agent too, under the
-    evaluation's sampling; ``answered(key, text, versions, reward)`` takes its end. ``agent``:
-    the ``MODULE:FUNCTION`` spec, imported in the agents' process only."""
+class AgentRollout:
+    """Runs a worker's agents (module docstring): ``await rollout(key, prompt, prompt_ids,
+    sampling)`` is one agent call's episode (a group's copy, or an evaluation's: then under the evaluation's sampling); the
+    engine loop's driver calls :meth:`pump` and :meth:`collect` and reads :attr:`in_engine`;
+    the endpoint calls :meth:`chat` and :meth:`complete` on its own thread. ``failed(line,
+    timeout)`` reports an agent's failure; ``counters`` (under ``lock``) count refused
+    requests. ``agent``: the ``MODULE:FUNCTION`` spec, imported in the agents' process only."""
 
     def __init__(self, cfg: Config, agent: str, engine: GenerationEngine, name: str, key: str,
-                 wake: Callable[[], None], scorer: Scorer, counters: Counters, lock: threading.Lock,
-                 pending: dict[int, PendingGroup], release: Callable[[int], object],
-                 answered: Callable[[RequestKey, str, np.ndarray, float | None], None],
-                 fail: Callable[[BaseException], None]) -> None:
+                 wake: Callable[[], None], failed: Callable[[str, bool], None], counters: Counters,
+                 lock: threading.Lock, fail: Callable[[BaseException], None]) -> None:
         self.served_name, self.max_model_len = SERVED_NAME, cfg.rollout.max_model_len
         self._cfg, self._agent, self._engine, self._wake = cfg, agent, engine, wake
-        self._scorer, self._c, self._clock, self._release = scorer, counters, lock, release
-        self._pending, self.n, self._answered = pending, cfg.rollout.n, answered
+        self._failed, self._c, self._clock = failed, counters, lock
         self._key = key   # the run's endpoint token (run_key.endpoint_token)
         self._lock = threading.Lock()
         self._live: dict[str, AgentEpisode] = {}   # by the episode's id (RequestKey.to_id)
-        self._groups: dict[int, AgentGroup] = {}
+        self._resumes: dict[str, Callable[[EpisodeEnded], None]] = {}   # each live episode's end
         self._inbox: deque[GenRequest] = deque()
-        self._ended: deque[EpisodeEnded] = deque()
         self._deadlines: deque[tuple[float, str]] = deque()   # (when, episode) in start order
         self._timeout_s = cfg.task.env_timeout_s
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[FinishedSequence]]] = {}
         self._chats: dict[str, ChatTurns] = {}
-        self.in_engine = 0       # answers queued or generating
+        self._in_engine = 0      # answers queued or generating
         self.requests = 0        # requests served
-        self.samples_split = 0   # samples beyond one per episode (an agent rewrote its history)
-        self.samples_dropped = 0  # samples sharing no first token with their group's
         self.metrics: dict[str, deque[float]] = {}   # the agents' own metrics (dict rewards), the latest
         self._loops = LoopThread(f"endpoint-{name}")
         self.endpoint = Endpoint(self, self._key, name, self._loops, self._refused)
@@ -141,32 +131,43 @@ class AgentRunner:
 
     # -- the engine loop ----------------------------------------------------------------------
     @property
-    def waiting(self) -> int:
-        """Episodes running with no answer in the engine (their agent is thinking)."""
-        with self._lock:
-            return max(0, len(self._live) - self.in_engine)
+    def in_engine(self) -> int:
+        """Answers the endpoint asked for, queued or generating."""
+        return self._in_engine
 
     def prompt_ids(self, prompt: Prompt) -> None:
         """An agent renders its own prompts: the group's prompt ids come from its samples."""
         return None
 
-    def start(self, key: RequestKey, prompt: Prompt, prompt_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
-        """Start an agent call: episode ``key`` (a group's completion, or an evaluation's) of ``prompt``
-        (the agent renders its own prompts: ``prompt_ids`` unused; ``sampling`` is an evaluation's only)."""
-        if not key.evaluation and key.group not in self._groups:
-            self._groups[key.group] = AgentGroup(prompt, self.n)
+    async def __call__(self, key: RequestKey, prompt: Prompt, prompt_ids: tuple[int, ...],
+                       sampling: SamplingConfig) -> FinishedEpisode:
+        """One agent call: episode ``key`` (a group's completion, or an evaluation's) of
+        ``prompt``, started in the agents' process; its end awaited off the loop (the agent
+        renders its own prompts: ``prompt_ids`` unused; ``sampling`` is an evaluation's only)."""
         episode, name = AgentEpisode(key, prompt, sampling if key.evaluation else None), key.to_id()
         with self._lock:
             self._live[name] = episode
         self._deadlines.append((time.monotonic() + self._timeout_s + HOST_GRACE_S, name))
+        out: EpisodeEnded = await OffLoop(lambda resume: self._begin(name, prompt, resume))
+        return self._end(episode, out)
+
+    def _begin(self, name: str, prompt: Prompt, resume: Callable[[EpisodeEnded], None]) -> None:
+        with self._lock:
+            self._resumes[name] = resume
         self._host.start(name, prompt, self.endpoint.base_url(name))
 
-    def pump(self) -> None:
-        """Add the answers the endpoint asked for; end the episodes whose agent returned."""
+    def _ends(self, out: EpisodeEnded) -> None:
+        """Episode ``out.key`` ended (the first end of a live episode counts)."""
         with self._lock:
-            adds, ended = list(self._inbox), list(self._ended)
+            resume = self._resumes.pop(out.key, None)
+        if resume is not None:
+            resume(out)
+
+    def pump(self) -> None:
+        """Add the answers the endpoint asked for; end the episodes the host never answered."""
+        with self._lock:
+            adds = list(self._inbox)
             self._inbox.clear()
-            self._ended.clear()
         for request in adds:
             try:
                 self._engine.add(request)
@@ -175,18 +176,13 @@ class AgentRunner:
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:   # the host never answered
             key = self._deadlines.popleft()[1]
-            ended.append(EpisodeEnded(key, error=f"TimeoutError: the agents' process gave no end within "
-                                      f"{self._timeout_s + HOST_GRACE_S:g} s (--task.env_timeout_s)", timed_out=True,
-                                      seconds=self._timeout_s + HOST_GRACE_S))
-        for out in ended:
-            with self._lock:
-                episode = self._live.get(out.key)
-            if episode is not None:
-                self._end(episode, out)
+            self._ends(EpisodeEnded(key, error=f"TimeoutError: the agents' process gave no end within "
+                                    f"{self._timeout_s + HOST_GRACE_S:g} s (--task.env_timeout_s)", timed_out=True,
+                                    seconds=self._timeout_s + HOST_GRACE_S))
 
     def _refuse(self, request_id: str, error: Exception) -> None:
         with self._lock:
-            self.in_engine -= 1
+            self._in_engine -= 1
             waiter = self._waiters.pop(request_id, None)
         if waiter is not None:
             loop, fut = waiter
@@ -196,56 +192,40 @@ class AgentRunner:
         """A finished answer (``key``: its request's): back to the request waiting for it
         (dropped when none is)."""
         with self._lock:
-            self.in_engine -= 1
+            self._in_engine -= 1
             waiter = self._waiters.pop(seq.request_id, None)
         if waiter is not None:
             loop, fut = waiter
             loop.call_soon_threadsafe(_resolve, fut, seq)
 
-    def _end(self, episode: AgentEpisode, out: EpisodeEnded) -> None:
+    def _end(self, episode: AgentEpisode, out: EpisodeEnded) -> FinishedEpisode:
         with self._lock:
             episode.closed = True
             del self._live[episode.key.to_id()]
             calls = list(episode.calls)
-        ended, reward, metrics = "done", out.reward, out.metrics
-        for k, v in metrics.items():
+        ended: Literal["done", "env_error", "timeout"] = "done"
+        for k, v in out.metrics.items():
             self.metrics.setdefault(k, deque(maxlen=METRICS_KEPT)).append(v)
         if out.error is not None:   # the agent's failure: counted, the episode scored 0
             verb = "timed out" if out.timed_out else ("raised" if out.raised else "")
             ended = "timeout" if out.timed_out else "env_error"
-            self._scorer.failure(f"agent {self._agent} {verb + ' ' if verb else ''}on prompt "
-                                 f"{episode.prompt.prompt_id}: {out.error}", env=True, timeout=out.timed_out)
-        with self._clock:
-            self._c.episode_ended(ended, len(calls), out.seconds, episode.tool_calls, 0,
-                                  tuple(AgentMetric(k, v) for k, v in metrics.items()))
-        if episode.sampling is not None:   # an evaluation's: its answers and reward
-            answers = [a for c in calls for a in c.answers]
-            self._answered(episode.key, "".join(a.text for a in answers),
-                           np.array([v for a in answers for v in a.versions], np.int32), reward)
-            return
-        samples = episode_samples(calls)
-        for s in samples:
-            s.finish = "abort" if ended != "done" else s.finish
-        gid = episode.key.group
-        group = self._groups[gid]
-        group.ended[episode.key.index] = (samples, reward)
-        if len(group.ended) == group.n:
-            del self._groups[gid]
-            self._send(gid, group)
-
-    def _send(self, group_id: int, group: AgentGroup) -> None:
-        pairs = [(s, r) for i in range(group.n) for samples, r in [group.ended[i]] for s in samples]
-        prompt_ids, completions = group_completions(pairs)
-        split = sum(max(0, len(s) - 1) for s, _ in group.ended.values())
-        self.samples_split += split
-        with self._clock:
-            self._c.samples_split += split
-        self.samples_dropped += len(pairs) - len(completions)
-        pending = self._pending.pop(group_id)
-        if not completions:
-            self._release(1)
-            return
-        self._scorer.send_scored(replace(pending, prompt_ids=prompt_ids), completions)
+            self._failed(f"agent {self._agent} {verb + ' ' if verb else ''}on prompt "
+                         f"{episode.prompt.prompt_id}: {out.error}", out.timed_out)
+        end = EpisodeEnd(ended, len(calls), out.seconds, episode.tool_calls, 0,
+                         tuple(AgentMetric(k, v) for k, v in out.metrics.items()))
+        answers = [a for c in calls for a in c.answers]
+        text = "".join(a.text for a in answers)
+        if episode.sampling is not None:   # an evaluation's: its answers, in order, and reward
+            trace = Trace(np.array([t for a in answers for t in a.token_ids], np.int32),
+                          np.array([p for a in answers for p in a.logprobs], np.float32),
+                          np.array([v for a in answers for v in a.versions], np.int32), "stop")
+            return FinishedEpisode(episode.key, (trace,), text, out.reward, end=end)
+        traces = []
+        for s in episode_samples(calls):
+            traces.append(Trace(np.array(s.tokens, np.int32), np.array(s.logprobs, np.float32),
+                                np.array(s.versions, np.int32), "abort" if ended != "done" else s.finish,
+                                np.array(s.mask, np.uint8)))
+        return FinishedEpisode(episode.key, tuple(traces), text, out.reward, end=end, whole=True)
 
     def _refused(self) -> None:
         with self._clock:
@@ -253,9 +233,7 @@ class AgentRunner:
 
     # -- the agents' process (its reader thread) ---------------------------------------------------
     def _host_ended(self, out: EpisodeEnded) -> None:
-        with self._lock:
-            self._ended.append(out)
-        self._wake()
+        self._ends(out)
 
     # -- the endpoint's thread ------------------------------------------------------------------
     def _episode(self, key: str) -> AgentEpisode:
@@ -329,7 +307,7 @@ class AgentRunner:
                 futures[rid] = loop.create_future()
                 self._waiters[rid] = (loop, futures[rid])
                 self._inbox.append(GenRequest(rid, prompt_ids, sampling))
-            self.in_engine += n
+            self._in_engine += n
         self._wake()
         try:
             return list(await asyncio.gather(*futures.values()))
