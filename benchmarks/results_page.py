@@ -108,11 +108,20 @@ CATALOG: tuple[Entry, ...] = (
           "SmolLM2-135M-Instruct on word problems, fully and with a rank-16 LoRA adapter: the pipeline at "
           "staleness 2 against the same pipeline at staleness 0 (generation and training in turn), steps per "
           "second and the overlap bound from the synchronous steps, 3 repeats."),
+    Entry("heldout_async_sync", "Time to held-out +0.3 on the real chat model, asynchronous against synchronous",
+          "python launch/async_grpo.py --model smollm2-135m-instruct --task.name word_problems --max-steps 30 "
+          "--eval.every 5 [--staleness 0]",
+          "The README's real-model command at staleness 2 and at staleness 0, one run each: held-out greedy "
+          "accuracy by the time its weights were made, and the training time to +0.3."),
     Entry("prefix_cache", "Version-salted prefix caching on and off",
           "python -m benchmarks.prefix_cache --steps 6 --workloads readme fewshot",
           "The main job on SmolLM2-135M-Instruct with --rollout.prefix_caching on and off: on prompts behind a "
           "few-shot preamble of about 520 tokens, and on the README's word problems; tokens/s over the rollout "
           "worker's busy time and the step, one round."),
+    Entry("prefix_cache_readme", "Prefix caching on the README's real-model task, 3 rounds",
+          "python -m benchmarks.prefix_cache --steps 8 --rounds 3 --workloads readme",
+          "The README's real-model command with --rollout.prefix_caching on and off in turn, 3 rounds: tokens/s "
+          "over the rollout worker's busy time (short prompts: what caching costs where it saves little)."),
     Entry("step_bound", "What bounds a step", "python -m benchmarks.step_bound",
           "Each side alone on an idle core: the fastest any schedule of the two could step."),
     Entry("cpu_profile", "Where the CPU goes", "python -m benchmarks.cpu_profile",
