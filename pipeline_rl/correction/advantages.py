@@ -31,7 +31,7 @@ float64, returned as float32.
 
 Adding an estimator: write ``fn(rewards [G, n] float64) -> [G, n]``, add one line to
 :data:`ADVANTAGES` (``batch_whitened=True`` to whiten its output over the batch) and its name
-to ``AdvantageName`` in ``config.py``.
+to ``AdvantageName`` in ``algorithm_config.py``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Estimator:
     batch_whitened: bool = False
 
 
-#: Name -> estimator. The names are ``AdvantageName`` in config.py.
+#: Name -> estimator. The names are ``AdvantageName`` in algorithm_config.py.
 ADVANTAGES: dict[str, Estimator] = {
     "grpo": Estimator(grpo),
     "dr_grpo": Estimator(dr_grpo),
