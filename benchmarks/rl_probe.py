@@ -21,7 +21,8 @@ from typing import Callable
 from pipeline_rl.config import AlgorithmConfig, PresetCorrection
 from pipeline_rl.correction.advantages import compute_advantages
 from pipeline_rl.correction.loss import PolicyBatch, policy_loss
-from pipeline_rl.models.warmstart import completion_logprobs, probe, sample
+from pipeline_rl.models.hf_sampling import completion_logprobs, sample
+from pipeline_rl.models.probes import probe
 from pipeline_rl.tasks.base import Task
 
 

@@ -13,7 +13,7 @@ from pipeline_rl.config import ModelConfig, TaskConfig
 from pipeline_rl.models import WarmStartRecipe, default_model_dir, recipe_for
 from pipeline_rl.models.tiny_llama import build_tiny_model
 from pipeline_rl.models.default import INFO_FILE
-from pipeline_rl.models.warmstart import EOS_ID, decode, encode
+from pipeline_rl.models.char_ids import EOS_ID, decode, encode
 from pipeline_rl.tasks.build import build_task
 
 TEXTS = ["sort 5193=", "1359", "74+64=", "138", "What is 1 + 1? \\boxed{2} ~!@#$%^&*()_{}|:\"<>?`"]
@@ -54,7 +54,7 @@ def test_warm_start_is_cached_loads_in_transformers_and_stops_with_eos(warm_dir:
     import torch
     from transformers import LlamaForCausalLM
 
-    from pipeline_rl.models.warmstart import sample
+    from pipeline_rl.models.hf_sampling import sample
 
     info = json.loads((warm_dir / INFO_FILE).read_text())
     assert info["recipe"]["steps"] == QUICK.steps and info["task"] == "sort"
@@ -88,7 +88,7 @@ def test_cache_key_separates_recipes_tasks_and_shapes(tmp_path: Path) -> None:
 def test_default_recipe_aims_at_the_target_reward() -> None:
     """The default recipe teaches the right answer in ``target_reward`` of the examples and
     the decoy in the rest, with hard targets."""
-    from pipeline_rl.models.warmstart import decoy_answer
+    from pipeline_rl.models.demonstrations import decoy_answer
     from pipeline_rl.tasks.base import Prompt
 
     for name, digits in (("sort", 4), ("sort", 6), ("addition", 2)):

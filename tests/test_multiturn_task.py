@@ -12,7 +12,9 @@ import pytest
 
 from pipeline_rl.config import ModelConfig, TaskConfig
 from pipeline_rl.models.tiny_llama import EOS, build_tiny_model
-from pipeline_rl.models.warmstart import EOS_ID, WarmStartRecipe, _soft_targets, demonstration, encode
+from pipeline_rl.models.char_ids import EOS_ID, encode
+from pipeline_rl.models.demonstrations import demonstration, soft_targets
+from pipeline_rl.models.warmstart_recipe import WarmStartRecipe
 from pipeline_rl.tasks.calc import CalcTask
 from pipeline_rl.tasks.builtin import SortTask
 from pipeline_rl.tasks.base import Task, TaskError
@@ -130,7 +132,7 @@ def test_warm_start_trains_on_model_tokens_only() -> None:
     assert isinstance(task, CalcTask)
     p = task.prompt(0)
     parts = task.demonstration(p, decoy=False)
-    ids, targets, mask = _soft_targets([(p.text, parts)], smoothing=0.0, vocab_size=128)
+    ids, targets, mask = soft_targets([(p.text, parts)], smoothing=0.0, vocab_size=128)
     full = encode(p.text) + encode(parts[0][0]) + [EOS_ID] + encode(parts[1][0]) + encode(parts[2][0]) + [EOS_ID]
     assert ids[0].tolist() == full
     trained = [int(m) for m in mask[0].tolist()]

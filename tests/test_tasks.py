@@ -71,7 +71,7 @@ def test_countdown_answers_and_their_lengths_are_heavy_tailed() -> None:
     decoy (stopping before the zero) is never right; prompt + decoy fit 512 positions."""
     import statistics
 
-    from pipeline_rl.models.warmstart import decoy_answer
+    from pipeline_rl.models.demonstrations import decoy_answer
     from pipeline_rl.tasks.builtin import COUNTDOWN_MAX_START, countdown_answer_tokens
 
     task, other = CountdownTask(digits=3, num_prompts=100_000), CountdownTask(3, 100_000, seed=1)

@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING
 
 from pipeline_rl.console import Progress, quiet_console
 from pipeline_rl.models.tiny_llama import VOCAB_SIZE, build_tiny_model
-from pipeline_rl.models.warmstart import WarmStartRecipe, probe, recipe_for, sampled_reward, warm_start
+from pipeline_rl.models.probes import probe, sampled_reward
+from pipeline_rl.models.warmstart import warm_start
+from pipeline_rl.models.warmstart_recipe import WarmStartRecipe, recipe_for
 
 log = logging.getLogger("pipeline_rl.models")
 
@@ -79,7 +81,7 @@ def default_model_dir(cfg: "ModelConfig", task: "TaskConfig | None" = None, *,
 
     ``task`` defaults to ``TaskConfig()``; for a built-in task (``addition``,
     ``sort``, ``countdown``, ``calc``) the model is warm-started with ``recipe`` (default:
-    :func:`~pipeline_rl.models.warmstart.recipe_for` the task); for ``dataset``
+    :func:`~pipeline_rl.models.warmstart_recipe.recipe_for` the task); for ``dataset``
     it is left at its random initialisation. Raises ValueError when
     ``cfg.path`` is set (that model is the user's, not built here).
     """
@@ -200,7 +202,7 @@ def _warm_start_into(out: Path, task_cfg: "TaskConfig", recipe: WarmStartRecipe,
 
 
 def _shown_check(task: "Task", recipe: WarmStartRecipe, bar: Progress) -> "Callable[[PreTrainedModel], float]":
-    """The closed loop's check (:func:`~pipeline_rl.models.warmstart.sampled_reward`) on the
+    """The closed loop's check (:func:`~pipeline_rl.models.probes.sampled_reward`) on the
     progress line: its tokens counted while it samples, its score noted after."""
     done = 0
 

@@ -1,5 +1,5 @@
 """Multi-turn episodes on the built-in model in transformers: what sizes a multi-turn task's
-warm start (its probe), as :func:`~pipeline_rl.models.warmstart.probe` does for one turn.
+warm start (its probe), as :func:`~pipeline_rl.models.probes.probe` does for one turn.
 
 Not the training system (the rollout worker runs episodes on vLLM); the same episode
 shape, token in and token out: a model turn is sampled until ``<eos>`` (kept in the
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from pipeline_rl.models.tiny_llama import EOS
-from pipeline_rl.models.warmstart import EOS_ID, Probe, decode, encode, generate, last_prompts
+from pipeline_rl.models.char_ids import EOS_ID, decode, encode
+from pipeline_rl.models.hf_sampling import generate
+from pipeline_rl.models.probes import Probe, last_prompts
 from pipeline_rl.tasks.base import Prompt, Task
 from pipeline_rl.tasks.env import EnvFactory, EnvReply, task_env_factory
 
@@ -100,7 +102,7 @@ def run_episodes(model: "PreTrainedModel", prompts: Sequence[Prompt], make_env: 
 
 def probe_episodes(model: "PreTrainedModel", task: Task, *, num_prompts: int = 256, max_turns: int = 4,
                    max_new_tokens: int = 32, seed: int = 0) -> Probe:
-    """:func:`~pipeline_rl.models.warmstart.probe` for a multi-turn task (one that supplies an
+    """:func:`~pipeline_rl.models.probes.probe` for a multi-turn task (one that supplies an
     environment, :func:`pipeline_rl.tasks.env.task_env_factory`): mean episode reward
     sampled at temperature 1 and greedy, and the share of sampled episodes the environment
     ended within ``max_turns``; prompts from the end of the task's pool."""
@@ -108,7 +110,7 @@ def probe_episodes(model: "PreTrainedModel", task: Task, *, num_prompts: int = 2
 
     make_env = task_env_factory(task)
     if make_env is None:
-        raise ValueError(f"task {task.name} supplies no environment: probe it with warmstart.probe")
+        raise ValueError(f"task {task.name} supplies no environment: probe it with probes.probe")
     prompts = last_prompts(task, num_prompts)
     g = torch.Generator().manual_seed(seed)
     runs = [run_episodes(model, prompts, make_env, max_turns=max_turns, max_new_tokens=max_new_tokens,
