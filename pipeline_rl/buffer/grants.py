@@ -1,5 +1,5 @@
-"""The admission grants of the replay buffer (``pipeline_rl.buffer.replay``; its module
-docstring states the admission and straggler rules): per worker, the deadlines of its
+"""The admission grants of the replay buffer (``admission.py``'s module docstring states
+the admission rule, ``replay.py``'s the straggler rule): per worker, the deadlines of its
 grants not yet received, and the counts the admission statistics report. Not
 thread-safe: the buffer calls it under its lock."""
 
