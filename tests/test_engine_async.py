@@ -31,7 +31,8 @@ from test_engine_inprocess import (  # noqa: F401 - the fixtures are shared with
 
 from pipeline_rl.calls import in_daemon_thread
 from pipeline_rl.rollout.engines.engine import FinishedSequence, GenRequest, SamplingConfig
-from pipeline_rl.rollout.engines.engine_async import AsyncEngine, transfer_backend
+from pipeline_rl.rollout.engines.async_weight_updates import transfer_backend
+from pipeline_rl.rollout.engines.engine_async import AsyncEngine
 from pipeline_rl.weight_sync.receive.vllm_adapter import BACKEND
 from pipeline_rl.weight_sync.channels.gloo import GlooUpdateInfo
 from pipeline_rl.weight_sync.protocol import tagged

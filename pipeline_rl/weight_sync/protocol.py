@@ -4,7 +4,7 @@ channel's join and the one-call form of an update).
 
 A weight update crosses four files a reader opens: the channel (``channels/<path>.py``:
 ``client.receive_update``), the worker (``rollout/worker.py``: ``RolloutWorker``'s weight
-calls), the engine (``rollout/engines/engine_inprocess.py`` or ``engine_async.py``) and the
+calls), the engine (``rollout/engines/engine_inprocess.py`` or ``async_weight_updates.py``) and the
 backend (``receive/receiver.py``, inside vLLM ``receive/vllm_backend.py``). A worker in
 another process is reached through its Ray actor, which writes no call of its own: the
 trainer's :class:`~pipeline_rl.weight_sync.publish.clients.ActorClient` and the actor

@@ -5,7 +5,7 @@ both engines use it:
 - the in-process engine's and an ``AsyncLLM`` engine core's vLLM backend,
   :class:`WeightReceiver` (registered as ``vllm_adapter.BACKEND`` by
   ``vllm_adapter.register``), which adds step 3, the load;
-- an ``AsyncLLM`` rollout worker (``rollout.engines.engine_async``), which receives the
+- an ``AsyncLLM`` rollout worker (``rollout.engines.async_weight_updates``), which receives the
   host paths' bytes in its own process, into its staging segment, beside generation,
   and hands its engine core that segment (device paths go to the core untouched).
 
