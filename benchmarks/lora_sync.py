@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> Outcome:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.lora_config import LoraConfig
+    from pipeline_rl.config.lora_config import LoraConfig
     from pipeline_rl.rollout.engines import vllm_compat as compat
     from pipeline_rl.training.lora import adapter_parameters, wrap
     from pipeline_rl.weight_sync.publish.gather import gather_weights

@@ -26,7 +26,7 @@ from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from pipeline_rl.config import Config
-from pipeline_rl.config_renames import renamed_line
+from pipeline_rl.config.config_renames import renamed_line
 from pipeline_rl.models.pretrained import PRETRAINED
 from pipeline_rl.profiles import PRETRAINED_DEFAULTS, PRETRAINED_LORA_DEFAULTS
 

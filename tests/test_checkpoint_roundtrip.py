@@ -140,7 +140,7 @@ def test_ema_folder_loads_as_it_is(model_dir: str, tmp_path: Path, mode: str) ->
     dtype (the save runs beside training)."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline_rl.lora_config import LoraConfig
+    from pipeline_rl.config.lora_config import LoraConfig
     from pipeline_rl.training.ema import EMA_DIR, EmaWeights
     from pipeline_rl.training.lora import wrap
 

@@ -1,7 +1,7 @@
 """Every dotted launcher flag that README.md, docs/*.md and presets/*.toml name still works:
 it is one of the parser's flags (``pipeline_rl.cli.build_parser``, what ``launch/async_grpo.py
 --help`` prints), or a moved key whose old spelling is one line naming the new one
-(``pipeline_rl.config_renames``; results pages may quote a run's flags as they were).
+(``pipeline_rl.config.config_renames``; results pages may quote a run's flags as they were).
 A dotted flag (``--section.key``) is always the launcher's (tests/test_readme.py's convention);
 the README's other flags, values and defaults are tests/test_readme.py's. Nothing is run.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_rl.cli import UsageError, build_parser, parse_config
-from pipeline_rl.config_renames import renamed_line
+from pipeline_rl.config.config_renames import renamed_line
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "presets").glob("*.toml"))]
@@ -57,7 +57,7 @@ def test_the_reader_finds_dotted_flags(text: str, flags: set[str]) -> None:
 
 
 def test_a_moved_flag_fails_in_one_line_naming_the_new_one() -> None:
-    from pipeline_rl.config_renames import RENAMED
+    from pipeline_rl.config.config_renames import RENAMED
 
     for old, new in RENAMED.items():
         with pytest.raises(UsageError) as err:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_rl.lora_config import DEFAULT_TARGETS
+from pipeline_rl.config.lora_config import DEFAULT_TARGETS
 from pipeline_rl.rollout.engines.engine import EngineConfig, GenRequest, SamplingConfig
 from pipeline_rl.weight_sync.receive.lora_update import LoraServing
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError
@@ -129,7 +129,7 @@ def test_the_peft_checkpoint_loads_in_vllm(tiny_model_dir: str, tmp_path: Path) 
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from pipeline_rl.lora_config import LoraConfig
+    from pipeline_rl.config.lora_config import LoraConfig
     from pipeline_rl.training.lora import save_adapter
 
     policy = peft_model(tiny_model_dir, seed=9)

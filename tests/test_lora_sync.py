@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline_rl.lora_config import LoraConfig
+from pipeline_rl.config.lora_config import LoraConfig
 from pipeline_rl.weight_sync.publish.gather import gather_weights
 from pipeline_rl.weight_sync.receive.lora_update import LoraServing, Merger, adapter_spec
 from pipeline_rl.weight_sync.message import WeightUpdate, WeightUpdateError, read_weight_spec, validate_update

@@ -53,7 +53,7 @@ def build_tiny_model(out_dir: Path, *, hidden_size: int = 128, num_layers: int =
     initialised Llama model with the character tokenizer; returns ``out_dir``.
 
     Head dimension is ``hidden_size // num_heads`` (vLLM's CPU attention needs 32
-    or more; see ``pipeline_rl.model_config.CPU_SUPPORTED_HEAD_DIMS``).
+    or more; see ``pipeline_rl.config.model_config.CPU_SUPPORTED_HEAD_DIMS``).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,4 +1,4 @@
-"""LoRA in the trainer (``--lora.*``, ``pipeline_rl.lora_config``): the model wrapped by PEFT,
+"""LoRA in the trainer (``--lora.*``, ``pipeline_rl.config.lora_config``): the model wrapped by PEFT,
 the adapter's parameters by their wire names, the reference policy as the adapter switched off,
 checkpoints in PEFT's own format and a merged model at the end.
 
@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.lora_config import DEFAULT_TARGETS, LoraConfig
+from pipeline_rl.config.lora_config import DEFAULT_TARGETS, LoraConfig
 from pipeline_rl.weight_sync.receive.lora_update import base_weight_name
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from pipeline_rl.optimizer_config import MuonConfig
+from pipeline_rl.config.optimizer_config import MuonConfig
 
 if TYPE_CHECKING:
     import torch

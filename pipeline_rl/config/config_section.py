@@ -1,6 +1,6 @@
 """The base of every configuration section (``pipeline_rl.config``): unknown keys are errors and
-values are re-validated on assignment. Its own module so that a section defined outside
-``config.py`` (``tasks/task_config.py``) shares it without an import cycle; stdlib and pydantic only."""
+values are re-validated on assignment. Its own module so that every section module of this folder
+shares it without importing the tree (``tree.py``), which imports them all; stdlib and pydantic only."""
 
 from __future__ import annotations
 

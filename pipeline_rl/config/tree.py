@@ -14,11 +14,11 @@ flag and exits with status 2):
 - on a CPU machine, the model's attention head dimension is one vLLM's CPU
   attention supports.
 
-The larger sections are modules of their own (``model_config.py``, ``rollout_config.py``,
-``algorithm_config.py``, ``trainer_config.py`` with ``optimizer_config.py``,
-``correction_config.py``, ``lora_config.py``, ``tasks/task_config.py``); this module holds the
-tree itself (:class:`Config`), its checks across sections, and the small sections (buffer, run,
-ray, eval), and re-exports every section's names: one import for the whole tree.
+The larger sections are modules of their own beside this one (``model_config.py``,
+``rollout_config.py``, ``algorithm_config.py``, ``trainer_config.py`` with ``optimizer_config.py``,
+``correction_config.py``, ``lora_config.py``, ``task_config.py``); this module holds the tree
+itself (:class:`Config`), its checks across sections, and the small sections (buffer, run, ray,
+eval). The folder's ``__init__.py`` re-exports every section's names: one import for the whole tree.
 
 This module imports no torch, vLLM or Ray, so ``--help`` is instant.
 """
@@ -29,22 +29,16 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline_rl.algorithm_config import AlgorithmConfig as AlgorithmConfig, AdvantageName as AdvantageName
-from pipeline_rl.algorithm_config import KLEstimator as KLEstimator, LossName as LossName, NormName as NormName
-from pipeline_rl.algorithm_config import RatioReference as RatioReference
-from pipeline_rl.config_renames import check_renamed
-from pipeline_rl.config_section import Section
-from pipeline_rl.correction_config import CorrectionConfig as CorrectionConfig, CorrectionName as CorrectionName
-from pipeline_rl.correction_config import Correction as Correction, correction_table
-from pipeline_rl.correction_config import CustomCorrection as CustomCorrection, PresetCorrection as PresetCorrection
-from pipeline_rl.lora_config import LoraConfig, lora_section
-from pipeline_rl.model_config import CPU_SUPPORTED_HEAD_DIMS as CPU_SUPPORTED_HEAD_DIMS, ModelConfig as ModelConfig
-from pipeline_rl.model_config import Device as Device, DType as DType
-from pipeline_rl.optimizer_config import AdamWConfig as AdamWConfig, MuonConfig as MuonConfig
+from pipeline_rl.config.algorithm_config import AlgorithmConfig
+from pipeline_rl.config.config_renames import check_renamed
+from pipeline_rl.config.config_section import Section
+from pipeline_rl.config.correction_config import Correction, PresetCorrection, correction_table
+from pipeline_rl.config.lora_config import LoraConfig, lora_section
+from pipeline_rl.config.model_config import ModelConfig
+from pipeline_rl.config.rollout_config import RolloutConfig
+from pipeline_rl.config.task_config import TaskConfig
+from pipeline_rl.config.trainer_config import TrainerConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
-from pipeline_rl.rollout_config import KVPolicy as KVPolicy, RolloutConfig as RolloutConfig
-from pipeline_rl.tasks.task_config import TaskConfig as TaskConfig  # re-exported: one import for the whole tree
-from pipeline_rl.trainer_config import LRScheduleName as LRScheduleName, TrainerConfig as TrainerConfig
 
 
 class BufferConfig(Section):

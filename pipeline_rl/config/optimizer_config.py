@@ -3,7 +3,7 @@
 A discriminated union on ``type``: :class:`AdamWConfig` (no parameters of its own: it runs at
 ``--trainer.lr`` with ``--trainer.weight_decay``) or :class:`MuonConfig` (Muon's ``lr`` and
 ``momentum``, flags ``--trainer.optimizer.lr`` and ``--trainer.optimizer.momentum``). A section
-field of :class:`pipeline_rl.trainer_config.TrainerConfig`, in a module of its own like ``lora_config.py``;
+field of :class:`pipeline_rl.config.trainer_config.TrainerConfig`, in a module of its own like ``lora_config.py``;
 it imports no torch, vLLM, DeepSpeed or Ray.
 
 Invariants: a table without ``type`` is AdamW's, and a bare name (``optimizer = "muon"`` in a
@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline_rl.config_section import Section
+from pipeline_rl.config.config_section import Section
 
 #: The first DeepSpeed release whose Muon every ZeRO stage takes (``training/optimizers.py``).
 MUON_MIN_DEEPSPEED = (0, 18, 2)

@@ -1,5 +1,5 @@
 """``--lora.*``: train a low-rank adapter instead of every weight (docs/models-and-data.md, "LoRA").
-A section of :class:`pipeline_rl.config.Config`, in a module of its own like ``tasks/task_config.py``;
+A section of :class:`pipeline_rl.config.Config`, in a module of its own like ``task_config.py``;
 it imports no torch, vLLM or Ray.
 
 Invariants: an optional section: ``Config.lora`` is None when off (no ``--lora.rank``, or
@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline_rl.config_section import Section
+from pipeline_rl.config.config_section import Section
 
 #: The attention and MLP projections ``target_modules auto`` takes, those the model has.
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -5,7 +5,7 @@ vLLM or Ray.
 
 Invariants: the checks that need another section (the batch a multiple of ``rollout.n`` and split
 evenly over the ranks, warm-up below ``max_steps``, no moving average under ZeRO-3) are
-``Config``'s (``pipeline_rl/config.py``).
+``Config``'s (``pipeline_rl/config/tree.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from pipeline_rl.config_section import Section
-from pipeline_rl.optimizer_config import AdamWConfig, OptimizerConfig, optimizer_table
+from pipeline_rl.config.config_section import Section
+from pipeline_rl.config.optimizer_config import AdamWConfig, OptimizerConfig, optimizer_table
 
 LRScheduleName = Literal["constant", "linear", "cosine"]
 
