@@ -117,7 +117,7 @@ def test_an_episodes_second_turn_hits_its_first(engine: GenerationEngine, tiny_m
     from pipeline_rl.rollout.rollout_driver import RolloutDriver
     from pipeline_rl.rollout.worker_stats import Counters
     from pipeline_rl.tasks.base import Prompt
-    from pipeline_rl.config.task_config import TaskConfig
+    from pipeline_rl.tasks.task_config import TaskConfig
 
     prompt = _prompt(engine, "episode", BLOCK - 28)
     seen: dict[str, FinishedSequence] = {}

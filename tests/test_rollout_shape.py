@@ -27,7 +27,7 @@ from pipeline_rl.rollout.rollout_shape import (FinishedEpisode, Generate, OffLoo
 from pipeline_rl.rollout.single_turn import SingleTurn, sequence_episode
 from pipeline_rl.rollout.worker_stats import Counters
 from pipeline_rl.tasks.base import Prompt
-from pipeline_rl.config.task_config import TaskConfig
+from pipeline_rl.tasks.task_config import TaskConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pipeline_rl"
 SAMPLING = SamplingConfig(max_new_tokens=4)

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import ConfigDict, Field, model_validator
 
-from pipeline_rl.config.config_section import Section
+from pipeline_rl.config_section import Section
 
 PresetName = Literal["none", "tis", "icepop", "seq-mask-tis", "m2po"]
 CorrectionName = Literal[PresetName, "custom"]

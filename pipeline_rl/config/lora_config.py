@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline_rl.config.config_section import Section
+from pipeline_rl.config_section import Section
 
 #: The attention and MLP projections ``target_modules auto`` takes, those the model has.
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -82,6 +82,11 @@ class LoraConfig(Section):
     def requested_targets(self) -> tuple[str, ...] | None:
         """The names asked for, or None for ``auto``."""
         return None if self.target_modules == "auto" else tuple(self.target_modules.split(","))
+
+    def served_targets(self) -> tuple[str, ...]:
+        """The names asked for, or :data:`DEFAULT_TARGETS` for ``auto`` (the served model keeps
+        those it has)."""
+        return self.requested_targets() or DEFAULT_TARGETS
 
     def serving_mode(self, device_type: str) -> Literal["native", "merged"]:
         """The serving mode on ``device_type`` (``cpu`` or ``cuda``): the flag, or auto's choice."""

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline_rl.config.config_section import Section
+from pipeline_rl.config_section import Section
 
 #: The first DeepSpeed release whose Muon every ZeRO stage takes (``training/optimizers.py``).
 MUON_MIN_DEEPSPEED = (0, 18, 2)

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from pipeline_rl.config.config_section import Section
+from pipeline_rl.config_section import Section
 from pipeline_rl.weight_sync.channels.path_table import WeightPath, choice_traits
 
 KVPolicy = Literal["keep", "recompute"]

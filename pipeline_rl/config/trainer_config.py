@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from pipeline_rl.config.config_section import Section
+from pipeline_rl.config_section import Section
 from pipeline_rl.config.optimizer_config import AdamWConfig, OptimizerConfig, optimizer_table
 
 LRScheduleName = Literal["constant", "linear", "cosine"]

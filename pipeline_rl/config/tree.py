@@ -31,12 +31,12 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline_rl.config.algorithm_config import AlgorithmConfig
 from pipeline_rl.config.config_renames import check_renamed
-from pipeline_rl.config.config_section import Section
+from pipeline_rl.config_section import Section
 from pipeline_rl.config.correction_config import Correction, PresetCorrection, correction_table
 from pipeline_rl.config.lora_config import LoraConfig, lora_section
 from pipeline_rl.config.model_config import ModelConfig
 from pipeline_rl.config.rollout_config import RolloutConfig
-from pipeline_rl.config.task_config import TaskConfig
+from pipeline_rl.tasks.task_config import TaskConfig
 from pipeline_rl.config.trainer_config import TrainerConfig
 from pipeline_rl.profiles import apply_profile  # stdlib only
 

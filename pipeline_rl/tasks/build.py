@@ -19,7 +19,7 @@ from pipeline_rl.tasks.reward_mix import Reward, WeightedReward
 from pipeline_rl.tasks.tokenizer import task_tokenizer
 
 if TYPE_CHECKING:
-    from pipeline_rl.config.task_config import TaskConfig
+    from pipeline_rl.tasks.task_config import TaskConfig
 
 
 class HeldOut(Protocol):

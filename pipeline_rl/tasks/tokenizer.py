@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline_rl.tasks.dataset import Encoder
 
 if TYPE_CHECKING:
-    from pipeline_rl.config.task_config import TaskConfig
+    from pipeline_rl.tasks.task_config import TaskConfig
 
 
 def task_tokenizer(cfg: "TaskConfig", model_dir: str, *, max_prompt_tokens: int | None = None) -> Encoder | None:

@@ -72,9 +72,7 @@ class LoraServing:
         served model has (the driver checked the named ones)."""
         if lora is None:
             return None
-        from pipeline_rl.config.lora_config import DEFAULT_TARGETS
-
-        return cls(rank=lora.rank, alpha=lora.alpha, targets=lora.requested_targets() or DEFAULT_TARGETS,
+        return cls(rank=lora.rank, alpha=lora.alpha, targets=lora.served_targets(),
                    mode=lora.serving_mode(device_type))
 
     def engine_args(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """``--task.*``: what the policy is trained on, the task's reward and its episodes (environments
 or agents). A section of :class:`pipeline_rl.config.Config` (and importable from there); kept in
-a module of its own for its size. Like ``tree.py`` it imports no torch, vLLM or Ray."""
+a module of its own for its size. Like ``config/tree.py`` it imports no torch, vLLM or Ray."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline_rl.config.config_section import Section
+from pipeline_rl.config_section import Section
 
 
 class TaskConfig(Section):
