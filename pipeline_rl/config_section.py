@@ -1,6 +1,7 @@
 """The base of every configuration section (``pipeline_rl.config``): unknown keys are errors and
 values are re-validated on assignment. Its own module so that every section module of this folder
-shares it without importing the tree (``tree.py``), which imports them all; stdlib and pydantic only."""
+shares it without importing the tree (``config/tree.py``), which imports them all; stdlib and
+pydantic only."""
 
 from __future__ import annotations
 
@@ -11,3 +12,14 @@ class Section(BaseModel):
     """Base of every section: unknown keys are errors, values are re-validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+def choice_table(value: object, default: str) -> object:
+    """A section that is a choice (a discriminated union on ``type``), as written: a bare name
+    is ``{"type": name}``, a table without ``type`` is ``default``'s; anything else is returned
+    as it is (pydantic judges it)."""
+    if isinstance(value, str):
+        return {"type": value}
+    if isinstance(value, dict) and "type" not in value:
+        return {"type": default, **value}
+    return value

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import ConfigDict, Field, model_validator
 
-from pipeline_rl.config_section import Section
+from pipeline_rl.config_section import Section, choice_table
 
 PresetName = Literal["none", "tis", "icepop", "seq-mask-tis", "m2po"]
 CorrectionName = Literal[PresetName, "custom"]
@@ -29,13 +29,9 @@ RejectLevel = Literal["none", "token", "sequence", "geometric"]
 
 
 def correction_table(value: object) -> object:
-    """``value`` as a table with its ``type``: a bare name is ``{"type": name}``, a table
-    without ``type`` is ``tis``'s; anything else is returned as it is (pydantic judges it)."""
-    if isinstance(value, str):
-        return {"type": value}
-    if isinstance(value, dict) and "type" not in value:
-        return {"type": "tis", **value}
-    return value
+    """``value`` as a table with its ``type`` (:func:`choice_table`): a table without ``type`` is
+    ``tis``'s."""
+    return choice_table(value, "tis")
 
 
 class CorrectionConfig(Section):

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline_rl.config_section import Section
+from pipeline_rl.config_section import Section, choice_table
 
 #: The first DeepSpeed release whose Muon every ZeRO stage takes (``training/optimizers.py``).
 MUON_MIN_DEEPSPEED = (0, 18, 2)
@@ -42,13 +42,9 @@ def muon_refusal() -> str | None:
 
 
 def optimizer_table(value: object) -> object:
-    """``value`` as a table with its ``type``: a bare name is ``{"type": name}``, a table
-    without ``type`` is AdamW's; anything else is returned as it is (pydantic judges it)."""
-    if isinstance(value, str):
-        return {"type": value}
-    if isinstance(value, dict) and "type" not in value:
-        return {"type": "adamw", **value}
-    return value
+    """``value`` as a table with its ``type`` (:func:`choice_table`): a table without ``type`` is
+    AdamW's."""
+    return choice_table(value, "adamw")
 
 
 class _OptimizerChoice(Section):
