@@ -26,12 +26,13 @@ class ActorClient:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name not in _REMOTE_CALLS:
             raise AttributeError(f"{type(self).__name__} has no call {name!r} (the actor's: {sorted(_REMOTE_CALLS)})")
-        method = getattr(self._actor, name)
 
         def call(*args: Any) -> Any:
             import ray
 
-            return ray.get(method.remote(*args), timeout=self._timeout_s)
+            # The actor's method is looked up when called: an actor without it fails the
+            # call (placement_of then takes it for another node), not the attribute.
+            return ray.get(getattr(self._actor, name).remote(*args), timeout=self._timeout_s)
 
         return call
 
