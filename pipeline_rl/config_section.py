@@ -5,6 +5,8 @@ pydantic only."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -23,3 +25,10 @@ def choice_table(value: object, default: str) -> object:
     if isinstance(value, dict) and "type" not in value:
         return {"type": default, **value}
     return value
+
+
+def foreign_keys(choice: type[BaseModel], data: object) -> Iterator[str]:
+    """The keys of a choice's table (``data``, as written) that are not ``choice``'s own fields:
+    each choice refuses them in its own line, naming the flag."""
+    if isinstance(data, dict):
+        yield from (key for key in data if key not in choice.model_fields)

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import ConfigDict, Field, model_validator
 
-from pipeline_rl.config_section import Section, choice_table
+from pipeline_rl.config_section import Section, choice_table, foreign_keys
 
 PresetName = Literal["none", "tis", "icepop", "seq-mask-tis", "m2po"]
 CorrectionName = Literal[PresetName, "custom"]
@@ -57,10 +57,8 @@ class CorrectionConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _own_parameters(cls, data: object) -> object:
-        if isinstance(data, dict):
-            for key in data:
-                if key not in cls.model_fields:
-                    _refuse_foreign(key, data.get("type", "tis"))
+        for key in foreign_keys(cls, data):
+            _refuse_foreign(key, data.get("type", "tis"))  # type: ignore[attr-defined]
         return data
 
 

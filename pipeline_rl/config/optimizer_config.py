@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline_rl.config_section import Section, choice_table
+from pipeline_rl.config_section import Section, choice_table, foreign_keys
 
 #: The first DeepSpeed release whose Muon every ZeRO stage takes (``training/optimizers.py``).
 MUON_MIN_DEEPSPEED = (0, 18, 2)
@@ -53,11 +53,9 @@ class _OptimizerChoice(Section):
     @model_validator(mode="before")
     @classmethod
     def _own_parameters(cls, data: object) -> object:
-        if isinstance(data, dict):
-            for key in data:
-                if key not in cls.model_fields:
-                    raise ValueError(f"trainer.optimizer.{key}: not a parameter of --trainer.optimizer "
-                                     f"{data.get('type')} ({_parameters()})")
+        for key in foreign_keys(cls, data):
+            raise ValueError(f"trainer.optimizer.{key}: not a parameter of --trainer.optimizer "
+                             f"{data.get('type')} ({_parameters()})")  # type: ignore[attr-defined]
         return data
 
 
