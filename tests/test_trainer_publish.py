@@ -143,10 +143,15 @@ class Receiver:
 
 
 def test_publish_through_ray_object_store(ray_local: Any) -> None:
+    """``--rollout.weight_path object_store`` as the trainer actor builds its publisher from it:
+    every version through Ray's object store (``put_s``), none over a connection."""
+    from pipeline_rl.cli import parse_config
+
     ray = ray_local
     actor = ray.remote(num_cpus=0.1)(Receiver)
     workers = [actor.remote(), actor.remote()]
-    pub = WeightPublisher(workers, path="object_store")
+    cfg, _ = parse_config(["--rollout.weight_path", "object_store"], check_cpu=False)
+    pub = WeightPublisher(workers, path=cfg.rollout.weight_path)
     for v in (1, 2, 3):
         pub.publish(_update(v))
         assert pub.flush(30)
