@@ -163,7 +163,8 @@ def load_finished(path: Path, settings_key: str) -> CellResult | None:
         return None
     if data.get("status") != "done" or data.get("settings_key") != settings_key:
         return None
-    return CellResult(cell, settings_key, "done", data["wall_s"], data["rows"], None, data.get("node"))
+    return CellResult(cell, settings_key, "done", data["wall_s"], data["rows"], None, data.get("node"),
+                      data.get("evals", []))
 
 
 def save_record(path: Path, res: CellResult) -> None:
@@ -171,7 +172,7 @@ def save_record(path: Path, res: CellResult) -> None:
     tmp = path / "cell.json.tmp"
     tmp.write_text(json.dumps({"cell": asdict(res.cell), "settings_key": res.settings_key,
                                "status": res.status, "wall_s": res.wall_s, "error": res.error,
-                               "node": res.node, "rows": res.rows}))
+                               "node": res.node, "rows": res.rows, "evals": res.evals}))
     tmp.replace(path / "cell.json")
 
 
@@ -179,6 +180,8 @@ def run_cell(cell: Cell, settings: GridSettings, out: Path, keep_checkpoints: bo
     """Run one cell through the real pipeline (in the Ray task that hosts it); a failure
     is recorded, not raised (the grid goes on)."""
     import ray
+
+    from pipeline_rl.metrics import read_metrics
 
     path = cell_dir(out, cell)
     (path / "cell.json").unlink(missing_ok=True)
@@ -199,8 +202,9 @@ def run_cell(cell: Cell, settings: GridSettings, out: Path, keep_checkpoints: bo
         rows, error = [], f"{type(e).__name__}: {e}".splitlines()[0]
     if not keep_checkpoints:
         shutil.rmtree(path / "checkpoints", ignore_errors=True)
+    evals = read_metrics(path / "eval.jsonl") if (path / "eval.jsonl").is_file() else []
     return CellResult(cell, settings.key(), status, time.perf_counter() - t0, rows, error,
-                      ray.get_runtime_context().get_node_id())
+                      ray.get_runtime_context().get_node_id(), evals)
 
 
 # ---------------------------------------------------------------------------- Ray

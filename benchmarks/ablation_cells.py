@@ -81,8 +81,9 @@ class GridSettings:
 
 @dataclass(slots=True)
 class CellResult:
-    """A cell's record (``cell.json``): its status, wall time, the Ray node it ran on
-    and its metrics rows."""
+    """A cell's record (``cell.json``): its status, wall time, the Ray node it ran on,
+    its metrics rows and its held-out evaluations (``eval.jsonl``'s rows; none when the
+    grid's flags leave ``--eval.every`` at 0)."""
 
     cell: Cell
     settings_key: str
@@ -91,3 +92,4 @@ class CellResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     node: str | None = None
+    evals: list[dict[str, Any]] = field(default_factory=list)
