@@ -20,7 +20,7 @@ cells, Ray placement and records it reuses):
   of freedom; and the same at Holm's first threshold, ``alpha / arms``.
 
 The built-in study flags (``STUDY_FLAGS``: SmolLM2-135M-Instruct with a rank-16 LoRA adapter,
-word problems, 16 sequences per step, learning rate 2e-3, generation in ``--dtype``); flags
+word problems, 16 sequences per step, learning rate 1e-3 (2.5x the pretrained profile's LoRA rate), generation in ``--dtype``); flags
 after ``--`` are added after them (the last of a flag wins).
 
 Usage: ``python -m benchmarks.correction_study [--steps 20] [--staleness 8] [--seeds 3]
@@ -48,7 +48,7 @@ from benchmarks.stats import holm, mean_interval, t_ppf, welch_t_test
 #: would not see the staleness at all.
 ARMS = "none,seq-mask-tis,gspo@behaviour+none,cispo@behaviour+none,m2po"
 STUDY_FLAGS: tuple[str, ...] = ("--task.name", "word_problems", "--lora.rank", "16", "--trainer.batch_size", "16",
-                                "--trainer.lr", "2e-3")
+                                "--trainer.lr", "1e-3")
 
 
 def flags(p: argparse.ArgumentParser) -> None:
