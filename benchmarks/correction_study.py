@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> Outcome:
         with ray_session():
             run_cells(todo, study.settings, out, False, study.cpus_per_cell, on_done)
     results = [r for r in done.values() if r is not None]
-    result = summarise(results, args, time.perf_counter() - t0)
+    result = summarise(results, args, time.perf_counter() - t0, ran=len(todo))
     return Outcome(result, markdown(result), 0 if len(results) == len(study.cells) else 1)
 
 
@@ -157,6 +157,11 @@ def arm_summary(cells: list[CellResult]) -> dict[str, Any]:
             "lag_mean": mean_of("lag_mean", 0.0), "mismatch_kl_k3": mean_of("mismatch_kl_k3", 0.0),
             "ess": mean_of("ess", 1.0), "masked_token_frac": mean_of("masked_frac", 0.0),
             "masked_seq_frac": mean_of("masked_seq_frac", 0.0),
+            "entropy_last": statistics.fmean(float(c.rows[-1].get("entropy", math.nan)) for c in cells if c.rows)
+            if rows else float("nan"),
+            "greedy_len_final": statistics.fmean(float(e.get("greedy_len_mean", math.nan)) for c in cells
+                                                 for e in c.evals if int(e["step"]) == len(c.rows))
+            if finals else float("nan"),
             "cell_wall_s": statistics.fmean(c.wall_s for c in cells)}
 
 
@@ -167,7 +172,7 @@ def min_detectable(sd: float, n: int, alpha: float, power: float) -> float:
     return (t_ppf(1.0 - alpha / 2.0, df) + t_ppf(power, df)) * sd * math.sqrt(2.0 / n)
 
 
-def summarise(results: list[CellResult], args: argparse.Namespace, wall_s: float) -> dict[str, Any]:
+def summarise(results: list[CellResult], args: argparse.Namespace, wall_s: float, ran: int = 0) -> dict[str, Any]:
     """The study's figures: per arm, the regime's test, each arm against stale ``none`` (Holm),
     the minimum detectable difference and the wall times."""
     by_arm: dict[Arm, list[CellResult]] = {}
@@ -198,7 +203,7 @@ def summarise(results: list[CellResult], args: argparse.Namespace, wall_s: float
            if n >= 2 else float("nan")}
     return {"hardware": hardware(), "steps": args.steps, "staleness": args.staleness, "dtype": args.dtype,
             "flags": [*STUDY_FLAGS, *args.run_flags], "eval_prompts": args.eval_prompts, "stress": args.stress,
-            "cells": len(results), "cell_wall_s_sum": sum(r.wall_s for r in results), "wall_s": wall_s,
+            "cells": len(results), "cell_wall_s_sum": sum(r.wall_s for r in results), "wall_s": wall_s, "ran": ran,
             "arms": {k: {**{x: y for x, y in v.items() if x != "arm"}, "staleness": v["arm"].staleness}
                      for k, v in arms.items()},
             "regime": regime, "vs_none": vs_none, "mdd": mdd}
@@ -214,7 +219,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [f"Hardware: {hw.get('cpu', '?')}, {hw.get('cores', '?')} cores. Generation {res['dtype']} against "
              f"the fp32 trainer; {res['steps']} steps per cell; held-out greedy on {res['eval_prompts']} prompts "
              f"at step 0 and after the last step. Flags: `{' '.join(res['flags'])}`. {res['cells']} cells, "
-             f"{res['cell_wall_s_sum'] / 60:.1f} min of cells, this invocation {res['wall_s'] / 60:.1f} min.", ""]
+             f"{res['cell_wall_s_sum'] / 60:.1f} min of cells (the study's wall time, one cell at a time); this "
+             f"invocation ran {res['ran']} of them in {res['wall_s'] / 60:.1f} min.", ""]
     reg = res["regime"]
     if reg:
         verdict = "stresses" if reg["stressed"] else "does not stress"
@@ -222,14 +228,16 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{reg['diff']:+.3f} (Welch p {fmt(reg['p'])}); the regime {verdict} `none` "
                   f"(threshold -{res['stress']}).", ""]
     lines += ["| arm | final held-out greedy, mean [95% CI] | per seed | greedy at step 0 | train reward, last 5 "
-              "| lag | mismatch KL k3 | ESS | masked tok. | masked seq. | cell wall (s) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| lag | mismatch KL k3 | ESS | masked tok. | masked seq. | entropy, last step | greedy length, last "
+              "| cell wall (s) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in res["arms"].items():
         seeds = ", ".join(f"{g:.3f}" for g in a["final_greedy"])
         lines.append(f"| {name} | {fmt(a['mean'])} [{fmt(a['lo'])}, {fmt(a['hi'])}] | {seeds} | "
                      f"{fmt(a['start_greedy'])} | {fmt(a['train_reward_last5'])} | {fmt(a['lag_mean'], '.2f')} | "
                      f"{fmt(a['mismatch_kl_k3'], '.2e')} | {fmt(a['ess'])} | {fmt(a['masked_token_frac'])} | "
-                     f"{fmt(a['masked_seq_frac'])} | {a['cell_wall_s']:.0f} |")
+                     f"{fmt(a['masked_seq_frac'])} | {fmt(a['entropy_last'], '.2f')} | "
+                     f"{fmt(a['greedy_len_final'], '.1f')} | {a['cell_wall_s']:.0f} |")
     lines += ["", f"Against `none` at staleness {res['staleness']} (final held-out greedy; Welch, Holm over "
               f"{len(res['vs_none'])} arms, family-wise alpha {m['alpha']}):", "",
               "| arm | difference | p | p (Holm) | separates |", "|---|---|---|---|---|"]
