@@ -152,6 +152,12 @@ CATALOG: tuple[Entry, ...] = (
           "SmolLM2-135M-Instruct with bf16 generation against the fp32 trainer: reward, mismatch KL, "
           "ESS and masked shares per staleness and correction, 3 seeds, intervals and Holm-corrected tests.",
           figure="ablation_real_model_bf16.png"),
+    Entry("correction_study_real_model", "Corrections where stale data hurts, on the real chat model",
+          "python -m benchmarks.correction_study --dtype float32 --seeds 3",
+          "SmolLM2-135M-Instruct with a LoRA adapter on word problems: none at staleness 0 against staleness 8 "
+          "(the regime), then seq-mask-tis, GSPO and CISPO against the generator's log-probs, and M2PO against "
+          "none at staleness 8, by final held-out greedy accuracy over 3 seeds, with Holm-corrected tests, the "
+          "minimum detectable difference and the wall time."),
     Entry("ablation_arms", "Staleness x every objective and correction",
           "python -m benchmarks.ablation --quick --staleness 0,8 --arms "
           "none,tis,icepop,seq-mask-tis,m2po,gspo@behaviour+none,cispo@behaviour+none --seeds 3",
