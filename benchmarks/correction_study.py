@@ -37,11 +37,11 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ablation import DTYPE_ALIASES, cell_dir, load_finished, parse_arms, run_cells, save_record
+from benchmarks.ablation import DTYPE_ALIASES, Plan, cell_dir, load_finished, parse_arms, run_cells, save_record
 from benchmarks.ablation_cells import Arm, Cell, CellResult, GridSettings, treatment
 from benchmarks.common import BadFlag, Outcome, at_least, config, hardware, main as bench_main, ray_session
 from benchmarks.stats import holm, mean_interval, t_ppf, welch_t_test
@@ -72,16 +72,7 @@ def flags(p: argparse.ArgumentParser) -> None:
                    "(default 0.8).")
 
 
-@dataclass(frozen=True, slots=True)
-class Study:
-    """The resolved command line: the cells (seed-major, the regime's pair first) and what they share."""
-
-    cells: list[Cell]
-    settings: GridSettings
-    cpus_per_cell: int
-
-
-def resolve(args: argparse.Namespace) -> Study:
+def resolve(args: argparse.Namespace) -> Plan:
     """The study of the command line (a bad flag: :class:`BadFlag`), checked before anything starts."""
     at_least(args, steps=1, seeds=2, seed=0, eval_prompts=1, staleness=1)
     if not (0.0 < args.alpha < 1.0 and 0.0 < args.power < 1.0):
@@ -100,7 +91,7 @@ def resolve(args: argparse.Namespace) -> Study:
 
     base = config(["--model", args.model, *shared])
     model_dir = str(Path(resolve_model_dir(base)).resolve())
-    return Study(cells, GridSettings(args.steps, model_dir, shared), cpus_needed(base))
+    return Plan(cells, GridSettings(args.steps, model_dir, shared), cpus_needed(base))
 
 
 def run(args: argparse.Namespace) -> Outcome:
@@ -128,15 +119,20 @@ def run(args: argparse.Namespace) -> Outcome:
     return Outcome(result, markdown(result), 0 if len(results) == len(study.cells) else 1)
 
 
+def final_eval(res: CellResult) -> dict[str, Any] | None:
+    """The held-out evaluation after the cell's last step (None: no such evaluation)."""
+    last = [e for e in res.evals if res.rows and int(e["step"]) == len(res.rows)]
+    return last[-1] if last else None
+
+
 def final_greedy(res: CellResult) -> float | None:
     """The held-out greedy accuracy after the cell's last step (None: no such evaluation)."""
-    last = [e for e in res.evals if int(e["step"]) == len(res.rows) and res.rows]
-    return float(last[-1]["greedy_accuracy"]) if last else None
+    last = final_eval(res)
+    return float(last["greedy_accuracy"]) if last else None
 
 
 def label(arm: Arm) -> str:
-    return f"{treatment({'correction': arm.correction, 'loss': arm.loss, 'reference': arm.reference})}" \
-           f" @ staleness {arm.staleness}"
+    return f"{treatment(asdict(arm))} @ staleness {arm.staleness}"
 
 
 def arm_summary(cells: list[CellResult]) -> dict[str, Any]:
@@ -160,7 +156,7 @@ def arm_summary(cells: list[CellResult]) -> dict[str, Any]:
             "entropy_last": statistics.fmean(float(c.rows[-1].get("entropy", math.nan)) for c in cells if c.rows)
             if rows else float("nan"),
             "greedy_len_final": statistics.fmean(float(e.get("greedy_len_mean", math.nan)) for c in cells
-                                                 for e in c.evals if int(e["step"]) == len(c.rows))
+                                                 if (e := final_eval(c)) is not None)
             if finals else float("nan"),
             "cell_wall_s": statistics.fmean(c.wall_s for c in cells)}
 
