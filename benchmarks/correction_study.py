@@ -45,6 +45,8 @@ from benchmarks.ablation import DTYPE_ALIASES, Plan, cell_dir, load_finished, pa
 from benchmarks.ablation_cells import Arm, Cell, CellResult, GridSettings, treatment
 from benchmarks.common import BadFlag, Outcome, at_least, config, hardware, main as bench_main, ray_session
 from benchmarks.stats import holm, mean_interval, t_ppf, welch_t_test
+from pipeline_rl.resources import slow_bf16_line, this_cpuinfo
+from pipeline_rl.rollout.engines.engine_factory import resolve_device
 
 #: GSPO's and CISPO's ratio against the generator's log-probs (``@behaviour``): against the trainer's own
 #: at the step's start (proximal, the default) their ratio is 1 on a batch's one optimizer step, and they
@@ -111,6 +113,8 @@ def run(args: argparse.Namespace) -> Outcome:
         print(f"{res.cell.name}: {res.status} in {res.wall_s:.0f} s, held-out greedy "
               f"{final_greedy(res)}" + (f" ({res.error})" if res.error else ""), flush=True)
 
+    if todo and (slow := slow_bf16_line(DTYPE_ALIASES[args.dtype], this_cpuinfo())) and resolve_device("auto") == "cpu":
+        print(f"correction study: {slow}: --dtype float32 is the fast choice here", flush=True)
     if todo:
         with ray_session():
             run_cells(todo, study.settings, out, False, study.cpus_per_cell, on_done)

@@ -99,6 +99,23 @@ def test_resources_checked_against_the_cluster() -> None:
     assert check_cluster(cfg, {"CPU": 4.0, "gen": 1.0}) is None
 
 
+def test_bf16_generation_on_a_cpu_without_bf16_instructions_is_said() -> None:
+    """bfloat16 generation on an x86 CPU whose flags list neither avx512_bf16 nor amx_bf16 gets
+    one line; float32, a CPU with either flag, or a CPU with no x86 flags list gets none."""
+    from pipeline_rl.resources import cpu_has_bf16, slow_bf16_line
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    amx = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    zen4 = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd bf16\n"
+    assert (cpu_has_bf16(avx2), cpu_has_bf16(amx), cpu_has_bf16(zen4), cpu_has_bf16(arm)) == (False, True, True, None)
+    line = slow_bf16_line("bfloat16", avx2)
+    assert line is not None and "avx512_bf16" in line and "slower than float32" in line and "\n" not in line
+    assert slow_bf16_line("float32", avx2) is None and slow_bf16_line("auto", avx2) is None
+    assert slow_bf16_line("bfloat16", amx) is None and slow_bf16_line("bfloat16", arm) is None
+    assert slow_bf16_line("bfloat16", "") is None
+
+
 def test_supervision_names_the_innermost_actor() -> None:
     """The failure text of a Ray error raised through two actors names the innermost one."""
     from pipeline_rl.run.life.supervise import Watchdog, describe_failure

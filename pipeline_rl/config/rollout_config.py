@@ -30,7 +30,8 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="vLLM engine dtype. auto: float32 on CPU, bfloat16 on CUDA "
-        "(bfloat16 on CPU gives a realistic generator/trainer mismatch).")
+        "(bfloat16 on CPU gives a realistic generator/trainer mismatch; it is fast only on a CPU "
+        "with avx512_bf16 or amx_bf16, about 3x slower than float32 without, as the run says at start).")
     engine: Literal["auto", "inprocess", "async"] = Field(
         "auto", description="vLLM engine: inprocess (LLMEngine stepped in the worker, CPU "
         "only: fast start, updates staged beside generation) or async (AsyncLLM with its "

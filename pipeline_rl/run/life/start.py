@@ -22,6 +22,7 @@ from typing import Any
 from pipeline_rl.actors.handles import BufferHandle, RolloutHandle, TrainerHandle
 from pipeline_rl.config import Config
 from pipeline_rl.net import rendezvous_port
+from pipeline_rl.resources import slow_bf16_line, this_cpuinfo
 from pipeline_rl.run.ahead import TRAINING, import_ahead
 from pipeline_rl.run.cluster import Placement, say
 from pipeline_rl.run.life.carry import Carried, RunIdentity, adopt_spares, renew_workers, renewed
@@ -120,6 +121,8 @@ def start_actors(cfg: Config, model_dir: str, where: Placement, stop: threading.
     wait([w.handle.ready.remote() for w in fresh], f"{len(fresh)} rollout worker(s) to start vLLM", "rollout worker")
     say(f"rollout: {len(workers)} vLLM worker(s) ready ({cfg.rollout.dtype})"
         + (f", {len(workers) - len(fresh)} carried from the run's last life" if len(fresh) < len(workers) else ""))
+    if not where.gpus and not where.multi_node and (slow := slow_bf16_line(cfg.rollout.dtype, this_cpuinfo())):
+        say(f"rollout: {slow}: --rollout.dtype float32 (or auto) is the fast choice here")
     paths = wait([trainers[0].set_workers.remote([w.handle for w in workers])],
                  "the trainer to register the workers", "trainer")[0]
     say("weights: " + ", ".join(f"worker {i} via {p}" for i, p in enumerate(paths)))
