@@ -181,6 +181,7 @@ def test_staleness_zero_is_synchronous_and_evaluates_held_out_prompts(
         assert 0.0 <= e.greedy_accuracy <= 1.0 and 0.0 <= e.mean_at_k <= e.pass_at_k <= 1.0
         assert e.version_min <= e.version_max and e.greedy_len_mean > 0
     assert evals[0].version_min == 0                       # the start was evaluated
+    assert evals[-1].version_min == evals[-1].version_max == 6   # the end: the final weights alone
     out = capsys.readouterr().out
     assert "eval after step 3" in out and "held-out greedy accuracy (step 0 -> 6)" in out
 

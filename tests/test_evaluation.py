@@ -100,32 +100,57 @@ def test_schedule_skips_while_one_is_in_flight() -> None:
     assert not Evaluations(EvalConfig(every=0), clock=lambda: 0.0).due(0)
 
 
+class _Remote:
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
+class _Calls:
+    """Ray's calls for a stand-in worker whose methods answer at once (nothing is pending)."""
+
+    def pending(self, refs: Any, timeout_s: float) -> list[Any]:
+        return list(refs)
+
+    def get(self, ref: Any, timeout_s: float | None = None) -> Any:
+        return ref
+
+
+class _SlowWorker:
+    """A worker that holds weights ``before`` for its first two ``stats`` polls, then ``after``;
+    ``asked``: the polls made before each evaluation request, and the request."""
+
+    def __init__(self, before: int, after: int) -> None:
+        self.polls = 0
+        self.asked: list[tuple[int, EvalRequest]] = []
+        self.stats = _Remote(self._stats)
+        self.evaluate = _Remote(self._evaluate)
+        self._versions = (before, after)
+
+    def _evaluate(self, req: EvalRequest) -> object:
+        self.asked.append((self.polls, req))
+        return object()
+
+    def _stats(self) -> SimpleNamespace:
+        self.polls += 1
+        return SimpleNamespace(version=self._versions[self.polls >= 3])
+
+
 def test_the_starting_evaluation_waits_for_the_workers_to_hold_the_resumed_weights() -> None:
     # A resumed run's worker starts on the base weights (v0) and applies the checkpoint's
     # (v40) in its first pass: asked before that, the evaluation would measure the base model.
-    polls: list[int] = []
-    asked: list[int] = []
-
-    class _Remote:
-        def __init__(self, fn: Any) -> None:
-            self.remote = fn
-
-    def stats() -> SimpleNamespace:
-        polls.append(1)
-        return SimpleNamespace(version=40 if len(polls) >= 3 else 0)
-
-    def evaluate(req: EvalRequest) -> object:
-        asked.append(len(polls))
-        return object()
-
-    class _Calls:
-        def pending(self, refs: Any, timeout_s: float) -> list[Any]:
-            return list(refs)
-
-        def get(self, ref: Any, timeout_s: float | None = None) -> Any:
-            return ref
-
-    worker = SimpleNamespace(stats=_Remote(stats), evaluate=_Remote(evaluate))
+    worker = _SlowWorker(0, 40)
     ev = Evaluations(EvalConfig(every=5, num_prompts=4, k=1), clock=lambda: 0.0, calls=_Calls())
     ev.begin_start(40, [worker])
-    assert (len(polls), asked) == (3, [3]) and ev.in_flight_step == 40
+    assert (worker.polls, [n for n, _ in worker.asked]) == (3, [3]) and ev.in_flight_step == 40
+
+
+def test_the_final_evaluation_is_of_the_final_weights_alone() -> None:
+    """After the last step the final evaluation goes out, due or not, once the worker holds
+    the final weights, pinned (not a side-stream); a step that is neither due nor the last
+    asks nothing."""
+    worker = _SlowWorker(7, 8)
+    ev = Evaluations(EvalConfig(every=5, num_prompts=4, k=1), clock=lambda: 0.0, calls=_Calls())
+    ev.start_due(8, [worker], record=lambda m: None)
+    assert worker.asked == [] and worker.polls == 0
+    ev.start_due(8, [worker], record=lambda m: None, last=True)
+    assert [(n, r.stream) for n, r in worker.asked] == [(3, False)] and ev.in_flight_step == 8

@@ -4,7 +4,9 @@ At the start (as soon as the workers generate;
 training does not wait for it), every ``--eval.every`` steps and at the end, the same
 ``--eval.num_prompts`` held-out ids are split over the live workers; training goes on
 and the answers are collected after later steps. At most one evaluation is in flight (a
-due one is skipped and counted meanwhile); the final one is waited for, bounded. The
+due one is skipped and counted meanwhile); the starting and the final ones are of one
+version each (pinned: the workers hold their updates until they have answered), and the
+final one is waited for, bounded. The
 answers are read through the run's supervisor, the one place that handles a dead worker:
 an evaluation with a share on a worker the supervisor reports lost (``WorkerLost``, through
 :meth:`Evaluations.worker_lost`) is lost (counted, one line); any other failure is raised.
@@ -141,8 +143,7 @@ class Evaluations:
         has answered and ``version_max == version`` (:attr:`EvalFeed.pinned`); training goes
         on meanwhile, and :meth:`collect` records it like any other."""
         if self.enabled:
-            self._await_weights(version, workers)
-            self.launch(version, version, workers, stream=False)
+            self._launch_pinned(version, workers)
 
     def _await_weights(self, version: int, workers: Sequence[Any], timeout_s: float = START_WAIT_S) -> None:
         """Until every worker holds weights ``version``. A resumed run's workers start from the
@@ -163,16 +164,30 @@ class Evaluations:
                 return
             time.sleep(0.02)
 
-    def start_due(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None]) -> None:
+    def start_due(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None], *,
+                  last: bool = False) -> None:
         """After the step that made ``version``: launch the evaluation due now, if any. The
         starting evaluation, if still out, is waited for first (at most ``START_WAIT_S``) and
-        recorded: it is short, and the due one would otherwise be skipped."""
-        if not self.due(version):
+        recorded: it is short, and the due one would otherwise be skipped. After the ``last``
+        step the final evaluation goes out, due or not, pinned to the final weights
+        (:meth:`_launch_pinned`), beside the final checkpoint."""
+        if not self.enabled or not (last or self.due(version)):
             return
         job = self._in_flight
         if job is not None and not job.stream and (done := self.poll(START_WAIT_S)) is not None:
             record(done)
-        self.launch(version, version, workers)
+        if last:
+            self._launch_pinned(version, workers)
+        else:
+            self.launch(version, version, workers)
+
+    def _launch_pinned(self, version: int, workers: Sequence[Any]) -> bool:
+        """An evaluation of weights ``version`` alone: once every worker holds them (at most
+        ``START_WAIT_S``), all at once and not as a side-stream, so no worker applies an update
+        until it has answered. A side-stream asked right after the step that made ``version``
+        starts on the weights a worker still holds, the version before."""
+        self._await_weights(version, workers)
+        return self.launch(version, version, workers, stream=False)
 
     def collect(self, record: Callable[[EvalMetrics], None]) -> None:
         """Between two steps: record the evaluation in flight if it has finished."""
@@ -182,7 +197,8 @@ class Evaluations:
     def finish(self, version: int, workers: Sequence[Any], record: Callable[[EvalMetrics], None],
                timeout_s: float) -> None:
         """At the end of a run: wait for the evaluation in flight, then evaluate the final
-        weights (unless it already did) and wait; TimeoutError (one line) past ``timeout_s``."""
+        weights (unless it already did), pinned to them, and wait; TimeoutError (one line)
+        past ``timeout_s``."""
         if not self.enabled:
             return
         done = self.poll(timeout_s)
@@ -192,7 +208,7 @@ class Evaluations:
             raise TimeoutError(f"the evaluation after step {self.in_flight_step} did not finish "
                                f"within {timeout_s:.0f} s")
         if done is None or done.version != version:
-            self.launch(version, version, workers)
+            self._launch_pinned(version, workers)
             last = self.poll(timeout_s)
             if last is not None:
                 record(last)

@@ -174,7 +174,8 @@ class Orchestrator:
             # of leaving it idle. A due evaluation is asked for first, then runs beside the
             # training steps; a checkpoint must see these weights.
             save = self._checkpoints.due(self.version) and self.version < self.cfg.max_steps
-            evals.start_due(self.version, self._live_workers(), self._log_eval)
+            evals.start_due(self.version, self._live_workers(), self._log_eval,
+                            last=self.version >= self.cfg.max_steps)
             refs = self._submit_step() if self._more_steps() and not save else None
             sup.watchdog.step_done(rec.record(reports, self.version).step_time_s)
             evals.collect(self._log_eval)
