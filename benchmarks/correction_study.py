@@ -45,6 +45,7 @@ from benchmarks.ablation import DTYPE_ALIASES, Plan, cell_dir, load_finished, pa
 from benchmarks.ablation_cells import Arm, Cell, CellResult, GridSettings, treatment
 from benchmarks.common import BadFlag, Outcome, at_least, config, hardware, main as bench_main, ray_session
 from benchmarks.stats import holm, mean_interval, t_ppf, welch_t_test
+from pipeline_rl.metrics import version_span
 from pipeline_rl.resources import slow_bf16_line, this_cpuinfo
 from pipeline_rl.rollout.engines.engine_factory import resolve_device
 
@@ -140,8 +141,9 @@ def label(arm: Arm) -> str:
 
 
 def arm_summary(cells: list[CellResult]) -> dict[str, Any]:
-    """One arm's figures over its seeds: final held-out greedy (mean, 95% interval, per seed),
-    the step-0 greedy, train reward over the last 5 steps, and the off-policy diagnostics."""
+    """One arm's figures over its seeds: final held-out greedy (mean, 95% interval, per seed,
+    and the weight versions that served it per seed), the step-0 greedy, train reward over the
+    last 5 steps, and the off-policy diagnostics."""
     rows = [r for c in cells for r in c.rows]
     finals = [g for g in (final_greedy(c) for c in cells) if g is not None]
     starts = [float(e["greedy_accuracy"]) for c in cells for e in c.evals if int(e["step"]) == 0]
@@ -159,6 +161,8 @@ def arm_summary(cells: list[CellResult]) -> dict[str, Any]:
             "masked_seq_frac": mean_of("masked_seq_frac", 0.0),
             "entropy_last": statistics.fmean(float(c.rows[-1].get("entropy", math.nan)) for c in cells if c.rows)
             if rows else float("nan"),
+            "final_versions": [version_span(int(e["version_min"]), int(e["version_max"])) for c in cells
+                               if (e := final_eval(c)) is not None],
             "greedy_len_final": statistics.fmean(float(e.get("greedy_len_mean", math.nan)) for c in cells
                                                  if (e := final_eval(c)) is not None)
             if finals else float("nan"),
@@ -228,13 +232,14 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{reg['diff']:+.3f} (Welch p {fmt(reg['p'])}); the regime {verdict} `none` "
                   f"(threshold -{res['stress']}).", ""]
     lines += ["| arm | final held-out greedy, mean [95% CI] | per seed | greedy at step 0 | train reward, last 5 "
-              "| lag | mismatch KL k3 | ESS | masked tok. | masked seq. | entropy, last step | greedy length, last "
-              "| cell wall (s) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| final eval versions | lag | mismatch KL k3 | ESS | masked tok. | masked seq. | entropy, last step "
+              "| greedy length, last | cell wall (s) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in res["arms"].items():
         seeds = ", ".join(f"{g:.3f}" for g in a["final_greedy"])
         lines.append(f"| {name} | {fmt(a['mean'])} [{fmt(a['lo'])}, {fmt(a['hi'])}] | {seeds} | "
-                     f"{fmt(a['start_greedy'])} | {fmt(a['train_reward_last5'])} | {fmt(a['lag_mean'], '.2f')} | "
+                     f"{fmt(a['start_greedy'])} | {fmt(a['train_reward_last5'])} | {', '.join(a['final_versions'])} | "
+                     f"{fmt(a['lag_mean'], '.2f')} | "
                      f"{fmt(a['mismatch_kl_k3'], '.2e')} | {fmt(a['ess'])} | {fmt(a['masked_token_frac'])} | "
                      f"{fmt(a['masked_seq_frac'])} | {fmt(a['entropy_last'], '.2f')} | "
                      f"{fmt(a['greedy_len_final'], '.1f')} | {a['cell_wall_s']:.0f} |")

@@ -121,8 +121,13 @@ class EvalMetrics:
     greedy_len_mean: float
 
 
+def version_span(lo: int, hi: int) -> str:
+    """The weight versions that served an evaluation: ``v7``, or ``v6-7`` when they span several."""
+    return f"v{lo}" if lo == hi else f"v{lo}-{hi}"
+
+
 def eval_line(m: EvalMetrics) -> str:
-    versions = f"v{m.version_min}" if m.version_min == m.version_max else f"v{m.version_min}-{m.version_max}"
+    versions = version_span(m.version_min, m.version_max)
     return (f"eval after step {m.step} ({versions}) | greedy {m.greedy_accuracy:.3f} | "
             f"mean@{m.k} {m.mean_at_k:.3f} | pass@{m.k} {m.pass_at_k:.3f} | "
             f"{m.num_prompts} held-out prompts | {m.eval_s:.1f}s")

@@ -27,7 +27,8 @@ def args(**over: object) -> argparse.Namespace:
 def record(arm: Arm, seed: int, greedy: float) -> CellResult:
     rows = [{"step": i + 1, "time_s": float(i), "reward_mean": 0.2, "lag_mean": float(arm.staleness > 0),
              "masked_frac": 0.0} for i in range(4)]
-    evals = [{"step": 0, "greedy_accuracy": 0.25}, {"step": 4, "greedy_accuracy": greedy}]
+    evals = [{"step": 0, "greedy_accuracy": 0.25, "version_min": 0, "version_max": 0},
+             {"step": 4, "greedy_accuracy": greedy, "version_min": 4 - (seed == 0), "version_max": 4}]
     return CellResult(Cell(arm, seed), "k", "done", 60.0, rows, None, None, evals)
 
 
@@ -63,6 +64,8 @@ def test_report_regime_tests_and_minimum_detectable_difference() -> None:
     assert res["arms"]["none @ staleness 0"]["start_greedy"] == 0.25
     md = study.markdown(res)
     assert "the regime stresses `none`" in md and "Minimum detectable difference" in md and "| gspo+none @" in md
+    assert res["arms"]["none @ staleness 0"]["final_versions"] == ["v3-4", "v4", "v4"]   # per seed
+    assert "| v3-4, v4, v4 |" in md
 
 
 def test_a_regime_that_does_not_stress_none_says_so() -> None:
