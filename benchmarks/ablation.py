@@ -65,6 +65,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -363,14 +364,30 @@ def collect(plan: Plan, out: Path) -> list[CellResult]:
 
 def run_grid(args: argparse.Namespace, plan: Plan) -> Outcome:
     """Run every unfinished cell on Ray (local or ``--ray-address``), then report."""
-    out: Path = args.out
+    t0 = time.perf_counter()
+    finished, _ = run_unfinished("ablation", plan, args.out, rerun=args.rerun, keep_checkpoints=args.keep_checkpoints,
+                                 ray_address=args.ray_address)
+    key = plan.settings.key()
+    results = [finished[c] or CellResult(c, key, "failed", 0.0, [], "not finished") for c in plan.cells]
+    return report(results, args, plan.settings, time.perf_counter() - t0,
+                  status=0 if all(r.status == "done" for r in results) else CELLS_FAILED)
+
+
+def run_unfinished(name: str, plan: Plan, out: Path, *, rerun: bool = False, keep_checkpoints: bool = False,
+                   ray_address: str | None = None, about: Callable[[CellResult], str] = lambda res: ""
+                   ) -> tuple[dict[Cell, CellResult | None], int]:
+    """Run on Ray every cell of ``plan`` not finished under its settings (every cell with
+    ``rerun``), saving each one's record under ``out`` as it ends and saying so in one line
+    (``about``: what that line adds). Returns every cell's record (None: not finished) and
+    how many cells ran."""
     out.mkdir(parents=True, exist_ok=True)
     settings, key = plan.settings, plan.settings.key()
-    t0 = time.perf_counter()
     finished = {c: load_finished(cell_dir(out, c), key) for c in plan.cells}
-    todo = [c for c in plan.cells if args.rerun or finished[c] is None]
-    print(f"ablation: {len(plan.cells)} cells, {len(plan.cells) - len(todo)} already finished, {len(todo)} "
+    todo = [c for c in plan.cells if rerun or finished[c] is None]
+    print(f"{name}: {len(plan.cells)} cells, {len(plan.cells) - len(todo)} already finished, {len(todo)} "
           f"to run ({settings.steps} steps each) -> {out}", flush=True)
+    if todo and ray_address is None and (slow := slow_bf16_here({c.arm.dtype for c in todo})):
+        print(f"{name}: {slow}: generation in float32 is the fast choice here", flush=True)
     done_count = len(plan.cells) - len(todo)
 
     def on_done(res: CellResult) -> None:
@@ -380,14 +397,23 @@ def run_grid(args: argparse.Namespace, plan: Plan) -> Outcome:
         finished[res.cell] = res
         where = f" on node {res.node[:8]}" if res.node else ""
         print(f"[{done_count}/{len(plan.cells)}] {res.cell.name}: {res.status} in {res.wall_s:.0f} s{where}"
-              + (f" ({res.error})" if res.error else ""), flush=True)
+              + about(res) + (f" ({res.error})" if res.error else ""), flush=True)
 
     if todo:
-        with ray_session(args.ray_address):
-            run_cells(todo, settings, out, args.keep_checkpoints, plan.cpus_per_cell, on_done)
-    results = [finished[c] or CellResult(c, key, "failed", 0.0, [], "not finished") for c in plan.cells]
-    return report(results, args, settings, time.perf_counter() - t0,
-                  status=0 if all(r.status == "done" for r in results) else CELLS_FAILED)
+        with ray_session(ray_address):
+            run_cells(todo, settings, out, keep_checkpoints, plan.cpus_per_cell, on_done)
+    return finished, len(todo)
+
+
+def slow_bf16_here(dtypes: set[str]) -> str | None:
+    """The line for bfloat16 cells run on this machine's CPU when it has no native bfloat16
+    (``pipeline_rl.resources.slow_bf16_line``), else None."""
+    from pipeline_rl.resources import slow_bf16_line, this_cpuinfo
+    from pipeline_rl.rollout.engines.engine_factory import resolve_device
+
+    if "bfloat16" not in dtypes or resolve_device("auto") != "cpu":
+        return None
+    return slow_bf16_line("bfloat16", this_cpuinfo())
 
 
 def report(results: list[CellResult], args: argparse.Namespace, settings: GridSettings, wall_s: float,

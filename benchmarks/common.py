@@ -167,14 +167,10 @@ def pyplot() -> Any:
 
 def hardware() -> dict[str, Any]:
     """What the figures were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from pipeline_rl.resources import this_cpuinfo
+
+    names = [line.split(":", 1)[1].strip() for line in this_cpuinfo().splitlines() if line.startswith("model name")]
+    cpu = names[0] if names else platform.processor() or platform.machine()
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
             "gpu": None, "python": platform.python_version()}

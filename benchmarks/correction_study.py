@@ -41,13 +41,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ablation import DTYPE_ALIASES, Plan, cell_dir, load_finished, parse_arms, run_cells, save_record
+from benchmarks.ablation import DTYPE_ALIASES, Plan, parse_arms, run_unfinished
 from benchmarks.ablation_cells import Arm, Cell, CellResult, GridSettings, treatment
 from benchmarks.common import BadFlag, Outcome, at_least, config, hardware, main as bench_main, ray_session
 from benchmarks.stats import holm, mean_interval, t_ppf, welch_t_test
 from pipeline_rl.metrics import version_span
-from pipeline_rl.resources import slow_bf16_line, this_cpuinfo
-from pipeline_rl.rollout.engines.engine_factory import resolve_device
 
 #: GSPO's and CISPO's ratio against the generator's log-probs (``@behaviour``): against the trainer's own
 #: at the step's start (proximal, the default) their ratio is 1 on a batch's one optimizer step, and they
@@ -100,27 +98,11 @@ def resolve(args: argparse.Namespace) -> Plan:
 def run(args: argparse.Namespace) -> Outcome:
     """Run every unfinished cell (finished ones, under the same settings, are kept), then report."""
     study = resolve(args)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    key = study.settings.key()
     t0 = time.perf_counter()
-    done = {c: load_finished(cell_dir(out, c), key) for c in study.cells}
-    todo = [c for c in study.cells if done[c] is None]
-    print(f"correction study: {len(study.cells)} cells, {len(todo)} to run -> {out}", flush=True)
-
-    def on_done(res: CellResult) -> None:
-        save_record(cell_dir(out, res.cell), res)
-        done[res.cell] = res
-        print(f"{res.cell.name}: {res.status} in {res.wall_s:.0f} s, held-out greedy "
-              f"{final_greedy(res)}" + (f" ({res.error})" if res.error else ""), flush=True)
-
-    if todo and (slow := slow_bf16_line(DTYPE_ALIASES[args.dtype], this_cpuinfo())) and resolve_device("auto") == "cpu":
-        print(f"correction study: {slow}: --dtype float32 is the fast choice here", flush=True)
-    if todo:
-        with ray_session():
-            run_cells(todo, study.settings, out, False, study.cpus_per_cell, on_done)
+    done, ran = run_unfinished("correction study", study, args.out,
+                               about=lambda res: f", held-out greedy {final_greedy(res)}")
     results = [r for r in done.values() if r is not None]
-    result = summarise(results, args, time.perf_counter() - t0, ran=len(todo))
+    result = summarise(results, args, time.perf_counter() - t0, ran=ran)
     return Outcome(result, markdown(result), 0 if len(results) == len(study.cells) else 1)
 
 
@@ -145,7 +127,8 @@ def arm_summary(cells: list[CellResult]) -> dict[str, Any]:
     and the weight versions that served it per seed), the step-0 greedy, train reward over the
     last 5 steps, and the off-policy diagnostics."""
     rows = [r for c in cells for r in c.rows]
-    finals = [g for g in (final_greedy(c) for c in cells) if g is not None]
+    last = [e for e in map(final_eval, cells) if e is not None]
+    finals = [float(e["greedy_accuracy"]) for e in last]
     starts = [float(e["greedy_accuracy"]) for c in cells for e in c.evals if int(e["step"]) == 0]
     iv = mean_interval(finals)
 
@@ -161,11 +144,9 @@ def arm_summary(cells: list[CellResult]) -> dict[str, Any]:
             "masked_seq_frac": mean_of("masked_seq_frac", 0.0),
             "entropy_last": statistics.fmean(float(c.rows[-1].get("entropy", math.nan)) for c in cells if c.rows)
             if rows else float("nan"),
-            "final_versions": [version_span(int(e["version_min"]), int(e["version_max"])) for c in cells
-                               if (e := final_eval(c)) is not None],
-            "greedy_len_final": statistics.fmean(float(e.get("greedy_len_mean", math.nan)) for c in cells
-                                                 if (e := final_eval(c)) is not None)
-            if finals else float("nan"),
+            "final_versions": [version_span(int(e["version_min"]), int(e["version_max"])) for e in last],
+            "greedy_len_final": statistics.fmean(float(e.get("greedy_len_mean", math.nan)) for e in last)
+            if last else float("nan"),
             "cell_wall_s": statistics.fmean(c.wall_s for c in cells)}
 
 
